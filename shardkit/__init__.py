@@ -1,0 +1,28 @@
+"""shardkit: shard Flax models by logical axis names, and see what it costs.
+
+Example:
+  >>> import shardkit as sk
+  >>> sk.Rules([("batch", "data")]).spec(("batch", None))
+  PartitionSpec('data', None)
+"""
+
+from shardkit.annotate import LogicalAxes, PathAxes, axes, constrain, logical_axes, unbox
+from shardkit.devices import emulate_devices
+from shardkit.errors import ShardingError
+from shardkit.mesh import make_mesh
+from shardkit.rules import Rules
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LogicalAxes",
+    "PathAxes",
+    "Rules",
+    "ShardingError",
+    "axes",
+    "constrain",
+    "emulate_devices",
+    "logical_axes",
+    "make_mesh",
+    "unbox",
+]

@@ -1,0 +1,80 @@
+"""``sk.constrain``: pin an activation's sharding by logical axes.
+
+Works inside ``jit`` under Auto meshes (``with_sharding_constraint``) and
+Explicit meshes (``reshard``, where Flax's ``with_logical_constraint`` fails an
+assertion), and is a no-op when no mesh or no rules are active.
+
+Example:
+  >>> import jax, jax.numpy as jnp, shardkit as sk
+  >>> sk.constrain(jnp.ones((4, 8)), ("batch", "embed")).shape   # no mesh: no-op
+  (4, 8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+from jax.sharding import AxisType
+
+from shardkit.rules import Rules
+
+__all__ = ["constrain", "activation_rules", "current_activation_rules"]
+
+_STATE = threading.local()
+
+
+def current_activation_rules() -> Rules | None:
+    """The rules set by the innermost ``activation_rules`` context, if any."""
+    stack = getattr(_STATE, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def activation_rules(rules: Rules | Sequence[Any] | None) -> Iterator[None]:
+    """Make ``rules`` the ones ``sk.constrain`` resolves with, restoring on exit.
+
+    ``sk.Plan`` enters this around tracing, so model code never names rules.
+    """
+    stack = getattr(_STATE, "stack", None)
+    if stack is None:
+        stack = _STATE.stack = []
+    stack.append(None if rules is None else Rules(rules))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _active_mesh() -> Any:
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
+
+
+def constrain(
+    x: jax.Array, logical: Sequence[str | None], *, rules: Rules | None = None
+) -> jax.Array:
+    """Constrain ``x`` to the sharding its logical axes map to.
+
+    Args:
+      x: an array (usually an activation inside a jitted step).
+      logical: one logical name or ``None`` per dimension of ``x``.
+      rules: rules to resolve with; default: the active ``activation_rules``.
+
+    Returns:
+      ``x`` with a sharding constraint (Auto axes) or resharded (Explicit axes);
+      ``x`` unchanged when no mesh or no rules are active.
+    """
+    rules = rules if rules is not None else current_activation_rules()
+    mesh = _active_mesh()
+    if rules is None or mesh is None:
+        return x
+    spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path="activation")
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        return jax.sharding.reshard(x, spec)
+    return jax.lax.with_sharding_constraint(x, spec)

@@ -1,0 +1,178 @@
+"""``ModelConfig``: the shape of a reference model, and its named sizes.
+
+The parameter count is exact (it equals the sum of the real leaves' sizes; the
+tests check it), so analytic memory/communication models can use it directly.
+
+Example:
+  >>> from shardkit.models.config import CONFIGS
+  >>> cfg = CONFIGS["llama-tiny"]
+  >>> cfg.head_dim, cfg.param_count()
+  (8, 155968)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import jax.numpy as jnp
+
+from shardkit import errors
+
+__all__ = ["ModelConfig", "CONFIGS", "REMAT_POLICIES"]
+
+REMAT_POLICIES = ("none", "full", "save_dots")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The shape and execution options of a GPT-2 (linen) or Llama (NNX) reference model.
+
+    Attributes:
+      family: ``"gpt"`` (flax.linen, tied embedding, LayerNorm, GELU MLP, biases) or
+        ``"llama"`` (flax.nnx, RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases).
+      vocab: vocabulary size.
+      d_model: width of the residual stream.
+      n_layers: number of transformer blocks.
+      n_heads: attention (query) heads; must divide ``d_model``.
+      n_kv_heads: key/value heads (GQA); must divide ``n_heads``. GPT uses ``n_heads``.
+      d_ff: hidden width of the MLP.
+      max_seq: longest sequence (GPT: rows of the learned position table).
+      remat: ``"none"``, ``"full"`` (recompute each block in the backward pass) or
+        ``"save_dots"`` (keep matmul outputs without batch dims, recompute the rest).
+      scan: stack the layers under a scan, with a leading ``"layers"`` logical axis.
+      dtype: activation / compute dtype.
+      param_dtype: parameter dtype.
+
+    Example:
+      >>> cfg = ModelConfig("gpt", vocab=256, d_model=64, n_layers=2, n_heads=8,
+      ...                   n_kv_heads=8, d_ff=256, max_seq=128)
+      >>> cfg.head_dim
+      8
+    """
+
+    family: Literal["gpt", "llama"]
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    max_seq: int
+    remat: Literal["none", "full", "save_dots"] = "none"
+    scan: bool = True
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self) -> None:
+        where = (
+            f"ModelConfig(family={self.family!r}, d_model={self.d_model}, n_heads={self.n_heads})"
+        )
+        if self.family not in ("gpt", "llama"):
+            raise errors.ShardingError(f"{where}: family is 'gpt' or 'llama', got {self.family!r}.")
+        if self.remat not in REMAT_POLICIES:
+            raise errors.ShardingError(
+                f"{where}: remat is one of {REMAT_POLICIES}, got {self.remat!r}."
+            )
+        for field in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or value <= 0:
+                raise errors.ShardingError(
+                    f"{where}: {field} must be a positive int, got {value!r}."
+                )
+        if self.d_model % self.n_heads:
+            raise errors.ShardingError(
+                f"{where}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}.\n"
+                "Fix: pick n_heads dividing d_model."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise errors.ShardingError(
+                f"{where}: n_heads {self.n_heads} is not a multiple of n_kv_heads "
+                f"{self.n_kv_heads}.\nFix: pick n_kv_heads dividing n_heads."
+            )
+        if self.family == "gpt" and self.n_kv_heads != self.n_heads:
+            raise errors.ShardingError(
+                f"{where}: GPT uses multi-head attention; n_kv_heads must equal n_heads, "
+                f"got {self.n_kv_heads}.\nFix: pass n_kv_heads={self.n_heads}."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: ``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+    def _layer_params(self) -> int:
+        d, f, hd = self.d_model, self.d_ff, self.head_dim
+        if self.family == "gpt":
+            attn = 4 * (d * d + d)  # q, k, v, out kernels + biases
+            mlp = d * f + f + f * d + d  # up, down kernels + biases
+            norms = 2 * 2 * d  # ln_1, ln_2 scale + bias
+            return attn + mlp + norms
+        q_out = self.n_heads * hd
+        kv_out = self.n_kv_heads * hd
+        attn = d * q_out + 2 * d * kv_out + q_out * d  # wq, wk, wv, wo
+        mlp = 3 * d * f  # gate, up, down
+        norms = 2 * d  # attn_norm, mlp_norm scales
+        return attn + mlp + norms
+
+    def _embedding_params(self) -> int:
+        """Parameters only looked up, never multiplied: token table (untied), position table."""
+        if self.family == "gpt":
+            return self.max_seq * self.d_model  # token table is tied: it is also the head
+        return self.vocab * self.d_model
+
+    def param_count(self) -> int:
+        """Exact number of parameters (scalars) of the model this config builds.
+
+        GPT: ``V·d + S·d + L·(4d² + 2·d·f + 9d + f) + 2d`` (tied head, learned positions).
+        Llama: ``2·V·d + L·(d·(2·h + 2·k)·hd + 3·d·f + 2d) + d`` (untied head, no biases).
+
+        Example:
+          >>> CONFIGS["gpt-small"].param_count()
+          124475904
+        """
+        d = self.d_model
+        total = self.vocab * d + self.n_layers * self._layer_params()
+        if self.family == "gpt":
+            return total + self.max_seq * d + 2 * d  # positions, ln_f scale + bias
+        return total + self.vocab * d + d  # untied head, final norm scale
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training (forward + backward) FLOPs per token at sequence length ``seq``.
+
+        ``6·N + 12·L·d·seq`` (PaLM, Chowdhery et al. 2022, appendix B): ``N`` counts the
+        parameters that multiply activations (every layer parameter plus the
+        vocab projection, tied or not; the token and position lookups are free), each
+        costing 2 FLOPs forward and 4 backward; ``12·L·d·seq`` is attention's
+        ``q·kᵀ`` and ``p·v`` (``4·L·d·seq`` forward, ×3), with no discount for the causal mask.
+
+        Example:
+          >>> cfg = CONFIGS["gpt-tiny"]
+          >>> cfg.flops_per_token(16) == 6 * (cfg.param_count() - 128 * 64) + 12 * 2 * 64 * 16
+          True
+        """
+        matmul_params = self.param_count() - self._embedding_params()
+        return float(6 * matmul_params + 12 * self.n_layers * self.d_model * seq)
+
+
+def _gpt(vocab, d, layers, heads, ff, seq) -> ModelConfig:
+    return ModelConfig("gpt", vocab, d, layers, heads, heads, ff, seq)
+
+
+def _llama(vocab, d, layers, heads, kv_heads, ff, seq) -> ModelConfig:
+    return ModelConfig("llama", vocab, d, layers, heads, kv_heads, ff, seq)
+
+
+CONFIGS: dict[str, ModelConfig] = {
+    "gpt-tiny": _gpt(256, 64, 2, 8, 256, 128),
+    # GPT-2 small with vocab padded to 50304: 124,475,904 parameters with 1024 positions
+    # (124,082,688 with 512). DESIGN.md's Ψ = 123.7M (123,689,472) is this model without
+    # its position table; neither max_seq reproduces it, so max_seq stays GPT-2's 1024.
+    "gpt-small": _gpt(50304, 768, 12, 12, 3072, 1024),
+    "gpt-1b": _gpt(50304, 2048, 24, 16, 8192, 2048),
+    "gpt-7b": _gpt(50304, 4096, 32, 32, 16384, 2048),
+    "llama-tiny": _llama(256, 64, 2, 8, 4, 256, 128),
+    "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 1024),
+    "llama-1b": _llama(32000, 2048, 16, 32, 8, 8192, 2048),
+    "llama-7b": _llama(32000, 4096, 32, 32, 32, 11008, 4096),
+}

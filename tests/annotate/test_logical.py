@@ -1,0 +1,116 @@
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import shardkit as sk
+from shardkit import errors
+
+
+@sk.axes({"kernel": ("embed", "mlp"), "bias": ("mlp",), "scale": ("embed",)})
+class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.LayerNorm()(nn.Dense(4)(x) @ jnp.ones((4, 4)))
+
+
+def params():
+    return Net().init(jax.random.key(0), jnp.ones((1, 4)))["params"]
+
+
+def expected_axes(p):
+    return sk.logical_axes(p)
+
+
+@pytest.mark.parametrize(
+    "tx",
+    [
+        optax.adamw(1e-3),
+        optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3)),
+        optax.masked(
+            optax.adam(1e-3),
+            {
+                "Dense_0": {"kernel": True, "bias": False},
+                "LayerNorm_0": {"scale": True, "bias": False},
+            },
+        ),
+    ],
+    ids=["adamw", "chain_clip_adamw", "masked"],
+)
+def test_optimizer_state_mirrors_params(tx):
+    boxed = params()
+    plain = sk.unbox(boxed)
+    state = {"params": boxed, "opt_state": tx.init(plain)}
+    axes = sk.logical_axes(state)
+    want = expected_axes(boxed)
+    flat = jax.tree_util.tree_leaves_with_path(axes["opt_state"])
+    mirrored = 0
+    for path, ax in flat:
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if names[-1] == "kernel":
+            assert ax == want["Dense_0"]["kernel"]
+            mirrored += 1
+        elif "count" in names:
+            assert ax == ()
+    assert mirrored >= 2 if "masked" not in str(tx) else mirrored >= 1
+
+
+def test_boxes_need_not_survive_tree_map():
+    boxed = params()
+    plain = sk.unbox(boxed)
+    mu = jax.tree.map(jnp.zeros_like, plain)  # no metadata at all
+    axes = sk.logical_axes((boxed, {"mu": mu}))
+    assert axes[1]["mu"]["Dense_0"]["kernel"] == ("embed", "mlp")
+    assert axes[1]["mu"]["LayerNorm_0"]["bias"] == ("mlp",)
+
+
+def test_nnx_optimizer_state_mirrors_params():
+    @sk.axes({"kernel": ("embed", "mlp"), "bias": ("mlp",)})
+    class Lin(nnx.Module):
+        def __init__(self, rngs):
+            self.dense = nnx.Linear(4, 8, rngs=rngs)
+
+    with nnx.use_eager_sharding(False):
+        model = Lin(nnx.Rngs(0))
+    state = nnx.state(model, nnx.Param)
+    opt = optax.adamw(1e-3).init(sk.unbox(state))
+    axes = sk.logical_axes((state, opt))
+    assert axes[1][0].mu["dense"]["kernel"] == ("embed", "mlp")
+    assert axes[1][0].count == ()
+
+
+def test_path_axes_for_unannotated_trees():
+    tree = {"enc": {"w": np.zeros((4, 8)), "b": np.zeros(8)}, "head": np.zeros((8, 2))}
+    pa = sk.PathAxes([("enc/w$", ("embed", "mlp")), ("enc/b$", ("mlp",))])
+    axes = pa(tree)
+    assert axes["enc"]["w"] == ("embed", "mlp") and axes["head"] == (None, None)
+    strict = sk.PathAxes(list(pa.entries and [("enc/w$", ("embed", "mlp"))]), on_unmatched="error")
+    with pytest.raises(errors.UnmatchedPathError, match=r"(?s)2 leaf.*enc/b \(8,\).*head \(8, 2\)"):
+        strict(tree)
+
+
+def test_path_axes_ambiguous_and_rank_errors():
+    tree = {"attn": {"kernel": np.zeros((4, 8))}}
+    with pytest.raises(
+        errors.AmbiguousAxesError, match=r"(?s)attn/kernel \(shape \(4, 8\)\).*'attn'.*'kernel'"
+    ):
+        sk.PathAxes([("attn", ("embed", "mlp")), ("kernel", ("mlp", "embed"))])(tree)
+    # agreeing matches are fine
+    assert sk.PathAxes([("attn", ("a", "b")), ("kernel", ("a", "b"))])(tree)["attn"]["kernel"] == (
+        "a",
+        "b",
+    )
+    with pytest.raises(errors.RankMismatchError, match=r"attn/kernel: shape \(4, 8\)"):
+        sk.PathAxes([("kernel", ("embed",))])(tree)
+    with pytest.raises(errors.RuleError):
+        sk.PathAxes([("kernel", "embed")])
+    with pytest.raises(errors.RuleError):
+        sk.PathAxes([("(", ("embed",))])
+
+
+def test_abstract_trees():
+    abstract = jax.eval_shape(params)
+    assert sk.logical_axes(abstract)["Dense_0"]["kernel"] == ("embed", "mlp")
