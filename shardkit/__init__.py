@@ -9,7 +9,9 @@ Example:
 from shardkit.annotate import LogicalAxes, PathAxes, axes, constrain, logical_axes, unbox
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError
+from shardkit import recipes
 from shardkit.mesh import make_mesh
+from shardkit.plan import Plan
 from shardkit.rules import Rules
 
 __version__ = "0.1.0"
@@ -17,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LogicalAxes",
     "PathAxes",
+    "Plan",
     "Rules",
     "ShardingError",
     "axes",
@@ -24,5 +27,6 @@ __all__ = [
     "emulate_devices",
     "logical_axes",
     "make_mesh",
+    "recipes",
     "unbox",
 ]

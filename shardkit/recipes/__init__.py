@@ -1,0 +1,50 @@
+"""Recipes: logical → mesh axes (owned by the layout, never by the model).
+
+Example:
+  >>> import shardkit as sk
+  >>> sk.recipes.names()
+  ['dp', 'fsdp', 'zero1']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from shardkit.errors import ShardingError
+from shardkit.recipes import catalogue
+from shardkit.recipes.recipe import Recipe
+
+__all__ = ["Recipe", "get", "names", "register"]
+
+_REGISTRY: dict[str, Callable[[], Recipe]] = {
+    "dp": catalogue.dp,
+    "fsdp": catalogue.fsdp,
+    "zero1": catalogue.zero1,
+}
+
+
+def names() -> list[str]:
+    """Names of the registered recipes, in catalogue order."""
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Recipe:
+    """The recipe called ``name``.
+
+    Raises:
+      ShardingError: no recipe has that name (the message lists them).
+    """
+    if isinstance(name, Recipe):
+        return name
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise ShardingError(
+            f"Unknown recipe {name!r}. Known recipes: {', '.join(_REGISTRY)}.\n"
+            "Fix: pick one of those, or sk.recipes.register(name, factory) your own."
+        ) from None
+
+
+def register(name: str, factory: Callable[[], Recipe]) -> None:
+    """Add a recipe factory under ``name`` (replacing any recipe of that name)."""
+    _REGISTRY[name] = factory

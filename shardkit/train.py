@@ -1,0 +1,69 @@
+"""A minimal functional training loop for the reference models.
+
+The pieces ``shardkit run``, the recipes and the tests share: a ``TrainState``,
+an AdamW optimizer, an init function whose params come out annotated (so
+``plan.init`` can shard them at birth) and an ordinary ``step(state, batch)``.
+
+Example:
+  >>> import jax, shardkit as sk
+  >>> from shardkit import train
+  >>> from shardkit.models import get
+  >>> model, tx = get("gpt-tiny"), train.adamw()
+  >>> plan = sk.Plan("dp")
+  >>> state = plan.init(train.init_fn(model, tx), jax.random.key(0))
+  >>> int(state.step)
+  0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardkit.annotate.unbox import unbox
+
+__all__ = ["TrainState", "adamw", "init_fn", "train_step"]
+
+
+class TrainState(NamedTuple):
+    """Step counter, parameters and optimizer state."""
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+
+
+def adamw(learning_rate: float = 1e-2, weight_decay: float = 0.0) -> optax.GradientTransformation:
+    """AdamW with global-norm clipping at 1.0 (the optimizer every recipe uses)."""
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay),
+    )
+
+
+def init_fn(model: Any, tx: optax.GradientTransformation) -> Callable[[jax.Array], TrainState]:
+    """``rng -> TrainState`` with *annotated* params, for ``plan.init``."""
+
+    def init(rng: jax.Array) -> TrainState:
+        params = model.init(rng)
+        return TrainState(jnp.zeros((), jnp.int32), params, tx.init(unbox(params)))
+
+    return init
+
+
+def train_step(
+    model: Any, tx: optax.GradientTransformation
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+    """An ordinary ``step(state, batch) -> (state, {"loss": ...})``."""
+
+    def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        loss, grads = jax.value_and_grad(model.loss)(state.params, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+        return TrainState(state.step + 1, params, opt_state), {"loss": loss}
+
+    return step
