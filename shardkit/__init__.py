@@ -3,7 +3,7 @@
 Example:
   >>> import shardkit as sk
   >>> sk.Rules([("batch", "data")]).spec(("batch", None))
-  PartitionSpec('data', None)
+  P('data', None)
 """
 
 from shardkit.annotate import LogicalAxes, PathAxes, axes, constrain, logical_axes, unbox

@@ -15,7 +15,7 @@ Example:
   ...     params = model.init(rng)
   ...     return params, tx.init(sk.unbox(params))
   >>> params, opt_state = plan.init(init, jax.random.key(0))
-  >>> params["embed"]["embedding"].sharding.spec
+  >>> params["wte"]["embedding"].sharding.spec
   P('fsdp', None)
 """
 
@@ -146,7 +146,7 @@ class Plan:
             return sharding
         return None
 
-    def batch_sharding(self, shape: Sequence[int], path: str = "batch") -> NamedSharding:
+    def batch_sharding(self, shape: Sequence[int], path: Any = "batch") -> NamedSharding:
         """Sharding of one batch array: ``batch`` then ``length`` by activation rules."""
         axes = (BATCH_AXES + (None,) * len(shape))[: len(shape)]
         spec = self.activation_rules.spec(axes, tuple(shape), self.mesh, path)
@@ -154,7 +154,7 @@ class Plan:
 
     def batch_shardings(self, batch: Any) -> Any:
         return jax.tree_util.tree_map_with_path(
-            lambda p, x: self.batch_sharding(np.shape(x), jax.tree_util.keystr(p)), batch
+            lambda p, x: self.batch_sharding(np.shape(x), ("batch", *p)), batch
         )
 
     # -- state ----------------------------------------------------------------------------
@@ -196,7 +196,7 @@ class Plan:
         def place(path, x):
             x = np.asarray(x)
             global_shape = (x.shape[0] * processes, *x.shape[1:]) if x.ndim else x.shape
-            sharding = self.batch_sharding(global_shape, jax.tree_util.keystr(path))
+            sharding = self.batch_sharding(global_shape, ("batch", *path))
             if processes == 1:
                 return jax.device_put(x, sharding)
             return jax.make_array_from_process_local_data(sharding, x, global_shape)
@@ -265,4 +265,3 @@ class PlannedStep:
 
 def _shapes(tree: Any) -> tuple:
     return tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in jax.tree.leaves(tree))
-

@@ -21,9 +21,9 @@ Example:
   >>> rules = sk.Rules([("batch", "data"), ("embed", "fsdp"), ("mlp", "tensor"),
   ...                   ("embed", "tensor")])
   >>> rules.spec(("embed", "mlp"))
-  PartitionSpec('fsdp', 'tensor')
+  P('fsdp', 'tensor')
   >>> rules.spec(("batch", "embed"), mesh={"data": 4, "fsdp": 1, "tensor": 2})
-  PartitionSpec('data', None)
+  P('data', None)
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Rules:
 
     Example:
       >>> Rules([("batch", ("data", "fsdp")), ("heads", "tensor")]).spec(("batch", "heads"))
-      PartitionSpec(('data', 'fsdp'), 'tensor')
+      P(('data', 'fsdp'), 'tensor')
     """
 
     __slots__ = ("_rules", "strict")
@@ -260,6 +260,6 @@ class Rules:
         raise errors.IndivisibleError(
             f"{where}: shape {shape}, dimension {dim} ({name!r}) has size {size}, which "
             f"{over} does not divide (mesh axis sizes: {sizes}).\n"
-            f"Fix: {use}{bigger} {name}, or map {name!r} to other mesh axes (or None) "
-            "in the rules."
+            f"Fix: {use}make {name!r} a multiple of {product} (e.g. {bigger}), or map "
+            f"{name!r} to other mesh axes (or None) in the rules."
         )

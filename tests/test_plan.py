@@ -40,8 +40,10 @@ def step(state, batch):
 
 def batch():
     rng = np.random.default_rng(0)
-    return {"x": rng.normal(size=(16, 16)).astype(np.float32),
-            "y": rng.normal(size=(16, 8)).astype(np.float32)}
+    return {
+        "x": rng.normal(size=(16, 16)).astype(np.float32),
+        "y": rng.normal(size=(16, 8)).astype(np.float32),
+    }
 
 
 def test_state_is_born_sharded():
@@ -63,9 +65,9 @@ def test_init_compiles_without_a_full_copy():
     plan = sk.Plan("fsdp")
     abstract = jax.eval_shape(init, jax.random.key(0))
     with jax.set_mesh(plan.mesh):
-        lowered = jax.jit(lambda r: sk.unbox(init(r)), out_shardings=plan.shardings(abstract)).lower(
-            jax.random.key(0)
-        )
+        lowered = jax.jit(
+            lambda r: sk.unbox(init(r)), out_shardings=plan.shardings(abstract)
+        ).lower(jax.random.key(0))
     mem = lowered.compile().memory_analysis()
     full = sum(x.size * 4 for x in jax.tree.leaves(sk.unbox(abstract)))
     assert mem.output_size_in_bytes <= full / 8 + 1024

@@ -93,8 +93,8 @@ def test_indivisible_error_exact_text():
     assert str(info.value) == (
         "params/layers/attn/query/kernel: shape (768, 12, 64), dimension 1 ('heads') has "
         "size 12, which tensor=8 does not divide (mesh axis sizes: {'data': 1, 'tensor': 8}).\n"
-        "Fix: use tensor 2, 3, 4 or 6, or 16 heads, or map 'heads' to other mesh axes (or None) "
-        "in the rules."
+        "Fix: use tensor 2, 3, 4 or 6, or make 'heads' a multiple of 8 (e.g. 16), or map "
+        "'heads' to other mesh axes (or None) in the rules."
     )
 
 

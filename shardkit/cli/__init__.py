@@ -1,0 +1,39 @@
+"""The ``shardkit`` command line: ``run``, ``recipes`` (more arrive with the report).
+
+Each subcommand lives in its own module and exposes ``add_parser(subparsers)``
+and ``main(args) -> int``. User mistakes exit with status 2 and one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from shardkit.cli import recipes_cmd, run_cmd
+from shardkit.errors import ShardingError
+
+__all__ = ["main"]
+
+_COMMANDS = (run_cmd, recipes_cmd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardkit",
+        description="Shard Flax models by logical axis names; see what each device holds.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in _COMMANDS:
+        command.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except ShardingError as e:
+        print(f"shardkit {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2

@@ -1,0 +1,83 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardkit.cli import main
+
+
+def shardkit(*args, timeout=120):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+
+
+def test_help_and_recipes(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    assert "run" in capsys.readouterr().out
+    assert main(["recipes", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["name"] for r in rows} >= {"dp", "fsdp", "zero1"}
+    assert main(["recipes"]) == 0
+    assert "fsdp" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--recipe", "ddp"], "Unknown recipe 'ddp'"),
+        (["--model", "gpt-huge"], "Unknown model 'gpt-huge'"),
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--devices", "64"], "only 8 emulated CPU device(s)"),
+        (["--batch", "4"], "batch"),  # 4 examples over fsdp=8 does not divide
+    ],
+)
+def test_bad_arguments_exit_2_with_one_line(args, message, capsys):
+    assert main(["run", "--steps", "1", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and err.startswith("shardkit run: error:")
+
+
+def test_run_50_steps_loss_falls_toward_entropy_bound(tmp_path):
+    out = tmp_path / "run.json"
+    proc = shardkit(
+        "run",
+        "--model",
+        "gpt-tiny",
+        "--recipe",
+        "fsdp",
+        "--devices",
+        "8",
+        "--steps",
+        "50",
+        "--json",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result) >= {
+        "model",
+        "recipe",
+        "mesh",
+        "devices",
+        "losses",
+        "entropy_bound",
+        "tokens_per_s",
+    }
+    assert result["mesh"] == {"fsdp": 8} and result["devices"] == 8
+    losses, bound = result["losses"], result["entropy_bound"]
+    assert len(losses) == 50 and result["tokens_per_s"] > 0
+    # Starts near ln(vocab); at least 60% of the gap to the bound is closed, never below it.
+    assert losses[0] - bound > 2.0
+    assert losses[-1] - bound < 0.4 * (losses[0] - bound)
+    assert min(losses) > bound - 0.05
+    assert "entropy bound" in proc.stdout and "memory / device" in proc.stdout
