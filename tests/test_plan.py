@@ -57,7 +57,7 @@ def test_state_is_born_sharded():
     assert {s.data.shape for s in mu.addressable_shards} == {(2, 32)}
     # every leaf has its planned sharding
     planned = plan.shardings(jax.eval_shape(init, jax.random.key(0)))
-    for arr, sh in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves(planned)):
+    for arr, sh in zip(jax.tree.leaves((params, opt_state)), jax.tree.leaves(planned), strict=True):
         assert arr.sharding.is_equivalent_to(sh, arr.ndim)
 
 
@@ -90,7 +90,7 @@ def test_step_matches_one_device(recipe):
     np.testing.assert_allclose(l8, l1, rtol=1e-5)
     # Sharded reductions sum in a different order; after 3 Adam steps of size 1e-2 the
     # parameters agree to well under one step's worth of change.
-    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s8)):
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s8), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
@@ -100,7 +100,7 @@ def test_state_keeps_its_sharding_across_steps_and_batch_is_sharded():
     b = plan.shard_batch(batch())
     assert b["x"].sharding.spec == P("fsdp", None)
     new_state, _ = plan.jit(step)(state, b)
-    for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
+    for old, new in zip(jax.tree.leaves(state), jax.tree.leaves(new_state), strict=True):
         assert new.sharding == old.sharding or old.is_deleted()
 
 
