@@ -1,0 +1,352 @@
+"""Collective inventory of an optimized HLO module: what crosses the wire, and how often.
+
+:func:`parse_collectives` reads the text of ``jax.jit(f).lower(...).compile().as_text()``
+and returns one :class:`Collective` per collective op, with its buffer size, replica-group
+size, ring-algorithm wire bytes per device (DESIGN.md, "Measuring a layout") and how many
+times it runs per step (the product of the trip counts of the while loops around it).
+
+Example:
+  >>> hlo = '''
+  ... ENTRY %main (p: f32[1024]) -> f32[1024] {
+  ...   %p = f32[1024]{0} parameter(0)
+  ...   ROOT %ar = f32[1024]{0} all-reduce(%p), replica_groups={{0,1,2,3}}, to_apply=%add
+  ... }'''
+  >>> [c] = parse_collectives(hlo)
+  >>> c.kind, c.bytes, c.group_size, c.wire_bytes, c.count
+  ('all-reduce', 4096, 4, 6144.0, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections import defaultdict
+from typing import Literal
+
+__all__ = ["KINDS", "Collective", "parse_collectives", "wire_bytes_by_kind", "bytes_by_kind"]
+
+Kind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
+KINDS: tuple[str, ...] = (
+    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+)  # fmt: skip
+
+_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
+         "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128,
+         "token": 0}  # fmt: skip
+
+_COMP = re.compile(r"(?:ENTRY\s+)?%?([\w.\-]+)")
+_INSTR = re.compile(r"\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
+_OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\]")
+_CALLS = re.compile(
+    r"\b(body|condition|calls|to_apply|branch_computations|true_computation|false_computation"
+    r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)"
+)
+_NAME = re.compile(r"%?([\w.\-]+)")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_COMMENT = re.compile(r"/\*.*?\*/")
+
+Shape = tuple[str, tuple[int, ...], int] | list["Shape"]  # (dtype, dims, bits) | tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective op of a compiled program.
+
+    ``bytes`` is the buffer DESIGN.md's formula uses (the result for all-gather, the
+    operand otherwise; summed over tuple elements), for one execution. ``wire_bytes``
+    is the ring-algorithm traffic per device, already multiplied by ``count`` (the
+    executions per step). ``count_exact`` is False when an enclosing while loop had no
+    ``known_trip_count`` and was counted once.
+    """
+
+    kind: Kind
+    bytes: int
+    group_size: int
+    wire_bytes: float
+    count: int
+    op_name: str
+    computation: str
+    dtype: str
+    shape: str
+    count_exact: bool = True
+
+
+_BRACKETS = {"(": re.compile(r"[()]"), "{": re.compile(r"[{}]"), "[": re.compile(r"[\[\]]")}
+
+
+def _skip_balanced(s: str, i: int) -> int:
+    """Index just past the bracket group opening at ``s[i]``."""
+    depth = 0
+    for m in _BRACKETS[s[i]].finditer(s, i):
+        depth += 1 if m.group() == s[i] else -1
+        if depth == 0:
+            return m.end()
+    return len(s)
+
+
+def _shape_arrays(text: str) -> list[tuple[str, tuple[int, ...], int]]:
+    """Arrays (dtype, dims, bits) of the shape that ``text`` starts with."""
+    return _arrays(_parse_shape(_COMMENT.sub("", text))[0])
+
+
+def _parse_shape(s: str, i: int = 0) -> tuple[Shape, int]:
+    """Parse an HLO shape (``f32[8,16]{1,0}`` or a nested tuple) starting at ``s[i]``."""
+    while s[i] == " ":
+        i += 1
+    if s[i] == "(":
+        elems: list[Shape] = []
+        i += 1
+        while i < len(s) and s[i] != ")":
+            e, i = _parse_shape(s, i)
+            elems.append(e)
+            while i < len(s) and s[i] in ", ":
+                i += 1
+        return elems, i + 1
+    m = _ARRAY.match(s, i)
+    if m is None:
+        raise ValueError(f"not an HLO shape: {s[i : i + 40]!r}")
+    dims = tuple(int(d.lstrip("<=")) if d.strip("<=").isdigit() else 0
+                 for d in m.group(2).split(",") if d)  # fmt: skip
+    bits = 8 if m.group(1).startswith("f8") else _BITS.get(m.group(1), 8)
+    j = m.end()
+    if j < len(s) and s[j] == "{":  # layout; E(n) gives packed sub-byte element bits
+        end = _skip_balanced(s, j)
+        e = re.search(r"E\((\d+)\)", s[j:end])
+        bits, j = (int(e.group(1)) if e else bits), end
+    return (m.group(1), dims, bits), j
+
+
+def _arrays(shape: Shape) -> list[tuple[str, tuple[int, ...], int]]:
+    if isinstance(shape, list):
+        return [a for e in shape for a in _arrays(e)]
+    return [shape]
+
+
+def _nbytes(arrays: list[tuple[str, tuple[int, ...], int]]) -> int:
+    return sum((math.prod(dims) * bits + 7) // 8 for _, dims, bits in arrays)
+
+
+def _describe(arrays: list[tuple[str, tuple[int, ...], int]]) -> tuple[str, str]:
+    dtypes = ",".join(dict.fromkeys(a[0] for a in arrays))
+    shapes = ["[" + ",".join(map(str, a[1])) + "]" for a in arrays]
+    return dtypes, shapes[0] if len(shapes) == 1 else "(" + ", ".join(shapes) + ")"
+
+
+def _group_size(attrs: str, kind: str, default: int) -> int:
+    """Replica-group size N from explicit, iota or mesh-axes replica groups."""
+    if kind == "collective-permute":  # largest connected set of source/target devices
+        m = _PAIRS.search(attrs)
+        if m is None:
+            return default
+        parent: dict[str, str] = {}
+
+        def root(x: str) -> str:
+            while parent.setdefault(x, x) != x:
+                x = parent[x]
+            return x
+
+        for a, b in re.findall(r"\{(\d+),(\d+)\}", m.group(1)):
+            parent[root(a)] = root(b)
+        sizes = defaultdict(int)
+        for x in parent:
+            sizes[root(x)] += 1
+        return max(sizes.values(), default=1)
+    i = attrs.find("replica_groups=")
+    if i < 0:
+        return default
+    s = attrs[i + len("replica_groups=") :]
+    if s.startswith("{{"):  # {{0,1,2,3},{4,5,6,7}}
+        return s[2 : s.index("}")].count(",") + 1
+    if s.startswith("{}"):
+        return default
+    if s.startswith("["):  # iota: [groups,size]<=[...]...
+        return int(s[1 : s.index("]")].split(",")[-1])
+    if s.startswith("maximal_mesh"):
+        return 1
+    if s.startswith("mesh["):  # mesh['a'=2,'b'=4](, device_ids=(...))? {'b', 'a':(1)2}
+        end = _skip_balanced(s, 4)
+        sizes = {}
+        for item in s[5 : end - 1].split(","):
+            name, _, size = item.rpartition("=")
+            sizes[name.strip(" '\"")] = int(size)
+        if s.startswith(", device_ids=", end):
+            end = _skip_balanced(s, s.index("(", end))
+        lo = s.index("{", end)
+        n = 1
+        for ax in s[lo + 1 : s.index("}", lo)].split(","):
+            name, _, sub = ax.partition(":(")
+            n *= int(sub.partition(")")[2]) if sub else sizes.get(name.strip(" '\""), 1)
+        return n
+    return default
+
+
+def _wire(kind: str, nbytes: int, n: int) -> float:
+    if kind == "collective-permute":
+        return float(nbytes)
+    if n <= 1:
+        return 0.0
+    return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
+
+
+def parse_collectives(hlo_text: str) -> list[Collective]:
+    """Every collective in an optimized HLO module, weighted by its executions per step.
+
+    Handles tuple-combined collectives, async ``*-start``/``*-done`` pairs and
+    ``async-start`` wrappers (counted once, at the start), explicit/iota/mesh replica
+    groups, and ``known_trip_count`` of while loops along the call path from ENTRY.
+
+    Example:
+      >>> hlo = '''
+      ... %body (p: f32[8]) -> f32[8] {
+      ...   %p = f32[8]{0} parameter(0)
+      ...   ROOT %ag = f32[64]{0} all-gather(%p), replica_groups=[1,8]<=[8], dimensions={0}
+      ... }
+      ... ENTRY %main (x: f32[8]) -> f32[8] {
+      ...   %x = f32[8]{0} parameter(0)
+      ...   ROOT %w = f32[8]{0} while(%x), body=%body, backend_config={"known_trip_count":{"n":"12"}}
+      ... }'''
+      >>> [(c.kind, c.bytes, c.count, c.wire_bytes) for c in parse_collectives(hlo)]
+      [('all-gather', 256, 12, 2688.0)]
+    """
+    header = hlo_text[: hlo_text.find("\n")] if hlo_text.startswith("HloModule") else ""
+    default_n = 1
+    for key in ("replica_count", "num_partitions"):
+        m = re.search(key + r"=(\d+)", header)
+        default_n *= int(m.group(1)) if m else 1
+
+    shapes: dict[str, str] = {}  # instruction name -> text from its shape on (lazy parse)
+    found: list[tuple[str, ...]] = []  # (comp, kind, opcode, rest, args, attrs)
+    edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # caller -> callees
+    async_parent: dict[str, tuple[str, str]] = {}  # wrapped comp -> (caller comp, op_name)
+    comps: list[str] = [""]  # "": instructions outside any computation (a fragment)
+    comp = ""
+    for line in hlo_text.splitlines():
+        if not line or line[0] == "}":
+            continue
+        if line[0] != " ":
+            if line.endswith("{") and not line.startswith("HloModule"):
+                m = _COMP.match(line)
+                if m:
+                    comp = m.group(1)
+                    comps.append(comp)
+            continue
+        m = _INSTR.match(line)
+        if m is None:
+            continue
+        rest = line[m.end() :]
+        shapes[m.group(1)] = rest
+        j = _skip_balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+        op = _OPCODE.match(rest, j)
+        if op is None:
+            continue
+        opcode = op.group(1)
+        attrs_at = _skip_balanced(rest, op.end() - 1)
+        attrs = rest[attrs_at:]
+        base = opcode[:-6] if opcode.endswith("-start") else opcode
+        if base in KINDS:
+            found.append((comp, base, opcode, rest, rest[op.end() : attrs_at], attrs))
+        if "=" not in attrs or opcode.endswith(("-done", "-update")):
+            continue
+        trip, exact = 1, True
+        if opcode == "while":
+            t = _TRIP.search(attrs)
+            trip, exact = (int(t.group(1)), True) if t else (1, False)
+        for key, val in _CALLS.findall(attrs):
+            for callee in _NAME.findall(val):
+                loop = key in ("body", "condition")
+                edges[comp].append((callee, trip if loop else 1, exact or not loop))
+                if opcode == "async-start":
+                    o = _OP_NAME.search(attrs)
+                    async_parent[callee] = (comp, o.group(1) if o else "")
+
+    # Executions per step of each computation: sum over call sites, in topological order.
+    indeg: dict[str, int] = defaultdict(int)
+    for outs in edges.values():
+        for callee, _, _ in outs:
+            indeg[callee] += 1
+    mult: dict[str, int] = defaultdict(int)
+    known: dict[str, bool] = defaultdict(lambda: True)
+    stack = [c for c in comps if indeg[c] == 0]
+    for c in stack:
+        mult[c] = 1
+    while stack:
+        c = stack.pop()
+        for callee, factor, exact in edges.get(c, ()):
+            mult[callee] += mult[c] * factor
+            known[callee] = known[callee] and known[c] and exact
+            indeg[callee] -= 1
+            if indeg[callee] == 0:
+                stack.append(callee)
+
+    out = []
+    for comp, kind, opcode, rest, args, attrs in found:
+        shape = _parse_shape(_COMMENT.sub("", rest))[0]
+        n = _group_size(attrs, kind, default_n)
+        operands = None
+        start = opcode != kind and isinstance(shape, list) and len(shape) >= 2
+        if start and (isinstance(shape[0], list) or kind != "all-reduce"):
+            # async start: (operand(s), result(s), context...)
+            operands, result = _arrays(shape[0]), _arrays(shape[1])
+        else:
+            result = _arrays(shape)
+        if kind == "all-gather":
+            buf = result
+        elif kind != "reduce-scatter":
+            buf = operands or result  # same size as the result for these kinds
+        else:
+            names = re.findall(r"%([\w.\-]+)", args)
+            if operands is None and names and all(a in shapes for a in names):
+                operands = [x for a in names for x in _shape_arrays(shapes[a])]
+            if operands is None:  # not in the text: the scatter dimension times N
+                d = re.search(r"dimensions=\{(\d+)", attrs)
+                k = int(d.group(1)) if d else 0
+                operands = [(t, s[:k] + (s[k] * n,) + s[k + 1 :], b) for t, s, b in result]
+            buf = operands
+        nbytes = _nbytes(buf)
+        dtype, shape_str = _describe(buf)
+        op_name = _OP_NAME.search(attrs)
+        name = op_name.group(1) if op_name else ""
+        shown, count = comp, mult[comp]
+        if comp in async_parent:
+            shown, parent_name = async_parent[comp]
+            name = name or parent_name
+        wire = _wire(kind, nbytes, n) * count
+        out.append(
+            Collective(kind, nbytes, n, wire, count, name, shown, dtype, shape_str, known[comp])
+        )
+    return out
+
+
+def _by_kind(collectives: list[Collective], value) -> dict:
+    totals: dict = {}
+    for k in KINDS:
+        for c in collectives:
+            if c.kind == k:
+                totals[k] = totals.get(k, 0) + value(c)
+    return totals
+
+
+def wire_bytes_by_kind(collectives: list[Collective]) -> dict[str, float]:
+    """Total wire bytes per device per step, by kind (kinds that occur, in KINDS order).
+
+    Example:
+      >>> c = Collective("all-reduce", 100, 2, 200.0, 2, "", "main", "f32", "[25]")
+      >>> wire_bytes_by_kind([c, c])
+      {'all-reduce': 400.0}
+    """
+    return _by_kind(collectives, lambda c: c.wire_bytes)
+
+
+def bytes_by_kind(collectives: list[Collective]) -> dict[str, int]:
+    """Total collective buffer bytes per step (``bytes * count``), by kind.
+
+    Example:
+      >>> c = Collective("all-gather", 64, 8, 112.0, 2, "", "main", "f32", "[16]")
+      >>> bytes_by_kind([c])
+      {'all-gather': 128}
+    """
+    return _by_kind(collectives, lambda c: c.bytes * c.count)

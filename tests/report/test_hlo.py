@@ -1,0 +1,354 @@
+"""Tests for shardkit.report.hlo: the collective inventory of optimized HLO text."""
+
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from shardkit.report import Collective, bytes_by_kind, parse_collectives, wire_bytes_by_kind
+from shardkit.report.hlo import KINDS
+
+ADD = """
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+"""
+
+
+def module(entry: str, *computations: str, header: str = "HloModule m, num_partitions=8") -> str:
+    """An HLO module text with the given ENTRY body (instruction lines) and computations."""
+    body = "\n".join("  " + ln.strip() for ln in entry.strip().splitlines())
+    return "\n".join([header, ADD, *computations, f"ENTRY %main () -> f32[] {{\n{body}\n}}\n"])
+
+
+def one(text: str) -> Collective:
+    cs = parse_collectives(text)
+    assert len(cs) == 1, cs
+    return cs[0]
+
+
+# ------------------------------------------------------------------ hand-made snippets
+def test_tuple_all_reduce_counts_every_element():
+    c = one(module("""
+        %a = f32[64]{0} parameter(0)
+        %b = bf16[256,64]{1,0} parameter(1)
+        %ar = (f32[64]{0}, /*index=1*/bf16[256,64]{1,0}) all-reduce(%a, %b), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/grad"}
+    """))  # fmt: skip
+    assert c.kind == "all-reduce"
+    assert c.bytes == 64 * 4 + 256 * 64 * 2
+    assert c.group_size == 4
+    assert c.wire_bytes == pytest.approx(2 * 3 / 4 * c.bytes)
+    assert c.count == 1 and c.count_exact
+    assert c.op_name == "jit(step)/grad" and c.computation == "main"
+    assert c.dtype == "f32,bf16" and c.shape == "([64], [256,64])"
+
+
+def test_async_all_gather_start_done_uses_gathered_result():
+    c = one(module("""
+        %p = f32[8,16]{1,0} parameter(0)
+        %ags = (f32[8,16]{1,0}, f32[64,16]{1,0}) all-gather-start(f32[8,16]{1,0} %p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"operation_queue_id":"0","collective_backend_config":{"is_sync":false}}
+        %agd = f32[64,16]{1,0} all-gather-done((f32[8,16]{1,0}, f32[64,16]{1,0}) %ags)
+    """))  # fmt: skip
+    assert (c.kind, c.bytes, c.group_size, c.shape) == ("all-gather", 64 * 16 * 4, 8, "[64,16]")
+    assert c.wire_bytes == pytest.approx(7 / 8 * 64 * 16 * 4)
+
+
+def test_async_all_reduce_and_collective_permute_start_done():
+    cs = parse_collectives(module("""
+        %a = f32[1024]{0} parameter(0)
+        %b = bf16[512]{0} parameter(1)
+        %ars = (f32[1024]{0}, bf16[512]{0}) all-reduce-start(%a, %b), replica_groups={{0,1}}, to_apply=%add
+        %ard = (f32[1024]{0}, bf16[512]{0}) all-reduce-done(%ars)
+        %ar1 = f32[1024]{0} all-reduce-start(%a), replica_groups=[4,2]<=[8], to_apply=%add
+        %ar1d = f32[1024]{0} all-reduce-done(%ar1)
+        %cps = (f32[1024]{0}, f32[1024]{0}, u32[], u32[]) collective-permute-start(%a), channel_id=4, source_target_pairs={{0,1},{1,0}}
+        %cpd = f32[1024]{0} collective-permute-done(%cps)
+    """))  # fmt: skip
+    assert [(c.kind, c.bytes, c.group_size) for c in cs] == [
+        ("all-reduce", 4096 + 1024, 2),
+        ("all-reduce", 4096, 2),
+        ("collective-permute", 4096, 2),
+    ]
+    assert cs[2].wire_bytes == 4096.0
+
+
+def test_async_wrapped_collectives_count_once_at_the_start():
+    wrapped = """
+%wrapped_reduce_scatter (param.2: f32[64,16]) -> f32[8,16] {
+  %param.2 = f32[64,16]{1,0} parameter(0)
+  ROOT %reduce-scatter.1 = f32[8,16]{1,0} reduce-scatter(%param.2), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, dimensions={0}, to_apply=%add
+}
+"""  # fmt: skip
+    text = module(
+        """
+        %x = f32[64,16]{1,0} parameter(0)
+        %rss = ((f32[64,16]{1,0}), f32[8,16]{1,0}, s32[]) async-start(%x), calls=%wrapped_reduce_scatter, metadata={op_name="rs"}
+        %rsd = f32[8,16]{1,0} async-done(%rss), calls=%wrapped_reduce_scatter
+        %a2as = ((f32[8,16]{1,0}), f32[8,16]{1,0}) all-to-all-start(%rsd), channel_id=3, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+        %a2ad = f32[8,16]{1,0} all-to-all-done(%a2as)
+        """,
+        wrapped,
+    )  # fmt: skip
+    rs, a2a = parse_collectives(text)
+    assert (rs.kind, rs.bytes, rs.group_size, rs.count) == ("reduce-scatter", 64 * 16 * 4, 8, 1)
+    assert rs.computation == "main" and rs.op_name == "rs"
+    assert rs.wire_bytes == pytest.approx(7 / 8 * 4096)
+    assert (a2a.kind, a2a.bytes, a2a.group_size) == ("all-to-all", 512, 4)
+    assert a2a.wire_bytes == pytest.approx(3 / 4 * 512)
+
+
+def test_reduce_scatter_uses_operand():
+    c = one(module("""
+        %p = f32[64,32]{1,0} parameter(0)
+        %rs = f32[64,4]{1,0} reduce-scatter(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
+    """))  # fmt: skip
+    assert (c.kind, c.bytes, c.group_size, c.shape) == ("reduce-scatter", 64 * 32 * 4, 8, "[64,32]")
+    assert c.wire_bytes == pytest.approx(7 / 8 * 64 * 32 * 4)
+    # operand not in the text: the scatter dimension times N
+    c = one(module("""
+        %rs = f32[64,4]{1,0} reduce-scatter(%missing), replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
+    """))  # fmt: skip
+    assert (c.bytes, c.shape) == (64 * 32 * 4, "[64,32]")
+
+
+def test_all_to_all_and_collective_permute_sync():
+    cs = parse_collectives(module("""
+        %p = s8[4096]{0} parameter(0)
+        %a2a = s8[4096]{0} all-to-all(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+        %cp = s8[4096]{0} collective-permute(%p), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
+    """))  # fmt: skip
+    assert [(c.kind, c.bytes, c.group_size, c.wire_bytes) for c in cs] == [
+        ("all-to-all", 4096, 8, 3584.0),
+        ("collective-permute", 4096, 4, 4096.0),
+    ]
+
+
+@pytest.mark.parametrize(
+    "groups,n",
+    [
+        ("{{0,1,2,3,4,5,6,7}}", 8),
+        ("{{0,4},{1,5},{2,6},{3,7}}", 2),
+        ("{}", 8),  # all devices: replica_count * num_partitions
+        ("[2,4]<=[8]", 4),
+        ("[4,2]<=[2,4]T(1,0)", 2),
+        ("mesh['axis_0'=8,'axis_1'=1] {'axis_0'}", 8),
+        ("mesh['axis_0'=4,'axis_1'=1,'axis_2'=2], device_ids=([2,4]T(1,0)) {'axis_0'}", 4),
+        ("mesh['x'=2,'y'=4] {'x','y'}", 8),
+        ("mesh[a=8,b=2] {a:(2)4}", 4),
+    ],
+)
+def test_replica_group_forms(groups, n):
+    c = one(module(f"""
+        %p = f32[10]{{0}} parameter(0)
+        %ar = f32[10]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups}, use_global_device_ids=true, to_apply=%add
+    """))  # fmt: skip
+    assert c.group_size == n
+    assert c.wire_bytes == pytest.approx(2 * (n - 1) / n * 40)
+
+
+@pytest.mark.parametrize(
+    "dtype,nbytes",
+    [("pred", 1), ("s8", 1), ("u8", 1), ("s16", 2), ("u16", 2), ("f16", 2), ("bf16", 2),
+     ("s32", 4), ("u32", 4), ("f32", 4), ("s64", 8), ("u64", 8), ("f64", 8), ("c64", 8),
+     ("c128", 16), ("f8e4m3fn", 1), ("f8e5m2", 1), ("f8e4m3b11fnuz", 1)],
+)  # fmt: skip
+def test_element_sizes(dtype, nbytes):
+    c = one(module(f"""
+        %p = {dtype}[3,5]{{1,0}} parameter(0)
+        %ag = {dtype}[24,5]{{1,0}} all-gather(%p), replica_groups=[1,8]<=[8], dimensions={{0}}
+    """))  # fmt: skip
+    assert c.bytes == 24 * 5 * nbytes and c.dtype == dtype
+
+
+def test_while_trip_counts_multiply_along_nested_calls():
+    inner = """
+%inner_body (p: f32[256]) -> f32[256] {
+  %p = f32[256]{0} parameter(0)
+  ROOT %ar = f32[256]{0} all-reduce(%p), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+}
+%helper (q: f32[256]) -> f32[256] {
+  %q = f32[256]{0} parameter(0)
+  ROOT %w2 = f32[256]{0} while(%q), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+%cond (c: f32[256]) -> pred[] {
+  %c = f32[256]{0} parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+%outer_body (r: f32[256]) -> f32[256] {
+  %r = f32[256]{0} parameter(0)
+  %call = f32[256]{0} call(%r), to_apply=%helper
+  ROOT %ag = f32[256]{0} all-gather(%call), replica_groups=[4,2]<=[8], dimensions={0}
+}
+"""  # fmt: skip
+    text = module(
+        """
+        %x = f32[256]{0} parameter(0)
+        %w = f32[256]{0} while(%x), condition=%cond, body=%outer_body, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"12"}}
+        %ar0 = f32[256]{0} all-reduce(%w), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+        """,
+        inner,
+    )  # fmt: skip
+    ar_inner, ag, ar0 = parse_collectives(text)
+    assert (ar_inner.count, ar_inner.computation) == (36, "inner_body")
+    assert ar_inner.wire_bytes == pytest.approx(36 * 2 * 7 / 8 * 1024)
+    assert (ag.count, ag.computation) == (12, "outer_body")
+    assert ar0.count == 1
+    assert bytes_by_kind([ar_inner, ag, ar0]) == {"all-reduce": 37 * 1024, "all-gather": 12 * 1024}
+
+
+def test_while_without_trip_count_counts_once_and_says_so():
+    body = """
+%body (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
+}
+"""
+    c = one(module("%x = f32[8]{0} parameter(0)\n%w = f32[8]{0} while(%x), body=%body", body))
+    assert c.count == 1 and not c.count_exact
+
+
+def test_summaries_and_empty_input():
+    assert parse_collectives("") == []
+    assert wire_bytes_by_kind([]) == {} and bytes_by_kind([]) == {}
+    cs = [
+        Collective("all-gather", 10, 2, 5.0, 1, "", "m", "f32", "[2]"),
+        Collective("all-reduce", 10, 2, 30.0, 3, "", "m", "f32", "[2]"),
+        Collective("all-gather", 10, 2, 10.0, 2, "", "m", "f32", "[2]"),
+    ]
+    assert wire_bytes_by_kind(cs) == {"all-reduce": 30.0, "all-gather": 15.0}
+    assert bytes_by_kind(cs) == {"all-reduce": 30, "all-gather": 30}
+    assert set(KINDS) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                          "collective-permute"}  # fmt: skip
+
+
+def test_large_module_parses_fast():
+    line = (
+        '  %f{i} = f32[1024,1024]{{1,0}} fusion(%p), kind=kLoop, calls=%fused, '
+        'metadata={{op_name="jit(step)/layer/dot_general"}}\n'
+        '  %ar{i} = f32[1024]{{0}} all-reduce(%p), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, '
+        'to_apply=%add\n'
+    )  # fmt: skip
+    text = module(
+        "%p = f32[1024]{0} parameter(0)\n" + "".join(line.format(i=i) for i in range(40_000))
+    )
+    assert len(text) > 8_000_000
+    t0 = time.perf_counter()
+    cs = parse_collectives(text)
+    assert len(cs) == 40_000
+    assert time.perf_counter() - t0 < 5.0
+
+
+# ------------------------------------------------------------------ real compiled programs
+@pytest.fixture(scope="module")
+def mesh8():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 (emulated) devices")
+    return jax.make_mesh((8,), ("d",))
+
+
+def test_compiled_data_parallel_gradient(mesh8):
+    def loss(w, x):
+        return jnp.sum((x @ w) ** 2)
+
+    rep, batch = NamedSharding(mesh8, P()), NamedSharding(mesh8, P("d"))
+    step = jax.jit(jax.grad(loss), in_shardings=(rep, batch), out_shardings=rep)
+    text = step.lower(jnp.zeros((64, 32)), jnp.zeros((16, 64))).compile().as_text()
+    [c] = parse_collectives(text)
+    assert (c.kind, c.group_size, c.bytes, c.count) == ("all-reduce", 8, 64 * 32 * 4, 1)
+    assert c.wire_bytes == pytest.approx(2 * 7 / 8 * 64 * 32 * 4)
+    assert "transpose" in c.op_name
+
+
+def test_compiled_shard_map_collectives_have_exact_bytes(mesh8):
+    @partial(jax.shard_map, mesh=mesh8, in_specs=P("d"), out_specs=P("d"))
+    def f(x):  # x: f32[8, 16] per device
+        a = jax.lax.all_gather(x, "d", tiled=True)  # result f32[64, 16]
+        b = jax.lax.psum_scatter(x, "d", tiled=True)  # operand f32[8, 16]
+        c = jax.lax.all_to_all(x, "d", 0, 0, tiled=True)  # operand f32[8, 16]
+        d = jax.lax.ppermute(x, "d", [(i, (i + 1) % 8) for i in range(8)])  # operand f32[8, 16]
+        return a[:8] + b.sum() + c + d
+
+    arg = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh8, P("d")))
+    cs = parse_collectives(jax.jit(f).lower(arg).compile().as_text())
+    by_kind = {c.kind: c for c in cs}
+    assert sorted(by_kind) == sorted(["all-gather", "reduce-scatter", "all-to-all",
+                                      "collective-permute"])  # fmt: skip
+    assert len(cs) == 4
+    local = 8 * 16 * 4
+    assert by_kind["all-gather"].bytes == 8 * local
+    for kind in ("reduce-scatter", "all-to-all", "collective-permute"):
+        assert by_kind[kind].bytes == local, kind
+    assert all(c.group_size == 8 and c.count == 1 for c in cs)
+    assert wire_bytes_by_kind(cs) == pytest.approx({
+        "all-gather": 7 * local, "reduce-scatter": 7 / 8 * local,
+        "all-to-all": 7 / 8 * local, "collective-permute": local,
+    })  # fmt: skip
+
+
+def test_compiled_scan_counts_each_iteration(mesh8):
+    @partial(jax.shard_map, mesh=mesh8, in_specs=P("d"), out_specs=P("d"))
+    def h(x):
+        def body(c, _):
+            return c + jax.lax.psum(c, "d") * 0.5, None
+
+        return jax.lax.scan(body, x, None, length=3)[0]
+
+    arg = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh8, P("d")))
+    [c] = parse_collectives(jax.jit(h).lower(arg).compile().as_text())
+    assert (c.kind, c.count, c.count_exact, c.bytes) == ("all-reduce", 3, True, 8 * 16 * 4)
+    assert c.computation != "main" and "while/body" in c.op_name
+    assert c.wire_bytes == pytest.approx(3 * 2 * 7 / 8 * 512)
+
+
+def test_compiled_dp_scan_moves_all_parameter_bytes(mesh8):
+    """DP over a scanned layer stack all-reduces every gradient byte once per step."""
+    layers = 4
+    params = {
+        "w1": jnp.zeros((layers, 64, 256)),
+        "w2": jnp.zeros((layers, 256, 64)),
+        "b": jnp.zeros((layers, 64)),
+        "emb": jnp.zeros((100, 64)),
+    }
+
+    def loss(p, tokens):
+        def body(h, lp):
+            return h + jnp.tanh(h @ lp["w1"]) @ lp["w2"] + lp["b"], None
+
+        stack = {k: p[k] for k in ("w1", "w2", "b")}
+        h, _ = jax.lax.scan(jax.checkpoint(body), p["emb"][tokens], stack)
+        return jnp.mean(h**2)
+
+    rep = jax.tree.map(lambda _: NamedSharding(mesh8, P()), params)
+    step = jax.jit(jax.grad(loss), in_shardings=(rep, NamedSharding(mesh8, P("d"))),
+                   out_shardings=rep)  # fmt: skip
+    text = step.lower(params, jnp.zeros((16, 32), jnp.int32)).compile().as_text()
+    cs = parse_collectives(text)
+    param_bytes = sum(np.prod(v.shape) * 4 for v in params.values())
+    assert bytes_by_kind(cs) == {"all-reduce": param_bytes}
+    assert wire_bytes_by_kind(cs)["all-reduce"] == pytest.approx(2 * 7 / 8 * param_bytes)
+    assert max(c.count for c in cs) == layers  # the in-scan all-reduce runs once per layer
+
+
+def test_compiled_nested_scans_multiply_trip_counts(mesh8):
+    @partial(jax.shard_map, mesh=mesh8, in_specs=P("d"), out_specs=P("d"))
+    def h(x):
+        def inner(c, _):
+            return c + jax.lax.psum(c, "d") * 0.5, None
+
+        def outer(c, _):
+            c = jax.lax.scan(inner, c, None, length=3)[0]
+            return c + jax.lax.all_gather(c, "d", tiled=True)[:8], None
+
+        return jax.lax.scan(outer, x, None, length=5)[0]
+
+    arg = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh8, P("d")))
+    cs = parse_collectives(jax.jit(h).lower(arg).compile().as_text())
+    assert sorted((c.kind, c.count) for c in cs) == [("all-gather", 5), ("all-reduce", 15)]
+    assert bytes_by_kind(cs) == {"all-reduce": 15 * 512, "all-gather": 5 * 4096}
