@@ -239,7 +239,9 @@ class PlannedStep:
             batch_sh = plan.batch_shardings(batch)
 
             def traced(state, batch, *extra):
-                with activation_rules(plan.activation_rules):
+                # NNX would otherwise read logical names as mesh axes when it rebuilds
+                # Variables inside the step; shardings here come from the plan.
+                with activation_rules(plan.activation_rules), nnx.use_eager_sharding(False):
                     out = self.step_fn(state, batch, *extra)
                 if not isinstance(out, tuple):
                     out = (out,)

@@ -56,14 +56,19 @@ def init_fn(model: Any, tx: optax.GradientTransformation) -> Callable[[jax.Array
 
 
 def train_step(
-    model: Any, tx: optax.GradientTransformation
+    model: Any, tx: optax.GradientTransformation, *, return_grads: bool = False
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """An ordinary ``step(state, batch) -> (state, {"loss": ...})``."""
+    """An ordinary ``step(state, batch) -> (state, {"loss": ...})``.
+
+    With ``return_grads=True`` the metrics also hold the gradients (for tests
+    that compare layouts).
+    """
 
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
         loss, grads = jax.value_and_grad(model.loss)(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        return TrainState(state.step + 1, params, opt_state), {"loss": loss}
+        metrics = {"loss": loss, "grads": grads} if return_grads else {"loss": loss}
+        return TrainState(state.step + 1, params, opt_state), metrics
 
     return step

@@ -1,0 +1,81 @@
+"""Every recipe trains the reference models exactly like one device does."""
+
+import jax
+import numpy as np
+import pytest
+
+import shardkit as sk
+from shardkit import train
+from shardkit.data import MarkovSource
+from shardkit.models import get
+
+STEPS, BATCH, SEQ, LR = 3, 8, 32, 1e-2
+MODELS = ["gpt-tiny", "llama-tiny"]
+
+
+def run_steps(model_name, plan):
+    """Losses of STEPS steps, the first step's gradients, and the final state."""
+    model = get(model_name)
+    tx = train.adamw(LR)
+    source = MarkovSource(vocab=model.config.vocab, seed=0)
+    state = plan.init(train.init_fn(model, tx), jax.random.key(0))
+    step = plan.jit(train.train_step(model, tx, return_grads=True))
+    losses, first_grads = [], None
+    for i in range(STEPS):
+        state, metrics = step(state, plan.shard_batch(source.batch(BATCH, SEQ, i)))
+        losses.append(float(metrics["loss"]))
+        first_grads = metrics["grads"] if first_grads is None else first_grads
+    return losses, first_grads, state
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    cache = {}
+
+    def reference(model_name):
+        if model_name not in cache:
+            cache[model_name] = run_steps(model_name, sk.Plan("dp", devices=jax.devices()[:1]))
+        return cache[model_name]
+
+    return reference
+
+
+@pytest.mark.parametrize("recipe", sk.recipes.names())
+@pytest.mark.parametrize("model_name", MODELS)
+def test_recipe_matches_one_device(model_name, recipe, one_device):
+    ref_losses, ref_grads, ref_state = one_device(model_name)
+    losses, grads, state = run_steps(model_name, sk.Plan(recipe))
+
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+    # Gradients: the same sums in another order, so f32 rounding (~1e-7) relative to the
+    # gradient scale.
+    scale = max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(ref_grads))
+    for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6 * scale)
+
+    # Parameters: Adam divides each coordinate's update by its gradient's RMS, so a
+    # coordinate whose gradient is ~0 (exactly 0 for GPT's key bias: softmax ignores it)
+    # moves by up to LR per step in a direction f32 rounding decides. They are held to 1%
+    # of the largest move Adam can make in STEPS steps.
+    bound = 0.01 * LR * STEPS
+    for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=bound)
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_reference_state_is_born_sharded(model_name):
+    model = get(model_name)
+    plan = sk.Plan("fsdp")
+    tx = train.adamw()
+    state = plan.init(train.init_fn(model, tx), jax.random.key(0))
+    planned = plan.shardings(jax.eval_shape(train.init_fn(model, tx), jax.random.key(0)))
+    sharded = 0
+    for arr, want in zip(jax.tree.leaves(state), jax.tree.leaves(planned), strict=True):
+        assert arr.sharding.is_equivalent_to(want, arr.ndim)
+        shard_shape = want.shard_shape(arr.shape)
+        assert {s.data.shape for s in arr.addressable_shards} == {shard_shape}
+        if shard_shape != arr.shape:
+            sharded += 1
+    # params and both Adam moments of every matrix are sharded, not just a few leaves
+    assert sharded >= 3 * 8
