@@ -213,13 +213,27 @@ class Plan:
         """
         return PlannedStep(self, step_fn, donate_state)
 
-    def lower(self, step_fn: Callable[..., Any], state: Any, batch: Any, *args: Any):
-        """Lower ``step_fn`` for these (possibly abstract) arguments."""
-        return self.jit(step_fn, donate_state=False).lower(state, batch, *args)
+    def lower(
+        self,
+        step_fn: Callable[..., Any],
+        state: Any,
+        batch: Any,
+        *args: Any,
+        donate_state: bool = True,
+    ):
+        """Lower ``step_fn`` for these (possibly abstract) arguments, as ``plan.jit`` would."""
+        return self.jit(step_fn, donate_state=donate_state).lower(state, batch, *args)
 
-    def compile(self, step_fn: Callable[..., Any], state: Any, batch: Any, *args: Any):
+    def compile(
+        self,
+        step_fn: Callable[..., Any],
+        state: Any,
+        batch: Any,
+        *args: Any,
+        donate_state: bool = True,
+    ):
         """Compile ``step_fn`` without running it (arguments may be abstract)."""
-        return self.lower(step_fn, state, batch, *args).compile()
+        return self.lower(step_fn, state, batch, *args, donate_state=donate_state).compile()
 
 
 class PlannedStep:

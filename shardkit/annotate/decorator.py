@@ -103,7 +103,7 @@ def _decorate_linen(cls: T, matcher: PatternAxes) -> T:
     for attr in ("__name__", "__qualname__", "__module__", "__doc__"):
         setattr(boxed, attr, getattr(cls, attr))
     boxed.__shardkit_axes__ = matcher
-    boxed.__wrapped__ = cls
+    boxed.__shardkit_wrapped__ = cls  # not __wrapped__: doctest would collect cls twice
     return boxed  # type: ignore[return-value]
 
 

@@ -1,0 +1,19 @@
+"""Annotated reference models: GPT-2 (flax.linen) and Llama (flax.nnx).
+
+Every parameter carries logical axes (``@sk.axes`` on the module classes) and
+activations are constrained at layer boundaries with ``sk.constrain``, so any
+recipe can shard them. ``get(name, **overrides)`` gives a ``Model`` with
+``init`` / ``apply`` / ``loss``.
+
+Example:
+  >>> from shardkit import models
+  >>> models.names()
+  ['gpt-tiny', 'gpt-small', 'gpt-1b', 'gpt-7b', 'llama-tiny', 'llama-small', 'llama-1b', 'llama-7b']
+  >>> models.get("llama-7b").config.param_count()
+  6738415616
+"""
+
+from shardkit.models.config import CONFIGS, ModelConfig
+from shardkit.models.model import Model, get, names
+
+__all__ = ["CONFIGS", "Model", "ModelConfig", "get", "names"]

@@ -1,0 +1,267 @@
+"""GPT-2 in flax.linen, every parameter annotated with ``@sk.axes``.
+
+Decoder-only: tied token embedding (``logits = x @ wte.T``), learned positions,
+pre-LayerNorm blocks (causal multi-head attention, GELU MLP, biases everywhere),
+final LayerNorm. With ``config.scan`` the blocks are one ``nn.scan`` whose
+parameters carry a leading ``"layers"`` logical axis; otherwise they are
+``layers_0 ... layers_{L-1}``.
+
+Also home of the pieces both reference models share: ``causal_attention`` and
+``checkpoint_policy``.
+
+Example:
+  >>> import jax, jax.numpy as jnp, shardkit as sk
+  >>> from shardkit.models.config import CONFIGS
+  >>> tokens = jnp.zeros((1, 4), jnp.int32)
+  >>> params = jax.eval_shape(GPT(CONFIGS["gpt-tiny"]).init, jax.random.key(0), tokens)
+  >>> sk.logical_axes(params)["params"]["layers"]["attn"]["query"]["kernel"]
+  ('layers', 'embed', 'heads', 'kv')
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+import shardkit as sk
+from shardkit import errors
+from shardkit.models.config import ModelConfig
+
+__all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "causal_attention", "checkpoint_policy"]
+
+# Logical axes of the activations (resolved by the recipe's activation rules).
+RESIDUAL = ("batch", "length", "embed")
+HEADS = ("batch", "length", "heads", "kv")
+HIDDEN = ("batch", "length", "mlp")
+LOGITS = ("batch", "length", "vocab")
+
+INIT_STD = 0.02
+LN_EPS = 1e-5
+
+
+def checkpoint_policy(remat: str) -> Callable[..., Any] | None:
+    """The ``jax.checkpoint`` policy for a ``ModelConfig.remat`` value.
+
+    ``"full"`` saves nothing (``None``: recompute the whole block); ``"save_dots"``
+    keeps matmul results that have no batch dimension.
+
+    Example:
+      >>> checkpoint_policy("full") is None
+      True
+    """
+    if remat == "save_dots":
+        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return None
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention, scores and softmax in f32.
+
+    Args:
+      q, k, v: ``[batch, length, heads, head_dim]`` (k/v already repeated to ``heads``).
+
+    Returns:
+      ``[batch, length, heads, head_dim]`` in ``v``'s dtype.
+
+    Example:
+      >>> x = jnp.ones((1, 3, 2, 4))
+      >>> causal_attention(x, x, x).shape
+      (1, 3, 2, 4)
+    """
+    seq = q.shape[1]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    scores = scores.astype(jnp.float32) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
+
+
+@sk.axes(
+    {
+        r"^(query|key|value)/kernel$": ("embed", "heads", "kv"),
+        r"^(query|key|value)/bias$": ("heads", "kv"),
+        r"^out/kernel$": ("heads", "kv", "embed"),
+        r"^out/bias$": ("embed",),
+    }
+)
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with separate q/k/v projections.
+
+    Kernels: q/k/v ``(embed, heads, kv)``, out ``(heads, kv, embed)``.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> attn = CausalSelfAttention(CONFIGS["gpt-tiny"])
+      >>> p = jax.eval_shape(attn.init, jax.random.key(0), jnp.ones((1, 4, 64)))
+      >>> p["params"]["query"]["kernel"].names
+      ('embed', 'heads', 'kv')
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+
+        def project(name: str) -> jax.Array:
+            y = nn.DenseGeneral(
+                (cfg.n_heads, cfg.head_dim),
+                axis=-1,
+                dtype=cfg.dtype,
+                param_dtype=cfg.param_dtype,
+                kernel_init=nn.initializers.normal(INIT_STD),
+                name=name,
+            )(x)
+            return sk.constrain(y, HEADS)
+
+        q, k, v = project("query"), project("key"), project("value")
+        y = causal_attention(q, k, v)
+        return nn.DenseGeneral(
+            cfg.d_model,
+            axis=(-2, -1),
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
+            name="out",
+        )(y)
+
+
+@sk.axes(
+    {
+        r"^up/kernel$": ("embed", "mlp"),
+        r"^up/bias$": ("mlp",),
+        r"^down/kernel$": ("mlp", "embed"),
+        r"^down/bias$": ("embed",),
+    }
+)
+class Mlp(nn.Module):
+    """GELU MLP: ``down(gelu(up(x)))``; kernels ``(embed, mlp)`` and ``(mlp, embed)``.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> p = jax.eval_shape(Mlp(CONFIGS["gpt-tiny"]).init, jax.random.key(0), jnp.ones((1, 4, 64)))
+      >>> p["params"]["down"]["kernel"].names
+      ('mlp', 'embed')
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        h = nn.Dense(
+            cfg.d_ff,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=nn.initializers.normal(INIT_STD),
+            name="up",
+        )(x)
+        h = sk.constrain(nn.gelu(h), HIDDEN)
+        return nn.Dense(
+            cfg.d_model,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
+            name="down",
+        )(h)
+
+
+@sk.axes({r"^ln_[12]/(scale|bias)$": ("embed",)})
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block; ``(x, _) -> (x, None)`` so ``nn.scan`` can stack it.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> block = Block(CONFIGS["gpt-tiny"])
+      >>> x = jnp.ones((1, 4, 64))
+      >>> y, _ = jax.eval_shape(lambda k: block.apply(block.init(k, x), x), jax.random.key(0))
+      >>> y.shape
+      (1, 4, 64)
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+        cfg = self.config
+        norm = dict(epsilon=LN_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        x = sk.constrain(x, RESIDUAL)
+        x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(**norm, name="ln_1")(x))
+        x = sk.constrain(x, RESIDUAL)
+        x = x + Mlp(cfg, name="mlp")(nn.LayerNorm(**norm, name="ln_2")(x))
+        return sk.constrain(x, RESIDUAL), None
+
+
+@sk.axes(
+    {
+        r"^wte/embedding$": ("vocab", "embed"),
+        r"^wpe/embedding$": (None, "embed"),
+        r"^ln_f/(scale|bias)$": ("embed",),
+    }
+)
+class GPT(nn.Module):
+    """GPT-2 language model: ``int32[batch, seq]`` tokens to ``f32[batch, seq, vocab]`` logits.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> model = GPT(CONFIGS["gpt-tiny"])
+      >>> tokens = jnp.zeros((2, 8), jnp.int32)
+      >>> forward = lambda key: model.apply(sk.unbox(model.init(key, tokens)), tokens)
+      >>> jax.eval_shape(forward, jax.random.key(0)).shape
+      (2, 8, 256)
+    """
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        seq = tokens.shape[-1]
+        if seq > cfg.max_seq:
+            raise errors.ShardingError(
+                f"GPT: sequence length {seq} exceeds max_seq {cfg.max_seq} (rows of the "
+                f"position table).\nFix: get(..., max_seq={seq}) or shorter sequences."
+            )
+        embed = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        wte = nn.Embed(
+            cfg.vocab,
+            cfg.d_model,
+            embedding_init=nn.initializers.normal(INIT_STD),
+            name="wte",
+            **embed,
+        )
+        wpe = nn.Embed(
+            cfg.max_seq,
+            cfg.d_model,
+            embedding_init=nn.initializers.normal(INIT_STD / 2),
+            name="wpe",
+            **embed,
+        )
+        x = wte(tokens) + wpe(jnp.arange(seq)[None, :])
+        x = sk.constrain(x.astype(cfg.dtype), RESIDUAL)
+
+        block: Any = Block
+        if cfg.remat != "none":
+            block = nn.remat(Block, prevent_cse=not cfg.scan, policy=checkpoint_policy(cfg.remat))
+        if cfg.scan:
+            stack = nn.scan(
+                block,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                length=cfg.n_layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = stack(cfg, name="layers")(x)
+        else:
+            for i in range(cfg.n_layers):
+                x, _ = block(cfg, name=f"layers_{i}")(x)
+
+        x = nn.LayerNorm(epsilon=LN_EPS, name="ln_f", **embed)(x)
+        logits = wte.attend(x).astype(jnp.float32)
+        return sk.constrain(logits, LOGITS)

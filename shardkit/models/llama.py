@@ -1,0 +1,259 @@
+"""Llama in flax.nnx, every parameter annotated with ``@sk.axes``.
+
+RMSNorm, rotary position embeddings (half-split form), SwiGLU MLP, grouped-query
+attention (``n_kv_heads`` key/value heads, repeated to ``n_heads``), untied
+output head, no biases. With ``config.scan`` the blocks are built once under
+``nnx.vmap`` (parameters get a leading ``"layers"`` logical axis) and run with
+``jax.lax.scan`` over their stacked state; otherwise they are an ``nnx.List``.
+
+Build NNX modules with ``nnx.use_eager_sharding(False)``: the annotations are
+logical names, which flax would otherwise try to apply as mesh axes at creation.
+
+Example:
+  >>> import jax, jax.numpy as jnp, shardkit as sk
+  >>> from flax import nnx
+  >>> from shardkit.models.config import CONFIGS
+  >>> cfg = CONFIGS["llama-tiny"]
+  >>> with nnx.use_eager_sharding(False):   # abstract: shapes and metadata only
+  ...     model = nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+  ...     forward = lambda tokens: Llama(cfg, rngs=nnx.Rngs(0))(tokens)
+  ...     logits = jax.eval_shape(forward, jnp.zeros((2, 8), jnp.int32))
+  >>> sk.logical_axes(nnx.state(model, nnx.Param))["layers"]["attn"]["wk"]["kernel"]
+  ('layers', 'embed', 'kv_heads', 'kv')
+  >>> logits.shape
+  (2, 8, 256)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+import shardkit as sk
+from shardkit.models.config import ModelConfig
+from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, causal_attention, checkpoint_policy
+
+__all__ = ["Llama", "Block", "Attention", "Mlp", "rope_tables", "apply_rope"]
+
+KV_HEADS = ("batch", "length", "kv_heads", "kv")
+INIT_STD = 0.02
+NORM_EPS = 1e-5
+ROPE_THETA = 10000.0
+
+
+def rope_tables(seq: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """``cos`` and ``sin`` of the rotary angles, each ``f32[seq, head_dim // 2]``.
+
+    Example:
+      >>> cos, sin = rope_tables(4, 8)
+      >>> cos.shape, float(cos[0, 0]), float(sin[0, 0])
+      ((4, 4), 1.0, 0.0)
+    """
+    inv_freq = 1.0 / ROPE_THETA ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate ``x[batch, seq, heads, head_dim]`` by position (half-split pairs), in f32.
+
+    Example:
+      >>> x = jnp.ones((1, 4, 2, 8))
+      >>> bool(jnp.allclose(apply_rope(x, *rope_tables(4, 8))[:, 0], x[:, 0]))
+      True
+    """
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def _normal() -> nnx.Initializer:
+    return nnx.initializers.normal(INIT_STD)
+
+
+@sk.axes(
+    {
+        r"^wq/kernel$": ("embed", "heads", "kv"),
+        r"^w[kv]/kernel$": ("embed", "kv_heads", "kv"),
+        r"^wo/kernel$": ("heads", "kv", "embed"),
+    }
+)
+class Attention(nnx.Module):
+    """Grouped-query causal attention with RoPE; k/v have ``n_kv_heads`` heads.
+
+    Kernels: q ``(embed, heads, kv)``, k/v ``(embed, kv_heads, kv)``, out ``(heads, kv, embed)``.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> with nnx.use_eager_sharding(False):
+      ...     attn = nnx.eval_shape(lambda: Attention(CONFIGS["llama-tiny"], rngs=nnx.Rngs(0)))
+      >>> attn.wk.kernel.shape, attn.wk.kernel.out_sharding
+      ((64, 4, 8), ('embed', 'kv_heads', 'kv'))
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        cfg = config
+        d, hd = cfg.d_model, cfg.head_dim
+        proj = functools.partial(
+            nnx.Einsum,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=_normal(),
+            rngs=rngs,
+        )
+        self.wq = proj("bsd,dhk->bshk", (d, cfg.n_heads, hd))
+        self.wk = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd))
+        self.wv = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd))
+        self.wo = proj("bshk,hkd->bsd", (cfg.n_heads, hd, d))
+        self.n_rep = cfg.n_heads // cfg.n_kv_heads
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        q = apply_rope(sk.constrain(self.wq(x), HEADS), cos, sin)
+        k = apply_rope(sk.constrain(self.wk(x), KV_HEADS), cos, sin)
+        v = sk.constrain(self.wv(x), KV_HEADS)
+        if self.n_rep > 1:
+            k = sk.constrain(jnp.repeat(k, self.n_rep, axis=2), HEADS)
+            v = sk.constrain(jnp.repeat(v, self.n_rep, axis=2), HEADS)
+        return self.wo(causal_attention(q, k, v))
+
+
+@sk.axes({r"^(gate|up)/kernel$": ("embed", "mlp"), r"^down/kernel$": ("mlp", "embed")})
+class Mlp(nnx.Module):
+    """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, no biases.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> with nnx.use_eager_sharding(False):
+      ...     mlp = nnx.eval_shape(lambda: Mlp(CONFIGS["llama-tiny"], rngs=nnx.Rngs(0)))
+      >>> mlp.down.kernel.out_sharding
+      ('mlp', 'embed')
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        cfg = config
+        linear = functools.partial(
+            nnx.Linear,
+            use_bias=False,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=_normal(),
+            rngs=rngs,
+        )
+        self.gate = linear(cfg.d_model, cfg.d_ff)
+        self.up = linear(cfg.d_model, cfg.d_ff)
+        self.down = linear(cfg.d_ff, cfg.d_model)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = sk.constrain(nnx.silu(self.gate(x)) * self.up(x), HIDDEN)
+        return self.down(h)
+
+
+def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
+    return nnx.RMSNorm(
+        cfg.d_model, epsilon=NORM_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
+    )
+
+
+@sk.axes({r"^(attn_norm|mlp_norm)/scale$": ("embed",)})
+class Block(nnx.Module):
+    """Pre-RMSNorm transformer block: attention then SwiGLU, each residual.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> with nnx.use_eager_sharding(False):
+      ...     block = lambda x: Block(CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))(x, *rope_tables(4, 8))
+      ...     y = jax.eval_shape(block, jnp.ones((1, 4, 64)))
+      >>> y.shape
+      (1, 4, 64)
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.attn_norm = _rms_norm(config, rngs)
+        self.attn = Attention(config, rngs=rngs)
+        self.mlp_norm = _rms_norm(config, rngs)
+        self.mlp = Mlp(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        x = sk.constrain(x, RESIDUAL)
+        x = sk.constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
+        return sk.constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+
+@sk.axes(
+    {
+        r"^embed/embedding$": ("vocab", "embed"),
+        r"^norm/scale$": ("embed",),
+        r"^head/kernel$": ("embed", "vocab"),
+    }
+)
+class Llama(nnx.Module):
+    """Llama language model: ``int32[batch, seq]`` tokens to ``f32[batch, seq, vocab]`` logits.
+
+    Example:
+      >>> from shardkit.models.config import CONFIGS
+      >>> with nnx.use_eager_sharding(False):
+      ...     model = nnx.eval_shape(lambda: Llama(CONFIGS["llama-tiny"], rngs=nnx.Rngs(0)))
+      >>> model.head.kernel.out_sharding
+      ('embed', 'vocab')
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        cfg = config
+        self.config = cfg
+        self.embed = nnx.Embed(
+            cfg.vocab,
+            cfg.d_model,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            embedding_init=_normal(),
+            rngs=rngs,
+        )
+        if cfg.scan:
+
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def make_layers(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.layers = make_layers(rngs)
+        else:
+            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.norm = _rms_norm(cfg, rngs)
+        self.head = nnx.Linear(
+            cfg.d_model,
+            cfg.vocab,
+            use_bias=False,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=_normal(),
+            rngs=rngs,
+        )
+
+    def _block_fn(self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array):
+        """``(state, x) -> x`` running one block, wrapped in ``jax.checkpoint`` per ``remat``."""
+
+        def run(state: nnx.State, x: jax.Array) -> jax.Array:
+            return nnx.merge(graphdef, state)(x, cos, sin)
+
+        cfg = self.config
+        if cfg.remat == "none":
+            return run
+        return jax.checkpoint(run, prevent_cse=not cfg.scan, policy=checkpoint_policy(cfg.remat))
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.config
+        x = sk.constrain(self.embed(tokens).astype(cfg.dtype), RESIDUAL)
+        cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
+        if cfg.scan:
+            graphdef, state = nnx.split(self.layers)
+            run = self._block_fn(graphdef, cos, sin)
+            x, _ = jax.lax.scan(lambda h, layer: (run(layer, h), None), x, state)
+        else:
+            for layer in self.layers:
+                graphdef, state = nnx.split(layer)
+                x = self._block_fn(graphdef, cos, sin)(state, x)
+        logits = self.head(self.norm(x)).astype(jnp.float32)
+        return sk.constrain(logits, LOGITS)
