@@ -6,10 +6,10 @@ Example:
   P('data', None)
 """
 
+from shardkit import recipes
 from shardkit.annotate import LogicalAxes, PathAxes, axes, constrain, logical_axes, unbox
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError
-from shardkit import recipes
 from shardkit.mesh import make_mesh
 from shardkit.plan import Plan
 from shardkit.rules import Rules

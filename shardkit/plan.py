@@ -137,7 +137,10 @@ class Plan:
         existing = [self._existing(x) for x in leaves]
         if any(s is None for s in existing):
             planned = self.leaves(tree)
-            existing = [s or NamedSharding(self.mesh, p.spec) for s, p in zip(existing, planned, strict=True)]
+            existing = [
+                s or NamedSharding(self.mesh, p.spec)
+                for s, p in zip(existing, planned, strict=True)
+            ]
         return jax.tree_util.tree_unflatten(treedef, existing)
 
     def _existing(self, x: Any) -> NamedSharding | None:

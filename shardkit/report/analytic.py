@@ -1,0 +1,350 @@
+"""What a layout *should* cost per device: memory (ZeRO, Megatron) and wire bytes (ring).
+
+shardkit's measured numbers are set against these: a guide to the limit a layout can
+reach, not a bound. Wire bytes use DESIGN.md's ring model (all-reduce 2(N−1)/N × operand,
+all-gather (N−1)/N × result, reduce-scatter (N−1)/N × operand); kinds with no traffic are
+left out, as in the measured ``wire_bytes_by_kind``.
+
+References:
+  Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+  Models", arXiv:1910.02054. Korthikanti et al. 2022, "Reducing Activation Recomputation in
+  Large Transformer Models", arXiv:2205.05198.
+
+Example:
+  >>> wire_bytes("fsdp", psi=1e6, n=8)
+  {'all-gather': 7000000.0, 'reduce-scatter': 3500000.0}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from shardkit.errors import ShardingError
+
+__all__ = [
+    "RECIPES", "AnalyticMemory", "AnalyticModel", "analytic_model",
+    "megatron_activations_per_layer", "wire_bytes", "wire_bytes_hybrid", "zero_memory",
+]  # fmt: skip
+
+#: Recipe name → (mesh axes it uses, data-axis kind, tensor-axis kind).
+RECIPES: dict[str, tuple[tuple[str, ...], str, str]] = {
+    "dp": (("data",), "dp", "tp"), "zero1": (("data",), "zero1", "tp"),
+    "fsdp": (("fsdp",), "dp", "tp"), "tp": (("tensor",), "dp", "tp"),
+    "tp_sp": (("tensor",), "dp", "tp_sp"), "cp": (("sequence",), "dp", "tp"),
+    "dp_fsdp": (("data", "fsdp"), "dp", "tp"), "fsdp_tp": (("fsdp", "tensor"), "dp", "tp"),
+    "dp_tp_sp": (("data", "tensor"), "dp", "tp_sp"), "fsdp_cp": (("fsdp", "sequence"), "dp", "tp"),
+}  # fmt: skip
+_AXES = ("data", "fsdp", "tensor", "sequence")
+_KIND_AXIS = {"dp": "data", "zero1": "data", "zero2": "data", "fsdp": "fsdp", "zero3": "fsdp",
+              "tp": "tensor", "tp_sp": "tensor", "cp": "sequence"}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyticMemory:
+    """Bytes per device of the training state and activations."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        """Sum of the four parts."""
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def to_dict(self) -> dict[str, float]:
+        """``params``, ``grads``, ``optimizer``, ``activations`` and ``total``."""
+        return {**dataclasses.asdict(self), "total": self.total}
+
+
+@dataclasses.dataclass(frozen=True)
+class AnalyticModel:
+    """Analytic cost of one (model config, recipe, mesh, batch, seq).
+
+    Attributes:
+      memory: bytes per device.
+      wire_bytes_by_kind: ring wire bytes per device per step, by collective kind.
+      notes: the formulas used, with their numbers, human-readable.
+    """
+
+    memory: AnalyticMemory
+    wire_bytes_by_kind: dict[str, float]
+    notes: tuple[str, ...]
+
+
+def zero_memory(psi: float, n: int, stage: Literal[0, 1, 2, 3], *, k: float = 12,
+                param_bytes: float = 2, grad_bytes: float = 2) -> AnalyticMemory:  # fmt: skip
+    """ZeRO bytes per device of the model state (no activations).
+
+    Stage 0 (DP): (2+2+K)Ψ; 1: 2Ψ+2Ψ+KΨ/N; 2: 2Ψ+(2+K)Ψ/N; 3: (2+2+K)Ψ/N, for
+    mixed-precision Adam (K=12: f32 master copy, m and v). For f32 Adam pass
+    ``param_bytes=4, grad_bytes=4, k=8``.
+
+    Args:
+      psi: parameter count Ψ.
+      n: data-parallel degree N.
+      stage: 0 (replicated), 1 (optimizer sharded), 2 (+ gradients), 3 (+ parameters).
+      k: optimizer bytes per parameter K.
+      param_bytes: bytes per parameter; grad_bytes: bytes per gradient value.
+
+    Returns:
+      An :class:`AnalyticMemory` with ``activations=0``.
+
+    References:
+      Rajbhandari et al. 2019 (ZeRO), section 5 and figure 1; Korthikanti et al. 2022.
+
+    Example:
+      >>> [round(zero_memory(7.5e9, 64, s).total / 1e9, 1) for s in (0, 1, 2, 3)]
+      [120.0, 31.4, 16.6, 1.9]
+    """
+    if stage not in (0, 1, 2, 3) or n < 1:
+        raise ShardingError(f"zero_memory: stage is 0..3 and n >= 1, got stage={stage}, n={n}.")
+    return AnalyticMemory(params=param_bytes * psi / (n if stage >= 3 else 1),
+                          grads=grad_bytes * psi / (n if stage >= 2 else 1),
+                          optimizer=k * psi / n if stage >= 1 else k * psi, activations=0.0)  # fmt: skip
+
+
+def megatron_activations_per_layer(
+    s: float, b: float, h: float, a: float, *, t: int = 1,
+    mode: Literal["none", "tp", "tp_sp", "full_recompute"], bytes_per_value: float = 2,
+) -> float:  # fmt: skip
+    """Activation bytes one transformer layer keeps for the backward pass.
+
+    none ``sbh(34 + 5as/h)``; tp ``sbh(10 + 24/t + 5as/(ht))``; tp_sp
+    ``sbh(34/t + 5as/(ht))``; full_recompute ``2sbh`` (the layer input only). The paper's
+    constants assume 16-bit activations (and count dropout masks at one byte); the result
+    is scaled by ``bytes_per_value / 2``.
+
+    Args:
+      s: sequence length; b: micro-batch; h: hidden size; a: attention heads.
+      t: tensor-parallel degree (unused by ``none`` and ``full_recompute``).
+      mode: which of the paper's cases.
+      bytes_per_value: bytes of one activation value (4 for f32).
+
+    Returns:
+      Bytes per device per layer.
+
+    References:
+      Korthikanti et al. 2022, sections 4.1-4.2 and table 2; Rajbhandari et al. 2019.
+
+    Example:
+      >>> megatron_activations_per_layer(2048, 1, 12288, 96, t=8, mode="tp")
+      578813952.0
+    """
+    sbh, attn = s * b * h, 5 * a * s / h
+    per_mode = {"none": 34 + attn, "tp": 10 + 24 / t + attn / t, "tp_sp": 34 / t + attn / t,
+                "full_recompute": 2}  # fmt: skip
+    if mode not in per_mode:
+        raise ShardingError(f"mode is one of {list(per_mode)}, got {mode!r}.")
+    return float(sbh * per_mode[mode] * bytes_per_value / 2)
+
+
+def wire_bytes(recipe_kind: str, *, psi: float, n: int, bytes_per_value: float = 4,
+               layers: int | None = None, b: float | None = None, s: float | None = None,
+               h: float | None = None, vocab: int | None = None, t: int | None = None,
+               h_kv: float | None = None) -> dict[str, float]:  # fmt: skip
+    """Ring wire bytes per device per step of one pure layout, by collective kind.
+
+    - ``dp``: gradient all-reduce, ``2Ψ·B·(N−1)/N``.
+    - ``zero1``/``zero2``: gradient reduce-scatter + parameter all-gather, ``Ψ·B·(N−1)/N``
+      each (the same 2Ψ as DP).
+    - ``fsdp``/``zero3``: all-gather of the weights forward and again backward,
+      ``2Ψ·B·(N−1)/N``, and a gradient reduce-scatter, ``Ψ·B·(N−1)/N`` (3Ψ in all).
+    - ``tp`` (Megatron, degree ``t``, default ``n``): per layer 2 all-reduces of ``b·s·h``
+      forward (after attention, after the MLP) and 2 backward (their inputs' gradients).
+      With ``vocab`` given the embedding and loss are vocab-parallel and add the embedding
+      output's all-reduce (forward), the head input-gradient all-reduce (backward), both of
+      ``b·s·h``, and the cross-entropy's 3 forward all-reduces of ``b·s`` (max logit, target
+      logit, sum of exponentials; its backward is local).
+    - ``tp_sp``: the same volume; each ``b·s·h`` all-reduce becomes a reduce-scatter +
+      all-gather pair (half the bytes each); the cross-entropy's stay all-reduces.
+    - ``cp`` (context parallel, all-gather attention): gradient all-reduce as DP, plus per
+      layer an all-gather of K and V forward and a reduce-scatter of dK, dV backward,
+      ``2·b·s·h_kv·B·(N−1)/N`` each (a ring permute moves the same bytes).
+
+    Args:
+      recipe_kind: one of the kinds above.
+      psi: parameter count Ψ; n: group size N.
+      bytes_per_value: bytes B of a parameter, gradient or activation value.
+      layers, b, s, h: layers, global batch, full sequence, hidden size (tp, tp_sp, cp).
+      vocab: count the vocab-parallel embedding and loss (tp, tp_sp); t: tensor degree.
+      h_kv: width of K (and of V) for cp, ``n_kv_heads·head_dim``; defaults to ``h``.
+
+    Returns:
+      ``{kind: bytes}`` for the kinds with traffic.
+
+    References:
+      Rajbhandari et al. 2019, section 7; Korthikanti et al. 2022, section 4.2.
+
+    Example:
+      >>> wire_bytes("dp", psi=1e6, n=8)
+      {'all-reduce': 7000000.0}
+    """
+    if recipe_kind not in _KIND_AXIS:
+        raise ShardingError(f"Unknown recipe kind {recipe_kind!r}; known: {list(_KIND_AXIS)}.")
+    axis = _KIND_AXIS[recipe_kind]
+    size = t if axis == "tensor" and t is not None else n
+    data_kind = recipe_kind if axis == "data" else "dp"
+    tensor_kind = recipe_kind if axis == "tensor" else "tp"
+    return _hybrid({axis: size}, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
+                   tensor_kind)[0]  # fmt: skip
+
+
+def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_value: float = 4,
+                      layers: int | None = None, b: float | None = None, s: float | None = None,
+                      h: float | None = None, vocab: int | None = None, h_kv: float | None = None,
+                      data_kind: Literal["dp", "zero1", "zero2"] = "dp",
+                      tensor_kind: Literal["tp", "tp_sp"] = "tp") -> dict[str, float]:  # fmt: skip
+    """Ring wire bytes per device per step of a layout over several mesh axes, by kind.
+
+    The parts add up, each over its own group, nested ``data ⊃ sequence ⊃ fsdp ⊃ tensor``:
+
+    - ``tensor`` (t): shards the layer weights, so every other part runs on Ψ/t; its
+      activation collectives (see :func:`wire_bytes`) use the batch of one tensor group,
+      ``b/(data·fsdp)``, and the local sequence ``s/sequence``.
+    - ``fsdp`` (f): ZeRO-3 on Ψ/t over f (all-gathers ``2(Ψ/t)``, reduce-scatter ``Ψ/t``).
+    - ``data`` (d) and ``sequence`` (c) hold replicas of the remaining Ψ/(t·f) shard: one
+      gradient all-reduce over the d·c devices (or ZeRO-1/2's reduce-scatter + all-gather
+      with ``data_kind``); ``sequence`` adds the K/V all-gather and dK/dV reduce-scatter over
+      c of ``2·(b/(d·f))·s·(h_kv/t)`` per layer.
+
+    A size-1 axis moves nothing, so a hybrid with one axis of size 1 is the pure layout.
+
+    Args:
+      axis_sizes: mesh axis sizes, e.g. ``{"data": 2, "fsdp": 4}``; missing axes are 1.
+      psi, bytes_per_value, layers, b, s, h, vocab, h_kv: as :func:`wire_bytes`
+        (``b`` and ``s`` are the global batch and the full sequence).
+      data_kind: what the data axis runs: ``dp``, ``zero1`` or ``zero2``.
+      tensor_kind: what the tensor axis runs: ``tp`` or ``tp_sp``.
+
+    Returns:
+      ``{kind: bytes}`` for the kinds with traffic.
+
+    References:
+      Rajbhandari et al. 2019; Korthikanti et al. 2022.
+
+    Example:
+      >>> wire_bytes_hybrid({"data": 2, "fsdp": 4}, psi=1e6)
+      {'all-gather': 6000000.0, 'reduce-scatter': 3000000.0, 'all-reduce': 1000000.0}
+    """
+    return _hybrid(axis_sizes, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
+                   tensor_kind)[0]  # fmt: skip
+
+
+def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind):
+    """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`."""
+    unknown = sorted(set(axis_sizes) - set(_AXES))
+    if unknown or any(not isinstance(v, int) or v < 1 for v in axis_sizes.values()):
+        raise ShardingError(f"axis_sizes {dict(axis_sizes)}: axes are {_AXES} with sizes >= 1.")
+    if data_kind not in ("dp", "zero1", "zero2") or tensor_kind not in ("tp", "tp_sp"):
+        raise ShardingError(f"data_kind {data_kind!r} / tensor_kind {tensor_kind!r} unknown.")
+    d, f, t, c = (axis_sizes.get(a, 1) for a in _AXES)
+    if (t > 1 or c > 1) and None in (layers, b, s, h):
+        raise ShardingError(f"axis_sizes {dict(axis_sizes)}: tensor/sequence parallelism needs "
+                            "layers=, b=, s= and h= (the activation sizes).")  # fmt: skip
+    out: dict[str, float] = {}
+    notes: list[str] = []
+
+    def add(kind: str, volume: float, group: int, factor: float, note: str) -> None:
+        if group > 1 and volume > 0:
+            out[kind] = out.get(kind, 0.0) + factor * volume * nbytes * (group - 1) / group
+            notes.append(f"{kind} over {group}: {note}")
+
+    if f > 1:
+        add("all-gather", psi / t, f, 2, "fsdp weights forward + backward, 2·(Ψ/t)·B·(f−1)/f")
+        add("reduce-scatter", psi / t, f, 1, "fsdp gradients, (Ψ/t)·B·(f−1)/f")
+    shard, replicas = psi / (t * f), d * c
+    if data_kind == "dp":
+        add("all-reduce", shard, replicas, 2, "gradients, 2·(Ψ/(t·f))·B·(n−1)/n")
+    else:
+        add("reduce-scatter", shard, replicas, 1, f"{data_kind} gradients, (Ψ/(t·f))·B·(n−1)/n")
+        add("all-gather", shard, replicas, 1, f"{data_kind} parameters, (Ψ/(t·f))·B·(n−1)/n")
+    if t > 1:
+        bsh = b / (d * f) * (s / c) * h
+        n_ar = 4 * layers + (2 if vocab is not None else 0)
+        if tensor_kind == "tp":
+            add("all-reduce", n_ar * bsh, t, 2, f"{n_ar} all-reduces of b·s·h, Megatron TP")
+        else:
+            for kind in ("reduce-scatter", "all-gather"):
+                add(kind, n_ar * bsh, t, 1, f"{n_ar} pairs for b·s·h all-reduces, TP+SP")
+        if vocab is not None:
+            add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s")
+    if c > 1:
+        kv = 2 * layers * b / (d * f) * s * (h if h_kv is None else h_kv) / t
+        add("all-gather", kv, c, 1, "K and V per layer forward, 2·L·b·s·h_kv/t")
+        add("reduce-scatter", kv, c, 1, "dK and dV per layer backward, 2·L·b·s·h_kv/t")
+    return out, notes
+
+
+def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, batch: int,
+                   seq: int, bytes_per_value: int = 4,
+                   remat: str | None = None) -> AnalyticModel:  # fmt: skip
+    """The analytic memory per device and wire bytes per step of a recipe on a mesh.
+
+    Memory (f32 Adam by default): params ``BΨ``, grads ``BΨ``, optimizer ``2BΨ`` (m, v in
+    the parameter dtype), each divided by the degrees that shard it: tensor and fsdp shard
+    all three (Megatron's layer weights treated as Ψ/t), ``zero1`` shards the optimizer
+    over data too. Activations: :func:`megatron_activations_per_layer` × ``n_layers`` at the
+    per-device micro-batch ``batch/(data·fsdp)`` and sequence ``seq/sequence`` (mode ``tp``
+    or ``tp_sp`` under tensor recipes, ``full_recompute`` with remat ``"full"``), plus the
+    logits ``b·s·vocab·B`` (÷t, vocab-parallel, under tensor recipes). This is a guide, not
+    a bound: it ignores the backward pass's transient buffers, the layer being recomputed,
+    XLA's temporaries, and ``save_dots`` (counted as no remat).
+
+    Args:
+      config: a :class:`shardkit.models.ModelConfig` (or anything with ``vocab``,
+        ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``remat``, ``param_count()``).
+      recipe_name: one of :data:`RECIPES`.
+      mesh: mesh axis sizes (``data``, ``fsdp``, ``tensor``, ``sequence``); axes the
+        recipe does not use must be absent or 1.
+      batch: global batch; seq: sequence length.
+      bytes_per_value: bytes B of a parameter, gradient and activation value.
+      remat: overrides ``config.remat`` when given.
+
+    Returns:
+      An :class:`AnalyticModel`.
+
+    References:
+      Rajbhandari et al. 2019; Korthikanti et al. 2022.
+
+    Example:
+      >>> from shardkit.models import CONFIGS
+      >>> m = analytic_model(CONFIGS["gpt-tiny"], "fsdp", {"fsdp": 8}, batch=8, seq=128)
+      >>> m.memory.params == 4 * CONFIGS["gpt-tiny"].param_count() / 8
+      True
+    """
+    if recipe_name not in RECIPES:
+        raise ShardingError(f"Unknown recipe {recipe_name!r} for the analytic model. "
+                            f"Known recipes: {', '.join(RECIPES)}.")  # fmt: skip
+    axes, data_kind, tensor_kind = RECIPES[recipe_name]
+    extra = {a: v for a, v in mesh.items() if a not in axes and v != 1}
+    if extra:
+        raise ShardingError(f"Recipe {recipe_name!r} uses mesh axes {axes}; mesh {dict(mesh)} "
+                            f"also sizes {extra}.\nFix: drop those axes or set them to 1.")  # fmt: skip
+    sizes = {a: mesh.get(a, 1) for a in axes}
+    d, f, t, c = (sizes.get(a, 1) for a in _AXES)
+    psi, nb = config.param_count(), bytes_per_value
+    remat = config.remat if remat is None else remat
+    mode = "full_recompute" if remat == "full" else tensor_kind if t > 1 else "none"
+    b, s, opt_degree = batch / (d * f), seq / c, t * f * (d if data_kind == "zero1" else 1)
+    state, opt = psi / (t * f), psi / opt_degree
+    per_layer = megatron_activations_per_layer(s, b, config.d_model, config.n_heads, t=t,
+                                               mode=mode, bytes_per_value=nb)  # fmt: skip
+    logits = b * s * config.vocab * nb / t
+    memory = AnalyticMemory(params=nb * state, grads=nb * state, optimizer=2 * nb * opt,
+                            activations=config.n_layers * per_layer + logits)  # fmt: skip
+    h_kv = config.n_kv_heads * (config.d_model // config.n_heads)
+    wire, wire_notes = _hybrid(sizes, psi, nb, config.n_layers, batch, seq, config.d_model,
+                               config.vocab, h_kv, data_kind, tensor_kind)  # fmt: skip
+    notes = (
+        f"Ψ = {psi:,} parameters, {recipe_name} on {sizes}, B = {nb} bytes per value",
+        f"state: params {nb}Ψ/{t * f}, grads {nb}Ψ/{t * f}, optimizer {2 * nb}Ψ/{opt_degree} "
+        "(ZeRO, Rajbhandari et al. 2019)",
+        f"activations: {config.n_layers} layers × Megatron '{mode}' (Korthikanti et al. 2022) "
+        f"at b={b:g}, s={s:g}, t={t}, + logits b·s·V·B/{t}; a guide, not a bound",
+        *wire_notes,
+    )
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes)

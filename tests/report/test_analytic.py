@@ -1,0 +1,279 @@
+"""Tests for shardkit.report.analytic: the ZeRO / Megatron analytic cost of a layout."""
+
+import pytest
+
+from shardkit.errors import ShardingError
+from shardkit.models import CONFIGS, ModelConfig
+from shardkit.report.analytic import (
+    RECIPES,
+    AnalyticMemory,
+    analytic_model,
+    megatron_activations_per_layer,
+    wire_bytes,
+    wire_bytes_hybrid,
+    zero_memory,
+)
+
+PSI = 1_234_567
+
+
+def ring(n: int) -> float:
+    return (n - 1) / n
+
+
+# ---------------------------------------------------------------- ZeRO memory
+
+
+@pytest.mark.parametrize("stage, gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_worked_example(stage, gb):
+    """ZeRO paper, figure 1: Ψ = 7.5B, N = 64, K = 12."""
+    m = zero_memory(7.5e9, 64, stage)
+    assert abs(m.total - gb * 1e9) < 0.05e9
+    assert m.activations == 0
+
+
+def test_zero_stages_shard_what_they_say():
+    m = [zero_memory(PSI, 8, s, k=8, param_bytes=4, grad_bytes=4) for s in range(4)]
+    assert m[0] == AnalyticMemory(4 * PSI, 4 * PSI, 8 * PSI, 0.0)
+    assert m[1] == AnalyticMemory(4 * PSI, 4 * PSI, PSI, 0.0)
+    assert m[2] == AnalyticMemory(4 * PSI, PSI / 2, PSI, 0.0)
+    assert m[3].total == pytest.approx(16 * PSI / 8)
+
+
+def test_memory_to_dict():
+    d = AnalyticMemory(1.0, 2.0, 3.0, 4.0).to_dict()
+    assert d == {"params": 1.0, "grads": 2.0, "optimizer": 3.0, "activations": 4.0, "total": 10.0}
+
+
+@pytest.mark.parametrize("stage, n", [(4, 8), (1, 0)])
+def test_zero_rejects_bad_input(stage, n):
+    with pytest.raises(ShardingError, match="stage"):
+        zero_memory(PSI, n, stage)
+
+
+# ---------------------------------------------------------------- Megatron activations
+
+SBH = 2048 * 1 * 12288  # GPT-3 175B layer: s=2048, b=1, h=12288, a=96, t=8; 5as/h = 80
+GPT3 = {"none": SBH * 114, "tp": SBH * 23, "tp_sp": SBH * 14.25, "full_recompute": SBH * 2}
+
+
+@pytest.mark.parametrize("mode", list(GPT3))
+def test_megatron_gpt3_layer(mode):
+    got = megatron_activations_per_layer(2048, 1, 12288, 96, t=8, mode=mode)
+    assert got == pytest.approx(GPT3[mode])
+    f32 = megatron_activations_per_layer(2048, 1, 12288, 96, t=8, mode=mode, bytes_per_value=4)
+    assert f32 == pytest.approx(2 * GPT3[mode])
+
+
+def test_megatron_ordering_and_t1():
+    def act(mode, t=8):
+        return megatron_activations_per_layer(2048, 1, 12288, 96, t=t, mode=mode)
+
+    assert act("none") > act("tp") > act("tp_sp") > act("full_recompute")
+    assert act("tp", t=1) == act("tp_sp", t=1) == act("none")
+
+
+def test_megatron_unknown_mode():
+    with pytest.raises(ShardingError, match="full_recompute"):
+        megatron_activations_per_layer(8, 1, 8, 1, mode="selective")
+
+
+# ---------------------------------------------------------------- wire bytes
+
+ACT = dict(layers=3, b=8, s=16, h=32)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_wire_dp_fsdp_zero(n):
+    dp = wire_bytes("dp", psi=PSI, n=n)
+    assert sum(dp.values()) == pytest.approx(2 * PSI * 4 * ring(n))
+    assert set(dp) <= {"all-reduce"}
+    fsdp = wire_bytes("fsdp", psi=PSI, n=n)
+    assert sum(fsdp.values()) == pytest.approx(3 * PSI * 4 * ring(n))
+    assert fsdp.get("all-gather", 0) == pytest.approx(2 * PSI * 4 * ring(n))
+    assert wire_bytes("zero3", psi=PSI, n=n) == fsdp
+    for kind in ("zero1", "zero2"):
+        z = wire_bytes(kind, psi=PSI, n=n)
+        assert sum(z.values()) == pytest.approx(sum(dp.values()))
+        assert z.get("reduce-scatter", 0) == pytest.approx(z.get("all-gather", 0))
+
+
+def test_wire_one_device_moves_nothing():
+    for kind in ("dp", "zero1", "fsdp", "tp", "tp_sp", "cp"):
+        assert wire_bytes(kind, psi=PSI, n=1, vocab=64, **ACT) == {}
+
+
+def test_wire_tp_hand_computed():
+    layers, b, s, h, t, v = 2, 4, 16, 32, 4, 100
+    layer_ar = 4 * layers * 2 * ring(t) * b * s * h * 4
+    embed_head_ar = 2 * 2 * ring(t) * b * s * h * 4
+    loss_ar = 3 * 2 * ring(t) * b * s * 4
+    kw = dict(psi=PSI, n=t, layers=layers, b=b, s=s, h=h)
+    assert wire_bytes("tp", **kw) == {"all-reduce": pytest.approx(layer_ar)}
+    got = wire_bytes("tp", vocab=v, **kw)
+    assert got == {"all-reduce": pytest.approx(layer_ar + embed_head_ar + loss_ar)}
+    assert wire_bytes("tp", **{**kw, "n": 99}, t=t) == wire_bytes("tp", **kw)  # t overrides n
+
+
+@pytest.mark.parametrize("vocab", [None, 50])
+def test_wire_tp_sp_same_total_as_tp(vocab):
+    tp = wire_bytes("tp", psi=PSI, n=4, vocab=vocab, **ACT)
+    sp = wire_bytes("tp_sp", psi=PSI, n=4, vocab=vocab, **ACT)
+    assert sum(sp.values()) == pytest.approx(sum(tp.values()))
+    assert sp["reduce-scatter"] == pytest.approx(sp["all-gather"])
+    assert ("all-reduce" in sp) == (vocab is not None)  # only the loss's b·s all-reduces
+
+
+def test_wire_cp():
+    got = wire_bytes("cp", psi=PSI, n=4, h_kv=16, **ACT)
+    kv = 2 * 3 * 8 * 16 * 16 * 4 * ring(4)
+    assert got == pytest.approx(
+        {"all-reduce": 2 * PSI * 4 * ring(4), "all-gather": kv, "reduce-scatter": kv}
+    )
+
+
+def test_wire_errors():
+    with pytest.raises(ShardingError, match="known"):
+        wire_bytes("pp", psi=PSI, n=2)
+    with pytest.raises(ShardingError, match="layers="):
+        wire_bytes("tp", psi=PSI, n=2)
+    with pytest.raises(ShardingError, match="axes are"):
+        wire_bytes_hybrid({"pipe": 2}, psi=PSI)
+
+
+@pytest.mark.parametrize(
+    "axes, kind, n",
+    [
+        ({"data": 1, "fsdp": 4}, "fsdp", 4),
+        ({"data": 4, "fsdp": 1}, "dp", 4),
+        ({"fsdp": 1, "tensor": 4}, "tp", 4),
+        ({"fsdp": 4, "tensor": 1}, "fsdp", 4),
+        ({"data": 1, "tensor": 4}, "tp_sp", 4),
+        ({"fsdp": 1, "sequence": 4}, "cp", 4),
+    ],
+)
+def test_hybrid_reduces_to_pure(axes, kind, n):
+    tensor_kind = "tp_sp" if kind == "tp_sp" else "tp"
+    hybrid = wire_bytes_hybrid(axes, psi=PSI, vocab=64, tensor_kind=tensor_kind, **ACT)
+    assert hybrid == pytest.approx(wire_bytes(kind, psi=PSI, n=n, vocab=64, **ACT))
+
+
+def test_hybrid_data_fsdp():
+    d, f = 2, 4
+    got = wire_bytes_hybrid({"data": d, "fsdp": f}, psi=PSI)
+    assert got == pytest.approx(
+        {
+            "all-gather": 2 * PSI * 4 * ring(f),
+            "reduce-scatter": PSI * 4 * ring(f),
+            "all-reduce": 2 * (PSI / f) * 4 * ring(d),
+        }
+    )
+    z = wire_bytes_hybrid({"data": d, "fsdp": f}, psi=PSI, data_kind="zero1")
+    assert sum(z.values()) == pytest.approx(sum(got.values()))
+
+
+def test_hybrid_fsdp_tp():
+    f, t = 2, 4
+    got = wire_bytes_hybrid({"fsdp": f, "tensor": t}, psi=PSI, **ACT)
+    tp = wire_bytes("tp", psi=PSI, n=t, **{**ACT, "b": ACT["b"] / f})  # per-fsdp-group batch
+    fsdp = wire_bytes("fsdp", psi=PSI / t, n=f)  # FSDP over Ψ/t
+    assert got == pytest.approx({k: tp.get(k, 0) + fsdp.get(k, 0) for k in {*tp, *fsdp}})
+
+
+def test_hybrid_bad_kinds():
+    with pytest.raises(ShardingError, match="data_kind"):
+        wire_bytes_hybrid({"data": 2}, psi=PSI, data_kind="zero9")
+
+
+# ---------------------------------------------------------------- analytic_model
+
+MESHES = {
+    "dp": {"data": 8},
+    "zero1": {"data": 8},
+    "fsdp": {"fsdp": 8},
+    "tp": {"tensor": 8},
+    "tp_sp": {"tensor": 4},
+    "cp": {"sequence": 4},
+    "dp_fsdp": {"data": 2, "fsdp": 4},
+    "fsdp_tp": {"fsdp": 4, "tensor": 2},
+    "dp_tp_sp": {"data": 2, "tensor": 4},
+    "fsdp_cp": {"fsdp": 2, "sequence": 4},
+}
+DEGREES = {  # (data, fsdp, tensor, sequence)
+    name: tuple(mesh.get(a, 1) for a in ("data", "fsdp", "tensor", "sequence"))
+    for name, mesh in MESHES.items()
+}
+
+
+def test_recipe_table_is_covered():
+    assert set(MESHES) == set(RECIPES)
+
+
+@pytest.mark.parametrize("config_name", ["gpt-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", list(MESHES))
+def test_analytic_model_each_recipe(name, config_name):
+    cfg = CONFIGS[config_name]
+    psi, (d, f, t, c) = cfg.param_count(), DEGREES[name]
+    m = analytic_model(cfg, name, MESHES[name], batch=16, seq=64)
+    assert m.memory.params == pytest.approx(4 * psi / (t * f))
+    assert m.memory.grads == pytest.approx(4 * psi / (t * f))
+    opt_degree = t * f * (d if name == "zero1" else 1)
+    assert m.memory.optimizer == pytest.approx(8 * psi / opt_degree)
+    mode = {"tp": "tp", "fsdp_tp": "tp", "tp_sp": "tp_sp", "dp_tp_sp": "tp_sp"}.get(name, "none")
+    b, s = 16 / (d * f), 64 / c
+    layer = megatron_activations_per_layer(
+        s, b, cfg.d_model, cfg.n_heads, t=t, mode=mode, bytes_per_value=4
+    )
+    logits = b * s * cfg.vocab * 4 / t
+    assert m.memory.activations == pytest.approx(cfg.n_layers * layer + logits)
+    assert m.wire_bytes_by_kind and all(v > 0 for v in m.wire_bytes_by_kind.values())
+    assert any("Korthikanti" in n for n in m.notes) and any("ZeRO" in n for n in m.notes)
+
+
+def test_analytic_model_matches_zero_and_wire_bytes():
+    cfg = CONFIGS["gpt-tiny"]
+    psi = cfg.param_count()
+    for name, stage in [("dp", 0), ("zero1", 1), ("fsdp", 3)]:
+        m = analytic_model(cfg, name, MESHES[name], batch=8, seq=32)
+        z = zero_memory(psi, 8, stage, k=8, param_bytes=4, grad_bytes=4)
+        assert m.memory.total - m.memory.activations == pytest.approx(z.total)
+        kind = "fsdp" if name == "fsdp" else name
+        assert m.wire_bytes_by_kind == pytest.approx(wire_bytes(kind, psi=psi, n=8))
+
+
+@pytest.mark.parametrize(
+    "hybrid, mesh, pure",
+    [
+        ("dp_fsdp", {"data": 1, "fsdp": 4}, "fsdp"),
+        ("dp_fsdp", {"data": 4, "fsdp": 1}, "dp"),
+        ("fsdp_tp", {"fsdp": 1, "tensor": 4}, "tp"),
+        ("dp_tp_sp", {"data": 1, "tensor": 4}, "tp_sp"),
+        ("fsdp_cp", {"fsdp": 1, "sequence": 4}, "cp"),
+    ],
+)
+def test_analytic_hybrid_reduces_to_pure(hybrid, mesh, pure):
+    cfg = CONFIGS["llama-tiny"]
+    pure_mesh = {a: v for a, v in mesh.items() if v > 1}
+    h = analytic_model(cfg, hybrid, mesh, batch=8, seq=32)
+    p = analytic_model(cfg, pure, pure_mesh, batch=8, seq=32)
+    assert h.memory == p.memory
+    assert h.wire_bytes_by_kind == pytest.approx(p.wire_bytes_by_kind)
+
+
+def test_analytic_model_remat_and_stand_in_config():
+    cfg = ModelConfig("gpt", vocab=128, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4,
+                      d_ff=256, max_seq=64, remat="full")  # fmt: skip
+    full = analytic_model(cfg, "dp", {"data": 2}, batch=4, seq=64)
+    none = analytic_model(cfg, "dp", {"data": 2}, batch=4, seq=64, remat="none")
+    assert full.memory.activations == pytest.approx(4 * 2 * 64 * 2 * 64 * 2 + 2 * 64 * 128 * 4)
+    assert none.memory.activations > full.memory.activations
+    assert none.wire_bytes_by_kind == full.wire_bytes_by_kind
+
+
+def test_analytic_model_errors():
+    cfg = CONFIGS["gpt-tiny"]
+    with pytest.raises(ShardingError, match="Known recipes: dp, zero1, fsdp"):
+        analytic_model(cfg, "pipeline", {"data": 8}, batch=8, seq=32)
+    with pytest.raises(ShardingError, match="tensor"):
+        analytic_model(cfg, "dp", {"data": 4, "tensor": 2}, batch=8, seq=32)
+    assert analytic_model(cfg, "dp", {"data": 8, "tensor": 1}, batch=8, seq=32)
