@@ -168,10 +168,14 @@ class Plan:
         """
         with nnx.use_eager_sharding(False):
             abstract = jax.eval_shape(init_fn, *args)
-        shardings = self.shardings(abstract)
-        plain = unbox(abstract)
-        return jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), plain, shardings
+        shardings = jax.tree.leaves(self.shardings(abstract))
+        leaves, treedef = jax.tree.flatten(unbox(abstract))
+        return jax.tree.unflatten(
+            treedef,
+            [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                for x, s in zip(leaves, shardings, strict=True)
+            ],
         )
 
     def init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
@@ -184,9 +188,19 @@ class Plan:
         """
         with nnx.use_eager_sharding(False):
             abstract = jax.eval_shape(init_fn, *args)
-            shardings = self.shardings(abstract)
+            # Flat leaves in and out: NNX objects carry static fields (an optimizer's
+            # ``tx``) that need not compare equal between two calls of ``init_fn``.
+            shardings = jax.tree.leaves(self.shardings(abstract))
+            structure = []
+
+            def flat_init(*a):
+                leaves, treedef = jax.tree.flatten(unbox(init_fn(*a)))
+                structure.append(treedef)
+                return leaves
+
             with jax.set_mesh(self.mesh):
-                return jax.jit(lambda *a: unbox(init_fn(*a)), out_shardings=shardings)(*args)
+                leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
+        return jax.tree.unflatten(structure[-1], leaves)
 
     def shard_batch(self, host_batch: Any) -> Any:
         """Global batch arrays from host arrays.
