@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.annotate.constrain import activation_rules
+from shardkit.annotate.constrain import activation_rules, param_rules
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.patterns import PatternAxes
@@ -272,7 +272,11 @@ class PlannedStep:
             def traced(state, batch, *extra):
                 # NNX would otherwise read logical names as mesh axes when it rebuilds
                 # Variables inside the step; shardings here come from the plan.
-                with activation_rules(plan.activation_rules), nnx.use_eager_sharding(False):
+                with (
+                    activation_rules(plan.activation_rules),
+                    param_rules(plan.rules),
+                    nnx.use_eager_sharding(False),
+                ):
                     out = self.step_fn(state, batch, *extra)
                 if not isinstance(out, tuple):
                     out = (out,)

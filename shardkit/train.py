@@ -37,11 +37,13 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
-def adamw(learning_rate: float = 1e-2, weight_decay: float = 0.0) -> optax.GradientTransformation:
+def adamw(
+    learning_rate: float = 1e-2, weight_decay: float = 0.0, eps: float = 1e-8
+) -> optax.GradientTransformation:
     """AdamW with global-norm clipping at 1.0 (the optimizer every recipe uses)."""
     return optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(learning_rate, b1=0.9, b2=0.95, weight_decay=weight_decay),
+        optax.adamw(learning_rate, b1=0.9, b2=0.95, eps=eps, weight_decay=weight_decay),
     )
 
 

@@ -22,31 +22,65 @@ from jax.sharding import AxisType
 
 from shardkit.rules import Rules
 
-__all__ = ["constrain", "activation_rules", "current_activation_rules"]
+__all__ = [
+    "activation_rules",
+    "constrain",
+    "constrain_param",
+    "current_activation_rules",
+    "current_param_rules",
+    "param_rules",
+]
 
 _STATE = threading.local()
 
 
-def current_activation_rules() -> Rules | None:
-    """The rules set by the innermost ``activation_rules`` context, if any."""
-    stack = getattr(_STATE, "stack", None)
-    return stack[-1] if stack else None
+def _stack(kind: str) -> list[Rules | None]:
+    stack = getattr(_STATE, kind, None)
+    if stack is None:
+        stack = []
+        setattr(_STATE, kind, stack)
+    return stack
 
 
 @contextlib.contextmanager
-def activation_rules(rules: Rules | Sequence[Any] | None) -> Iterator[None]:
-    """Make ``rules`` the ones ``sk.constrain`` resolves with, restoring on exit.
-
-    ``sk.Plan`` enters this around tracing, so model code never names rules.
-    """
-    stack = getattr(_STATE, "stack", None)
-    if stack is None:
-        stack = _STATE.stack = []
+def _using(kind: str, rules: Rules | Sequence[Any] | None) -> Iterator[None]:
+    stack = _stack(kind)
     stack.append(None if rules is None else Rules(rules))
     try:
         yield
     finally:
         stack.pop()
+
+
+def current_activation_rules() -> Rules | None:
+    """The rules set by the innermost ``activation_rules`` context, if any."""
+    stack = _stack("activations")
+    return stack[-1] if stack else None
+
+
+def current_param_rules() -> Rules | None:
+    """The rules set by the innermost ``param_rules`` context, if any."""
+    stack = _stack("params")
+    return stack[-1] if stack else None
+
+
+def activation_rules(rules: Rules | Sequence[Any] | None):
+    """Make ``rules`` the ones ``sk.constrain`` resolves with, restoring on exit.
+
+    ``sk.Plan`` enters this around tracing, so model code never names rules.
+    """
+    return _using("activations", rules)
+
+
+def param_rules(rules: Rules | Sequence[Any] | None):
+    """Make ``rules`` the ones parameters are constrained with where they are used.
+
+    ``sk.Plan`` enters this around tracing. ``@sk.axes`` linen modules then pin
+    each parameter they read (inside a layer scan: each layer's slice) to its
+    planned sharding, so XLA gathers weights just in time and reduce-scatters
+    their gradients instead of all-reducing them.
+    """
+    return _using("params", rules)
 
 
 def _active_mesh() -> Any:
@@ -74,7 +108,23 @@ def constrain(
     mesh = _active_mesh()
     if rules is None or mesh is None:
         return x
-    spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path="activation")
+    return _pin(x, rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path="activation"), mesh)
+
+
+def constrain_param(
+    x: jax.Array, logical: Sequence[str | None], *, path: Any = "param"
+) -> jax.Array:
+    """``constrain`` with the active ``param_rules`` (a no-op without them)."""
+    rules = current_param_rules()
+    if rules is None:
+        return x
+    mesh = _active_mesh()
+    if mesh is None:
+        return x
+    return _pin(x, rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path), mesh)
+
+
+def _pin(x: jax.Array, spec: Any, mesh: Any) -> jax.Array:
     if all(t == AxisType.Explicit for t in mesh.axis_types):
         return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)

@@ -34,6 +34,7 @@ import jax
 from flax import nnx
 
 from shardkit import errors
+from shardkit.annotate.constrain import constrain_param, current_param_rules
 from shardkit.annotate.flax_meta import is_annotated_leaf, stored_axes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.paths import path_str
@@ -90,11 +91,27 @@ def _box_tree(variables: Any, matcher: PatternAxes, owner: str) -> Any:
     return {**variables, "params": params}
 
 
+def _pin_params(variables: Any, matcher: PatternAxes, owner: str) -> Any:
+    """Constrain each plain parameter read by the module to its planned sharding."""
+    if current_param_rules() is None or "params" not in variables:
+        return variables
+
+    def pin(path, leaf):
+        if is_annotated_leaf(leaf):  # during init: values are still boxed
+            return leaf
+        rel = path_str(path)
+        names = matcher.match(rel, leaf.shape, where=f"{owner}: {rel}")
+        return leaf if names is None else constrain_param(leaf, names, path=f"{owner}/{rel}")
+
+    params = jax.tree_util.tree_map_with_path(pin, variables["params"], is_leaf=is_annotated_leaf)
+    return {**variables, "params": params}
+
+
 def _decorate_linen(cls: T, matcher: PatternAxes) -> T:
     boxed = nn.map_variables(
         cls,
         "params",
-        trans_in_fn=lambda tree: tree,
+        trans_in_fn=functools.partial(_pin_params, matcher=matcher, owner=cls.__name__),
         trans_out_fn=functools.partial(_box_tree, matcher=matcher, owner=cls.__name__),
         init=True,
         mutable=True,

@@ -7,7 +7,7 @@ Example:
   >>> from shardkit.models.config import CONFIGS
   >>> cfg = CONFIGS["llama-tiny"]
   >>> cfg.head_dim, cfg.param_count()
-  (8, 155968)
+  (4, 155968)
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ CONFIGS: dict[str, ModelConfig] = {
     "gpt-small": _gpt(50304, 768, 12, 12, 3072, 1024),
     "gpt-1b": _gpt(50304, 2048, 24, 16, 8192, 2048),
     "gpt-7b": _gpt(50304, 4096, 32, 32, 16384, 2048),
-    "llama-tiny": _llama(256, 64, 2, 8, 4, 256, 128),
+    "llama-tiny": _llama(256, 64, 2, 16, 8, 256, 128),  # 8 kv heads: TP over 8 devices
     "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 1024),
     "llama-1b": _llama(32000, 2048, 16, 32, 8, 8192, 2048),
     "llama-7b": _llama(32000, 4096, 32, 32, 32, 11008, 4096),

@@ -91,7 +91,7 @@ class Attention(nnx.Module):
       >>> with nnx.use_eager_sharding(False):
       ...     attn = nnx.eval_shape(lambda: Attention(CONFIGS["llama-tiny"], rngs=nnx.Rngs(0)))
       >>> attn.wk.kernel.shape, attn.wk.kernel.out_sharding
-      ((64, 4, 8), ('embed', 'kv_heads', 'kv'))
+      ((64, 8, 4), ('embed', 'kv_heads', 'kv'))
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -164,7 +164,7 @@ class Block(nnx.Module):
     Example:
       >>> from shardkit.models.config import CONFIGS
       >>> with nnx.use_eager_sharding(False):
-      ...     block = lambda x: Block(CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))(x, *rope_tables(4, 8))
+      ...     block = lambda x: Block(CONFIGS["llama-tiny"], rngs=nnx.Rngs(0))(x, *rope_tables(4, 4))
       ...     y = jax.eval_shape(block, jnp.ones((1, 4, 64)))
       >>> y.shape
       (1, 4, 64)

@@ -3,7 +3,7 @@
 Example:
   >>> import shardkit as sk
   >>> sk.recipes.names()
-  ['dp', 'fsdp', 'zero1']
+  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp']
 """
 
 from __future__ import annotations
@@ -20,6 +20,11 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp": catalogue.dp,
     "fsdp": catalogue.fsdp,
     "zero1": catalogue.zero1,
+    "tp": catalogue.tp,
+    "tp_sp": catalogue.tp_sp,
+    "dp_fsdp": catalogue.dp_fsdp,
+    "fsdp_tp": catalogue.fsdp_tp,
+    "dp_tp_sp": catalogue.dp_tp_sp,
 }
 
 

@@ -9,10 +9,16 @@ from __future__ import annotations
 from shardkit.recipes.recipe import Recipe
 from shardkit.rules import Rules
 
-__all__ = ["dp", "fsdp", "zero1"]
+__all__ = ["dp", "dp_fsdp", "dp_tp_sp", "fsdp", "fsdp_tp", "tp", "tp_sp", "zero1"]
 
 #: Names the reference models use for activations (see shardkit/models).
 _REPLICATED_ACTIVATIONS = [("length", None), ("embed", None), ("heads", None), ("mlp", None)]
+
+#: Megatron tensor parallelism: attention heads, MLP hidden units and the vocabulary
+#: split over ``tensor``. Column-parallel kernels shard their output dimension
+#: (q/k/v: heads; up/gate: mlp), row-parallel kernels their input (out: heads; down:
+#: mlp); the embedding and the logits are vocab-parallel.
+_TENSOR = [("heads", "tensor"), ("kv_heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")]
 
 
 def dp() -> Recipe:
@@ -65,4 +71,93 @@ def zero1() -> Recipe:
         rules=Rules([]),
         activation_rules=Rules([("batch", "data"), *_REPLICATED_ACTIVATIONS]),
         optimizer_rules=Rules([("vocab", "data"), ("embed", "data")]),
+    )
+
+
+def dp_fsdp() -> Recipe:
+    """Hybrid sharded data parallel (HSDP): FSDP within ``fsdp``, replicas over ``data``.
+
+    State is sharded over ``fsdp`` and replicated over ``data``; the batch is split over
+    both. Memory per device: 16Ψ/F (F = fsdp size). Wire: 3Ψ·4·(F−1)/F within each fsdp
+    group, plus an all-reduce of the Ψ/F gradient shard over ``data``:
+    2(Ψ/F)·4·(D−1)/D. Use when one fsdp group is enough to fit the model and the
+    network across groups is slower than within them.
+    """
+    return Recipe(
+        name="dp_fsdp",
+        summary="HSDP: FSDP over 'fsdp', replicas over 'data' (2×4 on 8 devices)",
+        mesh_axes=(("data", 2), ("fsdp", -1)),
+        rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),
+        activation_rules=Rules([("batch", ("data", "fsdp")), *_REPLICATED_ACTIVATIONS]),
+    )
+
+
+def tp() -> Recipe:
+    """Megatron tensor parallel over ``tensor`` (Shoeybi et al. 2019).
+
+    Column-parallel q/k/v and MLP-up kernels, row-parallel attention-out and MLP-down
+    kernels, vocab-parallel embedding and loss. Memory per device: 16Ψ/T of state (the
+    layer weights; norms are replicated and small). Wire per layer and step: 2
+    all-reduces of b·s·h forward and 2 backward, plus the embedding and the
+    vocab-parallel loss. Needs heads (and kv heads) divisible by T.
+    """
+    return Recipe(
+        name="tp",
+        summary="Megatron tensor parallel: heads, MLP and vocab split over 'tensor'",
+        mesh_axes=(("tensor", -1),),
+        rules=Rules(_TENSOR),
+        activation_rules=Rules([("batch", None), *_TENSOR, *_REPLICATED_ACTIVATIONS]),
+    )
+
+
+def tp_sp() -> Recipe:
+    """Megatron tensor parallel plus sequence parallel (Korthikanti et al. 2022).
+
+    As ``tp``, and the regions between the tensor-parallel blocks (LayerNorm, residual,
+    dropout) are split along ``length`` over ``tensor``: activation memory per layer
+    drops from sbh(10 + 24/t + 5as/(ht)) to sbh(34/t + 5as/(ht)); each all-reduce
+    becomes a reduce-scatter plus an all-gather of the same total volume.
+    """
+    return Recipe(
+        name="tp_sp",
+        summary="tensor + sequence parallel: 'length' split over 'tensor' between blocks",
+        mesh_axes=(("tensor", -1),),
+        rules=Rules(_TENSOR),
+        activation_rules=Rules(
+            [("batch", None), *_TENSOR, ("length", "tensor"), *_REPLICATED_ACTIVATIONS]
+        ),
+    )
+
+
+def fsdp_tp() -> Recipe:
+    """FSDP over ``fsdp`` combined with Megatron TP over ``tensor`` (2×4 on 8 devices).
+
+    Each weight is split over ``tensor`` the Megatron way and its other (``embed``)
+    dimension over ``fsdp``. Memory per device: 16Ψ/(F·T). Wire: FSDP's 3(Ψ/T)·4·(F−1)/F
+    plus TP's activation all-reduces over ``tensor`` for a batch of B/F.
+    """
+    return Recipe(
+        name="fsdp_tp",
+        summary="FSDP over 'fsdp' × Megatron TP over 'tensor' (2×4 on 8 devices)",
+        mesh_axes=(("fsdp", -1), ("tensor", 4)),
+        rules=Rules([*_TENSOR, ("embed", "fsdp")]),
+        activation_rules=Rules([("batch", "fsdp"), *_TENSOR, *_REPLICATED_ACTIVATIONS]),
+    )
+
+
+def dp_tp_sp() -> Recipe:
+    """Data parallel over ``data`` × tensor + sequence parallel over ``tensor`` (2×4).
+
+    Megatron's usual layout inside and across nodes: TP+SP within a node (``tensor``),
+    replicas across (``data``). Wire: TP+SP's reduce-scatters and all-gathers of
+    activations over ``tensor``, plus an all-reduce of the Ψ/T gradient over ``data``.
+    """
+    return Recipe(
+        name="dp_tp_sp",
+        summary="data parallel × tensor + sequence parallel (2×4 on 8 devices)",
+        mesh_axes=(("data", -1), ("tensor", 4)),
+        rules=Rules(_TENSOR),
+        activation_rules=Rules(
+            [("batch", "data"), *_TENSOR, ("length", "tensor"), *_REPLICATED_ACTIVATIONS]
+        ),
     )

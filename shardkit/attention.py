@@ -1,0 +1,278 @@
+"""Causal attention over a sequence sharded across devices (context parallelism).
+
+``causal_attention(q, k, v)`` computes the same causal softmax attention under
+three strategies, chosen with ``use_attention`` (a recipe's ``attention`` names one):
+
+- ``"dense"``: one einsum over the whole sequence; GSPMD shards it as it sees fit.
+  The reference, and the right choice when the sequence is not sharded.
+- ``"allgather"``: each device all-gathers K and V along the sequence axis and
+  attends its local queries to them. Simple and fast for moderate sequences.
+  Per device, forward: an all-gather of K/V moving 2·b·s·h·d·bytes·(N−1)/N;
+  scores [b, h, s/N, s]; the backward reduce-scatters dK/dV (same volume).
+- ``"ring"``: ring attention. Each device keeps its query block while K/V blocks
+  travel around the ring, combined by an online softmax (f32 running max and
+  sum). Per device, forward: (N−1) collective-permutes of the local K/V block,
+  2·b·(s/N)·h·d·bytes each; scores of one block at a time: [b, h, s/N, s/N] for
+  the device's own block, [b, h, s/N, s/(2N)] for the others, never [s/N, s].
+  Use it when the sequence is too long for allgather.
+
+Ring load balancing (zigzag): the sequence is cut into 2N chunks and device i
+attends for chunks i and 2N−1−i, so under causal masking every device does the
+same work, and each off-diagonal step computes only the unmasked half of a block
+(selected with ``lax.cond``). Callers pass the ordinary contiguous layout:
+``causal_attention`` moves q, k, v into zigzag order inside the ``shard_map`` and
+the output back, with 4 partial collective-permutes each way that send at most
+one local block per device (b·(s/N)·h·d·bytes for each of q, k, v and the
+output), i.e. 4/(2(N−1)) of the ring's own traffic, paid on every call.
+
+Memory of the backward pass: the ring's gradient is JAX's autodiff of the
+forward. Each step is rematerialized (``jax.checkpoint``), so no score block is
+kept, but the scan saves the K/V block of every step: ≈ the full K/V per device,
+as for allgather. A hand-written ring backward would avoid that.
+
+Without an active mesh (``jax.set_mesh``), or when the mesh lacks the sequence
+axis or it has size 1, ``"ring"`` and ``"allgather"`` fall back to ``"dense"``.
+Batch and head dimensions are sharded as the active ``activation_rules`` map
+``("batch", "length", "heads", "kv")``; the length dimension always goes on the
+sequence axis and ``kv`` (head_dim) is never sharded inside attention.
+
+References:
+  Liu, Zaharia, Abbeel (2023), Ring Attention with Blockwise Transformers for
+  Near-Infinite Context. Brandon et al. (2023), Striped Attention: Faster Ring
+  Attention for Causal Transformers (load balancing; the zigzag layout is the one
+  used for context parallelism in e.g. Llama 3).
+
+Example:
+  >>> import jax.numpy as jnp
+  >>> from shardkit.attention import causal_attention
+  >>> q = jnp.ones((1, 4, 2, 8))
+  >>> causal_attention(q, q, q).shape   # no mesh: dense
+  (1, 4, 2, 8)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from collections.abc import Iterator
+from typing import Any, Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec
+
+from shardkit.annotate.constrain import current_activation_rules
+from shardkit.errors import ShardingError
+from shardkit.rules import Rules
+
+__all__ = ["AttentionStrategy", "causal_attention", "current_attention", "use_attention"]
+
+AttentionStrategy = Literal["dense", "ring", "allgather"]
+_LOGICAL = ("batch", "length", "heads", "kv")
+_NEG = float(jnp.finfo(jnp.float32).min)
+_STATE = threading.local()
+
+
+def _stack() -> list[tuple[AttentionStrategy, str]]:
+    stack = getattr(_STATE, "attention", None)
+    if stack is None:
+        stack = _STATE.attention = []
+    return stack
+
+
+@contextlib.contextmanager
+def use_attention(strategy: AttentionStrategy, *, axis: str = "sequence") -> Iterator[None]:
+    """Make ``causal_attention`` use ``strategy`` over mesh axis ``axis``, restoring on exit.
+
+    The strategy is read when ``causal_attention`` is traced, and ``jax.jit``
+    caches traces by function and arguments, not by this context: jit a fresh
+    function (or clear its cache) to trace the same step under another strategy.
+    """
+    if strategy not in get_args(AttentionStrategy):
+        raise ShardingError(
+            f"Unknown attention strategy {strategy!r}.\nFix: use one of "
+            f"{list(get_args(AttentionStrategy))}."
+        )
+    stack = _stack()
+    stack.append((strategy, axis))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def current_attention() -> tuple[AttentionStrategy, str]:
+    """``(strategy, axis)`` of the innermost ``use_attention``; ``("dense", "sequence")`` if none."""
+    stack = _stack()
+    return stack[-1] if stack else ("dense", "sequence")
+
+
+def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    return s * (1.0 / math.sqrt(q.shape[-1]))
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array):
+    """Softmax attention of ``q`` to ``k``/``v``, masked to ``kpos <= qpos``, f32 [b,q,h,d]."""
+    s = jnp.where(qpos[:, None] >= kpos[None, :], _scores(q, k), _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """The reference; K/V sharded on length by an Explicit mesh are gathered first."""
+    k, v = (_unshard_length(x) for x in (k, v))
+    pos = jnp.arange(q.shape[1])
+    return _attend(q, k, v, pos, pos).astype(q.dtype)
+
+
+def _unshard_length(x: jax.Array) -> jax.Array:
+    sharding = jax.typeof(x).sharding
+    spec = tuple(getattr(sharding, "spec", ()))
+    if len(spec) < 2 or spec[1] is None:
+        return x
+    return jax.sharding.reshard(x, sharding.update(spec=PartitionSpec(spec[0], None, *spec[2:])))
+
+
+def _online(carry: tuple, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any = None) -> tuple:
+    """Fold one K/V block into the running (max, sum, acc) of an online softmax."""
+    m, denom, acc = carry
+    s = _scores(q, k)
+    if mask is not None:
+        s = jnp.where(mask, s, _NEG)
+    m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
+    p = jnp.exp(s - m_new[..., None])
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def _zigzag(x: jax.Array, axis: str, n: int, *, inverse: bool = False) -> jax.Array:
+    """Move 2n sequence chunks (2 per device, on dim 2) from contiguous to zigzag order.
+
+    Contiguous: chunk g is slot g % 2 of device g // 2. Zigzag: device i holds
+    chunks i (slot 0) and 2n-1-i (slot 1). One partial collective-permute per
+    (source slot, destination slot) pair; devices that receive nothing from one
+    get zeros, so the sum over source slots is exact.
+    """
+    src = [(g // 2, g % 2) for g in range(2 * n)]
+    dst = [(g, 0) if g < n else (2 * n - 1 - g, 1) for g in range(2 * n)]
+    if inverse:
+        src, dst = dst, src
+    c = x.shape[2] // 2
+    slots = (x[:, :, :c], x[:, :, c:])
+    out = []
+    for b in (0, 1):
+        parts = []
+        for a in (0, 1):
+            perm = [(s[0], d[0]) for s, d in zip(src, dst, strict=True) if (s[1], d[1]) == (a, b)]
+            if perm:
+                parts.append(jax.lax.ppermute(slots[a], axis, perm))
+        out.append(sum(parts[1:], parts[0]))
+    return jnp.concatenate(out, axis=2)
+
+
+def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
+    """Per-device body of zigzag load-balanced ring attention (contiguous layout in/out)."""
+    q, k, v = _zigzag(jnp.stack([q, k, v]), axis, n)
+    b, s, h, d = q.shape
+    c = s // 2
+    r = jax.lax.axis_index(axis)
+    pos = jnp.concatenate([r * c + jnp.arange(c), (2 * n - 1 - r) * c + jnp.arange(c)])
+    init = (jnp.full((b, h, s), _NEG), jnp.zeros((b, h, s)), jnp.zeros((b, h, s, d)))
+    carry = _online(init, q, k, v, pos[:, None] >= pos[None, :])  # own block: causal mask
+
+    def lower(carry: tuple, kv: jax.Array) -> tuple:  # source r' < r: all rows, first chunk
+        return _online(carry, q, kv[0, :, :c], kv[1, :, :c])
+
+    def upper(carry: tuple, kv: jax.Array) -> tuple:  # source r' > r: second chunk rows only
+        hi = _online(tuple(x[:, :, c:] for x in carry), q[:, c:], kv[0], kv[1])
+        return tuple(
+            jnp.concatenate([x[:, :, :c], y], axis=2) for x, y in zip(carry, hi, strict=True)
+        )
+
+    @jax.checkpoint
+    def fold(carry: tuple, kv: jax.Array, below: jax.Array) -> tuple:
+        return jax.lax.cond(below, lower, upper, carry, kv)
+
+    def step(t: jax.Array, state: tuple) -> tuple:
+        kv, carry = state
+        kv = jax.lax.ppermute(kv, axis, [(j, (j + 1) % n) for j in range(n)])
+        return kv, fold(carry, kv, (r - t) % n < r)
+
+    _, (_, denom, acc) = jax.lax.fori_loop(1, n, step, (jnp.stack([k, v]), carry))
+    out = (acc / denom[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
+    return _zigzag(out[None], axis, n, inverse=True)[0]
+
+
+def _allgather(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
+    """Per-device body of all-gather attention: local queries against the full K/V."""
+    k, v = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
+    s = q.shape[1]
+    qpos = jax.lax.axis_index(axis) * s + jnp.arange(s)
+    return _attend(q, k, v, qpos, jnp.arange(n * s)).astype(q.dtype)
+
+
+def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
+    """q/k/v spec: batch and heads per the activation rules, length on ``axis``, kv whole."""
+    rules = current_activation_rules()
+    spec = [*(rules.spec(_LOGICAL, mesh=mesh) if rules else ()), None, None, None, None]
+
+    def without_axis(e: Any) -> Any:
+        return tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a != axis) or None
+
+    fixed = Rules(
+        [("batch", without_axis(spec[0])), ("length", axis), ("heads", without_axis(spec[2]))]
+    )
+    return fixed.spec(_LOGICAL, shape=shape, mesh=mesh, path="attention")  # divisibility
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention with the strategy of the active ``use_attention``.
+
+    Args:
+      q, k, v: ``[batch, seq, heads, head_dim]``, the same heads (repeat K/V heads
+        for grouped-query attention first).
+
+    Returns:
+      ``[batch, seq, heads, head_dim]`` in ``q.dtype``; scores scaled by
+      1/sqrt(head_dim), softmax in f32.
+
+    Raises:
+      ShardingError: mismatched shapes, or a sequence the strategy cannot split
+        (ring needs a multiple of 2N, allgather of N, N = size of the axis).
+    """
+    if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
+        raise ShardingError(
+            f"causal_attention needs q, k, v of one shape [batch, seq, heads, head_dim], got "
+            f"{q.shape}, {k.shape}, {v.shape}.\nFix: repeat K/V heads to match q's heads."
+        )
+    strategy, axis = current_attention()
+    mesh = jax.sharding.get_abstract_mesh()
+    if (
+        strategy == "dense"
+        or mesh is None
+        or mesh.empty
+        or axis not in mesh.axis_names
+        or mesh.shape[axis] == 1
+    ):
+        return _dense(q, k, v)
+    n = mesh.shape[axis]
+    chunks = 2 * n if strategy == "ring" else n
+    if q.shape[1] % chunks:
+        raise ShardingError(
+            f"{strategy} attention over {axis!r} (size {n}) splits the sequence into {chunks} "
+            f"chunks, but it has length {q.shape[1]}.\nFix: make the sequence a multiple of "
+            f"{chunks}, or use another attention strategy."
+        )
+    spec = _spec(q.shape, mesh, axis)
+    if all(t == AxisType.Explicit for t in mesh.axis_types):
+        q, k, v = (jax.sharding.reshard(x, spec) for x in (q, k, v))
+    body = _ring if strategy == "ring" else _allgather
+    return jax.shard_map(
+        lambda q, k, v: body(q, k, v, axis=axis, n=n),
+        mesh=mesh,
+        in_specs=(spec, spec, spec),
+        out_specs=spec,
+    )(q, k, v)
