@@ -30,8 +30,9 @@ forward. Each step is rematerialized (``jax.checkpoint``), so no score block is
 kept, but the scan saves the K/V block of every step: ≈ the full K/V per device,
 as for allgather. A hand-written ring backward would avoid that.
 
-Without an active mesh (``jax.set_mesh``), or when the mesh lacks the sequence
-axis or it has size 1, ``"ring"`` and ``"allgather"`` fall back to ``"dense"``.
+Without an active mesh (``jax.set_mesh``; the deprecated ``with mesh:`` is not
+seen), or when the mesh lacks the sequence axis or it has size 1, ``"ring"`` and
+``"allgather"`` fall back to ``"dense"``.
 Batch and head dimensions are sharded as the active ``activation_rules`` map
 ``("batch", "length", "heads", "kv")``; the length dimension always goes on the
 sequence axis and ``kv`` (head_dim) is never sharded inside attention.

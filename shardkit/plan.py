@@ -35,6 +35,7 @@ from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
+from shardkit.attention import use_attention
 from shardkit.mesh import make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
@@ -275,6 +276,7 @@ class PlannedStep:
                 with (
                     activation_rules(plan.activation_rules),
                     param_rules(plan.rules),
+                    use_attention(plan.recipe.attention),
                     nnx.use_eager_sharding(False),
                 ):
                     out = self.step_fn(state, batch, *extra)

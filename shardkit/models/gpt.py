@@ -6,7 +6,7 @@ final LayerNorm. With ``config.scan`` the blocks are one ``nn.scan`` whose
 parameters carry a leading ``"layers"`` logical axis; otherwise they are
 ``layers_0 ... layers_{L-1}``.
 
-Also home of the pieces both reference models share: ``causal_attention`` and
+Also home of the pieces both reference models share: the activation axes and
 ``checkpoint_policy``.
 
 Example:
@@ -14,8 +14,8 @@ Example:
   >>> from shardkit.models.config import CONFIGS
   >>> tokens = jnp.zeros((1, 4), jnp.int32)
   >>> params = jax.eval_shape(GPT(CONFIGS["gpt-tiny"]).init, jax.random.key(0), tokens)
-  >>> sk.logical_axes(params)["params"]["layers"]["attn"]["query"]["kernel"]
-  ('layers', 'embed', 'heads', 'kv')
+  >>> sk.logical_axes(params)["params"]["layers"]["attn"]["qkv"]["kernel"]
+  ('layers', 'embed', None, 'heads', 'kv')
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ import jax.numpy as jnp
 
 import shardkit as sk
 from shardkit import errors
+from shardkit.attention import causal_attention
 from shardkit.models.config import ModelConfig
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "causal_attention", "checkpoint_policy"]
+__all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 
 # Logical axes of the activations (resolved by the recipe's activation rules).
 RESIDUAL = ("batch", "length", "embed")
@@ -59,48 +60,25 @@ def checkpoint_policy(remat: str) -> Callable[..., Any] | None:
     return None
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal softmax attention, scores and softmax in f32.
-
-    Args:
-      q, k, v: ``[batch, length, heads, head_dim]`` (k/v already repeated to ``heads``).
-
-    Returns:
-      ``[batch, length, heads, head_dim]`` in ``v``'s dtype.
-
-    Example:
-      >>> x = jnp.ones((1, 3, 2, 4))
-      >>> causal_attention(x, x, x).shape
-      (1, 3, 2, 4)
-    """
-    seq = q.shape[1]
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    scores = scores.astype(jnp.float32) / math.sqrt(q.shape[-1])
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhqk,bkhd->bqhd", probs, v)
-
-
 @sk.axes(
     {
-        r"^(query|key|value)/kernel$": ("embed", "heads", "kv"),
-        r"^(query|key|value)/bias$": ("heads", "kv"),
+        r"^qkv/kernel$": ("embed", None, "heads", "kv"),
+        r"^qkv/bias$": (None, "heads", "kv"),
         r"^out/kernel$": ("heads", "kv", "embed"),
         r"^out/bias$": ("embed",),
     }
 )
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention with separate q/k/v projections.
+    """Multi-head causal self-attention with a fused q/k/v projection.
 
-    Kernels: q/k/v ``(embed, heads, kv)``, out ``(heads, kv, embed)``.
+    Kernels: qkv ``(embed, 3, heads, kv)``, out ``(heads, kv, embed)``.
 
     Example:
       >>> from shardkit.models.config import CONFIGS
       >>> attn = CausalSelfAttention(CONFIGS["gpt-tiny"])
       >>> p = jax.eval_shape(attn.init, jax.random.key(0), jnp.ones((1, 4, 64)))
-      >>> p["params"]["query"]["kernel"].names
-      ('embed', 'heads', 'kv')
+      >>> p["params"]["qkv"]["kernel"].names
+      ('embed', None, 'heads', 'kv')
     """
 
     config: ModelConfig
@@ -109,18 +87,17 @@ class CausalSelfAttention(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
 
-        def project(name: str) -> jax.Array:
-            y = nn.DenseGeneral(
-                (cfg.n_heads, cfg.head_dim),
-                axis=-1,
-                dtype=cfg.dtype,
-                param_dtype=cfg.param_dtype,
-                kernel_init=nn.initializers.normal(INIT_STD),
-                name=name,
-            )(x)
-            return sk.constrain(y, HEADS)
-
-        q, k, v = project("query"), project("key"), project("value")
+        # One fused projection (as GPT-2's c_attn): under tensor parallelism the input
+        # gradient of q, k and v is then summed locally and all-reduced once, not thrice.
+        qkv = nn.DenseGeneral(
+            (3, cfg.n_heads, cfg.head_dim),
+            axis=-1,
+            dtype=cfg.dtype,
+            param_dtype=cfg.param_dtype,
+            kernel_init=nn.initializers.normal(INIT_STD),
+            name="qkv",
+        )(x)
+        q, k, v = (sk.constrain(qkv[:, :, i], HEADS) for i in range(3))
         y = causal_attention(q, k, v)
         return nn.DenseGeneral(
             cfg.d_model,

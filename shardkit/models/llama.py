@@ -33,8 +33,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import shardkit as sk
+from shardkit.attention import causal_attention
 from shardkit.models.config import ModelConfig
-from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, causal_attention, checkpoint_policy
+from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, checkpoint_policy
 
 __all__ = ["Llama", "Block", "Attention", "Mlp", "rope_tables", "apply_rope"]
 

@@ -3,7 +3,7 @@
 Example:
   >>> import shardkit as sk
   >>> sk.recipes.names()
-  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp']
+  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp']
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp_fsdp": catalogue.dp_fsdp,
     "fsdp_tp": catalogue.fsdp_tp,
     "dp_tp_sp": catalogue.dp_tp_sp,
+    "cp": catalogue.cp,
+    "fsdp_cp": catalogue.fsdp_cp,
 }
 
 

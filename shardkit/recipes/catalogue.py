@@ -9,7 +9,18 @@ from __future__ import annotations
 from shardkit.recipes.recipe import Recipe
 from shardkit.rules import Rules
 
-__all__ = ["dp", "dp_fsdp", "dp_tp_sp", "fsdp", "fsdp_tp", "tp", "tp_sp", "zero1"]
+__all__ = [
+    "cp",
+    "dp",
+    "dp_fsdp",
+    "dp_tp_sp",
+    "fsdp",
+    "fsdp_cp",
+    "fsdp_tp",
+    "tp",
+    "tp_sp",
+    "zero1",
+]
 
 #: Names the reference models use for activations (see shardkit/models).
 _REPLICATED_ACTIVATIONS = [("length", None), ("embed", None), ("heads", None), ("mlp", None)]
@@ -160,4 +171,43 @@ def dp_tp_sp() -> Recipe:
         activation_rules=Rules(
             [("batch", "data"), *_TENSOR, ("length", "tensor"), *_REPLICATED_ACTIVATIONS]
         ),
+    )
+
+
+def cp() -> Recipe:
+    """Context parallel: the sequence split over ``sequence``, ring attention.
+
+    Every activation is split along ``length``; attention passes K/V blocks around the
+    ring (``jax.lax.ppermute``, online softmax, causal load balancing by a zigzag
+    layout), so no device ever holds a [seq, seq] score matrix. State is replicated
+    (as DP) and gradients are all-reduced over ``sequence``: 2Ψ·4·(N−1)/N. Attention
+    adds N−1 permutes of the local K/V block per layer (forward), 2·b·(s/N)·h·4 bytes
+    each. Use for sequences whose activations do not fit one device;
+    ``dataclasses.replace(recipe, attention="allgather")`` gathers K/V instead.
+    """
+    return Recipe(
+        name="cp",
+        summary="context parallel: 'length' split over 'sequence', ring attention",
+        mesh_axes=(("sequence", -1),),
+        rules=Rules([]),
+        activation_rules=Rules([("batch", None), ("length", "sequence"), *_REPLICATED_ACTIVATIONS]),
+        attention="ring",
+    )
+
+
+def fsdp_cp() -> Recipe:
+    """FSDP over ``fsdp`` × context parallel over ``sequence`` (4×2 on 8 devices).
+
+    State sharded as ``fsdp``; the batch split over ``fsdp`` and each sequence over
+    ``sequence`` with ring attention. For long sequences on models that need FSDP.
+    """
+    return Recipe(
+        name="fsdp_cp",
+        summary="FSDP over 'fsdp' × context parallel over 'sequence' (4×2 on 8 devices)",
+        mesh_axes=(("fsdp", -1), ("sequence", 2)),
+        rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),
+        activation_rules=Rules(
+            [("batch", "fsdp"), ("length", "sequence"), *_REPLICATED_ACTIVATIONS]
+        ),
+        attention="ring",
     )

@@ -59,8 +59,8 @@ def test_init_is_boxed_with_expected_shapes(model, boxed):
     assert shapes["wte"]["embedding"] == (V, d)
     assert shapes["wpe"]["embedding"] == (cfg.max_seq, d)
     attn = shapes["layers"]["attn"]
-    assert attn["query"]["kernel"] == attn["key"]["kernel"] == (L, d, h, hd)
-    assert attn["value"]["bias"] == (L, h, hd)
+    assert attn["qkv"]["kernel"] == (L, d, 3, h, hd)
+    assert attn["qkv"]["bias"] == (L, 3, h, hd)
     assert attn["out"]["kernel"] == (L, h, hd, d)
     assert shapes["layers"]["mlp"]["up"]["kernel"] == (L, d, cfg.d_ff)
     assert shapes["layers"]["mlp"]["down"]["kernel"] == (L, cfg.d_ff, d)
