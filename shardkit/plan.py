@@ -117,10 +117,14 @@ class Plan:
         infos, _ = describe_leaves(
             tree, annotations=self.annotations, on_unmatched=self.on_unmatched
         )
-        return [
-            PlannedLeaf(i, self._rules_for(i).spec(i.axes, i.shape, self.mesh, i.path))
-            for i in infos
-        ]
+        flat = jax.tree.leaves(tree, is_leaf=is_annotated_leaf)
+        return [PlannedLeaf(i, self._spec_of(x, i)) for x, i in zip(flat, infos, strict=True)]
+
+    def _spec_of(self, leaf: Any, info: LeafInfo) -> PartitionSpec:
+        existing = self._existing(leaf)
+        if existing is not None:
+            return existing.spec
+        return self._rules_for(info).spec(info.axes, info.shape, self.mesh, info.path)
 
     def specs(self, tree: Any) -> Any:
         """A tree of ``PartitionSpec`` (Flax boxes / NNX Variables count as leaves)."""
@@ -135,14 +139,14 @@ class Plan:
         keep it.
         """
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_annotated_leaf)
-        existing = [self._existing(x) for x in leaves]
-        if any(s is None for s in existing):
-            planned = self.leaves(tree)
-            existing = [
-                s or NamedSharding(self.mesh, p.spec)
-                for s, p in zip(existing, planned, strict=True)
-            ]
-        return jax.tree_util.tree_unflatten(treedef, existing)
+        planned = self.leaves(tree)
+        return jax.tree_util.tree_unflatten(
+            treedef,
+            [
+                self._existing(x) or NamedSharding(self.mesh, p.spec)
+                for x, p in zip(leaves, planned, strict=True)
+            ],
+        )
 
     def _existing(self, x: Any) -> NamedSharding | None:
         sharding = getattr(x, "sharding", None)
@@ -241,6 +245,28 @@ class Plan:
     ):
         """Lower ``step_fn`` for these (possibly abstract) arguments, as ``plan.jit`` would."""
         return self.jit(step_fn, donate_state=donate_state).lower(state, batch, *args)
+
+    def report(self, compiled: Any, state: Any, **kwargs: Any):
+        """A ``Report`` of a step compiled under this plan (see ``shardkit.report``)."""
+        from shardkit.report.report import build_report
+
+        return build_report(self, compiled, state, **kwargs)
+
+    def report_model(self, model: Any, tx: Any, *, batch: int, seq: int, seed: int = 0):
+        """Compile-only ``Report`` of a reference model's train step (nothing allocated)."""
+        from shardkit import train
+        from shardkit.report.report import build_report
+
+        init = train.init_fn(model, tx)
+        annotated = jax.eval_shape(init, jax.random.key(seed))
+        state = self.abstract_init(init, jax.random.key(seed))
+        tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
+        compiled = self.compile(
+            train.train_step(model, tx), state, {"inputs": tokens, "targets": tokens}
+        )
+        return build_report(
+            self, compiled, annotated, model_config=model.config, batch=batch, seq=seq
+        )
 
     def compile(
         self,

@@ -41,6 +41,7 @@ def dp() -> Recipe:
     """
     return Recipe(
         name="dp",
+        collectives=frozenset({"all-reduce"}),
         summary="data parallel: state replicated, batch sharded over 'data'",
         mesh_axes=(("data", -1),),
         rules=Rules([]),
@@ -61,6 +62,7 @@ def fsdp() -> Recipe:
     """
     return Recipe(
         name="fsdp",
+        collectives=frozenset({"all-gather", "reduce-scatter"}),
         summary="ZeRO-3: params, grads and optimizer state sharded over 'fsdp'",
         mesh_axes=(("fsdp", -1),),
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),
@@ -77,6 +79,7 @@ def zero1() -> Recipe:
     """
     return Recipe(
         name="zero1",
+        collectives=frozenset({"all-reduce", "reduce-scatter", "all-gather"}),
         summary="ZeRO-1: optimizer state sharded over 'data', params replicated",
         mesh_axes=(("data", -1),),
         rules=Rules([]),
@@ -96,6 +99,7 @@ def dp_fsdp() -> Recipe:
     """
     return Recipe(
         name="dp_fsdp",
+        collectives=frozenset({"all-gather", "reduce-scatter", "all-reduce"}),
         summary="HSDP: FSDP over 'fsdp', replicas over 'data' (2×4 on 8 devices)",
         mesh_axes=(("data", 2), ("fsdp", -1)),
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),
@@ -114,6 +118,7 @@ def tp() -> Recipe:
     """
     return Recipe(
         name="tp",
+        collectives=frozenset({"all-reduce"}),
         summary="Megatron tensor parallel: heads, MLP and vocab split over 'tensor'",
         mesh_axes=(("tensor", -1),),
         rules=Rules(_TENSOR),
@@ -131,6 +136,7 @@ def tp_sp() -> Recipe:
     """
     return Recipe(
         name="tp_sp",
+        collectives=frozenset({"reduce-scatter", "all-gather"}),
         summary="tensor + sequence parallel: 'length' split over 'tensor' between blocks",
         mesh_axes=(("tensor", -1),),
         rules=Rules(_TENSOR),
@@ -149,6 +155,7 @@ def fsdp_tp() -> Recipe:
     """
     return Recipe(
         name="fsdp_tp",
+        collectives=frozenset({"all-gather", "reduce-scatter", "all-reduce"}),
         summary="FSDP over 'fsdp' × Megatron TP over 'tensor' (2×4 on 8 devices)",
         mesh_axes=(("fsdp", -1), ("tensor", 4)),
         rules=Rules([*_TENSOR, ("embed", "fsdp")]),
@@ -165,6 +172,7 @@ def dp_tp_sp() -> Recipe:
     """
     return Recipe(
         name="dp_tp_sp",
+        collectives=frozenset({"reduce-scatter", "all-gather", "all-reduce"}),
         summary="data parallel × tensor + sequence parallel (2×4 on 8 devices)",
         mesh_axes=(("data", -1), ("tensor", 4)),
         rules=Rules(_TENSOR),
@@ -187,6 +195,7 @@ def cp() -> Recipe:
     """
     return Recipe(
         name="cp",
+        collectives=frozenset({"all-reduce", "collective-permute"}),
         summary="context parallel: 'length' split over 'sequence', ring attention",
         mesh_axes=(("sequence", -1),),
         rules=Rules([]),
@@ -203,6 +212,7 @@ def fsdp_cp() -> Recipe:
     """
     return Recipe(
         name="fsdp_cp",
+        collectives=frozenset({"all-gather", "reduce-scatter", "collective-permute"}),
         summary="FSDP over 'fsdp' × context parallel over 'sequence' (4×2 on 8 devices)",
         mesh_axes=(("fsdp", -1), ("sequence", 2)),
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),

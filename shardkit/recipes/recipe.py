@@ -40,6 +40,8 @@ class Recipe:
       optimizer_rules: rules for optimizer state; ``None`` means "as ``rules``"
         (ZeRO-1 shards only the optimizer state).
       attention: how attention handles a sharded sequence.
+      collectives: the collective kinds the layout is meant to emit (its golden
+        inventory); the report flags any other kind that moves real bytes.
     """
 
     name: str
@@ -49,6 +51,7 @@ class Recipe:
     activation_rules: Rules
     optimizer_rules: Rules | None = None
     attention: Literal["dense", "ring", "allgather"] = "dense"
+    collectives: frozenset[str] = frozenset({"all-reduce"})
 
     def axis_sizes(self, device_count: int, **overrides: int) -> dict[str, int]:
         """Mesh axis sizes for ``device_count`` devices (``overrides`` replace sizes).

@@ -14,6 +14,20 @@ Example:
   >>> [c] = parse_collectives(hlo)
   >>> c.kind, c.bytes, c.group_size, c.wire_bytes, c.count
   ('all-reduce', 4096, 4, 6144.0, 1)
+
+Reduce-scatters that the CPU pipeline leaves unformed: a partitioned program that needs a
+reduce-scatter is first emitted as an ``all-reduce`` whose result each device then cuts
+down with a ``dynamic-slice`` at an offset derived from its partition id. The GPU and TPU
+pipelines run XLA's ReduceScatterCreator, which rewrites exactly that pair into one
+``reduce-scatter`` (moving (N-1)/N of the buffer instead of 2(N-1)/N); the CPU pipeline
+does not, so the emulated-device programs this project measures still contain the pair.
+:func:`parse_collectives` therefore reports, per all-reduce element (tuple all-reduces
+are split by element), an element whose every use -- through ``get-tuple-element``,
+``bitcast`` and ``copy``, directly or inside the computation of a fusion -- is a
+``dynamic-slice`` keeping 1/N of it, as the ``reduce-scatter`` it is in effect, with
+``lowered_as="all-reduce+dynamic-slice"`` recording what the CPU program really contains
+(``lowered_as`` is empty for collectives reported as emitted). ``fuse_reduce_scatter=False``
+reports every op as emitted.
 """
 
 from __future__ import annotations
@@ -48,6 +62,9 @@ _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _COMMENT = re.compile(r"/\*.*?\*/")
+_REF = re.compile(r"%([\w.\-]+)")
+_INDEX = re.compile(r"\bindex=(\d+)")
+LOWERED_RS = "all-reduce+dynamic-slice"
 
 Shape = tuple[str, tuple[int, ...], int] | list["Shape"]  # (dtype, dims, bits) | tuple
 
@@ -60,7 +77,9 @@ class Collective:
     operand otherwise; summed over tuple elements), for one execution. ``wire_bytes``
     is the ring-algorithm traffic per device, already multiplied by ``count`` (the
     executions per step). ``count_exact`` is False when an enclosing while loop had no
-    ``known_trip_count`` and was counted once.
+    ``known_trip_count`` and was counted once. ``lowered_as`` says how the program really
+    implements a collective reported as another kind (``"all-reduce+dynamic-slice"`` for a
+    reduce-scatter the CPU pipeline left unformed); empty when reported as emitted.
     """
 
     kind: Kind
@@ -73,6 +92,7 @@ class Collective:
     dtype: str
     shape: str
     count_exact: bool = True
+    lowered_as: str = ""
 
 
 _BRACKETS = {"(": re.compile(r"[()]"), "{": re.compile(r"[{}]"), "[": re.compile(r"[\[\]]")}
@@ -192,12 +212,93 @@ def _wire(kind: str, nbytes: int, n: int) -> float:
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
 
 
-def parse_collectives(hlo_text: str) -> list[Collective]:
+def _split(rest: str) -> tuple[str, int, int] | None:
+    """(opcode, start, end) of the operand list of an instruction's text after ``=``."""
+    j = _skip_balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
+    op = _OPCODE.match(rest, j)
+    if op is None:
+        return None
+    return op.group(1), op.end(), _skip_balanced(rest, op.end() - 1) - 1
+
+
+@dataclasses.dataclass
+class _Graph:
+    """Who uses what, for following all-reduce results to their dynamic-slices."""
+
+    text: dict[str, str]  # instruction name -> its text after "="
+    users: dict[str, list[str]]
+    params: dict[tuple[str, int], str]  # (computation, parameter number) -> name
+    fusion_calls: dict[str, str]  # fusion instruction -> its fused computation
+    roots: set[str]
+
+    def uses(self, name: str) -> list[tuple[str, str, list[str], str]]:
+        """(user, opcode, operand names, attributes) of every distinct user of ``name``."""
+        out = []
+        for u in dict.fromkeys(self.users.get(name, ())):
+            rest = self.text[u]
+            opcode, a, b = _split(rest) or ("", 0, 0)
+            out.append((u, opcode, _REF.findall(rest, a, b), rest[b + 1 :]))
+        return out
+
+    def only_sliced(self, name: str | None, elements: int, n: int) -> bool:
+        """Whether every use of ``name`` is a dynamic-slice of 1/n of its ``elements``."""
+        if name is None or name in self.roots:
+            return False
+        uses = self.uses(name)
+        for user, opcode, operands, _ in uses:
+            if opcode in ("bitcast", "copy"):
+                ok = self.only_sliced(user, elements, n)
+            elif opcode == "dynamic-slice":
+                ok = operands[:1] == [name] and name not in operands[1:]
+                ok = ok and _nelems(self.text[user]) * n == elements
+            elif opcode == "fusion" and user in self.fusion_calls:
+                comp = self.fusion_calls[user]
+                ok = all(self.only_sliced(self.params.get((comp, i)), elements, n)
+                         for i, o in enumerate(operands) if o == name)  # fmt: skip
+            else:
+                ok = False
+            if not ok:
+                return False
+        return bool(uses)
+
+    def sliced_elements(self, name: str, opcode: str, shape: Shape, n: int) -> set[int]:
+        """Indices of the elements of all-reduce ``name`` that are only used 1/n-sliced."""
+        values = [name]
+        if opcode != "all-reduce":  # all-reduce-start: the values are its -done's
+            values = [u for u, op, _, _ in self.uses(name) if op == "all-reduce-done"]
+        elems = shape if isinstance(shape, list) else [shape]
+        if n <= 1 or not values or any(isinstance(e, list) for e in elems):
+            return set()
+        sizes = [math.prod(e[1]) for e in elems]
+        if not isinstance(shape, list):
+            return {0} if all(self.only_sliced(v, sizes[0], n) for v in values) else set()
+        by_index: dict[int, list[str]] = defaultdict(list)
+        for v in values:
+            if v in self.roots:
+                return set()
+            for user, op, _, attrs in self.uses(v):
+                i = _INDEX.search(attrs)
+                if op != "get-tuple-element" or i is None:
+                    return set()  # the whole tuple escapes: every element is used
+                by_index[int(i.group(1))].append(user)
+        return {k for k, gtes in by_index.items()
+                if k < len(sizes) and all(self.only_sliced(g, sizes[k], n) for g in gtes)}  # fmt: skip
+
+
+def _nelems(text: str) -> int:
+    return sum(math.prod(a[1]) for a in _shape_arrays(text))
+
+
+def parse_collectives(hlo_text: str, *, fuse_reduce_scatter: bool = True) -> list[Collective]:
     """Every collective in an optimized HLO module, weighted by its executions per step.
 
     Handles tuple-combined collectives, async ``*-start``/``*-done`` pairs and
     ``async-start`` wrappers (counted once, at the start), explicit/iota/mesh replica
     groups, and ``known_trip_count`` of while loops along the call path from ENTRY.
+    With ``fuse_reduce_scatter`` (the default), all-reduce elements that are only used
+    through dynamic-slices of 1/N of them are reported as ``reduce-scatter`` with
+    ``lowered_as="all-reduce+dynamic-slice"`` (see the module docstring); the other
+    elements of the same op stay one ``all-reduce``.
 
     Example:
       >>> hlo = '''
@@ -219,7 +320,9 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         default_n *= int(m.group(1)) if m else 1
 
     shapes: dict[str, str] = {}  # instruction name -> text from its shape on (lazy parse)
-    found: list[tuple[str, ...]] = []  # (comp, kind, opcode, rest, args, attrs)
+    found: list[tuple[str, ...]] = []  # (comp, kind, opcode, rest, args, attrs, name)
+    track = fuse_reduce_scatter and "all-reduce" in hlo_text
+    graph = _Graph(shapes, defaultdict(list), {}, {}, set())
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # caller -> callees
     async_parent: dict[str, tuple[str, str]] = {}  # wrapped comp -> (caller comp, op_name)
     comps: list[str] = [""]  # "": instructions outside any computation (a fragment)
@@ -237,18 +340,23 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         m = _INSTR.match(line)
         if m is None:
             continue
-        rest = line[m.end() :]
-        shapes[m.group(1)] = rest
-        j = _skip_balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
-        op = _OPCODE.match(rest, j)
-        if op is None:
+        name, rest = m.group(1), line[m.end() :]
+        shapes[name] = rest
+        split = _split(rest)
+        if split is None:
             continue
-        opcode = op.group(1)
-        attrs_at = _skip_balanced(rest, op.end() - 1)
-        attrs = rest[attrs_at:]
+        opcode, args_at, attrs_at = split
+        attrs = rest[attrs_at + 1 :]
         base = opcode[:-6] if opcode.endswith("-start") else opcode
         if base in KINDS:
-            found.append((comp, base, opcode, rest, rest[op.end() : attrs_at], attrs))
+            found.append((comp, base, opcode, rest, rest[args_at:attrs_at], attrs, name))
+        if track:
+            for a in _REF.findall(rest, args_at, attrs_at):
+                graph.users[a].append(name)
+            if opcode == "parameter" and rest[args_at:attrs_at].isdigit():
+                graph.params[comp, int(rest[args_at:attrs_at])] = name
+            if "ROOT" in line[: m.start(1)]:
+                graph.roots.add(name)
         if "=" not in attrs or opcode.endswith(("-done", "-update")):
             continue
         trip, exact = 1, True
@@ -257,6 +365,8 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
             trip, exact = (int(t.group(1)), True) if t else (1, False)
         for key, val in _CALLS.findall(attrs):
             for callee in _NAME.findall(val):
+                if opcode == "fusion" and key == "calls":
+                    graph.fusion_calls[name] = callee
                 loop = key in ("body", "condition")
                 edges[comp].append((callee, trip if loop else 1, exact or not loop))
                 if opcode == "async-start":
@@ -283,7 +393,7 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 stack.append(callee)
 
     out = []
-    for comp, kind, opcode, rest, args, attrs in found:
+    for comp, kind, opcode, rest, args, attrs, instr in found:
         shape = _parse_shape(_COMMENT.sub("", rest))[0]
         n = _group_size(attrs, kind, default_n)
         operands = None
@@ -291,8 +401,9 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
         if start and (isinstance(shape[0], list) or kind != "all-reduce"):
             # async start: (operand(s), result(s), context...)
             operands, result = _arrays(shape[0]), _arrays(shape[1])
+            value_shape = shape[1]
         else:
-            result = _arrays(shape)
+            result, value_shape = _arrays(shape), shape
         if kind == "all-gather":
             buf = result
         elif kind != "reduce-scatter":
@@ -306,18 +417,25 @@ def parse_collectives(hlo_text: str) -> list[Collective]:
                 k = int(d.group(1)) if d else 0
                 operands = [(t, s[:k] + (s[k] * n,) + s[k + 1 :], b) for t, s, b in result]
             buf = operands
-        nbytes = _nbytes(buf)
-        dtype, shape_str = _describe(buf)
         op_name = _OP_NAME.search(attrs)
         name = op_name.group(1) if op_name else ""
         shown, count = comp, mult[comp]
         if comp in async_parent:
             shown, parent_name = async_parent[comp]
             name = name or parent_name
-        wire = _wire(kind, nbytes, n) * count
-        out.append(
-            Collective(kind, nbytes, n, wire, count, name, shown, dtype, shape_str, known[comp])
-        )
+        parts = [(kind, buf, "")]
+        if track and kind == "all-reduce":
+            sliced = graph.sliced_elements(instr, opcode, value_shape, n)
+            if sliced and len(buf) == (len(value_shape) if isinstance(value_shape, list) else 1):
+                rs = [a for k, a in enumerate(buf) if k in sliced]
+                ar = [a for k, a in enumerate(buf) if k not in sliced]
+                parts = [("reduce-scatter", rs, LOWERED_RS)] + ([(kind, ar, "")] if ar else [])
+        for part_kind, arrays, lowered in parts:
+            nbytes = _nbytes(arrays)
+            dtype, shape_str = _describe(arrays)
+            wire = _wire(part_kind, nbytes, n) * count
+            out.append(Collective(part_kind, nbytes, n, wire, count, name, shown, dtype,
+                                  shape_str, known[comp], lowered))  # fmt: skip
     return out
 
 

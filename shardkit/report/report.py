@@ -1,0 +1,208 @@
+"""``Report``: what each device holds, what crosses the wire, against the analytic limit.
+
+Built from a compiled step (``plan.report(compiled, state)``): the per-leaf table
+from the plan, memory from ``compiled.memory_analysis()``, collectives from the
+optimized HLO, FLOPs from ``cost_analysis()``, the analytic model of the recipe,
+and lint warnings. A ``Report`` is data; rendering lives in the CLI and in
+:mod:`shardkit.report.plot`.
+
+Example:
+  >>> import jax, shardkit as sk
+  >>> from shardkit import train
+  >>> from shardkit.models import get
+  >>> model, tx, plan = get("gpt-tiny"), train.adamw(), sk.Plan("fsdp")
+  >>> report = plan.report_model(model, tx, batch=8, seq=32)
+  >>> report.mesh, report.replicated_fraction < 0.05
+  ({'fsdp': 8}, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+from jax.sharding import NamedSharding
+
+from shardkit.report import lint
+from shardkit.report.analytic import RECIPES, AnalyticModel, analytic_model
+from shardkit.report.hlo import Collective, parse_collectives, wire_bytes_by_kind
+from shardkit.report.memory import MemoryStats, memory_per_device
+
+__all__ = ["ParamRow", "Report", "build_report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRow:
+    """One state leaf: where it lives and what it costs each device."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    logical: tuple[str | None, ...]
+    spec: str
+    bytes_per_device: int
+    replicated: bool
+    kind: str  # "param", "optimizer" or "scalar"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "shape": list(self.shape),
+            "logical": list(self.logical),
+            "spec": self.spec,
+            "bytes_per_device": self.bytes_per_device,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    """Measured costs of one compiled layout, next to the analytic model."""
+
+    recipe: str
+    mesh: dict[str, int]
+    params: tuple[ParamRow, ...]
+    memory: MemoryStats
+    collectives: tuple[Collective, ...]
+    flops: float | None
+    analytic: AnalyticModel | None
+    warnings: tuple[str, ...]
+
+    @property
+    def replicated_fraction(self) -> float:
+        """Share of parameter bytes (not optimizer state) stored whole on every device."""
+        rows = [r for r in self.params if r.kind == "param"]
+        full = sum(_full_bytes(r) for r in rows)
+        return sum(_full_bytes(r) for r in rows if r.replicated) / full if full else 0.0
+
+    @property
+    def wire_bytes_by_kind(self) -> dict[str, float]:
+        return wire_bytes_by_kind(list(self.collectives))
+
+    @property
+    def wire_bytes(self) -> float:
+        return float(sum(self.wire_bytes_by_kind.values()))
+
+    def ratios(self) -> dict[str, float]:
+        """measured / analytic for state memory (params + optimizer) and wire bytes."""
+        if self.analytic is None:
+            return {}
+        a = self.analytic
+        out = {"state_memory": self.memory.arguments / (a.memory.params + a.memory.optimizer)}
+        analytic_wire = sum(a.wire_bytes_by_kind.values())
+        if analytic_wire:
+            out["wire_bytes"] = self.wire_bytes / analytic_wire
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        """The schema ``shardkit report --json`` prints."""
+        analytic = self.analytic
+        return {
+            "recipe": self.recipe,
+            "mesh": self.mesh,
+            "memory_per_device_bytes": self.memory.to_dict(),
+            "analytic_memory_per_device_bytes": analytic.memory.to_dict() if analytic else None,
+            "collectives": [
+                {
+                    "kind": c.kind,
+                    "bytes": c.bytes,
+                    "wire_bytes": c.wire_bytes,
+                    "group_size": c.group_size,
+                    "count": c.count,
+                    "op_name": c.op_name,
+                    "lowered_as": getattr(c, "lowered_as", ""),
+                }
+                for c in self.collectives
+            ],
+            "wire_bytes_by_kind": self.wire_bytes_by_kind,
+            "analytic_wire_bytes_by_kind": analytic.wire_bytes_by_kind if analytic else None,
+            "ratios": self.ratios(),
+            "params": [r.to_json() for r in self.params],
+            "replicated_fraction": self.replicated_fraction,
+            "warnings": list(self.warnings),
+            "flops": self.flops,
+        }
+
+
+def _full_bytes(row: ParamRow) -> int:
+    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+
+
+def _rows(plan: Any, state: Any) -> list[ParamRow]:
+    rows = []
+    for leaf in plan.leaves(state):
+        info = leaf.info
+        shard = NamedSharding(plan.mesh, leaf.spec).shard_shape(info.shape)
+        kind = {"mirror": "optimizer", "scalar": "scalar"}.get(info.source, "param")
+        rows.append(
+            ParamRow(
+                path=info.path,
+                shape=info.shape,
+                dtype=str(np.dtype(info.dtype)),
+                logical=tuple(info.axes),
+                spec=str(leaf.spec),
+                bytes_per_device=math.prod(shard) * np.dtype(info.dtype).itemsize,
+                replicated=all(e is None for e in leaf.spec),
+                kind=kind,
+            )
+        )
+    return rows
+
+
+def _flops(compiled: Any) -> float | None:
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # backends without a cost model
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else {}
+    flops = (cost or {}).get("flops")
+    return float(flops) if flops is not None and flops >= 0 else None
+
+
+def build_report(
+    plan: Any,
+    compiled: Any,
+    state: Any,
+    *,
+    model_config: Any = None,
+    batch: int | None = None,
+    seq: int | None = None,
+    replicated_threshold_bytes: int = 1 << 20,
+) -> Report:
+    """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``.
+
+    Args:
+      plan: the ``sk.Plan`` the step was compiled under.
+      compiled: ``plan.compile(...)`` (or ``plan.jit(step).lower(...).compile()``).
+      state: the state tree, annotated (e.g. ``jax.eval_shape(init_fn, key)``) so the
+        table shows logical axes, or the arrays the step takes.
+      model_config, batch, seq: enable the analytic model (built-in recipes only).
+      replicated_threshold_bytes: warn about replicated parameters at least this big.
+    """
+    rows = _rows(plan, state)
+    collectives = tuple(parse_collectives(compiled.as_text()))
+    recipe = plan.recipe
+    mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    analytic = None
+    if model_config is not None and batch and seq and recipe.name in RECIPES:
+        analytic = analytic_model(model_config, recipe.name, mesh, batch=batch, seq=seq)
+    logical_names = {n for r in rows for n in r.logical if n}
+    shards_params = any(axes for _, axes in recipe.rules)
+    warnings = [
+        *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
+        *lint.unused_rules(recipe.rules, logical_names),
+    ]
+    if shards_params:
+        warnings += lint.replicated_params(rows, recipe.name, min_bytes=replicated_threshold_bytes)
+    return Report(
+        recipe=recipe.name,
+        mesh=mesh,
+        params=tuple(rows),
+        memory=memory_per_device(compiled),
+        collectives=collectives,
+        flops=_flops(compiled),
+        analytic=analytic,
+        warnings=tuple(warnings),
+    )
