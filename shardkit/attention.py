@@ -54,6 +54,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Iterator
@@ -63,7 +64,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec
 
-from shardkit.annotate.constrain import current_activation_rules
+from shardkit.annotate.constrain import constrain, current_activation_rules
 from shardkit.errors import ShardingError
 from shardkit.rules import Rules
 
@@ -114,9 +115,13 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     return s * (1.0 / math.sqrt(q.shape[-1]))
 
 
-def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array):
-    """Softmax attention of ``q`` to ``k``/``v``, masked to ``kpos <= qpos``, f32 [b,q,h,d]."""
-    s = jnp.where(qpos[:, None] >= kpos[None, :], _scores(q, k), _NEG)
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array, pin=None):
+    """Softmax attention of ``q`` to ``k``/``v``, masked to ``kpos <= qpos``, f32 [b,q,h,d].
+
+    ``pin`` constrains the [b, h, q, k] scores (outside ``shard_map`` only).
+    """
+    scores = _scores(q, k) if pin is None else pin(_scores(q, k))
+    s = jnp.where(qpos[:, None] >= kpos[None, :], scores, _NEG)
     p = jax.nn.softmax(s, axis=-1)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
@@ -125,7 +130,10 @@ def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """The reference; K/V sharded on length by an Explicit mesh are gathered first."""
     k, v = (_unshard_length(x) for x in (k, v))
     pos = jnp.arange(q.shape[1])
-    return _attend(q, k, v, pos, pos).astype(q.dtype)
+    # Scores keep the heads' layout; left free, XLA may reshard them between the forward
+    # and backward passes (all-to-alls under tensor + sequence parallelism).
+    pin = functools.partial(constrain, logical=("batch", "heads", "length", None))
+    return _attend(q, k, v, pos, pos, pin).astype(q.dtype)
 
 
 def _unshard_length(x: jax.Array) -> jax.Array:

@@ -97,8 +97,9 @@ class CausalSelfAttention(nn.Module):
             kernel_init=nn.initializers.normal(INIT_STD),
             name="qkv",
         )(x)
+        qkv = sk.constrain(qkv, ("batch", "length", None, "heads", "kv"))
         q, k, v = (sk.constrain(qkv[:, :, i], HEADS) for i in range(3))
-        y = causal_attention(q, k, v)
+        y = sk.constrain(causal_attention(q, k, v), HEADS)
         return nn.DenseGeneral(
             cfg.d_model,
             axis=(-2, -1),

@@ -118,7 +118,7 @@ class Attention(nnx.Module):
         if self.n_rep > 1:
             k = sk.constrain(jnp.repeat(k, self.n_rep, axis=2), HEADS)
             v = sk.constrain(jnp.repeat(v, self.n_rep, axis=2), HEADS)
-        return self.wo(causal_attention(q, k, v))
+        return self.wo(sk.constrain(causal_attention(q, k, v), HEADS))
 
 
 @sk.axes({r"^(gate|up)/kernel$": ("embed", "mlp"), r"^down/kernel$": ("mlp", "embed")})

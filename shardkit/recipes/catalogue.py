@@ -66,7 +66,10 @@ def fsdp() -> Recipe:
         summary="ZeRO-3: params, grads and optimizer state sharded over 'fsdp'",
         mesh_axes=(("fsdp", -1),),
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),
-        activation_rules=Rules([("batch", "fsdp"), *_REPLICATED_ACTIVATIONS]),
+        # Logits are split over the vocabulary, like the (tied) embedding: the hidden
+        # states are gathered over the batch instead of the embedding over the vocab, and
+        # the embedding's gradient stays local.
+        activation_rules=Rules([("vocab", "fsdp"), ("batch", "fsdp"), *_REPLICATED_ACTIVATIONS]),
     )
 
 
@@ -212,7 +215,7 @@ def fsdp_cp() -> Recipe:
     """
     return Recipe(
         name="fsdp_cp",
-        collectives=frozenset({"all-gather", "reduce-scatter", "collective-permute"}),
+        collectives=frozenset({"all-gather", "reduce-scatter", "all-reduce", "collective-permute"}),
         summary="FSDP over 'fsdp' × context parallel over 'sequence' (4×2 on 8 devices)",
         mesh_axes=(("fsdp", -1), ("sequence", 2)),
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),

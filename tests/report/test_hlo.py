@@ -245,6 +245,95 @@ def test_large_module_parses_fast():
     assert time.perf_counter() - t0 < 5.0
 
 
+SLICE_FUSION = """
+%fused_slice (param_0.1: f32[64,32], param_1.1: s32[]) -> f32[{rows},32] {{
+  %param_0.1 = f32[64,32]{{1,0}} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  ROOT %ds.1 = f32[{rows},32]{{1,0}} dynamic-slice(%param_0.1, %param_1.1, %zero), dynamic_slice_sizes={{{rows},32}}
+}}
+"""
+
+
+def tuple_all_reduce(rows: int) -> str:
+    """A tuple all-reduce: element 0 (f32[64,32]) sliced to ``rows`` rows in a fusion,
+    element 1 (bf16[128]) added to something."""
+    return module(
+        f"""
+        %a = f32[64,32]{{1,0}} parameter(0)
+        %b = bf16[128]{{0}} parameter(1)
+        %off = s32[] parameter(2)
+        %ar.182 = (f32[64,32]{{1,0}}, bf16[128]{{0}}) all-reduce(%a, %b), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add, metadata={{op_name="grad"}}
+        %gte.0 = f32[64,32]{{1,0}} get-tuple-element(%ar.182), index=0
+        %gte.1 = bf16[128]{{0}} get-tuple-element(%ar.182), index=1
+        %fus = f32[{rows},32]{{1,0}} fusion(%gte.0, %off), kind=kLoop, calls=%fused_slice
+        ROOT %sum = bf16[128]{{0}} add(%gte.1, %b)
+        """,
+        SLICE_FUSION.format(rows=rows),
+    )  # fmt: skip
+
+
+def test_tuple_all_reduce_splits_into_reduce_scatter_and_all_reduce():
+    rs, ar = parse_collectives(tuple_all_reduce(8))
+    assert (rs.kind, rs.bytes, rs.group_size, rs.shape) == ("reduce-scatter", 64 * 32 * 4, 8,
+                                                             "[64,32]")  # fmt: skip
+    assert rs.lowered_as == "all-reduce+dynamic-slice"
+    assert rs.wire_bytes == pytest.approx(7 / 8 * 64 * 32 * 4)
+    assert (ar.kind, ar.bytes, ar.dtype, ar.lowered_as) == ("all-reduce", 128 * 2, "bf16", "")
+    assert ar.wire_bytes == pytest.approx(2 * 7 / 8 * 128 * 2)
+    assert (rs.op_name, rs.computation, rs.count) == (ar.op_name, ar.computation, ar.count)
+    [c] = parse_collectives(tuple_all_reduce(8), fuse_reduce_scatter=False)
+    assert (c.kind, c.bytes, c.lowered_as) == ("all-reduce", 64 * 32 * 4 + 256, "")
+
+
+def test_slice_of_the_wrong_size_stays_all_reduce():
+    [c] = parse_collectives(tuple_all_reduce(16))  # 1/4 of the element, N = 8
+    assert (c.kind, c.bytes, c.lowered_as) == ("all-reduce", 64 * 32 * 4 + 256, "")
+
+
+def test_reduce_scatter_through_bitcast_copy_and_direct_dynamic_slice():
+    c = one(module("""
+        %p = f32[64,32]{1,0} parameter(0)
+        %i = s32[] parameter(1)
+        %ar = f32[64,32]{1,0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
+        %bc = f32[2048]{0} bitcast(%ar)
+        %cp = f32[2048]{0} copy(%bc)
+        %ds = f32[512]{0} dynamic-slice(%cp, %i), dynamic_slice_sizes={512}
+        %ds2 = f32[16,32]{1,0} dynamic-slice(%ar, %i, %i), dynamic_slice_sizes={16,32}
+        ROOT %t = (f32[512]{0}, f32[16,32]{1,0}) tuple(%ds, %ds2)
+    """))  # fmt: skip
+    assert (c.kind, c.group_size, c.lowered_as) == ("reduce-scatter", 4, "all-reduce+dynamic-slice")
+
+
+@pytest.mark.parametrize(
+    "uses",
+    [
+        "ROOT %t = (f32[64,32]{1,0}) tuple(%ar)",  # the whole result escapes
+        "%ds = f32[8,32]{1,0} dynamic-slice(%ar, %i, %i), dynamic_slice_sizes={8,32}\n"
+        "ROOT %n = f32[64,32]{1,0} negate(%ar)",  # sliced, but also used whole
+        "ROOT %f = f32[8,32]{1,0} fusion(%ar, %i), kind=kLoop, calls=%fused_both",
+        "%ds = f32[8,32]{1,0} dynamic-slice(%p, %i, %i), dynamic_slice_sizes={8,32}",  # unused
+    ],
+)
+def test_all_reduce_used_whole_stays_all_reduce(uses):
+    both = """
+%fused_both (param_0.2: f32[64,32], param_1.2: s32[]) -> f32[8,32] {
+  %param_0.2 = f32[64,32]{1,0} parameter(0)
+  %param_1.2 = s32[] parameter(1)
+  %ds.2 = f32[8,32]{1,0} dynamic-slice(%param_0.2, %param_1.2, %param_1.2), dynamic_slice_sizes={8,32}
+  %sl = f32[8,32]{1,0} slice(%param_0.2), slice={[0:8], [0:32]}
+  ROOT %s.2 = f32[8,32]{1,0} add(%ds.2, %sl)
+}
+"""  # fmt: skip
+    c = one(module(f"""
+        %p = f32[64,32]{{1,0}} parameter(0)
+        %i = s32[] parameter(1)
+        %ar = f32[64,32]{{1,0}} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
+        {uses}
+    """, both))  # fmt: skip
+    assert (c.kind, c.lowered_as) == ("all-reduce", "")
+
+
 # ------------------------------------------------------------------ real compiled programs
 @pytest.fixture(scope="module")
 def mesh8():
@@ -352,3 +441,63 @@ def test_compiled_nested_scans_multiply_trip_counts(mesh8):
     cs = parse_collectives(jax.jit(h).lower(arg).compile().as_text())
     assert sorted((c.kind, c.count) for c in cs) == [("all-gather", 5), ("all-reduce", 15)]
     assert bytes_by_kind(cs) == {"all-reduce": 15 * 512, "all-gather": 5 * 4096}
+
+
+def test_compiled_all_reduce_then_dynamic_slice_is_a_reduce_scatter(mesh8):
+    """XLA:CPU keeps all-reduce + dynamic-slice where GPU/TPU form a reduce-scatter."""
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+    rows = NamedSharding(mesh, P("d", None))
+    x = jax.ShapeDtypeStruct((64, 128), jnp.float32, sharding=rows)
+    g = jax.ShapeDtypeStruct((64, 256), jnp.float32, sharding=rows)
+    f = jax.jit(lambda x, g: (x.T @ g) * 2, out_shardings=rows)
+    text = f.lower(x, g).compile().as_text()
+    assert "reduce-scatter(" not in text and "all-reduce(" in text
+    [c] = parse_collectives(text)
+    assert (c.kind, c.bytes, c.group_size, c.count) == ("reduce-scatter", 128 * 256 * 4, 8, 1)
+    assert c.lowered_as == "all-reduce+dynamic-slice"
+    assert c.wire_bytes == pytest.approx(7 / 8 * 128 * 256 * 4)
+    [c] = parse_collectives(text, fuse_reduce_scatter=False)
+    assert (c.kind, c.bytes, c.lowered_as) == ("all-reduce", 128 * 256 * 4, "")
+    assert c.wire_bytes == pytest.approx(2 * 7 / 8 * 128 * 256 * 4)
+
+
+def test_compiled_fsdp_gradient_is_a_reduce_scatter(mesh8):
+    def loss(w, x):
+        return jnp.sum((x @ w) ** 2)
+
+    shard = NamedSharding(mesh8, P("d"))
+    step = jax.jit(jax.grad(loss), in_shardings=(shard, shard), out_shardings=shard)
+    text = step.lower(jnp.zeros((64, 32)), jnp.zeros((16, 64))).compile().as_text()
+    by_kind = {c.kind: c for c in parse_collectives(text)}
+    assert sorted(by_kind) == ["all-gather", "reduce-scatter"]
+    rs = by_kind["reduce-scatter"]
+    assert (rs.bytes, rs.group_size, rs.count) == (64 * 32 * 4, 8, 1)
+    assert rs.lowered_as == "all-reduce+dynamic-slice" and by_kind["all-gather"].lowered_as == ""
+    assert "transpose" in rs.op_name
+    assert wire_bytes_by_kind(parse_collectives(text)) == pytest.approx(
+        {"all-gather": 7 / 8 * 8192, "reduce-scatter": 7 / 8 * 8192}
+    )
+
+
+def test_compiled_fsdp_scan_reduce_scatters_once_per_layer(mesh8):
+    layers = 3
+
+    def loss(w, x):
+        def body(c, wi):
+            return c + jnp.sum((x @ wi) ** 2), None
+
+        return jax.lax.scan(body, 0.0, w)[0]
+
+    shard = NamedSharding(mesh8, P(None, "d"))
+    step = jax.jit(jax.grad(loss), in_shardings=(shard, NamedSharding(mesh8, P("d"))),
+                   out_shardings=shard)  # fmt: skip
+    text = step.lower(jnp.zeros((layers, 64, 32)), jnp.zeros((16, 64))).compile().as_text()
+    cs = parse_collectives(text)
+    [rs] = [c for c in cs if c.kind == "reduce-scatter"]
+    assert (rs.bytes, rs.group_size, rs.count, rs.count_exact) == (64 * 32 * 4, 8, layers, True)
+    assert rs.lowered_as == "all-reduce+dynamic-slice" and rs.computation != "main"
+    assert rs.wire_bytes == pytest.approx(layers * 7 / 8 * 64 * 32 * 4)
+    assert "all-reduce" not in bytes_by_kind(cs)
+    assert bytes_by_kind(parse_collectives(text, fuse_reduce_scatter=False))["all-reduce"] == (
+        layers * 64 * 32 * 4
+    )

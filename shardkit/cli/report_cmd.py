@@ -1,0 +1,118 @@
+"""``shardkit report`` and ``shardkit compare``: compile-only layout reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from rich.console import Console
+
+from shardkit import models, recipes
+from shardkit.cli.devices_arg import add_devices_argument, select_devices
+from shardkit.errors import ShardingError
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
+    add_devices_argument(p)
+    p.add_argument("--batch", type=int, default=8, help="global batch size")
+    p.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default: min(512, max_seq))"
+    )
+    p.add_argument("--remat", choices=["none", "full", "save_dots"], default=None,
+                   help="override the model's rematerialization policy")  # fmt: skip
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="compile one recipe (nothing allocated) and report its costs")
+    _common(p)
+    p.add_argument("--recipe", default="fsdp")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", metavar="PNG", help="also draw memory and wire bytes to PNG")
+    p.set_defaults(handler=main_report)
+
+    c = sub.add_parser("compare", help="compile several recipes and compare them side by side")
+    _common(c)
+    c.add_argument(
+        "--recipes", default=None, help="comma-separated (default: every recipe that fits)"
+    )
+    c.add_argument("--json", action="store_true", help="print the reports as JSON")
+    c.add_argument("--plot", metavar="PNG", help="draw all recipes into one figure")
+    c.set_defaults(handler=main_compare)
+
+
+def _model(args: argparse.Namespace):
+    if args.model not in models.names():
+        raise ShardingError(
+            f"Unknown model {args.model!r}. Known models: {', '.join(models.names())}."
+        )
+    overrides = {"remat": args.remat} if args.remat else {}
+    model = models.get(args.model, **overrides)
+    args.seq = args.seq or min(512, model.config.max_seq)
+    return model
+
+
+def _report(model, recipe: str, devices, args):
+    from shardkit import train
+    from shardkit.plan import Plan
+
+    plan = Plan(recipe, devices=devices)
+    return plan.report_model(model, train.adamw(), batch=args.batch, seq=args.seq)
+
+
+def main_report(args: argparse.Namespace) -> int:
+    model = _model(args)
+    recipes.get(args.recipe)
+    devices = select_devices(args.devices)
+    start = time.perf_counter()
+    report = _report(model, args.recipe, devices, args)
+    if args.plot:
+        from shardkit.report.plot import plot_reports
+
+        plot_reports({args.recipe: report}, args.plot)
+    if args.json:
+        print(json.dumps({"model": args.model, "devices": len(devices), **report.to_json()}))
+        return 0
+    from shardkit.cli.render import print_report
+
+    console = Console()
+    console.print(f"{args.model}, batch {args.batch}, seq {args.seq}, compiled in "
+                  f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    print_report(report, console)
+    return 0
+
+
+def main_compare(args: argparse.Namespace) -> int:
+    model = _model(args)
+    names = args.recipes.split(",") if args.recipes else recipes.names()
+    for name in names:
+        recipes.get(name)
+    devices = select_devices(args.devices)
+    console = Console(stderr=True)
+    reports, skipped = {}, {}
+    with console.status("compiling") as status:
+        for name in names:
+            status.update(f"compiling {name}")
+            try:
+                reports[name] = _report(model, name, devices, args)
+            except ShardingError as e:
+                if args.recipes:  # asked for by name: a real error
+                    raise
+                skipped[name] = str(e).splitlines()[0]
+    if args.plot:
+        from shardkit.report.plot import plot_reports
+
+        plot_reports(reports, args.plot)
+    if args.json:
+        print(json.dumps({"model": args.model, "devices": len(devices),
+                          "reports": {n: r.to_json() for n, r in reports.items()},
+                          "skipped": skipped}))  # fmt: skip
+        return 0
+    from shardkit.cli.render import print_comparison
+
+    out = Console()
+    print_comparison(reports, out)
+    for name, why in skipped.items():
+        out.print(f"[dim]skipped {name}: {why}[/dim]")
+    return 0
