@@ -16,7 +16,8 @@ from shardkit.errors import ShardingError
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
     add_devices_argument(p)
-    p.add_argument("--batch", type=int, default=8, help="global batch size")
+    p.add_argument("--batch", type=int, default=None,
+                   help="global batch size (default: one example per device)")  # fmt: skip
     p.add_argument(
         "--seq", type=int, default=None, help="sequence length (default: min(512, max_seq))"
     )
@@ -65,6 +66,7 @@ def main_report(args: argparse.Namespace) -> int:
     model = _model(args)
     recipes.get(args.recipe)
     devices = select_devices(args.devices)
+    args.batch = args.batch or len(devices)
     start = time.perf_counter()
     report = _report(model, args.recipe, devices, args)
     if args.plot:
@@ -89,6 +91,7 @@ def main_compare(args: argparse.Namespace) -> int:
     for name in names:
         recipes.get(name)
     devices = select_devices(args.devices)
+    args.batch = args.batch or len(devices)
     console = Console(stderr=True)
     reports, skipped = {}, {}
     with console.status("compiling") as status:

@@ -10,7 +10,7 @@ Example:
   >>> models.names()
   ['gpt-tiny', 'gpt-small', 'gpt-1b', 'gpt-7b', 'llama-tiny', 'llama-small', 'llama-1b', 'llama-7b']
   >>> models.get("llama-7b").config.param_count()
-  6738415616
+  6740512768
 """
 
 from shardkit.models.config import CONFIGS, ModelConfig

@@ -169,10 +169,12 @@ CONFIGS: dict[str, ModelConfig] = {
     # (124,082,688 with 512). DESIGN.md's Ψ = 123.7M (123,689,472) is this model without
     # its position table; neither max_seq reproduces it, so max_seq stays GPT-2's 1024.
     "gpt-small": _gpt(50304, 768, 12, 12, 3072, 1024),
-    "gpt-1b": _gpt(50304, 2048, 24, 16, 8192, 2048),
-    "gpt-7b": _gpt(50304, 4096, 32, 32, 16384, 2048),
+    # Planning configs pad the vocabulary to a multiple of 512 (as Megatron and MaxText
+    # pad it) so that FSDP or vocab-parallel layouts divide it on up to 512 devices.
+    "gpt-1b": _gpt(50688, 2048, 24, 16, 8192, 2048),
+    "gpt-7b": _gpt(50688, 4096, 32, 32, 16384, 2048),
     "llama-tiny": _llama(256, 64, 2, 16, 8, 256, 128),  # 8 kv heads: TP over 8 devices
     "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 1024),
-    "llama-1b": _llama(32000, 2048, 16, 32, 8, 8192, 2048),
-    "llama-7b": _llama(32000, 4096, 32, 32, 32, 11008, 4096),
+    "llama-1b": _llama(32256, 2048, 16, 32, 8, 8192, 2048),
+    "llama-7b": _llama(32256, 4096, 32, 32, 32, 11008, 4096),
 }

@@ -24,7 +24,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from shardkit import errors
@@ -52,7 +51,7 @@ class Model:
       >>> model = Model(CONFIGS["gpt-7b"], name="gpt-7b")
       >>> abstract = jax.eval_shape(model.init, jax.random.key(0))   # nothing materialized
       >>> abstract["wte"]["embedding"].names, abstract["wte"]["embedding"].value.shape
-      (('vocab', 'embed'), (50304, 4096))
+      (('vocab', 'embed'), (50688, 4096))
     """
 
     def __init__(self, config: ModelConfig, name: str = "custom"):
@@ -137,7 +136,27 @@ class Model:
           ()
         """
         logits = self.apply(params, batch["inputs"]).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+        return vocab_parallel_cross_entropy(logits, batch["targets"]).mean()
+
+
+def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Cross-entropy written so a vocabulary split over devices stays split.
+
+    The target logit is picked with a one-hot product and a sum over the vocabulary
+    (Megatron's vocab-parallel loss): with logits sharded on ``vocab``, XLA reduces
+    ``[batch, length]`` partial sums instead of gathering or resharding the logits, as
+    a ``take_along_axis`` would make it do.
+
+    Example:
+      >>> import jax.numpy as jnp, optax
+      >>> logits, t = jnp.array([[[0.5, 1.0, -1.0]]]), jnp.array([[1]])
+      >>> bool(jnp.allclose(vocab_parallel_cross_entropy(logits, t),
+      ...                   optax.softmax_cross_entropy_with_integer_labels(logits, t)))
+      True
+    """
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
+    return log_z - target
 
 
 def names() -> list[str]:

@@ -170,6 +170,7 @@ def build_report(
     batch: int | None = None,
     seq: int | None = None,
     replicated_threshold_bytes: int = 1 << 20,
+    replicated_threshold_share: float = 1e-3,
 ) -> Report:
     """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``.
 
@@ -179,7 +180,8 @@ def build_report(
       state: the state tree, annotated (e.g. ``jax.eval_shape(init_fn, key)``) so the
         table shows logical axes, or the arrays the step takes.
       model_config, batch, seq: enable the analytic model (built-in recipes only).
-      replicated_threshold_bytes: warn about replicated parameters at least this big.
+      replicated_threshold_bytes, replicated_threshold_share: warn about replicated
+        parameters at least this big, in bytes and as a share of all parameter bytes.
     """
     rows = _rows(plan, state)
     collectives = tuple(parse_collectives(compiled.as_text()))
@@ -195,7 +197,9 @@ def build_report(
         *lint.unused_rules(recipe.rules, logical_names),
     ]
     if shards_params:
-        warnings += lint.replicated_params(rows, recipe.name, min_bytes=replicated_threshold_bytes)
+        total = sum(_full_bytes(r) for r in rows if r.kind == "param")
+        threshold = max(replicated_threshold_bytes, replicated_threshold_share * total)
+        warnings += lint.replicated_params(rows, recipe.name, min_bytes=threshold)
     return Report(
         recipe=recipe.name,
         mesh=mesh,

@@ -1,0 +1,103 @@
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import shardkit as sk
+from shardkit import train
+from shardkit.cli import main
+from shardkit.models import get
+
+TX = optax.sgd(0.1)
+
+
+@pytest.fixture(scope="module")
+def fsdp_report():
+    return sk.Plan("fsdp").report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+
+
+def test_report_numbers_are_consistent(fsdp_report):
+    r = fsdp_report
+    m = r.memory
+    assert m.total == m.arguments + m.output + m.temp - m.alias
+    assert r.flops and r.flops > 0
+    params = [p for p in r.params if p.kind == "param"]
+    optimizer = [p for p in r.params if p.kind == "optimizer"]
+    assert len(optimizer) >= 2 * len(params)  # Adam's mu and nu mirror every parameter
+    embed = next(p for p in params if p.path == "params/wte/embedding")
+    assert embed.logical == ("vocab", "embed") and embed.spec == "P('fsdp', None)"
+    assert embed.bytes_per_device == 256 * 64 * 4 // 8
+    assert r.replicated_fraction < 0.05
+    assert r.ratios()["state_memory"] == pytest.approx(1.0, abs=0.1)
+    assert sum(c.wire_bytes for c in r.collectives) == pytest.approx(r.wire_bytes)
+
+
+def test_report_json_schema(fsdp_report):
+    d = json.loads(json.dumps(fsdp_report.to_json()))
+    assert set(d["memory_per_device_bytes"]) == {"arguments", "output", "temp", "alias", "total"}
+    assert set(d["analytic_memory_per_device_bytes"]) == {
+        "params", "grads", "optimizer", "activations", "total"}  # fmt: skip
+    assert {"kind", "bytes", "wire_bytes", "group_size", "op_name"} <= set(d["collectives"][0])
+    assert {"path", "shape", "logical", "spec", "bytes_per_device"} <= set(d["params"][0])
+    for key in ("wire_bytes_by_kind", "analytic_wire_bytes_by_kind", "replicated_fraction",
+                "warnings", "flops"):  # fmt: skip
+        assert key in d
+
+
+def _mlp(down_axes):
+    @sk.axes({"up/kernel": ("embed", "mlp"), "down/kernel": down_axes})
+    class Mlp(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.relu(nn.Dense(64, use_bias=False, name="up")(x))
+            h = sk.constrain(h, ("batch", "mlp"))
+            return nn.Dense(16, use_bias=False, name="down")(h)
+
+    return Mlp()
+
+
+def _lint(model):
+    def init(rng):
+        params = model.init(rng, jnp.ones((1, 16)))["params"]
+        return params, TX.init(sk.unbox(params))
+
+    def step(state, batch):
+        params, opt = state
+        grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, batch["x"]) ** 2))(params)
+        updates, opt = TX.update(grads, opt, params)
+        return (optax.apply_updates(params, updates), opt), None
+
+    plan = sk.Plan("tp")
+    batch = {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
+    compiled = plan.compile(step, plan.abstract_init(init, jax.random.key(0)), batch)
+    return plan.report(compiled, jax.eval_shape(init, jax.random.key(0)))
+
+
+def test_lint_names_the_op_a_broken_annotation_makes_xla_gather():
+    good = _lint(_mlp(("mlp", "embed")))  # row-parallel, as Megatron
+    assert not [w for w in good.warnings if w.startswith("unexpected")]
+    broken = _lint(_mlp(("embed", "mlp")))  # the down kernel annotated like the up kernel
+    [warning] = [w for w in broken.warnings if w.startswith("unexpected all-gather")]
+    assert "down/dot_general" in warning and "Likely cause" in warning
+
+
+def test_lint_flags_rules_that_match_nothing(fsdp_report):
+    plan = sk.Plan(sk.Rules([("vocab", "data"), ("embd", "data")]), sk.make_mesh({"data": 8}))
+    r = plan.report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    assert any("('embd', 'data') matched no parameter" in w for w in r.warnings)
+
+
+def test_cli_report_json_and_compare_plot(tmp_path, capsys):
+    assert main(["report", "--model", "gpt-tiny", "--recipe", "dp", "--seq", "32", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["recipe"] == "dp" and d["mesh"] == {"data": 8} and d["devices"] == 8
+    assert set(d["wire_bytes_by_kind"]) == {"all-reduce"}
+    png = tmp_path / "compare.png"
+    args = ["compare", "--model", "gpt-tiny", "--seq", "32", "--recipes", "dp,fsdp"]
+    assert main([*args, "--plot", str(png)]) == 0
+    assert png.stat().st_size > 10_000
+    out = capsys.readouterr().out
+    assert "dp" in out and "fsdp" in out
