@@ -139,7 +139,7 @@ def tp_sp() -> Recipe:
     """
     return Recipe(
         name="tp_sp",
-        collectives=frozenset({"reduce-scatter", "all-gather"}),
+        collectives=frozenset({"reduce-scatter", "all-gather", "all-reduce"}),
         summary="tensor + sequence parallel: 'length' split over 'tensor' between blocks",
         mesh_axes=(("tensor", -1),),
         rules=Rules(_TENSOR),

@@ -85,5 +85,8 @@ def unused_rules(rules: Iterable[tuple[str, object]], logical_names: set[str]) -
     for name, mesh_axes in rules:
         if name not in logical_names and name not in seen:
             seen.add(name)
-            out.append(f"rule ({name!r}, {mesh_axes!r}) matched no parameter or state leaf.")
+            out.append(
+                f"rule ({name!r}, {mesh_axes!r}) matched no parameter or state leaf "
+                "(fine if the model has no such axis; otherwise a misspelt name)."
+            )
     return out

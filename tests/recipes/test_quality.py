@@ -56,7 +56,9 @@ def test_tp_sp_activation_memory_follows_megatron():
     # t=4, a=12, s=512, h=768: 26 vs 18.5 -> 0.71. Measured temp ratio: 0.73.
     tp, sp = report("tp", devices=4, remat="none"), report("tp_sp", devices=4, remat="none")
     assert 0.6 <= sp.memory.temp / tp.memory.temp <= 0.85
-    assert "all-reduce" not in kinds(sp) and {"reduce-scatter", "all-gather"} <= kinds(sp)
+    # TP+SP replaces the activation all-reduces; only small gradient ones (norms) remain.
+    assert {"reduce-scatter", "all-gather"} <= kinds(sp)
+    assert sp.wire_bytes_by_kind.get("all-reduce", 0) < 0.01 * sp.wire_bytes
 
 
 @pytest.mark.parametrize("recipe", ["dp", "fsdp", "zero1", "dp_fsdp", "fsdp_tp", "dp_tp_sp",
