@@ -290,7 +290,9 @@ class PlannedStep:
         self._cache: dict[Any, Any] = {}
 
     def _jitted(self, state: Any, batch: Any, n_extra: int):
-        key = (jax.tree_util.tree_structure(state), _shapes(state), _shapes(batch), n_extra)
+        # Shardings follow the state's structure and the batch's shapes; state shapes are
+        # fixed by its structure in training, and jax.jit itself retraces on new shapes.
+        key = (jax.tree_util.tree_structure(state), _shapes(batch), n_extra)
         if key not in self._cache:
             plan = self.plan
             state_sh = plan.shardings(state)

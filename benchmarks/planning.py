@@ -1,0 +1,50 @@
+"""Planning scale: compile-only reports of a 7B model on 64-512 emulated devices.
+
+Each device count runs ``shardkit report --json`` in its own process (a process's
+emulated device count is fixed), measuring the wall time of the whole command and the
+per-device memory against the analytic model. Nothing is allocated.
+
+Run: python benchmarks/planning.py [--tiny]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+from bench_util import MIB, emit, parser
+
+
+def report(model: str, recipe: str, devices: int, seq: int) -> tuple[dict, float]:
+    cmd = [sys.executable, "-m", "shardkit.cli", "report", "--model", model, "--recipe",
+           recipe, "--devices", str(devices), "--seq", str(seq), "--json"]  # fmt: skip
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    return json.loads(proc.stdout), time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    model, seq = ("gpt-tiny", 64) if args.tiny else ("gpt-7b", 2048)
+    counts = (8,) if args.tiny else (64, 256, 512)
+    rows = []
+    for recipe in ("fsdp", "fsdp_tp"):
+        for n in counts:
+            d, seconds = report(model, recipe, n, seq)
+            mem, analytic = d["memory_per_device_bytes"], d["analytic_memory_per_device_bytes"]
+            state = analytic["params"] + analytic["optimizer"]
+            mesh = "×".join(f"{k}={v}" for k, v in d["mesh"].items())
+            rows.append([recipe, n, mesh, mem["arguments"] * MIB, state * MIB,
+                         mem["arguments"] / state, mem["total"] * MIB,
+                         d["ratios"].get("wire_bytes", float("nan")), seconds])  # fmt: skip
+    emit("planning", f"Planning {model} (seq {seq}, one sequence per device), compile only",
+         ["recipe", "devices", "mesh", "state MiB/device", "analytic state MiB",
+          "state ratio", "total MiB/device", "wire/analytic", "seconds"], rows, args.out)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,48 @@
+"""Regenerate every benchmark table and the README's benchmark section.
+
+Each benchmark runs in its own process (emulated device counts are per process). The
+tables go to ``benchmarks/results/*.json`` and ``benchmarks/RESULTS.md``; with
+``--readme`` they also replace the section between the BENCHMARKS markers in README.md.
+
+Run: python benchmarks/run_all.py [--tiny] [--readme]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench_util import parser
+
+HERE = Path(__file__).resolve().parent
+SCRIPTS = ("layout", "overhead", "compile_scaling", "planning", "gpu")
+BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
+
+
+def main(argv=None) -> int:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--readme", action="store_true", help="update README.md's benchmark section")
+    args = p.parse_args(argv)
+    for name in SCRIPTS:
+        cmd = [sys.executable, str(HERE / f"{name}.py"), "--out", str(args.out)]
+        print(f"+ {' '.join(cmd[1:])}{' --tiny' if args.tiny else ''}", flush=True)
+        subprocess.run(cmd + (["--tiny"] if args.tiny else []), check=True, cwd=HERE)
+    sections = []
+    for name in SCRIPTS:
+        result = args.out / f"{name}.json"
+        if result.exists():
+            sections.append(json.loads(result.read_text())["markdown"])
+    text = "\n".join(sections)
+    (args.out / "RESULTS.md").write_text(text)
+    if args.readme:
+        readme = HERE.parent / "README.md"
+        body = readme.read_text()
+        start, end = body.index(BEGIN) + len(BEGIN), body.index(END)
+        readme.write_text(body[:start] + "\n" + text + "\n" + body[end:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

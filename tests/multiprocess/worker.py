@@ -1,0 +1,42 @@
+"""One process of a 2-process run on loopback (JAX's multi-controller runtime, gloo).
+
+Each process owns 4 CPU devices; the mesh spans all 8. Every process passes only its own
+rows of the batch to ``plan.shard_batch``. Prints the losses as JSON on the last line.
+"""
+
+import json
+import sys
+
+
+def main(process_id: int, port: str, recipe: str) -> None:
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", 4)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+
+    import shardkit as sk
+    from shardkit import train
+    from shardkit.data import MarkovSource
+    from shardkit.models import get
+
+    assert jax.process_count() == 2 and len(jax.devices()) == 8
+    assert len(jax.local_devices()) == 4
+    model, tx = get("gpt-tiny"), train.adamw()
+    plan = sk.Plan(recipe)
+    state = plan.init(train.init_fn(model, tx), jax.random.key(0))
+    step = plan.jit(train.train_step(model, tx))
+    source = MarkovSource(vocab=model.config.vocab)
+    losses = []
+    for i in range(3):
+        local = source.batch(8, 32, i, process_index=jax.process_index(), process_count=2)
+        assert local["inputs"].shape == (4, 32)
+        state, metrics = step(state, plan.shard_batch(local))
+        losses.append(float(metrics["loss"]))
+    print(json.dumps({"process": process_id, "mesh": dict(plan.mesh.shape), "losses": losses}))
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3])
