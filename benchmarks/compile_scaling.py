@@ -19,8 +19,8 @@ sk.emulate_devices(8)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-
 from bench_util import emit, parser  # noqa: E402
+
 from shardkit import train  # noqa: E402
 from shardkit.models import get  # noqa: E402
 

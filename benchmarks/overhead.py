@@ -20,8 +20,8 @@ import shardkit as sk
 sk.emulate_devices(8)
 
 import jax  # noqa: E402
-
 from bench_util import emit, parser  # noqa: E402
+
 from shardkit import train  # noqa: E402
 from shardkit.annotate.constrain import activation_rules, param_rules  # noqa: E402
 from shardkit.data import MarkovSource  # noqa: E402
