@@ -20,7 +20,7 @@ from bench_util import MIB, emit, parser
 
 def report(model: str, recipe: str, devices: int, seq: int) -> tuple[dict, float]:
     cmd = [sys.executable, "-m", "shardkit.cli", "report", "--model", model, "--recipe",
-           recipe, "--devices", str(devices), "--seq", str(seq), "--json"]  # fmt: skip
+           recipe, "--devices", str(devices), "--seq", str(seq), "--remat", "full", "--json"]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=True,
                           env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
@@ -41,7 +41,7 @@ def main(argv=None) -> None:
             rows.append([recipe, n, mesh, mem["arguments"] * MIB, state * MIB,
                          mem["arguments"] / state, mem["total"] * MIB,
                          d["ratios"].get("wire_bytes", float("nan")), seconds])  # fmt: skip
-    emit("planning", f"Planning {model} (seq {seq}, one sequence per device), compile only",
+    emit("planning", f"Planning {model} (seq {seq}, one sequence per device, full remat), compile only",
          ["recipe", "devices", "mesh", "state MiB/device", "analytic state MiB",
           "state ratio", "total MiB/device", "wire/analytic", "seconds"], rows, args.out)  # fmt: skip
 

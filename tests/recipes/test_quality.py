@@ -79,3 +79,19 @@ def test_dp_only_gradient_all_reduce_and_state_replicated():
 def test_no_weight_all_gather_under_tp():
     r = report("tp", devices=4, remat="none")
     assert not [c for c in r.collectives if c.kind == "all-gather"]
+
+
+def test_dp_wire_bytes_at_the_ring_limit():
+    # Llama (untied embedding): exactly one all-reduce of the gradients, 2Ψ·4·(N−1)/N.
+    plan = sk.Plan("dp")
+    r = plan.report_model(get("llama-small", remat="full"), train.adamw(), batch=BATCH, seq=SEQ)
+    assert r.ratios()["wire_bytes"] <= 1.1
+
+
+def test_dp_tied_embedding_costs_one_extra_all_reduce():
+    # GPT ties the embedding to the logits: its gradient has two partial sums (lookup and
+    # logits) and XLA all-reduces each before adding them — one extra all-reduce of V·h.
+    r, cfg, n = report("dp"), get("gpt-small").config, 8
+    extra = 2 * cfg.vocab * cfg.d_model * 4 * (n - 1) / n
+    analytic = sum(r.analytic.wire_bytes_by_kind.values())
+    assert r.wire_bytes == pytest.approx(analytic + extra, rel=0.01)
