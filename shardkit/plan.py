@@ -68,7 +68,8 @@ class Plan:
       mesh: the mesh; default: the recipe's axes sized over ``devices``.
       devices: devices for the default mesh (default: all).
       annotations: a ``sk.PathAxes`` for leaves Flax did not annotate.
-      on_unmatched: policy for non-scalar leaves with no logical axes.
+      on_unmatched: policy for non-scalar leaves with no logical axes (default: the
+        ``annotations``' own policy, else ``"replicate"``).
     """
 
     def __init__(
@@ -78,7 +79,7 @@ class Plan:
         *,
         devices: Sequence[jax.Device] | None = None,
         annotations: PatternAxes | None = None,
-        on_unmatched: Literal["replicate", "error"] = "replicate",
+        on_unmatched: Literal["replicate", "error"] | None = None,
     ):
         if isinstance(recipe, (Rules, list, tuple)):
             rules = Rules(recipe)
@@ -89,7 +90,9 @@ class Plan:
             mesh = make_mesh(self.recipe.axis_sizes(len(devices)), devices=devices)
         self.mesh = mesh
         self.annotations = annotations
-        self.on_unmatched = on_unmatched
+        # A PathAxes carries its own policy; an explicit argument overrides it.
+        default = getattr(annotations, "on_unmatched", "replicate")
+        self.on_unmatched = on_unmatched or default
         for rules in (self.rules, self.activation_rules, self.recipe.optimizer_rules):
             if rules is not None:
                 rules.validate(mesh)

@@ -137,3 +137,12 @@ def test_zero1_shards_only_optimizer_state():
     assert params["Dense_0"]["kernel"].sharding.spec == P(None, None)
     assert opt_state[0].mu["Dense_0"]["kernel"].sharding.spec == P("data", None)
     assert opt_state[0].count.sharding.spec == P()
+
+
+def test_plan_takes_the_path_axes_policy():
+    tree = {"w": jnp.zeros((16, 8)), "b": jnp.zeros(8)}
+    strict = sk.PathAxes([("w$", ("embed", "mlp"))], on_unmatched="error")
+    with pytest.raises(sk.ShardingError, match=r"b \(8,\)"):
+        sk.Plan("fsdp", annotations=strict).shardings(tree)
+    lenient = sk.Plan("fsdp", annotations=strict, on_unmatched="replicate")
+    assert lenient.shardings(tree)["b"].spec == P(None)
