@@ -67,6 +67,16 @@ LAYOUTS: dict[str, tuple[dict[str, int], list[tuple[str, Any]]]] = {
         {"data": 1, "tensor": -1},
         [("batch", "data"), ("heads", "tensor"), ("mlp", "tensor"), ("vocab", "tensor")],
     ),
+    "tp_sp": (  # Megatron sequence parallelism: ``length`` on tensor where heads/mlp are not
+        {"data": 1, "tensor": -1},
+        [
+            ("batch", "data"),
+            ("heads", "tensor"),
+            ("mlp", "tensor"),
+            ("vocab", "tensor"),
+            ("length", "tensor"),
+        ],
+    ),  # fmt: skip
     "dp_fsdp": ({"data": 2, "fsdp": -1}, [("batch", ("data", "fsdp")), ("embed", "fsdp")]),
     "fsdp_tp": (
         {"fsdp": -1, "tensor": 4},

@@ -7,11 +7,14 @@ for (a) shardkit (``sk.Plan(recipe).report_model``), (b) the Flax baseline of
 ``flax_baseline.py`` (DESIGN.md, "Baseline to beat") and (c) the analytic model
 (``report.analytic``). "Flax" is the baseline as written, whose activation constraints the
 legacy ``with mesh:`` silently drops; "Flax pinned" passes the mesh to them explicitly.
+shardkit's models scan their layers and the baseline unrolls them; "shardkit unrolled"
+(``scan=False``) separates what the layer structure costs from what the layout does.
 
 Also shows the mistake of 8-way tensor parallelism with 12 heads: the error Flax raises
 next to shardkit's ``ShardingError``.
 
-Run: python benchmarks/layout.py [--tiny]    (--tiny: gpt-tiny with 4 heads, seq 64)
+Run: python benchmarks/layout.py [--tiny]
+(--tiny: gpt-tiny with 4 heads, seq 64, dp/fsdp/tp only: a smoke test of every path)
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ RECIPES = (
     ("dp", 8), ("fsdp", 8), ("tp", 4), ("tp_sp", 4), ("zero1", 8), ("dp_fsdp", 8),
     ("fsdp_tp", 8),
 )  # fmt: skip
+TINY_RECIPES = (("dp", 8), ("fsdp", 8), ("tp", 4))  # --tiny: a smoke test of every path
 BATCH = 8
 
 HEADERS = (
     "recipe", "mesh",
-    "shardkit total MiB", "Flax total MiB", "Flax/shardkit total",
+    "shardkit total MiB", "Flax total MiB", "Flax/shardkit total", "shardkit unrolled total MiB",
     "analytic total MiB", "shardkit/analytic total",
     "shardkit state MiB", "analytic state MiB", "shardkit/analytic state",
     "shardkit wire MiB", "Flax wire MiB", "Flax/shardkit wire",
@@ -71,11 +75,17 @@ def _mib(x: float | None) -> float | str:
     return x * MIB if x is not None else "—"
 
 
-def row(model, tx, recipe: str, n: int, seq: int) -> tuple[list, dict]:
-    devices = jax.devices()[:n]
+def _shardkit(model, tx, recipe: str, devices, seq: int, label: str):
     t = time.perf_counter()
     report = sk.Plan(recipe, devices=devices).report_model(model, tx, batch=BATCH, seq=seq)
-    _log(f"  shardkit {recipe}: {time.perf_counter() - t:.1f}s")
+    _log(f"  {label} {recipe}: {time.perf_counter() - t:.1f}s")
+    return report
+
+
+def row(model, unrolled, tx, recipe: str, n: int, seq: int) -> tuple[list, dict]:
+    devices = jax.devices()[:n]
+    report = _shardkit(model, tx, recipe, devices, seq, "shardkit")
+    flat = _shardkit(unrolled, tx, recipe, devices, seq, "shardkit unrolled")
     flax = _flax(model.config, recipe, devices, seq, pin=False)
     pinned = _flax(model.config, recipe, devices, seq, pin=True)
     a = report.analytic
@@ -86,7 +96,7 @@ def row(model, tx, recipe: str, n: int, seq: int) -> tuple[list, dict]:
     pin_total, _, pin_wire, _ = pinned or (None,) * 4
     cells = [
         recipe, "×".join(f"{k}{v}" for k, v in report.mesh.items()),
-        _mib(sk_total), _mib(fl_total), _ratio(fl_total, sk_total),
+        _mib(sk_total), _mib(fl_total), _ratio(fl_total, sk_total), _mib(flat.memory.total),
         _mib(a.memory.total), _ratio(sk_total, a.memory.total),
         _mib(sk_state), _mib(a_state), _ratio(sk_state, a_state),
         _mib(sk_wire), _mib(fl_wire), _ratio(fl_wire, sk_wire),
@@ -97,6 +107,10 @@ def row(model, tx, recipe: str, n: int, seq: int) -> tuple[list, dict]:
         "recipe": recipe,
         "mesh": report.mesh,
         "shardkit": {"memory": report.memory.to_dict(), "wire_by_kind": report.wire_bytes_by_kind},
+        "shardkit_unrolled": {
+            "memory": flat.memory.to_dict(),
+            "wire_by_kind": flat.wire_bytes_by_kind,
+        },
         "analytic": {"memory": a.memory.to_dict(), "wire_by_kind": a.wire_bytes_by_kind},
     }
     for name, m in (("flax", flax), ("flax_pinned", pinned)):
@@ -131,16 +145,18 @@ def main(argv=None) -> int:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     start = time.perf_counter()
     if args.tiny:  # 4 heads so that 8-way TP is the same mistake as 12 heads at full size
-        model, seq = get("gpt-tiny", remat="full", n_heads=4, n_kv_heads=4), 64
+        name, overrides, seq = "gpt-tiny", {"n_heads": 4, "n_kv_heads": 4}, 64
     else:
-        model, seq = get("gpt-small", remat="full"), 512
+        name, overrides, seq = "gpt-small", {}, 512
+    model = get(name, remat="full", **overrides)
+    unrolled = get(name, remat="full", scan=False, **overrides)  # the baseline's structure
     if param_count(model.config) != model.config.param_count():
         raise SystemExit("flax_baseline.GPT does not match shardkit's parameter count")
     tx = train.adamw()
     rows, details = [], []
-    for recipe, n in RECIPES:
+    for recipe, n in TINY_RECIPES if args.tiny else RECIPES:
         _log(f"{recipe} on {n} devices")
-        cells, detail = row(model, tx, recipe, n, seq)
+        cells, detail = row(model, unrolled, tx, recipe, n, seq)
         rows.append(cells)
         details.append(detail)
     notes = indivisible_tp(model, seq)
@@ -154,9 +170,10 @@ def main(argv=None) -> int:
                 extra={"details": details, "notes": notes, "seconds": elapsed})  # fmt: skip
     legend = (
         "state = arguments (params + optimizer state + batch) against the analytic params + "
-        "optimizer; \"Flax\" is the baseline as written (its `nn.with_logical_constraint`s are "
-        "silent no-ops under the legacy `with mesh:`), \"Flax pinned\" passes `mesh=` to them; "
-        "shardkit scans the layers, the Flax baseline unrolls them."
+        'optimizer; "Flax" is the baseline as written (its `nn.with_logical_constraint`s are '
+        'silent no-ops under the legacy `with mesh:`), "Flax pinned" passes `mesh=` to them; '
+        'shardkit scans the layers, the Flax baseline unrolls them; "shardkit unrolled" is '
+        "shardkit with `scan=False`, the baseline's structure (JSON details: its wire bytes)."
     )
     tail = "\n" + legend + "\n\n" + "\n".join(notes) + "\n"
     print(tail, flush=True)
