@@ -197,7 +197,8 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
                       layers: int | None = None, b: float | None = None, s: float | None = None,
                       h: float | None = None, vocab: int | None = None, h_kv: float | None = None,
                       data_kind: Literal["dp", "zero1", "zero2"] = "dp",
-                      tensor_kind: Literal["tp", "tp_sp"] = "tp") -> dict[str, float]:  # fmt: skip
+                      tensor_kind: Literal["tp", "tp_sp"] = "tp",
+                      recompute: bool = False) -> dict[str, float]:  # fmt: skip
     """Ring wire bytes per device per step of a layout over several mesh axes, by kind.
 
     The parts add up, each over its own group, nested ``data ⊃ sequence ⊃ fsdp ⊃ tensor``:
@@ -219,6 +220,9 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
         (``b`` and ``s`` are the global batch and the full sequence).
       data_kind: what the data axis runs: ``dp``, ``zero1`` or ``zero2``.
       tensor_kind: what the tensor axis runs: ``tp`` or ``tp_sp``.
+      recompute: full activation recomputation (remat) re-runs every layer's forward,
+        and with it the forward activation collectives of ``tensor`` and ``sequence``
+        (6 instead of 4 b·s·h all-reduces per layer under TP; Korthikanti et al. 2022).
 
     Returns:
       ``{kind: bytes}`` for the kinds with traffic.
@@ -231,10 +235,11 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
       {'all-gather': 6000000.0, 'reduce-scatter': 3000000.0, 'all-reduce': 1000000.0}
     """
     return _hybrid(axis_sizes, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
-                   tensor_kind)[0]  # fmt: skip
+                   tensor_kind, recompute)[0]  # fmt: skip
 
 
-def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind):
+def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind,
+            recompute=False):  # fmt: skip
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`."""
     unknown = sorted(set(axis_sizes) - set(_AXES))
     if unknown or any(not isinstance(v, int) or v < 1 for v in axis_sizes.values()):
@@ -264,7 +269,8 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
         add("all-gather", shard, replicas, 1, f"{data_kind} parameters, (Ψ/(t·f))·B·(n−1)/n")
     if t > 1:
         bsh = b / (d * f) * (s / c) * h
-        n_ar = 4 * layers + (2 if vocab is not None else 0)
+        # Full recomputation re-runs each layer's forward, its 2 all-reduces included.
+        n_ar = (6 if recompute else 4) * layers + (2 if vocab is not None else 0)
         if tensor_kind == "tp":
             add("all-reduce", n_ar * bsh, t, 2, f"{n_ar} all-reduces of b·s·h, Megatron TP")
         else:
@@ -274,7 +280,13 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
             add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s")
     if c > 1:
         kv = 2 * layers * b / (d * f) * s * (h if h_kv is None else h_kv) / t
-        add("all-gather", kv, c, 1, "K and V per layer forward, 2·L·b·s·h_kv/t")
+        add(
+            "all-gather",
+            kv,
+            c,
+            2 if recompute else 1,
+            "K and V per layer forward (again when recomputed), 2·L·b·s·h_kv/t",
+        )
         add("reduce-scatter", kv, c, 1, "dK and dV per layer backward, 2·L·b·s·h_kv/t")
     return out, notes
 
@@ -338,7 +350,8 @@ def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, ba
                             activations=config.n_layers * per_layer + logits)  # fmt: skip
     h_kv = config.n_kv_heads * (config.d_model // config.n_heads)
     wire, wire_notes = _hybrid(sizes, psi, nb, config.n_layers, batch, seq, config.d_model,
-                               config.vocab, h_kv, data_kind, tensor_kind)  # fmt: skip
+                               config.vocab, h_kv, data_kind, tensor_kind,
+                               recompute=remat == "full")  # fmt: skip
     notes = (
         f"Ψ = {psi:,} parameters, {recipe_name} on {sizes}, B = {nb} bytes per value",
         f"state: params {nb}Ψ/{t * f}, grads {nb}Ψ/{t * f}, optimizer {2 * nb}Ψ/{opt_degree} "

@@ -277,3 +277,10 @@ def test_analytic_model_errors():
     with pytest.raises(ShardingError, match="tensor"):
         analytic_model(cfg, "dp", {"data": 4, "tensor": 2}, batch=8, seq=32)
     assert analytic_model(cfg, "dp", {"data": 8, "tensor": 1}, batch=8, seq=32)
+
+
+def test_full_recompute_reruns_forward_tensor_collectives():
+    kw = dict(psi=1e6, layers=2, b=4, s=8, h=16)
+    plain = wire_bytes_hybrid({"tensor": 4}, **kw)["all-reduce"]
+    again = wire_bytes_hybrid({"tensor": 4}, recompute=True, **kw)["all-reduce"]
+    assert again == pytest.approx(plain * 6 / 4)  # 6 all-reduces per layer instead of 4
