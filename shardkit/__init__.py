@@ -7,7 +7,16 @@ Example:
 """
 
 from shardkit import recipes
-from shardkit.annotate import LogicalAxes, PathAxes, axes, constrain, logical_axes, unbox
+from shardkit.annotate import (
+    LogicalAxes,
+    PathAxes,
+    activation_rules,
+    axes,
+    constrain,
+    logical_axes,
+    unbox,
+)
+from shardkit.attention import use_attention
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
@@ -22,6 +31,7 @@ __all__ = [
     "Plan",
     "Rules",
     "ShardingError",
+    "activation_rules",
     "axes",
     "constrain",
     "emulate_devices",
@@ -29,4 +39,5 @@ __all__ = [
     "make_mesh",
     "recipes",
     "unbox",
+    "use_attention",
 ]

@@ -62,9 +62,9 @@ from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import AxisType, PartitionSpec
+from jax.sharding import PartitionSpec
 
-from shardkit.annotate.constrain import constrain, current_activation_rules
+from shardkit.annotate.constrain import constrain, current_activation_rules, is_explicit
 from shardkit.errors import ShardingError
 from shardkit.rules import Rules
 
@@ -276,7 +276,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             f"{chunks}, or use another attention strategy."
         )
     spec = _spec(q.shape, mesh, axis)
-    if all(t == AxisType.Explicit for t in mesh.axis_types):
+    if is_explicit(mesh):
         q, k, v = (jax.sharding.reshard(x, spec) for x in (q, k, v))
     body = _ring if strategy == "ring" else _allgather
     return jax.shard_map(

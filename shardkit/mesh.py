@@ -20,7 +20,7 @@ from jax.sharding import AxisType, Mesh
 
 from shardkit.errors import MeshError
 
-__all__ = ["make_mesh", "resolve_axis_sizes"]
+__all__ = ["divisors", "make_mesh", "resolve_axis_sizes"]
 
 
 def _describe(axes: Mapping[str, int]) -> str:
@@ -64,7 +64,7 @@ def resolve_axis_sizes(axes: Mapping[str, int], device_count: int) -> dict[str, 
                 f"Mesh axes {_describe(axes)} do not factor {device_count} devices: the fixed "
                 f"sizes multiply to {known}, which does not divide {device_count}.\n"
                 f"Fix: choose fixed sizes whose product divides {device_count} "
-                f"(divisors: {_divisors(device_count)})."
+                f"(divisors: {divisors(device_count)})."
             )
         sizes[inferred[0]] = device_count // known
     elif known != device_count:
@@ -75,7 +75,8 @@ def resolve_axis_sizes(axes: Mapping[str, int], device_count: int) -> dict[str, 
     return sizes
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
+    """The positive divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -112,12 +113,24 @@ def make_mesh(
         unknown = set(dcn) - set(sizes)
         if unknown:
             raise MeshError(f"dcn names axes {sorted(unknown)} that are not in {_describe(sizes)}.")
+        bad = {
+            k: v for k, v in dcn.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1
+        }
+        if bad:
+            raise MeshError(f"dcn sizes must be positive integers, got {bad}.")
         dcn_shape = tuple(int(dcn.get(n, 1)) for n in names)
-        if any(s % d for s, d in zip(shape, dcn_shape, strict=False)):
+        if any(s % d for s, d in zip(shape, dcn_shape, strict=True)):
             raise MeshError(
                 f"dcn sizes {_describe(dict(dcn))} must divide the axis sizes {_describe(sizes)}."
             )
-        ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=False))
+        hosts = len({d.process_index for d in devices})
+        if math.prod(dcn_shape) != hosts:
+            raise MeshError(
+                f"dcn sizes {_describe(dict(dcn))} span {math.prod(dcn_shape)} hosts, but the "
+                f"devices belong to {hosts} process(es).\nFix: make the dcn sizes multiply to "
+                f"{hosts} (one process per host, after jax.distributed.initialize())."
+            )
+        ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=True))
         device_array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
         return Mesh(device_array, names, axis_types=axis_types)
     return jax.make_mesh(shape, names, axis_types=axis_types, devices=devices)

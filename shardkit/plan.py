@@ -36,9 +36,11 @@ from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
 from shardkit.attention import use_attention
+from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
+from shardkit.report.hlo import KINDS
 from shardkit.rules import Rules
 
 __all__ = ["Plan", "PlannedLeaf", "BATCH_AXES"]
@@ -82,8 +84,15 @@ class Plan:
         on_unmatched: Literal["replicate", "error"] | None = None,
     ):
         if isinstance(recipe, (Rules, list, tuple)):
+            if mesh is None:
+                raise ShardingError(
+                    "Plan(rules) needs a mesh: bare rules name no mesh axes to size.\n"
+                    "Fix: sk.Plan(rules, sk.make_mesh({'fsdp': -1})), or pass a recipe name."
+                )
             rules = Rules(recipe)
-            recipe = Recipe("custom", "custom rules", (), rules, rules)
+            recipe = Recipe(
+                "custom", "custom rules", (), rules, rules, collectives=frozenset(KINDS)
+            )
         self.recipe: Recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         if mesh is None:
             devices = list(jax.devices() if devices is None else devices)
@@ -96,6 +105,9 @@ class Plan:
         for rules in (self.rules, self.activation_rules, self.recipe.optimizer_rules):
             if rules is not None:
                 rules.validate(mesh)
+        # Shardings of the state trees this plan created, by tree structure: state that
+        # comes back as plain arrays (host copies, restored checkpoints) keeps its layout.
+        self._planned: dict[Any, list[NamedSharding]] = {}
 
     # -- rules -------------------------------------------------------------------------
     @property
@@ -142,6 +154,8 @@ class Plan:
         keep it.
         """
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_annotated_leaf)
+        if treedef in self._planned:
+            return jax.tree_util.tree_unflatten(treedef, self._planned[treedef])
         planned = self.leaves(tree)
         return jax.tree_util.tree_unflatten(
             treedef,
@@ -178,13 +192,19 @@ class Plan:
             abstract = jax.eval_shape(init_fn, *args)
         shardings = jax.tree.leaves(self.shardings(abstract))
         leaves, treedef = jax.tree.flatten(unbox(abstract))
-        return jax.tree.unflatten(
+        state = jax.tree.unflatten(
             treedef,
             [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                 for x, s in zip(leaves, shardings, strict=True)
             ],
         )
+        return self._remember(state, shardings)
+
+    def _remember(self, state: Any, shardings: list[NamedSharding]) -> Any:
+        treedef = jax.tree_util.tree_structure(state, is_leaf=is_annotated_leaf)
+        self._planned[treedef] = shardings
+        return state
 
     def init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``init_fn(*args)`` with its outputs born sharded; returns plain arrays.
@@ -208,7 +228,7 @@ class Plan:
 
             with jax.set_mesh(self.mesh):
                 leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
-        return jax.tree.unflatten(structure[-1], leaves)
+        return self._remember(jax.tree.unflatten(structure[-1], leaves), shardings)
 
     def shard_batch(self, host_batch: Any) -> Any:
         """Global batch arrays from host arrays.

@@ -35,6 +35,7 @@ from typing import Any
 from jax.sharding import PartitionSpec
 
 from shardkit import errors
+from shardkit.mesh import divisors as _divisors
 from shardkit.paths import path_str
 
 __all__ = ["Rules", "MeshAxes", "axis_sizes_of"]
@@ -83,10 +84,6 @@ def _normalize_rule(rule: Any, index: int) -> tuple[str, tuple[str, ...] | None]
             f"shard one dimension only once.\nFix: ({logical!r}, {tuple(dict.fromkeys(mesh_axes))!r})."
         )
     return logical, mesh_axes
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _or_list(items: Sequence[Any]) -> str:
@@ -188,8 +185,17 @@ class Rules:
           ShardingError: a rank mismatch, an unknown mesh axis, an indivisible
             dimension, or (strict) a logical name with no rule.
         """
-        logical_axes = tuple(logical_axes)
         where = path_str(path)
+        if isinstance(logical_axes, str) or not all(
+            a is None or (isinstance(a, str) and a) for a in logical_axes
+        ):
+            raise errors.RuleError(
+                f"{where}: logical axes must be a tuple of names (or None), one per dimension, "
+                f"got {logical_axes!r}.\nFix: write ({logical_axes!r},) for one dimension."
+                if isinstance(logical_axes, str)
+                else f"{where}: logical axes {tuple(logical_axes)!r} may only hold names or None."
+            )
+        logical_axes = tuple(logical_axes)
         if shape is not None and len(shape) != len(logical_axes):
             raise errors.RankMismatchError(
                 f"{where}: shape {tuple(shape)} has {len(shape)} dimension(s) but logical axes "
@@ -254,7 +260,8 @@ class Rules:
         name = logical_axes[dim]
         over = " × ".join(f"{a}={sizes[a]}" for a in axes)
         label = axes[0] if len(axes) == 1 else "×".join(axes)
-        options = [d for d in _divisors(size) if 1 < d < product]
+        devices = math.prod(sizes.values())  # a size must also factor the mesh's devices
+        options = [d for d in _divisors(size) if 1 < d < product and devices % d == 0]
         use = f"use {label} {_or_list(options)}, or " if options else ""
         bigger = -(-size // product) * product
         raise errors.IndivisibleError(

@@ -58,3 +58,10 @@ def test_emulate_devices_same_count_is_harmless_other_count_is_clear():
         sk.emulate_devices(4)
     with pytest.raises(errors.DeviceError):
         sk.emulate_devices(0)
+
+
+def test_dcn_sizes_must_match_the_processes():
+    with pytest.raises(errors.MeshError, match="positive integers"):
+        sk.make_mesh({"data": 8}, dcn={"data": 0})
+    with pytest.raises(errors.MeshError, match=r"span 2 hosts, but the devices belong to 1"):
+        sk.make_mesh({"data": 8}, dcn={"data": 2})

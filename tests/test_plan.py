@@ -146,3 +146,24 @@ def test_plan_takes_the_path_axes_policy():
         sk.Plan("fsdp", annotations=strict).shardings(tree)
     lenient = sk.Plan("fsdp", annotations=strict, on_unmatched="replicate")
     assert lenient.shardings(tree)["b"].spec == P(None)
+
+
+def test_state_from_the_host_keeps_its_planned_layout():
+    plan = sk.Plan("fsdp")
+    state = plan.init(init, jax.random.key(0))
+    host = jax.device_get(state)  # e.g. restored from a checkpoint: plain numpy arrays
+    new_state, _ = plan.jit(step)(host, plan.shard_batch(batch()))
+    kernel = new_state[0]["Dense_0"]["kernel"]
+    assert kernel.sharding.is_equivalent_to(NamedSharding(plan.mesh, P("fsdp", None)), 2)
+
+
+def test_bare_rules_need_a_mesh():
+    with pytest.raises(sk.ShardingError, match="needs a mesh"):
+        sk.Plan(sk.Rules([("mlp", "data")]))
+
+
+def test_constrain_takes_a_rule_list():
+    mesh = sk.make_mesh({"data": 8})
+    with jax.set_mesh(mesh):
+        y = jax.jit(lambda x: sk.constrain(x, ("batch",), rules=[("batch", "data")]))(jnp.ones(8))
+    assert y.sharding.spec == P("data")

@@ -93,7 +93,7 @@ def test_indivisible_error_exact_text():
     assert str(info.value) == (
         "params/layers/attn/query/kernel: shape (768, 12, 64), dimension 1 ('heads') has "
         "size 12, which tensor=8 does not divide (mesh axis sizes: {'data': 1, 'tensor': 8}).\n"
-        "Fix: use tensor 2, 3, 4 or 6, or make 'heads' a multiple of 8 (e.g. 16), or map "
+        "Fix: use tensor 2 or 4, or make 'heads' a multiple of 8 (e.g. 16), or map "
         "'heads' to other mesh axes (or None) in the rules."
     )
 
@@ -144,3 +144,10 @@ def test_spec_is_valid_or_sharding_error(rules, logical, dims, mesh, strict):
         seen.extend(axes)
         assert size % math.prod(mesh[a] for a in axes) == 0
     assert len(seen) == len(set(seen))
+
+
+def test_string_instead_of_tuple_is_a_clear_error():
+    with pytest.raises(errors.RuleError, match=r"\('batch',\)"):
+        sk.Rules([("batch", "data")]).spec("batch")
+    with pytest.raises(errors.RuleError):
+        sk.Rules([]).spec((3, None))

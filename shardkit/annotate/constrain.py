@@ -91,7 +91,7 @@ def _active_mesh() -> Any:
 
 
 def constrain(
-    x: jax.Array, logical: Sequence[str | None], *, rules: Rules | None = None
+    x: jax.Array, logical: Sequence[str | None], *, rules: Rules | Sequence[Any] | None = None
 ) -> jax.Array:
     """Constrain ``x`` to the sharding its logical axes map to.
 
@@ -104,27 +104,27 @@ def constrain(
       ``x`` with a sharding constraint (Auto axes) or resharded (Explicit axes);
       ``x`` unchanged when no mesh or no rules are active.
     """
-    rules = rules if rules is not None else current_activation_rules()
-    mesh = _active_mesh()
-    if rules is None or mesh is None:
-        return x
-    return _pin(x, rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path="activation"), mesh)
+    rules = Rules(rules) if rules is not None else current_activation_rules()
+    return _pin(x, logical, rules, "activation")
 
 
 def constrain_param(
     x: jax.Array, logical: Sequence[str | None], *, path: Any = "param"
 ) -> jax.Array:
     """``constrain`` with the active ``param_rules`` (a no-op without them)."""
-    rules = current_param_rules()
-    if rules is None:
-        return x
+    return _pin(x, logical, current_param_rules(), path)
+
+
+def is_explicit(mesh: Any) -> bool:
+    """True when every axis of ``mesh`` is ``AxisType.Explicit``."""
+    return all(t == AxisType.Explicit for t in mesh.axis_types)
+
+
+def _pin(x: jax.Array, logical: Sequence[str | None], rules: Rules | None, path: Any) -> jax.Array:
     mesh = _active_mesh()
-    if mesh is None:
+    if rules is None or mesh is None:
         return x
-    return _pin(x, rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path), mesh)
-
-
-def _pin(x: jax.Array, spec: Any, mesh: Any) -> jax.Array:
-    if all(t == AxisType.Explicit for t in mesh.axis_types):
+    spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path)
+    if is_explicit(mesh):
         return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)

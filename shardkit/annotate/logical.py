@@ -36,9 +36,6 @@ from shardkit.paths import key_name
 
 __all__ = ["logical_axes", "describe_leaves", "LeafInfo"]
 
-# Key-path entries that wrap a value without naming it (NNX Variable.value, boxes).
-_TRANSPARENT_KEYS = frozenset({"value", "raw_value"})
-
 
 @dataclasses.dataclass(frozen=True)
 class LeafInfo:
@@ -52,7 +49,7 @@ class LeafInfo:
 
 
 def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
-    return tuple(n for n in (key_name(k) for k in path) if n not in _TRANSPARENT_KEYS)
+    return tuple(key_name(k) for k in path)
 
 
 def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
@@ -77,6 +74,8 @@ def describe_leaves(
     Flax boxes and NNX Variables count as single leaves (their structure is a
     prefix of the unboxed tree, which is what ``jax.jit`` shardings accept).
     """
+    if on_unmatched not in ("replicate", "error"):
+        raise errors.RuleError(f"on_unmatched is 'replicate' or 'error', got {on_unmatched!r}.")
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_annotated_leaf)
     infos: list[LeafInfo | None] = [None] * len(flat)
     reference: dict[tuple[str, ...], list[tuple[tuple[int, ...], LogicalAxes]]] = {}
@@ -98,7 +97,7 @@ def describe_leaves(
             )
         infos[i] = LeafInfo(where, shape, dtype, axes, source)
         for start in range(len(names)):  # index every suffix: containers differ in prefix
-            reference.setdefault(names[start:], []).append((shape, axes))
+            reference.setdefault(names[start:], []).append((shape, axes, len(names)))
 
     unmatched = []
     for i, names, where, shape, dtype in pending:
@@ -122,10 +121,15 @@ def describe_leaves(
 
 
 def _mirror(names, shape, reference) -> LogicalAxes | None:
-    """Axes of the annotated leaf sharing the longest path suffix (and the shape)."""
+    """Axes of the annotated leaf sharing the longest path suffix (and the shape).
+
+    Only leaves nested deeper than that annotated leaf qualify: optimizer states wrap
+    the params tree (``opt_state/0/mu/...``), while an unannotated *parameter* that
+    merely shares a name and shape with an annotated one is not its copy.
+    """
     for start in range(len(names)):
-        for ref_shape, axes in reference.get(names[start:], ()):
-            if ref_shape == shape:
+        for ref_shape, axes, ref_depth in reference.get(names[start:], ()):
+            if ref_shape == shape and len(names) > ref_depth:
                 return axes
     return None
 

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from shardkit.annotate.patterns import PatternAxes
+from shardkit.errors import RuleError
 
 __all__ = ["PathAxes"]
 
@@ -39,10 +40,14 @@ class PathAxes(PatternAxes):
     ):
         super().__init__(patterns)
         if on_unmatched not in ("replicate", "error"):
-            from shardkit.errors import RuleError
-
             raise RuleError(f"on_unmatched is 'replicate' or 'error', got {on_unmatched!r}.")
         self.on_unmatched = on_unmatched
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other) and self.on_unmatched == other.on_unmatched  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((self.entries, self.on_unmatched))
 
     def __call__(self, tree: Any) -> Any:
         from shardkit.annotate.logical import logical_axes

@@ -114,3 +114,21 @@ def test_path_axes_ambiguous_and_rank_errors():
 def test_abstract_trees():
     abstract = jax.eval_shape(params)
     assert sk.logical_axes(abstract)["Dense_0"]["kernel"] == ("embed", "mlp")
+
+
+def test_a_same_named_parameter_is_not_mistaken_for_optimizer_state():
+    tree = {"dense": {"kernel": np.zeros((4, 8))}, "other": {"kernel": np.zeros((4, 8))}}
+    pa = sk.PathAxes([("dense/kernel$", ("embed", "mlp"))], on_unmatched="error")
+    with pytest.raises(errors.UnmatchedPathError, match="other/kernel"):
+        pa(tree)
+
+
+def test_keys_named_value_are_kept():
+    tree = {"attn": {"value": {"kernel": np.zeros((4, 2))}}}
+    pa = sk.PathAxes([("attn/value/kernel$", ("embed", "heads"))], on_unmatched="error")
+    assert pa(tree)["attn"]["value"]["kernel"] == ("embed", "heads")
+
+
+def test_unknown_unmatched_policy():
+    with pytest.raises(errors.RuleError, match="on_unmatched"):
+        sk.logical_axes({"w": np.zeros(2)}, on_unmatched="errors")

@@ -1,5 +1,6 @@
 """Two processes on loopback train like one: JAX's own multi-controller runtime."""
 
+import importlib.util
 import json
 import os
 import socket
@@ -7,14 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 
 import shardkit as sk
-from shardkit import train
-from shardkit.data import MarkovSource
-from shardkit.models import get
 
 WORKER = Path(__file__).with_name("worker.py")
 
@@ -25,17 +22,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _single_process_losses(recipe):
-    model, tx = get("gpt-tiny"), train.adamw()
-    plan = sk.Plan(recipe)
-    state = plan.init(train.init_fn(model, tx), jax.random.key(0))
-    step = plan.jit(train.train_step(model, tx))
-    source = MarkovSource(vocab=model.config.vocab)
-    losses = []
-    for i in range(3):
-        state, metrics = step(state, plan.shard_batch(source.batch(8, 32, i)))
-        losses.append(float(metrics["loss"]))
-    return losses
+def _load_worker():
+    """``worker.py`` as a module, without running its ``main``."""
+    spec = importlib.util.spec_from_file_location("multiprocess_worker", WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker
 
 
 @pytest.mark.parametrize("recipe", ["fsdp"])
@@ -54,4 +46,5 @@ def test_two_processes_match_one(recipe):
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert results[0]["mesh"] == {"fsdp": 8}
     np.testing.assert_allclose(results[0]["losses"], results[1]["losses"], rtol=0)
-    np.testing.assert_allclose(results[0]["losses"], _single_process_losses(recipe), rtol=1e-5)
+    single = _load_worker().train_losses(sk.Plan(recipe), process_index=0, process_count=1)
+    np.testing.assert_allclose(results[0]["losses"], single, rtol=1e-5)
