@@ -1,4 +1,4 @@
-"""The ``shardkit`` command line: ``run``, ``report``, ``compare``, ``recipes``.
+"""The ``shardkit`` command line: ``run``, ``report``, ``compare``, ``plan``, ``recipes``.
 
 Each subcommand lives in its own module and exposes ``add_parser(subparsers)``
 and ``main(args) -> int``. User mistakes exit with status 2 and one line.
@@ -10,12 +10,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardkit.cli import recipes_cmd, report_cmd, run_cmd
+from shardkit.cli import plan_cmd, recipes_cmd, report_cmd, run_cmd
 from shardkit.errors import ShardingError
 
 __all__ = ["main"]
 
-_COMMANDS = (run_cmd, report_cmd, recipes_cmd)
+_COMMANDS = (run_cmd, report_cmd, plan_cmd, recipes_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

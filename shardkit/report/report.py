@@ -30,7 +30,7 @@ from shardkit.report.analytic import RECIPES, AnalyticModel, analytic_model
 from shardkit.report.hlo import Collective, parse_collectives, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
 
-__all__ = ["ParamRow", "Report", "build_report"]
+__all__ = ["ParamRow", "Report", "build_report", "param_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +129,8 @@ def _full_bytes(row: ParamRow) -> int:
     return math.prod(row.shape) * np.dtype(row.dtype).itemsize
 
 
-def _rows(plan: Any, state: Any) -> list[ParamRow]:
+def param_rows(plan: Any, state: Any) -> list[ParamRow]:
+    """One ``ParamRow`` per leaf of ``state`` under ``plan`` (no compile needed)."""
     rows = []
     for leaf in plan.leaves(state):
         info = leaf.info
@@ -183,7 +184,7 @@ def build_report(
       replicated_threshold_bytes, replicated_threshold_share: warn about replicated
         parameters at least this big, in bytes and as a share of all parameter bytes.
     """
-    rows = _rows(plan, state)
+    rows = param_rows(plan, state)
     collectives = tuple(parse_collectives(compiled.as_text()))
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}

@@ -81,3 +81,14 @@ def test_run_50_steps_loss_falls_toward_entropy_bound(tmp_path):
     assert losses[-1] - bound < 0.4 * (losses[0] - bound)
     assert min(losses) > bound - 0.05
     assert "entropy bound" in proc.stdout and "memory / device" in proc.stdout
+
+
+def test_plan_command_shows_every_leaf(capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--recipe", "fsdp", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mesh"] == {"fsdp": 8}
+    wte = next(leaf for leaf in d["leaves"] if leaf["path"] == "params/wte/embedding")
+    assert wte["logical"] == ["vocab", "embed"] and wte["spec"] == "P('fsdp', None)"
+    assert wte["bytes_per_device"] == 256 * 64 * 4 // 8
+    assert main(["plan", "--model", "gpt-tiny", "--recipe", "fsdp", "--all"]) == 0
+    assert "opt_state" in capsys.readouterr().out

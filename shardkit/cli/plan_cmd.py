@@ -1,0 +1,54 @@
+"""``shardkit plan``: where every leaf of a model's train state goes, without compiling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from shardkit import models, recipes
+from shardkit.cli.devices_arg import add_devices_argument, select_devices
+from shardkit.report.lint import human_bytes
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="show each state leaf's logical axes, spec and bytes/device")
+    p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
+    p.add_argument("--recipe", default="fsdp")
+    add_devices_argument(p)
+    p.add_argument("--all", action="store_true", help="include optimizer state and scalars")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    model = models.get(args.model)
+    recipes.get(args.recipe)
+    devices = select_devices(args.devices)
+    import jax
+
+    from shardkit import train
+    from shardkit.plan import Plan
+    from shardkit.report.report import param_rows
+
+    plan = Plan(args.recipe, devices=devices)
+    state = jax.eval_shape(train.init_fn(model, train.adamw()), jax.random.key(0))
+    rows = [r for r in param_rows(plan, state) if args.all or r.kind == "param"]
+    mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    if args.json:
+        print(json.dumps({"model": args.model, "recipe": args.recipe, "mesh": mesh,
+                          "leaves": [{**r.to_json(), "kind": r.kind} for r in rows]}))  # fmt: skip
+        return 0
+    table = Table(title=f"{args.model} under {args.recipe} on {mesh}")
+    for col in ("path", "shape", "logical axes", "spec", "per device"):
+        table.add_column(col, justify="right" if col == "per device" else "left")
+    for r in rows:
+        logical = ", ".join("·" if a is None else a for a in r.logical)
+        table.add_row(r.path, "×".join(map(str, r.shape)), logical, r.spec,
+                      human_bytes(r.bytes_per_device))  # fmt: skip
+    total = sum(r.bytes_per_device for r in rows)
+    Console().print(table)
+    Console().print(f"{len(rows)} leaves, {human_bytes(total)} per device")
+    return 0
