@@ -11,8 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
-
 __all__ = ["path_str", "key_name"]
 
 
@@ -31,8 +29,3 @@ def path_str(path: tuple[Any, ...] | str | None) -> str:
     if isinstance(path, str):
         return path
     return "/".join(key_name(k) for k in path)
-
-
-def leaves_with_paths(tree: Any, is_leaf=None) -> list[tuple[str, Any]]:
-    """``[(path_str, leaf), ...]`` in tree order."""
-    return [(path_str(p), x) for p, x in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_leaf)]

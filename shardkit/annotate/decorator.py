@@ -39,14 +39,9 @@ from shardkit.annotate.flax_meta import is_annotated_leaf, stored_axes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.paths import path_str
 
-__all__ = ["axes", "declared_axes"]
+__all__ = ["axes"]
 
 T = TypeVar("T", bound=type)
-
-
-def declared_axes(cls: type) -> PatternAxes | None:
-    """The annotations ``@sk.axes`` attached to ``cls`` (``None`` if undecorated)."""
-    return cls.__dict__.get("__shardkit_axes__")
 
 
 def axes(patterns: Mapping[str, Sequence[str | None]] | Iterable[Any]):
@@ -75,36 +70,39 @@ def axes(patterns: Mapping[str, Sequence[str | None]] | Iterable[Any]):
     return decorate
 
 
-def _box_tree(variables: Any, matcher: PatternAxes, owner: str) -> Any:
-    """Box the module's ``params`` collection (paths relative to the module)."""
+def _map_matched(variables: Any, matcher: PatternAxes, owner: str, fn: Any) -> Any:
+    """Apply ``fn(leaf, names, path)`` to each plain parameter a pattern matches.
 
-    def box(path, leaf):
+    Paths are relative to the module; boxed leaves (already annotated) are kept.
+    """
+    if "params" not in variables:
+        return variables
+
+    def visit(path, leaf):
         if is_annotated_leaf(leaf):
             return leaf
         rel = path_str(path)
         names = matcher.match(rel, leaf.shape, where=f"{owner}: {rel}")
-        return leaf if names is None else nn.LogicallyPartitioned(leaf, tuple(names))
+        return leaf if names is None else fn(leaf, tuple(names), f"{owner}/{rel}")
 
-    if "params" not in variables:
-        return variables
-    params = jax.tree_util.tree_map_with_path(box, variables["params"], is_leaf=is_annotated_leaf)
+    params = jax.tree_util.tree_map_with_path(visit, variables["params"], is_leaf=is_annotated_leaf)
     return {**variables, "params": params}
+
+
+def _box_tree(variables: Any, matcher: PatternAxes, owner: str) -> Any:
+    """At init: box new parameters in ``nn.LogicallyPartitioned`` with their axes."""
+    return _map_matched(
+        variables, matcher, owner, lambda leaf, names, _: nn.LogicallyPartitioned(leaf, names)
+    )
 
 
 def _pin_params(variables: Any, matcher: PatternAxes, owner: str) -> Any:
-    """Constrain each plain parameter read by the module to its planned sharding."""
-    if current_param_rules() is None or "params" not in variables:
+    """When applied: pin each parameter the module reads to its planned sharding."""
+    if current_param_rules() is None:
         return variables
-
-    def pin(path, leaf):
-        if is_annotated_leaf(leaf):  # during init: values are still boxed
-            return leaf
-        rel = path_str(path)
-        names = matcher.match(rel, leaf.shape, where=f"{owner}: {rel}")
-        return leaf if names is None else constrain_param(leaf, names, path=f"{owner}/{rel}")
-
-    params = jax.tree_util.tree_map_with_path(pin, variables["params"], is_leaf=is_annotated_leaf)
-    return {**variables, "params": params}
+    return _map_matched(
+        variables, matcher, owner, lambda leaf, names, path: constrain_param(leaf, names, path=path)
+    )
 
 
 def _decorate_linen(cls: T, matcher: PatternAxes) -> T:
@@ -129,7 +127,7 @@ def _annotate_nnx(module: nnx.Module, matcher: PatternAxes) -> None:
     for path, node in nnx.iter_graph(module):
         if not isinstance(node, nnx.Variable) or stored_axes(node) is not None:
             continue
-        rel = "/".join(str(k) for k in path)
+        rel = path_str(path)
         names = matcher.match(rel, node.shape, where=f"{owner}: {rel}")
         if names is not None:
             node.set_metadata(out_sharding=tuple(names))

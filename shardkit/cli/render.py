@@ -50,7 +50,7 @@ def print_report(report: Report, console: Console, *, top: int = 12) -> None:
     for col in ("kind", "buffer", "N", "×", "wire", "op_name"):
         ops.add_column(col)
     for c in sorted(report.collectives, key=lambda c: -c.wire_bytes)[:top]:
-        kind = c.kind + (f" ({c.lowered_as})" if getattr(c, "lowered_as", "") else "")
+        kind = c.kind + (f" ({c.lowered_as})" if c.lowered_as else "")
         ops.add_row(kind, f"{c.dtype}{c.shape}"[:40], str(c.group_size), str(c.count),
                     human_bytes(c.wire_bytes), c.op_name[-70:])  # fmt: skip
     console.print(ops)

@@ -53,18 +53,24 @@ class Recipe:
     attention: Literal["dense", "ring", "allgather"] = "dense"
     collectives: frozenset[str] = frozenset({"all-reduce"})
 
-    def axis_sizes(self, device_count: int, **overrides: int) -> dict[str, int]:
-        """Mesh axis sizes for ``device_count`` devices (``overrides`` replace sizes).
+    def axis_sizes(self, device_count: int) -> dict[str, int]:
+        """Mesh axis sizes for ``device_count`` devices.
 
         Raises:
           MeshError: the sizes do not factor ``device_count``.
         """
-        axes = dict(self.mesh_axes)
-        axes.update(overrides)
-        return resolve_axis_sizes(axes, device_count)
+        return resolve_axis_sizes(dict(self.mesh_axes), device_count)
 
     def with_mesh(self, axes: Mapping[str, int]) -> Recipe:
-        """The same recipe on other mesh sizes, e.g. ``tp.with_mesh({"tensor": 2})``."""
+        """The same recipe on other mesh sizes (new axes go last).
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("fsdp_tp").with_mesh({"tensor": 2}).axis_sizes(8)
+          {'fsdp': 4, 'tensor': 2}
+          >>> recipes.get("tp").with_mesh({"data": -1, "tensor": 4}).axis_sizes(8)
+          {'tensor': 4, 'data': 2}
+        """
         merged = dict(self.mesh_axes)
         merged.update(axes)
         return dataclasses.replace(self, mesh_axes=tuple(merged.items()))

@@ -198,7 +198,8 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
                       h: float | None = None, vocab: int | None = None, h_kv: float | None = None,
                       data_kind: Literal["dp", "zero1", "zero2"] = "dp",
                       tensor_kind: Literal["tp", "tp_sp"] = "tp",
-                      recompute: bool = False) -> dict[str, float]:  # fmt: skip
+                      recompute: bool = False,
+                      attention: str = "allgather") -> dict[str, float]:  # fmt: skip
     """Ring wire bytes per device per step of a layout over several mesh axes, by kind.
 
     The parts add up, each over its own group, nested ``data ⊃ sequence ⊃ fsdp ⊃ tensor``:
@@ -223,6 +224,8 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
       recompute: full activation recomputation (remat) re-runs every layer's forward,
         and with it the forward activation collectives of ``tensor`` and ``sequence``
         (6 instead of 4 b·s·h all-reduces per layer under TP; Korthikanti et al. 2022).
+      attention: how ``sequence`` moves K/V: ``"allgather"`` (all-gather forward,
+        reduce-scatter backward) or ``"ring"`` (collective-permutes, the same bytes).
 
     Returns:
       ``{kind: bytes}`` for the kinds with traffic.
@@ -235,11 +238,11 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
       {'all-gather': 6000000.0, 'reduce-scatter': 3000000.0, 'all-reduce': 1000000.0}
     """
     return _hybrid(axis_sizes, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
-                   tensor_kind, recompute)[0]  # fmt: skip
+                   tensor_kind, recompute, attention)[0]  # fmt: skip
 
 
 def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind,
-            recompute=False):  # fmt: skip
+            recompute=False, attention="allgather"):  # fmt: skip
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`."""
     unknown = sorted(set(axis_sizes) - set(_AXES))
     if unknown or any(not isinstance(v, int) or v < 1 for v in axis_sizes.values()):
@@ -280,20 +283,19 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
             add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s")
     if c > 1:
         kv = 2 * layers * b / (d * f) * s * (h if h_kv is None else h_kv) / t
-        add(
-            "all-gather",
-            kv,
-            c,
-            2 if recompute else 1,
-            "K and V per layer forward (again when recomputed), 2·L·b·s·h_kv/t",
-        )
-        add("reduce-scatter", kv, c, 1, "dK and dV per layer backward, 2·L·b·s·h_kv/t")
+        if attention == "ring":  # the same bytes, block by block around the ring
+            add("collective-permute", kv, c, 3 if recompute else 2, "K, V blocks forward "
+                "(again when recomputed) and dK, dV blocks backward, 2·L·b·s·h_kv/t each")  # fmt: skip
+        else:
+            add("all-gather", kv, c, 2 if recompute else 1, "K and V per layer forward (again "
+                "when recomputed), 2·L·b·s·h_kv/t")  # fmt: skip
+            add("reduce-scatter", kv, c, 1, "dK and dV per layer backward, 2·L·b·s·h_kv/t")
     return out, notes
 
 
 def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, batch: int,
-                   seq: int, bytes_per_value: int = 4,
-                   remat: str | None = None) -> AnalyticModel:  # fmt: skip
+                   seq: int, bytes_per_value: int = 4, remat: str | None = None,
+                   attention: str = "allgather") -> AnalyticModel:  # fmt: skip
     """The analytic memory per device and wire bytes per step of a recipe on a mesh.
 
     Memory (f32 Adam by default): params ``BΨ``, grads ``BΨ``, optimizer ``2BΨ`` (m, v in
@@ -315,6 +317,8 @@ def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, ba
       batch: global batch; seq: sequence length.
       bytes_per_value: bytes B of a parameter, gradient and activation value.
       remat: overrides ``config.remat`` when given.
+      attention: ``"ring"`` moves K/V by collective-permute (the same bytes as the
+        all-gather / reduce-scatter of ``"allgather"``).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -351,7 +355,7 @@ def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, ba
     h_kv = config.n_kv_heads * (config.d_model // config.n_heads)
     wire, wire_notes = _hybrid(sizes, psi, nb, config.n_layers, batch, seq, config.d_model,
                                config.vocab, h_kv, data_kind, tensor_kind,
-                               recompute=remat == "full")  # fmt: skip
+                               recompute=remat == "full", attention=attention)  # fmt: skip
     notes = (
         f"Ψ = {psi:,} parameters, {recipe_name} on {sizes}, B = {nb} bytes per value",
         f"state: params {nb}Ψ/{t * f}, grads {nb}Ψ/{t * f}, optimizer {2 * nb}Ψ/{opt_degree} "

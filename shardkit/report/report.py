@@ -111,7 +111,7 @@ class Report:
                     "group_size": c.group_size,
                     "count": c.count,
                     "op_name": c.op_name,
-                    "lowered_as": getattr(c, "lowered_as", ""),
+                    "lowered_as": c.lowered_as,
                 }
                 for c in self.collectives
             ],
@@ -190,7 +190,9 @@ def build_report(
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     analytic = None
     if model_config is not None and batch and seq and recipe.name in RECIPES:
-        analytic = analytic_model(model_config, recipe.name, mesh, batch=batch, seq=seq)
+        analytic = analytic_model(
+            model_config, recipe.name, mesh, batch=batch, seq=seq, attention=recipe.attention
+        )
     logical_names = {n for r in rows for n in r.logical if n}
     shards_params = any(axes for _, axes in recipe.rules)
     warnings = [

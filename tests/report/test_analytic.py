@@ -284,3 +284,13 @@ def test_full_recompute_reruns_forward_tensor_collectives():
     plain = wire_bytes_hybrid({"tensor": 4}, **kw)["all-reduce"]
     again = wire_bytes_hybrid({"tensor": 4}, recompute=True, **kw)["all-reduce"]
     assert again == pytest.approx(plain * 6 / 4)  # 6 all-reduces per layer instead of 4
+
+
+def test_ring_attention_moves_the_same_bytes_by_permutes():
+    kw = dict(psi=1e6, layers=2, b=4, s=64, h=16)
+    gathered = wire_bytes_hybrid({"sequence": 4}, **kw)
+    ring = wire_bytes_hybrid({"sequence": 4}, attention="ring", **kw)
+    assert "all-gather" not in ring and "reduce-scatter" not in ring
+    assert ring["collective-permute"] == pytest.approx(
+        gathered["all-gather"] + gathered["reduce-scatter"]
+    )
