@@ -44,10 +44,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _model(args: argparse.Namespace):
-    if args.model not in models.names():
-        raise ShardingError(
-            f"Unknown model {args.model!r}. Known models: {', '.join(models.names())}."
-        )
     overrides = {"remat": args.remat} if args.remat else {}
     model = models.get(args.model, **overrides)
     args.seq = args.seq or min(512, model.config.max_seq)

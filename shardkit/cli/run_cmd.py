@@ -30,10 +30,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    if args.model not in models.names():
-        raise ShardingError(
-            f"Unknown model {args.model!r}. Known models: {', '.join(models.names())}."
-        )
+    models.get(args.model)
     recipes.get(args.recipe)
     for flag in ("steps", "batch", "seq"):
         if getattr(args, flag) < 1:
