@@ -25,6 +25,11 @@ __all__ = [
 #: Names the reference models use for activations (see shardkit/models).
 _REPLICATED_ACTIVATIONS = [("length", None), ("embed", None), ("heads", None), ("mlp", None)]
 
+#: Logical names of the reference models; a model need not use all of them.
+_REFERENCE_NAMES = frozenset(
+    {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab"}
+)
+
 #: Megatron tensor parallelism: attention heads, MLP hidden units and the vocabulary
 #: split over ``tensor``. Column-parallel kernels shard their output dimension
 #: (q/k/v: heads; up/gate: mlp), row-parallel kernels their input (out: heads; down:
@@ -41,6 +46,7 @@ def dp() -> Recipe:
     """
     return Recipe(
         name="dp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-reduce"}),
         summary="data parallel: state replicated, batch sharded over 'data'",
         mesh_axes=(("data", -1),),
@@ -62,6 +68,7 @@ def fsdp() -> Recipe:
     """
     return Recipe(
         name="fsdp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-gather", "reduce-scatter"}),
         summary="ZeRO-3: params, grads and optimizer state sharded over 'fsdp'",
         mesh_axes=(("fsdp", -1),),
@@ -85,6 +92,7 @@ def zero1() -> Recipe:
     """
     return Recipe(
         name="zero1",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-reduce", "reduce-scatter", "all-gather"}),
         summary="ZeRO-1: optimizer state sharded over 'data', params replicated",
         mesh_axes=(("data", -1),),
@@ -105,6 +113,7 @@ def dp_fsdp() -> Recipe:
     """
     return Recipe(
         name="dp_fsdp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-gather", "reduce-scatter", "all-reduce"}),
         summary="HSDP: FSDP over 'fsdp', replicas over 'data' (2×4 on 8 devices)",
         mesh_axes=(("data", 2), ("fsdp", -1)),
@@ -124,6 +133,7 @@ def tp() -> Recipe:
     """
     return Recipe(
         name="tp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-reduce"}),
         summary="Megatron tensor parallel: heads, MLP and vocab split over 'tensor'",
         mesh_axes=(("tensor", -1),),
@@ -142,6 +152,7 @@ def tp_sp() -> Recipe:
     """
     return Recipe(
         name="tp_sp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"reduce-scatter", "all-gather", "all-reduce"}),
         summary="tensor + sequence parallel: 'length' split over 'tensor' between blocks",
         mesh_axes=(("tensor", -1),),
@@ -161,6 +172,7 @@ def fsdp_tp() -> Recipe:
     """
     return Recipe(
         name="fsdp_tp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-gather", "reduce-scatter", "all-reduce"}),
         summary="FSDP over 'fsdp' × Megatron TP over 'tensor' (2×4 on 8 devices)",
         mesh_axes=(("fsdp", -1), ("tensor", 4)),
@@ -178,6 +190,7 @@ def dp_tp_sp() -> Recipe:
     """
     return Recipe(
         name="dp_tp_sp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"reduce-scatter", "all-gather", "all-reduce"}),
         summary="data parallel × tensor + sequence parallel (2×4 on 8 devices)",
         mesh_axes=(("data", -1), ("tensor", 4)),
@@ -201,6 +214,7 @@ def cp() -> Recipe:
     """
     return Recipe(
         name="cp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-reduce", "collective-permute"}),
         summary="context parallel: 'length' split over 'sequence', ring attention",
         mesh_axes=(("sequence", -1),),
@@ -218,6 +232,7 @@ def fsdp_cp() -> Recipe:
     """
     return Recipe(
         name="fsdp_cp",
+        optional_names=_REFERENCE_NAMES,
         collectives=frozenset({"all-gather", "reduce-scatter", "all-reduce", "collective-permute"}),
         summary="FSDP over 'fsdp' × context parallel over 'sequence' (4×2 on 8 devices)",
         mesh_axes=(("fsdp", -1), ("sequence", 2)),

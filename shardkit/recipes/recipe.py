@@ -42,6 +42,9 @@ class Recipe:
       attention: how attention handles a sharded sequence.
       collectives: the collective kinds the layout is meant to emit (its golden
         inventory); the report flags any other kind that moves real bytes.
+      optional_names: logical names the rules cover that a model may not have (the
+        built-in recipes serve GPT and Llama, so ``kv_heads`` may match nothing); the
+        report does not flag their rules as unused.
     """
 
     name: str
@@ -52,6 +55,7 @@ class Recipe:
     optimizer_rules: Rules | None = None
     attention: Literal["dense", "ring", "allgather"] = "dense"
     collectives: frozenset[str] = frozenset({"all-reduce"})
+    optional_names: frozenset[str] = frozenset()
 
     def axis_sizes(self, device_count: int) -> dict[str, int]:
         """Mesh axis sizes for ``device_count`` devices.

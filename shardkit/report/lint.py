@@ -87,6 +87,6 @@ def unused_rules(rules: Iterable[tuple[str, object]], logical_names: set[str]) -
             seen.add(name)
             out.append(
                 f"rule ({name!r}, {mesh_axes!r}) matched no parameter or state leaf "
-                "(fine if the model has no such axis; otherwise a misspelt name)."
+                "(a misspelt name, or an axis this model does not have)."
             )
     return out

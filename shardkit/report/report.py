@@ -197,7 +197,7 @@ def build_report(
     shards_params = any(axes for _, axes in recipe.rules)
     warnings = [
         *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
-        *lint.unused_rules(recipe.rules, logical_names),
+        *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]
     if shards_params:
         total = sum(_full_bytes(r) for r in rows if r.kind == "param")

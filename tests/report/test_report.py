@@ -101,3 +101,9 @@ def test_cli_report_json_and_compare_plot(tmp_path, capsys):
     assert png.stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "dp" in out and "fsdp" in out
+
+
+def test_builtin_recipes_do_not_flag_axes_the_model_lacks():
+    # tp carries a kv_heads rule for Llama; GPT has no kv_heads axis.
+    r = sk.Plan("tp").report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    assert not [w for w in r.warnings if "matched no parameter" in w]
