@@ -24,7 +24,7 @@ from shardkit.data import MarkovSource
 from shardkit.models import get as get_model
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
-from shardkit.report.memory import memory_per_device
+from shardkit.report.report import Report, build_report
 
 __all__ = ["RunResult", "run"]
 
@@ -44,9 +44,11 @@ class RunResult:
     entropy_bound: float
     tokens_per_s: float
     memory_per_device_bytes: dict[str, int]
+    report: Report
 
     def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "report": self.report.to_json()}
 
 
 def run(
@@ -72,17 +74,26 @@ def run(
 
     Returns:
       A ``RunResult`` with the loss curve, the entropy-rate lower bound on the
-      loss, throughput (steps after the first, which compiles) and per-device
-      memory of the compiled step.
+      loss, throughput (steps after the first), per-device memory and the full
+      ``Report`` of the compiled step (collectives, analytic model, warnings).
     """
     spec = get_model(model)
     plan = recipe if isinstance(recipe, Plan) else Plan(get_recipe(recipe), devices=devices)
     source = MarkovSource(vocab=spec.config.vocab, seed=seed)
     tx = train.adamw(learning_rate)
-    state = plan.init(train.init_fn(spec, tx), jax.random.key(seed))
-    step_fn = plan.jit(train.train_step(spec, tx))
+    init = train.init_fn(spec, tx)
+    state = plan.init(init, jax.random.key(seed))
     first = plan.shard_batch(_local_batch(source, batch, seq, 0))
-    memory = memory_per_device(step_fn.lower(state, first).compile())
+    # Compile once; the same executable trains and is reported on.
+    compiled = plan.jit(train.train_step(spec, tx)).lower(state, first).compile()
+    report = build_report(
+        plan, compiled, jax.eval_shape(init, jax.random.key(seed)),
+        model_config=spec.config, batch=batch, seq=seq,
+    )  # fmt: skip
+
+    def step_fn(state, batch):
+        with jax.set_mesh(plan.mesh):
+            return compiled(state, batch)
 
     losses: list[float] = []
     tokens_per_s = 0.0
@@ -109,7 +120,8 @@ def run(
         losses=losses,
         entropy_bound=source.entropy_rate(),
         tokens_per_s=tokens_per_s,
-        memory_per_device_bytes=memory.to_dict(),
+        memory_per_device_bytes=report.memory.to_dict(),
+        report=report,
     )
 
 

@@ -26,6 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    p.add_argument("--no-report", action="store_true",
+                   help="skip the layout report (memory, collectives vs analytic) after the run")  # fmt: skip
     p.set_defaults(handler=main)
 
 
@@ -78,6 +80,10 @@ def main(args: argparse.Namespace) -> int:
             on_step=on_step,
         )
     _print_summary(result)
+    if not args.no_report:
+        from shardkit.cli.render import print_report
+
+        print_report(result.report, Console(), top=6)
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
     return 0

@@ -20,8 +20,9 @@ from shardkit.report.hlo import Collective
 
 __all__ = ["unexpected_collectives", "replicated_params", "unused_rules", "human_bytes"]
 
-#: Share of a step's wire bytes below which a collective kind is noise (loss scalars).
-WIRE_THRESHOLD = 0.01
+#: Share of a step's wire bytes below which a collective kind is noise (the loss's and
+#: the norms' small reductions, which tiny models make look large).
+WIRE_THRESHOLD = 0.05
 
 _CAUSES = {
     "all-gather": "XLA gathered a sharded array: a weight read with a layout other than its "

@@ -81,6 +81,9 @@ def test_run_50_steps_loss_falls_toward_entropy_bound(tmp_path):
     assert losses[-1] - bound < 0.4 * (losses[0] - bound)
     assert min(losses) > bound - 0.05
     assert "entropy bound" in proc.stdout and "memory / device" in proc.stdout
+    # ...and the layout report of the step it trained with
+    assert "wire bytes per device per step" in proc.stdout
+    assert result["report"]["mesh"] == {"fsdp": 8} and result["report"]["warnings"] == []
 
 
 def test_plan_command_shows_every_leaf(capsys):
