@@ -21,6 +21,7 @@ import jax
 
 from shardkit import train
 from shardkit.data import MarkovSource
+from shardkit.errors import ShardingError
 from shardkit.models import get as get_model
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
@@ -78,6 +79,8 @@ def run(
       ``Report`` of the compiled step (collectives, analytic model, warnings).
     """
     spec = get_model(model)
+    if isinstance(recipe, Plan) and devices is not None:
+        raise ShardingError("run(recipe=Plan(...), devices=...): the plan has its mesh already.")
     plan = recipe if isinstance(recipe, Plan) else Plan(get_recipe(recipe), devices=devices)
     source = MarkovSource(vocab=spec.config.vocab, seed=seed)
     tx = train.adamw(learning_rate)

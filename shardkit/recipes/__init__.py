@@ -43,6 +43,10 @@ def get(name: str) -> Recipe:
     """
     if isinstance(name, Recipe):
         return name
+    if not isinstance(name, str):
+        raise ShardingError(
+            f"A recipe is named by a string, got {name!r}. Known: {', '.join(_REGISTRY)}."
+        )
     try:
         return _REGISTRY[name]()
     except KeyError:
