@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from shardkit.annotate.constrain import activation_rules, param_rules
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
+from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
 from shardkit.attention import use_attention
@@ -69,7 +70,8 @@ class Plan:
         parameters (activations then use the same rules).
       mesh: the mesh; default: the recipe's axes sized over ``devices``.
       devices: devices for the default mesh (default: all).
-      annotations: a ``sk.PathAxes`` for leaves Flax did not annotate.
+      annotations: a ``sk.PathAxes`` (or its list of ``(regex, logical_axes)`` pairs)
+        for leaves Flax did not annotate.
       on_unmatched: policy for non-scalar leaves with no logical axes (default: the
         ``annotations``' own policy, else ``"replicate"``).
     """
@@ -80,7 +82,7 @@ class Plan:
         mesh: Mesh | None = None,
         *,
         devices: Sequence[jax.Device] | None = None,
-        annotations: PatternAxes | None = None,
+        annotations: PathAxes | Sequence[tuple[str, Sequence[str | None]]] | None = None,
         on_unmatched: Literal["replicate", "error"] | None = None,
     ):
         if isinstance(recipe, (Rules, list, tuple)):
@@ -98,6 +100,8 @@ class Plan:
             devices = list(jax.devices() if devices is None else devices)
             mesh = make_mesh(self.recipe.axis_sizes(len(devices)), devices=devices)
         self.mesh = mesh
+        if annotations is not None and not isinstance(annotations, PatternAxes):
+            annotations = PathAxes(annotations)  # a plain list of (regex, axes) pairs
         self.annotations = annotations
         # A PathAxes carries its own policy; an explicit argument overrides it.
         default = getattr(annotations, "on_unmatched", "replicate")

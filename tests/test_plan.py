@@ -167,3 +167,8 @@ def test_constrain_takes_a_rule_list():
     with jax.set_mesh(mesh):
         y = jax.jit(lambda x: sk.constrain(x, ("batch",), rules=[("batch", "data")]))(jnp.ones(8))
     assert y.sharding.spec == P("data")
+
+
+def test_plan_accepts_annotation_pairs():
+    plan = sk.Plan("fsdp", annotations=[("w$", ("embed", "mlp"))])
+    assert plan.shardings({"w": jnp.zeros((16, 8))})["w"].spec == P("fsdp", None)
