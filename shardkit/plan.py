@@ -193,7 +193,10 @@ class Plan:
         Nothing is allocated: use it to compile-only plan a model of any size.
         """
         with nnx.use_eager_sharding(False):
-            abstract = jax.eval_shape(init_fn, *args)
+            return self._abstract_state(jax.eval_shape(init_fn, *args))
+
+    def _abstract_state(self, abstract: Any) -> Any:
+        """Unboxed ``ShapeDtypeStruct``s with planned shardings, from an annotated tree."""
         shardings = jax.tree.leaves(self.shardings(abstract))
         leaves, treedef = jax.tree.flatten(unbox(abstract))
         state = jax.tree.unflatten(
@@ -285,8 +288,9 @@ class Plan:
         from shardkit.report.report import build_report
 
         init = train.init_fn(model, tx)
-        annotated = jax.eval_shape(init, jax.random.key(seed))
-        state = self.abstract_init(init, jax.random.key(seed))
+        with nnx.use_eager_sharding(False):
+            annotated = jax.eval_shape(init, jax.random.key(seed))
+        state = self._abstract_state(annotated)
         tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
         compiled = self.compile(
             train.train_step(model, tx), state, {"inputs": tokens, "targets": tokens}
