@@ -77,7 +77,8 @@ def fsdp() -> Recipe:
         # states are gathered over the batch instead of the embedding over the vocab, and
         # the embedding's gradient stays local. That wins while the tokens of a step are
         # fewer than the vocabulary (GPT-2-small, 8 x 512 tokens: 4x less memory than DP)
-        # and loses beyond (7B on 512 devices x 2048 tokens gathers 17 GB of activations);
+        # and loses beyond (7B on 512 devices x 2048 tokens: 512·2048·4096·4 B = 17 GB of
+        # hidden states to gather);
         # there, drop the ("vocab", "fsdp") activation rule.
         activation_rules=Rules([("vocab", "fsdp"), ("batch", "fsdp"), *_REPLICATED_ACTIVATIONS]),
     )
