@@ -285,7 +285,6 @@ class Plan:
     def report_model(self, model: Any, tx: Any, *, batch: int, seq: int, seed: int = 0):
         """Compile-only ``Report`` of a reference model's train step (nothing allocated)."""
         from shardkit import train
-        from shardkit.report.report import build_report
 
         init = train.init_fn(model, tx)
         with nnx.use_eager_sharding(False):
@@ -295,9 +294,7 @@ class Plan:
         compiled = self.compile(
             train.train_step(model, tx), state, {"inputs": tokens, "targets": tokens}
         )
-        return build_report(
-            self, compiled, annotated, model_config=model.config, batch=batch, seq=seq
-        )
+        return self.report(compiled, annotated, model_config=model.config, batch=batch, seq=seq)
 
     def compile(
         self,

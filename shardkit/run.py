@@ -25,7 +25,7 @@ from shardkit.errors import ShardingError
 from shardkit.models import get as get_model
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
-from shardkit.report.report import Report, build_report
+from shardkit.report.report import Report
 
 __all__ = ["RunResult", "run"]
 
@@ -89,10 +89,8 @@ def run(
     first = plan.shard_batch(_local_batch(source, batch, seq, 0))
     # Compile once; the same executable trains and is reported on.
     compiled = plan.jit(train.train_step(spec, tx)).lower(state, first).compile()
-    report = build_report(
-        plan, compiled, jax.eval_shape(init, jax.random.key(seed)),
-        model_config=spec.config, batch=batch, seq=seq,
-    )  # fmt: skip
+    annotated = jax.eval_shape(init, jax.random.key(seed))
+    report = plan.report(compiled, annotated, model_config=spec.config, batch=batch, seq=seq)
 
     def step_fn(state, batch):
         with jax.set_mesh(plan.mesh):
