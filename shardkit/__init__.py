@@ -21,6 +21,7 @@ from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.plan import Plan
+from shardkit.replicas import ReplicaView, per_replica
 from shardkit.rules import Rules
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "LogicalAxes",
     "PathAxes",
     "Plan",
+    "ReplicaView",
     "Rules",
     "ShardingError",
     "activation_rules",
@@ -37,6 +39,7 @@ __all__ = [
     "emulate_devices",
     "logical_axes",
     "make_mesh",
+    "per_replica",
     "recipes",
     "unbox",
     "use_attention",

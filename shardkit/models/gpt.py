@@ -40,6 +40,7 @@ RESIDUAL = ("batch", "length", "embed")
 HEADS = ("batch", "length", "heads", "kv")
 HIDDEN = ("batch", "length", "mlp")
 LOGITS = ("batch", "length", "vocab")
+TABLE = ("vocab", "embed")
 
 INIT_STD = 0.02
 LN_EPS = 1e-5
@@ -178,7 +179,7 @@ class Block(nn.Module):
 
 @sk.axes(
     {
-        r"^wte/embedding$": ("vocab", "embed"),
+        r"^wte/embedding$": TABLE,
         r"^wpe/embedding$": (None, "embed"),
         r"^ln_f/(scale|bias)$": ("embed",),
     }
@@ -221,7 +222,11 @@ class GPT(nn.Module):
             name="wpe",
             **embed,
         )
-        x = wte(tokens) + wpe(jnp.arange(seq)[None, :])
+        # The embedding is tied: read by the lookup and by the logits. One replica view
+        # for both uses makes data parallelism all-reduce its gradient once, not twice.
+        table = sk.per_replica(wte.embedding.astype(cfg.dtype), TABLE, batch_size=tokens.shape[0])
+        x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
+        x = x + wpe(jnp.arange(seq)[None, :])
         x = sk.constrain(x.astype(cfg.dtype), RESIDUAL)
 
         block: Any = Block
@@ -241,5 +246,6 @@ class GPT(nn.Module):
                 x, _ = block(cfg, name=f"layers_{i}")(x)
 
         x = nn.LayerNorm(epsilon=LN_EPS, name="ln_f", **embed)(x)
-        logits = wte.attend(x).astype(jnp.float32)
+        logits = table.map(lambda t, y: jnp.einsum("...d,vd->...v", y, t), x)
+        logits = logits.astype(jnp.float32)
         return sk.constrain(logits, LOGITS)

@@ -42,7 +42,9 @@ def dp() -> Recipe:
 
     Use when the state fits one device. Memory per device: 16Ψ bytes (f32 Adam)
     plus activations of B/N examples. Wire: one gradient all-reduce,
-    2Ψ·4·(N−1)/N bytes per device per step.
+    2Ψ·4·(N−1)/N bytes per device per step. A weight the model reads twice (a tied
+    embedding) is all-reduced once per read unless the model reads it through
+    ``sk.per_replica`` (the reference GPT does).
     """
     return Recipe(
         name="dp",

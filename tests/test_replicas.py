@@ -1,0 +1,112 @@
+"""sk.per_replica: a tied parameter's gradient is all-reduced once, with the same value."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardkit as sk
+from shardkit.annotate.constrain import activation_rules, param_rules
+from shardkit.report.hlo import parse_collectives
+
+V, D, B, S = 64, 16, 8, 4
+TABLE = ("vocab", "embed")
+DP = sk.Rules([("batch", "data")])
+
+
+def tied_loss(table, tokens, *, replicas=True):
+    """A tied embedding: looked up by the tokens, then used for the logits."""
+    if replicas:
+        view = sk.per_replica(table, TABLE, batch_size=tokens.shape[0])
+    else:
+        view = sk.ReplicaView(table)
+    x = jnp.tanh(view.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens))
+    logits = view.map(lambda t, y: jnp.einsum("bsd,vd->bsv", y, t), x)
+    return jax.nn.logsumexp(logits, -1).mean()
+
+
+def inputs():
+    table = jax.random.normal(jax.random.key(0), (V, D))
+    tokens = jax.random.randint(jax.random.key(1), (B, S), 0, V)
+    return table, tokens
+
+
+def grad_under(mesh_axes, act, params, *, replicas=True, explicit=False):
+    """The compiled gradient (its HLO text) and its value on ``mesh_axes``."""
+    mesh = sk.make_mesh(mesh_axes, explicit=explicit)
+    table, tokens = inputs()
+    batch_axes = act.spec(("batch",))[0]
+    table = jax.device_put(table, NamedSharding(mesh, params.spec(TABLE, mesh=mesh)))
+    tokens = jax.device_put(tokens, NamedSharding(mesh, P(batch_axes)))
+    fn = jax.jit(jax.grad(lambda t, ids: tied_loss(t, ids, replicas=replicas)))
+    with jax.set_mesh(mesh), activation_rules(act), param_rules(params):
+        compiled = fn.lower(table, tokens).compile()
+        return compiled.as_text(), compiled(table, tokens)
+
+
+def table_all_reduces(hlo):
+    """How many [V, D] buffers the program all-reduces."""
+    return sum(
+        c.shape.count(f"[{V},{D}]") for c in parse_collectives(hlo) if c.kind == "all-reduce"
+    )
+
+
+def test_plain_call_without_a_mesh():
+    table, tokens = inputs()
+    view = sk.per_replica(table, TABLE, batch_size=B)
+    assert view.n == 1 and view.value is table
+    np.testing.assert_allclose(tied_loss(table, tokens), tied_loss(table, tokens, replicas=False))
+
+
+def test_data_parallel_all_reduces_the_tied_gradient_once():
+    hlo, grad = grad_under({"data": 8}, DP, sk.Rules([]))
+    assert table_all_reduces(hlo) == 1
+    # The plain program all-reduces the lookup's and the logits' partial sums apart.
+    plain_hlo, plain = grad_under({"data": 8}, DP, sk.Rules([]), replicas=False)
+    assert table_all_reduces(plain_hlo) == 2
+    np.testing.assert_allclose(grad, plain, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(grad, jax.grad(tied_loss)(*inputs()), rtol=1e-5, atol=1e-7)
+
+
+def test_only_the_batch_axes_that_leave_the_parameter_replicated():
+    # Batch over data x fsdp, the table split over fsdp: one copy per 'data' replica.
+    act, params = sk.Rules([("batch", ("data", "fsdp"))]), sk.Rules([("vocab", "fsdp")])
+    mesh = sk.make_mesh({"data": 2, "fsdp": 4})
+    with jax.set_mesh(mesh), activation_rules(act), param_rules(params):
+        view = sk.per_replica(inputs()[0], TABLE, batch_size=B)
+    assert view.axes == ("data",) and view.n == 2 and view.value.shape == (2, V, D)
+    assert view.value.sharding.spec == P("data", "fsdp", None)
+    _, grad = grad_under({"data": 2, "fsdp": 4}, act, params)
+    np.testing.assert_allclose(grad, jax.grad(tied_loss)(*inputs()), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "mesh_axes, act, params, explicit",
+    [
+        ({"fsdp": 8}, sk.Rules([("batch", "fsdp")]), sk.Rules([("vocab", "fsdp")]), False),
+        ({"data": 8}, sk.Rules([]), sk.Rules([]), False),  # batch not sharded
+        ({"data": 8}, DP, sk.Rules([]), True),  # Explicit axes: JAX's types decide
+    ],
+    ids=["sharded-like-the-batch", "batch-not-sharded", "explicit-mesh"],
+)
+def test_no_replica_axis(mesh_axes, act, params, explicit):
+    mesh = sk.make_mesh(mesh_axes, explicit=explicit)
+    with jax.set_mesh(mesh), activation_rules(act), param_rules(params):
+        view = sk.per_replica(jnp.ones((V, D)), TABLE, batch_size=B)
+    assert view.n == 1 and view.axes == ()
+
+
+def test_map_merges_pytrees_back_to_the_batch():
+    mesh = sk.make_mesh({"data": 8})
+    with jax.set_mesh(mesh), activation_rules(DP), param_rules(sk.Rules([])):
+
+        def f(table, tokens):
+            view = sk.per_replica(table, TABLE, batch_size=tokens.shape[0])
+            return view.map(lambda t, ids: {"x": t[ids], "ids": ids}, tokens)
+
+        out = jax.jit(f)(*inputs())
+    table, tokens = inputs()
+    np.testing.assert_array_equal(out["ids"], tokens)
+    np.testing.assert_array_equal(out["x"], table[tokens])
