@@ -15,20 +15,23 @@ but not the parameter, with ``n`` the product of their sizes, so each device
 holds its own copy. It runs every use under ``vmap`` over that axis, on the
 batch split into ``n`` groups. Each use's gradient then stays a local partial
 sum on its own replica, the contributions add up locally, and the broadcast's
-transpose, a sum over the replica axis, is the one all-reduce. This is the
+transpose, a sum over the replica axis, is the one all-reduce. The data is split
+along every dimension the mesh shards, so under context parallelism (the length
+split over ``sequence``) the replicas are the (batch, length) blocks, and ``fn``
+must then treat each token on its own, as a lookup or a projection does. This is the
 "device-indexed axis" form of JAX's ``unreduced`` type. Under Auto meshes it
 does the job that type does under Explicit meshes, and it also covers gathers,
 which JAX 0.10.2 gives no ``reduced`` rule.
 
-Nothing changes where there is no such axis: no mesh or no rules, a batch that
-is not sharded, or a parameter sharded on every axis of the batch (FSDP). Under
+Nothing changes where there is no such axis: no mesh or no rules, data that is
+not sharded, or a parameter sharded on every axis of the data (FSDP). Under
 Explicit meshes ``per_replica`` also leaves the parameter alone, and JAX's own
 sharding rules decide (for a lookup, they all-gather the output's cotangent).
 
 Example:
   >>> import jax.numpy as jnp, shardkit as sk
   >>> table, tokens = jnp.ones((16, 4)), jnp.zeros((2, 3), jnp.int32)
-  >>> view = sk.per_replica(table, ("vocab", "embed"), batch_size=2)
+  >>> view = sk.per_replica(table, ("vocab", "embed"), data=tokens, data_axes=("batch", "length"))
   >>> view.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens).shape   # no mesh: plain call
   (2, 3, 4)
 """
@@ -42,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
 from shardkit.annotate.constrain import (
@@ -60,84 +64,100 @@ class ReplicaView:
     Attributes:
       value: ``[n, *param.shape]`` sharded over ``axes`` on its first dimension,
         or the parameter itself when ``n == 1``.
+      groups: per leading data dimension, the number of replicas along it.
       axes: the mesh axes of the replica dimension (empty when ``n == 1``).
-      n: the number of replicas.
     """
 
     value: jax.Array
+    groups: tuple[int, ...] = ()
     axes: tuple[str, ...] = ()
-    n: int = 1
 
-    def map(self, fn: Callable[..., Any], *batched: jax.Array) -> Any:
-        """``fn(param, *batched)``, run once per replica on its share of the batch.
+    @property
+    def n(self) -> int:
+        """The number of replicas."""
+        return math.prod(self.groups)
 
-        Every array in ``batched`` has the batch as its first dimension. The
-        result (any pytree of arrays with the batch first) comes back merged,
-        as ``fn`` would have returned it for the whole batch.
+    def map(self, fn: Callable[..., Any], *data: jax.Array) -> Any:
+        """``fn(param, *data)``, run once per replica on its block of the data.
+
+        Every array in ``data`` leads with the dimensions ``per_replica`` was given
+        (e.g. batch and length). The result (any pytree of arrays with the same
+        leading dimensions) comes back merged, as ``fn`` would have returned it for
+        all the data.
         """
         if self.n == 1:
-            return fn(self.value, *batched)
-        split = [self._split(x) for x in batched]
-        out = jax.vmap(fn)(self.value, *split)
-        return jax.tree.map(lambda y: y.reshape(y.shape[0] * y.shape[1], *y.shape[2:]), out)
+            return fn(self.value, *data)
+        out = jax.vmap(fn)(self.value, *(self._split(x) for x in data))
+        return jax.tree.map(self._merge, out)
 
     def _split(self, x: jax.Array) -> jax.Array:
-        groups = x.reshape(self.n, x.shape[0] // self.n, *x.shape[1:])
-        rest = (PartitionSpec.UNCONSTRAINED,) * (groups.ndim - 1)
-        return jax.lax.with_sharding_constraint(groups, PartitionSpec(self.axes, *rest))
+        """``[D0, D1, ..., rest]`` to ``[n, D0/g0, D1/g1, ..., rest]``, replica-major."""
+        k = len(self.groups)
+        blocks = [d // g for g, d in zip(self.groups, x.shape[:k], strict=True)]
+        pairs = [e for g, b in zip(self.groups, blocks, strict=True) for e in (g, b)]
+        x = x.reshape(*pairs, *x.shape[k:])
+        x = x.transpose(*range(0, 2 * k, 2), *range(1, 2 * k, 2), *range(2 * k, x.ndim))
+        x = x.reshape(self.n, *blocks, *x.shape[2 * k :])
+        rest = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)
+        return jax.lax.with_sharding_constraint(x, PartitionSpec(self.axes, *rest))
+
+    def _merge(self, y: jax.Array) -> jax.Array:
+        k = len(self.groups)
+        blocks = y.shape[1 : 1 + k]
+        y = y.reshape(*self.groups, *blocks, *y.shape[1 + k :])
+        y = y.transpose(*(i for j in range(k) for i in (j, k + j)), *range(2 * k, y.ndim))
+        merged = [g * b for g, b in zip(self.groups, blocks, strict=True)]
+        return y.reshape(*merged, *y.shape[2 * k :])
 
 
 def per_replica(
     param: jax.Array,
     logical: Sequence[str | None],
     *,
-    batch_size: int,
-    batch_axis: str = "batch",
+    data: jax.Array,
+    data_axes: Sequence[str | None] = ("batch",),
 ) -> ReplicaView:
     """A view of ``param`` with one copy per data-parallel replica.
 
     Args:
       param: a parameter, as the model reads it.
       logical: its logical axes (to find the mesh axes it is sharded on).
-      batch_size: the global batch size of the arrays ``map`` will split.
-      batch_axis: the logical name of the batch dimension.
+      data: an array ``map`` will split (only the shape of its leading dimensions
+        is used), e.g. the tokens.
+      data_axes: the logical names of those leading dimensions.
 
     Returns:
       A ``ReplicaView`` whose ``map`` runs a use of the parameter per replica. It
-      has ``n == 1``, and is a plain call, when the batch has no mesh axis that
+      has ``n == 1``, and is a plain call, when no mesh axis splits the data but
       leaves the parameter replicated.
     """
-    axes = _replica_axes(param, tuple(logical), batch_size, batch_axis)
-    if not axes:
-        return ReplicaView(param)
-    mesh = _active_mesh()
-    n = math.prod(mesh.shape[a] for a in axes)
-    rules = current_param_rules()
-    spec = rules.spec(tuple(logical), shape=param.shape, mesh=mesh) if rules else PartitionSpec()
-    spec = (*spec, *(None,) * (param.ndim - len(spec)))
-    value = jnp.broadcast_to(param, (n, *param.shape))
-    value = jax.lax.with_sharding_constraint(value, PartitionSpec(axes, *spec))
-    return ReplicaView(value, axes, n)
-
-
-def _replica_axes(
-    param: jax.Array, logical: tuple[str | None, ...], batch_size: int, batch_axis: str
-) -> tuple[str, ...]:
-    """The leading mesh axes of the batch that do not shard ``param`` (Auto axes only)."""
-    mesh, act = _active_mesh(), current_activation_rules()
+    mesh, act, rules = _active_mesh(), current_activation_rules(), current_param_rules()
     if mesh is None or act is None:
-        return ()
-    batch = act.spec((batch_axis,), shape=(batch_size,), mesh=mesh, path=batch_axis)[0]
-    batch_axes = (batch,) if isinstance(batch, str) else tuple(batch or ())
-    rules = current_param_rules()
+        return ReplicaView(param)
+    logical, data_axes = tuple(logical), tuple(data_axes)
     spec = rules.spec(logical, shape=param.shape, mesh=mesh) if rules else PartitionSpec()
-    used = {a for p in spec for a in ((p,) if isinstance(p, str) else (p or ()))}
-    axes: list[str] = []
-    # Only a leading run of the batch's axes: splitting the batch into [n, B/n] keeps
-    # the device order (and so costs nothing) only when the replica axes come first.
+    spec = (*spec, *(None,) * (param.ndim - len(spec)))
+    data_spec = act.spec(data_axes, shape=np.shape(data)[: len(data_axes)], mesh=mesh, path="data")
+    used = {a for entry in spec for a in _names(entry)}
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
-    for a in batch_axes:
-        if a in used or types[a] != AxisType.Auto:
-            break
-        axes.append(a)
-    return tuple(axes)
+    groups, axes = [], []
+    for entry in data_spec:
+        # Only a leading run of a dimension's mesh axes: splitting it into [g, D/g]
+        # keeps the device order (so costs nothing) when the replica axes come first.
+        run = []
+        for a in _names(entry):
+            if a in used or types[a] != AxisType.Auto:
+                break
+            run.append(a)
+        groups.append(math.prod(mesh.shape[a] for a in run))
+        axes += run
+    if math.prod(groups) == 1:
+        return ReplicaView(param)
+    value = jnp.broadcast_to(param, (math.prod(groups), *param.shape))
+    value = jax.lax.with_sharding_constraint(value, PartitionSpec(tuple(axes), *spec))
+    return ReplicaView(value, tuple(groups), tuple(axes))
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())

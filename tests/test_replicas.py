@@ -1,5 +1,7 @@
 """sk.per_replica: a tied parameter's gradient is all-reduced once, with the same value."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,10 +18,10 @@ TABLE = ("vocab", "embed")
 DP = sk.Rules([("batch", "data")])
 
 
-def tied_loss(table, tokens, *, replicas=True):
+def tied_loss(table, tokens, *, replicas=True, data_axes=("batch",)):
     """A tied embedding: looked up by the tokens, then used for the logits."""
     if replicas:
-        view = sk.per_replica(table, TABLE, batch_size=tokens.shape[0])
+        view = sk.per_replica(table, TABLE, data=tokens, data_axes=data_axes)
     else:
         view = sk.ReplicaView(table)
     x = jnp.tanh(view.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens))
@@ -33,14 +35,14 @@ def inputs():
     return table, tokens
 
 
-def grad_under(mesh_axes, act, params, *, replicas=True, explicit=False):
+def grad_under(mesh_axes, act, params, *, replicas=True, data_axes=("batch",)):
     """The compiled gradient (its HLO text) and its value on ``mesh_axes``."""
-    mesh = sk.make_mesh(mesh_axes, explicit=explicit)
+    mesh = sk.make_mesh(mesh_axes)
     table, tokens = inputs()
-    batch_axes = act.spec(("batch",))[0]
     table = jax.device_put(table, NamedSharding(mesh, params.spec(TABLE, mesh=mesh)))
-    tokens = jax.device_put(tokens, NamedSharding(mesh, P(batch_axes)))
-    fn = jax.jit(jax.grad(lambda t, ids: tied_loss(t, ids, replicas=replicas)))
+    tokens = jax.device_put(tokens, NamedSharding(mesh, act.spec(("batch", "length"))))
+    loss = functools.partial(tied_loss, replicas=replicas, data_axes=data_axes)
+    fn = jax.jit(jax.grad(loss))
     with jax.set_mesh(mesh), activation_rules(act), param_rules(params):
         compiled = fn.lower(table, tokens).compile()
         return compiled.as_text(), compiled(table, tokens)
@@ -55,7 +57,7 @@ def table_all_reduces(hlo):
 
 def test_plain_call_without_a_mesh():
     table, tokens = inputs()
-    view = sk.per_replica(table, TABLE, batch_size=B)
+    view = sk.per_replica(table, TABLE, data=tokens)
     assert view.n == 1 and view.value is table
     np.testing.assert_allclose(tied_loss(table, tokens), tied_loss(table, tokens, replicas=False))
 
@@ -75,10 +77,21 @@ def test_only_the_batch_axes_that_leave_the_parameter_replicated():
     act, params = sk.Rules([("batch", ("data", "fsdp"))]), sk.Rules([("vocab", "fsdp")])
     mesh = sk.make_mesh({"data": 2, "fsdp": 4})
     with jax.set_mesh(mesh), activation_rules(act), param_rules(params):
-        view = sk.per_replica(inputs()[0], TABLE, batch_size=B)
+        view = sk.per_replica(inputs()[0], TABLE, data=inputs()[1])
     assert view.axes == ("data",) and view.n == 2 and view.value.shape == (2, V, D)
     assert view.value.sharding.spec == P("data", "fsdp", None)
     _, grad = grad_under({"data": 2, "fsdp": 4}, act, params)
+    np.testing.assert_allclose(grad, jax.grad(tied_loss)(*inputs()), rtol=1e-5, atol=1e-7)
+
+
+def test_context_parallel_replicas_are_batch_and_length_blocks():
+    # Batch over data, length over sequence: 2 x 4 replicas, each a block of tokens.
+    act = sk.Rules([("batch", "data"), ("length", "sequence")])
+    args = {"data": 2, "sequence": 4}, act, sk.Rules([])
+    hlo, grad = grad_under(*args, data_axes=("batch", "length"))
+    assert table_all_reduces(hlo) == 1
+    plain_hlo, _ = grad_under(*args, replicas=False)
+    assert table_all_reduces(plain_hlo) >= 2  # 4 here: per use, and per mesh axis
     np.testing.assert_allclose(grad, jax.grad(tied_loss)(*inputs()), rtol=1e-5, atol=1e-7)
 
 
@@ -94,7 +107,7 @@ def test_only_the_batch_axes_that_leave_the_parameter_replicated():
 def test_no_replica_axis(mesh_axes, act, params, explicit):
     mesh = sk.make_mesh(mesh_axes, explicit=explicit)
     with jax.set_mesh(mesh), activation_rules(act), param_rules(params):
-        view = sk.per_replica(jnp.ones((V, D)), TABLE, batch_size=B)
+        view = sk.per_replica(jnp.ones((V, D)), TABLE, data=inputs()[1])
     assert view.n == 1 and view.axes == ()
 
 
@@ -103,7 +116,7 @@ def test_map_merges_pytrees_back_to_the_batch():
     with jax.set_mesh(mesh), activation_rules(DP), param_rules(sk.Rules([])):
 
         def f(table, tokens):
-            view = sk.per_replica(table, TABLE, batch_size=tokens.shape[0])
+            view = sk.per_replica(table, TABLE, data=tokens)
             return view.map(lambda t, ids: {"x": t[ids], "ids": ids}, tokens)
 
         out = jax.jit(f)(*inputs())

@@ -224,7 +224,9 @@ class GPT(nn.Module):
         )
         # The embedding is tied: read by the lookup and by the logits. One replica view
         # for both uses makes data parallelism all-reduce its gradient once, not twice.
-        table = sk.per_replica(wte.embedding.astype(cfg.dtype), TABLE, batch_size=tokens.shape[0])
+        table = sk.per_replica(
+            wte.embedding.astype(cfg.dtype), TABLE, data=tokens, data_axes=("batch", "length")
+        )
         x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
         x = x + wpe(jnp.arange(seq)[None, :])
         x = sk.constrain(x.astype(cfg.dtype), RESIDUAL)

@@ -1,5 +1,5 @@
 """Lint a compiled layout: collectives the recipe did not predict, big replicated
-parameters, rules that matched nothing.
+parameters, gradients all-reduced more than once, rules that matched nothing.
 
 Each warning is one line: what, how many bytes, which op (its ``op_name``, i.e.
 the module/layer that caused it) and the likely cause.
@@ -14,11 +14,19 @@ Example:
 
 from __future__ import annotations
 
+import re
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from shardkit.report.hlo import Collective
 
-__all__ = ["unexpected_collectives", "replicated_params", "unused_rules", "human_bytes"]
+__all__ = [
+    "human_bytes",
+    "reduced_more_than_once",
+    "replicated_params",
+    "unexpected_collectives",
+    "unused_rules",
+]
 
 #: Share of a step's wire bytes below which a collective kind is noise (the loss's and
 #: the norms' small reductions, which tiny models make look large).
@@ -91,3 +99,39 @@ def unused_rules(rules: Iterable[tuple[str, object]], logical_names: set[str]) -
                 "(a misspelt name, or an axis this model does not have)."
             )
     return out
+
+
+def reduced_more_than_once(
+    collectives: Sequence[Collective], rows: Sequence[object], *, min_bytes: int
+) -> list[str]:
+    """Parameters whose gradient the step all-reduces more than once (a weight read twice).
+
+    A parameter's gradient leaves an all-reduce in its per-device (shard) shape. When a
+    step all-reduces buffers of that shape more often than there are parameters with it,
+    the model read the weight more than once and XLA reduced each read's partial sum
+    apart. Parameters in scanned layers are reduced per layer, in another shape, and are
+    not checked.
+    """
+    reduced: Counter[str] = Counter()
+    for c in collectives:
+        if c.kind == "all-reduce":
+            for dims in re.findall(r"\[[\d,]*\]", c.shape):
+                reduced[dims] += c.count
+    params = [r for r in rows if r.kind == "param" and r.bytes_per_device >= min_bytes]
+    holders = Counter(_dims(r.shard_shape) for r in params)
+    out = []
+    for r in params:
+        dims = _dims(r.shard_shape)
+        times = reduced[dims] / holders[dims]
+        if times >= 2:
+            out.append(
+                f"{r.path} {tuple(r.shape)}: its gradient ({human_bytes(r.bytes_per_device)} "
+                f"per device) is all-reduced {times:g} times per step. The model reads it "
+                "more than once (a tied embedding?) and XLA reduces each read apart. Fix: "
+                "read it through sk.per_replica, for one all-reduce per step."
+            )
+    return out
+
+
+def _dims(shape: Sequence[int]) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"

@@ -45,6 +45,7 @@ class ParamRow:
     bytes_per_device: int
     replicated: bool
     kind: str  # "param", "optimizer" or "scalar"
+    shard_shape: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -146,6 +147,7 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
                 bytes_per_device=math.prod(shard) * np.dtype(info.dtype).itemsize,
                 replicated=all(e is None for e in leaf.spec),
                 kind=kind,
+                shard_shape=tuple(shard),
             )
         )
     return rows
@@ -199,6 +201,7 @@ def build_report(
         *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
         *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]
+    warnings += lint.reduced_more_than_once(collectives, rows, min_bytes=replicated_threshold_bytes)
     if shards_params:
         total = sum(_full_bytes(r) for r in rows if r.kind == "param")
         threshold = max(replicated_threshold_bytes, replicated_threshold_share * total)

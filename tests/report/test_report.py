@@ -107,3 +107,38 @@ def test_builtin_recipes_do_not_flag_axes_the_model_lacks():
     # tp carries a kv_heads rule for Llama; GPT has no kv_heads axis.
     r = sk.Plan("tp").report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
     assert not [w for w in r.warnings if "matched no parameter" in w]
+
+
+def _tied_report(replicas: bool):
+    """DP report of a tiny tied-embedding model, read through per_replica or not."""
+    vocab, width, table_axes = 512, 64, ("vocab", "embed")
+
+    def loss(params, tokens):
+        table = params["table"]
+        view = sk.per_replica(table, table_axes, data=tokens)
+        if not replicas:
+            view = sk.ReplicaView(table)
+        x = jnp.tanh(view.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens))
+        logits = view.map(lambda t, y: jnp.einsum("bsd,vd->bsv", y, t), x)
+        return jax.nn.logsumexp(logits, -1).mean()
+
+    def init(rng):
+        table = jax.random.normal(rng, (vocab, width))
+        return {"table": nn.Partitioned(table, names=table_axes)}
+
+    def step(params, batch):
+        grads = jax.grad(loss)(params, batch["tokens"])
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), None
+
+    plan = sk.Plan("dp")
+    batch = {"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)}
+    compiled = plan.compile(step, sk.unbox(plan.abstract_init(init, jax.random.key(0))), batch)
+    state = jax.eval_shape(init, jax.random.key(0))
+    return plan.report(compiled, state, replicated_threshold_bytes=0)
+
+
+def test_lint_flags_a_weight_whose_gradient_is_all_reduced_twice():
+    [warning] = [w for w in _tied_report(replicas=False).warnings if "all-reduced" in w]
+    assert warning.startswith("table (512, 64)") and "all-reduced 2 times" in warning
+    assert "sk.per_replica" in warning
+    assert not [w for w in _tied_report(replicas=True).warnings if "all-reduced" in w]
