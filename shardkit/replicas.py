@@ -3,30 +3,36 @@
 Under data parallelism the gradient of a replicated parameter is a sum over
 replicas, and GSPMD inserts that all-reduce at *each* op that reads the
 parameter. A parameter read twice, such as a tied embedding (the token lookup
-and the logits), is therefore all-reduced twice: GPT-2-small on 8 devices moves
-1.31× the data-parallel limit, all of it the extra 50304×768 all-reduce. XLA's
-CPU pipeline keeps the pair. Its GPU pipeline runs a pass that can merge
-``all-reduce(a) + all-reduce(b)`` (AllReduceReassociate), but nothing here
-measured it on a GPU.
+and the logits), is therefore all-reduced twice. Without this module, GPT-2-small
+under ``dp`` on 8 devices moved 1.31× the data-parallel limit, the excess being
+exactly the extra 50304×768 all-reduce. XLA's CPU pipeline keeps the pair. Its
+GPU pipeline runs a pass that can merge ``all-reduce(a) + all-reduce(b)``
+(AllReduceReassociate), but that has not been measured on a GPU here.
 
-``per_replica`` makes the replicas explicit instead. It takes a free broadcast
-of the parameter to ``[n, ...]``, sharded over the mesh axes that split the batch
-but not the parameter, with ``n`` the product of their sizes, so each device
-holds its own copy. It runs every use under ``vmap`` over that axis, on the
-batch split into ``n`` groups. Each use's gradient then stays a local partial
-sum on its own replica, the contributions add up locally, and the broadcast's
-transpose, a sum over the replica axis, is the one all-reduce. The data is split
-along every dimension the mesh shards, so under context parallelism (the length
-split over ``sequence``) the replicas are the (batch, length) blocks, and ``fn``
-must then treat each token on its own, as a lookup or a projection does. This is the
-"device-indexed axis" form of JAX's ``unreduced`` type. Under Auto meshes it
-does the job that type does under Explicit meshes, and it also covers gathers,
-which JAX 0.10.2 gives no ``reduced`` rule.
+``per_replica`` makes the replicas explicit:
 
-Nothing changes where there is no such axis: no mesh or no rules, data that is
-not sharded, or a parameter sharded on every axis of the data (FSDP). Under
-Explicit meshes ``per_replica`` also leaves the parameter alone, and JAX's own
-sharding rules decide (for a lookup, they all-gather the output's cotangent).
+- it broadcasts the parameter to ``[n, ...]`` for free, sharded over the mesh
+  axes that split the data but not the parameter, so each device holds its own
+  copy;
+- ``map`` runs each use under ``vmap`` over that axis, on the data split into
+  ``n`` blocks;
+- each use's gradient stays a partial sum on its own replica, the uses add up
+  locally, and the broadcast's transpose (a sum over the replica axis) is the
+  one all-reduce.
+
+The data is split along every dimension the mesh shards. Under context
+parallelism (the length split over ``sequence``) the replicas are therefore
+(batch, length) blocks, and ``fn`` must treat each token on its own, as a lookup
+or a projection does. This is the "device-indexed axis" form of JAX's
+``unreduced`` type: it works under Auto meshes, and around gathers, which have
+no ``reduced`` rule in JAX 0.10.2.
+
+Nothing changes (``map`` is a plain call) where there is no such axis: data
+that is not sharded, or a parameter sharded on every axis of the data (FSDP).
+Nor where the layouts are unknown or not GSPMD's to choose: no mesh, no
+activation or parameter rules (``plan.jit`` enters both), or Explicit axes,
+where JAX's sharding types decide (for a lookup they all-gather the output's
+cotangent).
 
 Example:
   >>> import jax.numpy as jnp, shardkit as sk
@@ -128,18 +134,23 @@ def per_replica(
 
     Returns:
       A ``ReplicaView`` whose ``map`` runs a use of the parameter per replica. It
-      has ``n == 1``, and is a plain call, when no mesh axis splits the data but
-      leaves the parameter replicated.
+      has ``n == 1``, and is a plain call, when no Auto mesh axis splits the data
+      but leaves the parameter replicated.
+
+    Raises:
+      ShardingError: the data's shape does not fit the activation rules (e.g. a
+        batch the data axis does not divide).
     """
     mesh, act, rules = _active_mesh(), current_activation_rules(), current_param_rules()
-    if mesh is None or act is None:
-        return ReplicaView(param)
-    logical, data_axes = tuple(logical), tuple(data_axes)
-    spec = rules.spec(logical, shape=param.shape, mesh=mesh) if rules else PartitionSpec()
-    spec = (*spec, *(None,) * (param.ndim - len(spec)))
-    data_spec = act.spec(data_axes, shape=np.shape(data)[: len(data_axes)], mesh=mesh, path="data")
+    if mesh is None or act is None or rules is None:
+        return ReplicaView(param)  # the layouts are unknown: leave them to XLA
+    spec = rules.spec(tuple(logical), shape=param.shape, mesh=mesh)
     used = {a for entry in spec for a in _names(entry)}
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
+    if any(types[a] != AxisType.Auto for a in used):
+        return ReplicaView(param)  # Explicit axes: JAX's sharding types decide
+    data_axes = tuple(data_axes)
+    data_spec = act.spec(data_axes, shape=np.shape(data)[: len(data_axes)], mesh=mesh, path="data")
     groups, axes = [], []
     for entry in data_spec:
         # Only a leading run of a dimension's mesh axes: splitting it into [g, D/g]

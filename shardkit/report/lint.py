@@ -14,6 +14,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -102,36 +103,49 @@ def unused_rules(rules: Iterable[tuple[str, object]], logical_names: set[str]) -
 
 
 def reduced_more_than_once(
-    collectives: Sequence[Collective], rows: Sequence[object], *, min_bytes: int
+    collectives: Sequence[Collective], rows: Sequence[object], *, devices: int, min_bytes: int
 ) -> list[str]:
     """Parameters whose gradient the step all-reduces more than once (a weight read twice).
 
-    A parameter's gradient leaves an all-reduce in its per-device (shard) shape. When a
-    step all-reduces buffers of that shape more often than there are parameters with it,
-    the model read the weight more than once and XLA reduced each read's partial sum
-    apart. Parameters in scanned layers are reduced per layer, in another shape, and are
-    not checked.
+    A parameter's gradient leaves an all-reduce in its per-device (shard) shape, or
+    that shape transposed, once per step. It is reduced over at most the
+    ``devices / shards`` devices that hold copies of the parameter: one all-reduce
+    over all of them, or one per mesh axis, whose group sizes multiply to at most
+    that. When the all-reduces of that shape add up to more, in log2 of the group
+    sizes, the model read the weight more than once and XLA reduced each read's
+    partial sum apart.
+
+    Not checked: all-reduces inside loops (scanned layers reduce per layer, in another
+    shape), reduce-scatters (a weight read twice under FSDP), and parameters of at
+    most ``min_bytes``. Parameters sharing a shard shape share its all-reduces
+    evenly, so one of several such weights read twice may go unflagged.
     """
-    reduced: Counter[str] = Counter()
+    reduced: list[tuple[tuple[int, ...], int]] = []
     for c in collectives:
-        if c.kind == "all-reduce":
-            for dims in re.findall(r"\[[\d,]*\]", c.shape):
-                reduced[dims] += c.count
-    params = [r for r in rows if r.kind == "param" and r.bytes_per_device >= min_bytes]
-    holders = Counter(_dims(r.shard_shape) for r in params)
+        if c.kind == "all-reduce" and c.count == 1 and c.group_size > 1:
+            for dims in re.findall(r"\[([\d,]*)\]", c.shape):
+                reduced.append((_key(int(d) for d in dims.split(",") if d), c.group_size))
+    params = [r for r in rows if r.kind == "param" and r.bytes_per_device > min_bytes]
+    holders = Counter(_key(r.shard_shape) for r in params)
     out = []
     for r in params:
-        dims = _dims(r.shard_shape)
-        times = reduced[dims] / holders[dims]
-        if times >= 2:
+        key = _key(r.shard_shape)
+        copies = devices * math.prod(r.shard_shape) // max(math.prod(r.shape), 1)
+        if copies < 2:
+            continue
+        # An all-reduce over more devices than hold copies reduces something else.
+        bits = sum(math.log2(g) for k, g in reduced if k == key and g <= copies)
+        times = bits / holders[key] / math.log2(copies)
+        if times >= 1.5:
             out.append(
                 f"{r.path} {tuple(r.shape)}: its gradient ({human_bytes(r.bytes_per_device)} "
-                f"per device) is all-reduced {times:g} times per step. The model reads it "
+                f"per device) is all-reduced {times:.3g} times per step. The model reads it "
                 "more than once (a tied embedding?) and XLA reduces each read apart. Fix: "
                 "read it through sk.per_replica, for one all-reduce per step."
             )
     return out
 
 
-def _dims(shape: Sequence[int]) -> str:
-    return "[" + ",".join(str(d) for d in shape) + "]"
+def _key(shape: Iterable[int]) -> tuple[int, ...]:
+    """A shape up to transposition (XLA may reduce a gradient in either layout)."""
+    return tuple(sorted(shape))

@@ -185,6 +185,8 @@ def build_report(
       model_config, batch, seq: enable the analytic model (built-in recipes only).
       replicated_threshold_bytes, replicated_threshold_share: warn about replicated
         parameters at least this big, in bytes and as a share of all parameter bytes.
+        Gradients all-reduced more than once are checked for parameters over
+        ``replicated_threshold_bytes``.
     """
     rows = param_rows(plan, state)
     collectives = tuple(parse_collectives(compiled.as_text()))
@@ -201,7 +203,9 @@ def build_report(
         *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
         *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]
-    warnings += lint.reduced_more_than_once(collectives, rows, min_bytes=replicated_threshold_bytes)
+    warnings += lint.reduced_more_than_once(
+        collectives, rows, devices=math.prod(mesh.values()), min_bytes=replicated_threshold_bytes
+    )
     if shards_params:
         total = sum(_full_bytes(r) for r in rows if r.kind == "param")
         threshold = max(replicated_threshold_bytes, replicated_threshold_share * total)

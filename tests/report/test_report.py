@@ -142,3 +142,29 @@ def test_lint_flags_a_weight_whose_gradient_is_all_reduced_twice():
     assert warning.startswith("table (512, 64)") and "all-reduced 2 times" in warning
     assert "sk.per_replica" in warning
     assert not [w for w in _tied_report(replicas=True).warnings if "all-reduced" in w]
+
+
+def _all_reduce(shape, group, count=1):
+    from shardkit.report.hlo import Collective
+
+    return Collective("all-reduce", 0, group, 0.0, count, "op", "main", "f32", shape)
+
+
+@pytest.mark.parametrize(
+    "collectives, flagged",
+    [
+        ([_all_reduce("[512,64]", 8)], False),  # one all-reduce over all copies
+        ([_all_reduce("([512,64], [64])", 2), _all_reduce("[512,64]", 4)], False),  # per axis
+        ([_all_reduce("[512,64]", 8, count=12)], False),  # inside a loop: another weight's
+        ([_all_reduce("([512,64], [512,64])", 8)], True),  # two reads, one tuple
+    ],
+    ids=["once", "once-per-axis", "in-a-loop", "twice"],
+)
+def test_reduced_more_than_once_counts_reductions_per_copy(collectives, flagged):
+    from shardkit.report.lint import reduced_more_than_once
+    from shardkit.report.report import ParamRow
+
+    row = ParamRow("table", (512, 64), "float32", ("vocab", "embed"), "P()", 512 * 64 * 4,
+                   True, "param", shard_shape=(512, 64))  # fmt: skip
+    warnings = reduced_more_than_once(collectives, [row], devices=8, min_bytes=0)
+    assert bool(warnings) == flagged
