@@ -3,7 +3,7 @@
 Compile only (nothing runs), 8 emulated CPU devices, GPT-2-small shape (full remat per
 block), f32 AdamW (``shardkit.train.adamw()``), seq 512, global batch 8. Per recipe,
 per device: memory total (arguments + output + temp − alias) and ring wire bytes per step,
-for (a) shardkit (``sk.Plan(recipe).report_model``), (b) the Flax baseline of
+for (a) shardkit (``models.report(sk.Plan(recipe), model)``), (b) the Flax baseline of
 ``flax_baseline.py`` (DESIGN.md, "Baseline to beat") and (c) the analytic model
 (``report.analytic``). "Flax" is the baseline as written, whose activation constraints the
 legacy ``with mesh:`` silently drops; "Flax pinned" passes the mesh to them explicitly.
@@ -31,7 +31,7 @@ import jax  # noqa: E402
 from bench_util import MIB, emit, parser  # noqa: E402
 from flax_baseline import LAYOUTS, compile_baseline, measure, param_count  # noqa: E402
 
-from shardkit import train  # noqa: E402
+from shardkit import models, train  # noqa: E402
 from shardkit.models import get  # noqa: E402
 
 #: (recipe, devices). The Flax baseline covers the recipes in ``flax_baseline.LAYOUTS``;
@@ -77,7 +77,7 @@ def _mib(x: float | None) -> float | str:
 
 def _shardkit(model, tx, recipe: str, devices, seq: int, label: str):
     t = time.perf_counter()
-    report = sk.Plan(recipe, devices=devices).report_model(model, tx, batch=BATCH, seq=seq)
+    report = models.report(sk.Plan(recipe, devices=devices), model, tx, batch=BATCH, seq=seq)
     _log(f"  {label} {recipe}: {time.perf_counter() - t:.1f}s")
     return report
 
@@ -134,7 +134,7 @@ def indivisible_tp(model, seq: int) -> list[str]:
     except Exception as e:  # whatever Flax/JAX raise
         out.append(f"- Flax: `{_first_line(e)}`")
     try:
-        sk.Plan("tp").report_model(model, train.adamw(), batch=BATCH, seq=seq)
+        models.report(sk.Plan("tp"), model, train.adamw(), batch=BATCH, seq=seq)
         out.append("- shardkit: compiled (no error)")
     except sk.ShardingError as e:
         out.append(f"- shardkit: `{_first_line(e)}`")

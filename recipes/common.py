@@ -27,8 +27,7 @@ def train_and_report(
     import jax
     from rich.console import Console
 
-    from shardkit import train
-    from shardkit.cli.render import print_report
+    from shardkit import models, train
     from shardkit.data import MarkovSource
     from shardkit.models import get
 
@@ -43,4 +42,4 @@ def train_and_report(
         if i % 5 == 0 or i == args.steps - 1:
             console.print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
     console.print(f"entropy bound {source.entropy_rate():.4f} nats/token\n")
-    print_report(plan.report_model(net, tx, batch=args.batch, seq=args.seq), console)
+    console.print(models.report(plan, net, tx, batch=args.batch, seq=args.seq))

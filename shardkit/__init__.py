@@ -6,7 +6,7 @@ Example:
   P('data', None)
 """
 
-from shardkit import recipes
+from shardkit import recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -18,21 +18,24 @@ from shardkit.annotate import (
 )
 from shardkit.attention import use_attention
 from shardkit.devices import emulate_devices
-from shardkit.errors import ShardingError
+from shardkit.errors import ShardingError, ShardingWarning
 from shardkit.mesh import make_mesh
 from shardkit.plan import Plan
 from shardkit.replicas import ReplicaView, per_replica
 from shardkit.rules import Rules
+from shardkit.state import AbstractState
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AbstractState",
     "LogicalAxes",
     "PathAxes",
     "Plan",
     "ReplicaView",
     "Rules",
     "ShardingError",
+    "ShardingWarning",
     "activation_rules",
     "axes",
     "constrain",
@@ -41,6 +44,7 @@ __all__ = [
     "make_mesh",
     "per_replica",
     "recipes",
+    "report",
     "unbox",
     "use_attention",
 ]

@@ -26,6 +26,7 @@ __all__ = [
     "UnknownLogicalAxisError",
     "MeshError",
     "DeviceError",
+    "ShardingWarning",
 ]
 
 
@@ -71,3 +72,7 @@ class MeshError(ShardingError):
 
 class DeviceError(ShardingError):
     """Devices cannot be set up as asked (e.g. the backend already started)."""
+
+
+class ShardingWarning(UserWarning):
+    """A layout that works but is probably not what was meant (e.g. mostly replicated)."""

@@ -1,9 +1,11 @@
 """``sk.Plan``: the one object between a model and a compiled, sharded step.
 
 A plan joins a recipe (logical → mesh rules) with a mesh. It turns any state
-tree into ``NamedSharding``s, creates state directly sharded, jits a user's
-``step(state, batch)`` with derived in/out shardings and donation, and places
-host batches (process-local slices in multi-process runs).
+tree into ``NamedSharding``s, describes a state before it exists
+(``abstract_init``, an explicit :class:`~shardkit.state.AbstractState`), creates
+state directly sharded, jits a user's ``step(state, batch)`` with derived in/out
+shardings and donation, places host batches (process-local slices in
+multi-process runs), and reports what a compiled step costs.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, shardkit as sk
@@ -21,7 +23,7 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -37,29 +39,23 @@ from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
 from shardkit.attention import use_attention
-from shardkit.errors import ShardingError
+from shardkit.collectives import KINDS
+from shardkit.errors import ShardingError, ShardingWarning
 from shardkit.mesh import make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
-from shardkit.report.hlo import KINDS
 from shardkit.rules import Rules
+from shardkit.state import AbstractState, PlannedLeaf
+from shardkit.workload import Workload
 
-__all__ = ["Plan", "PlannedLeaf", "BATCH_AXES"]
+__all__ = ["Plan", "PlannedLeaf", "PlannedStep", "BATCH_AXES"]
 
 #: Logical axes of batch arrays, by rank: examples, then sequence positions.
 BATCH_AXES = ("batch", "length")
 
-
-@dataclasses.dataclass(frozen=True)
-class PlannedLeaf:
-    """One leaf of a state tree with its logical axes and planned spec."""
-
-    info: LeafInfo
-    spec: PartitionSpec
-
-    @property
-    def path(self) -> str:
-        return self.info.path
+#: ``plan.init`` warns when a recipe meant to shard parameters (or optimizer state)
+#: leaves more than this share of their bytes whole on every device.
+REPLICATED_WARN_SHARE = 0.5
 
 
 class Plan:
@@ -109,9 +105,6 @@ class Plan:
         for rules in (self.rules, self.activation_rules, self.recipe.optimizer_rules):
             if rules is not None:
                 rules.validate(mesh)
-        # Shardings of the state trees this plan created, by tree structure: state that
-        # comes back as plain arrays (host copies, restored checkpoints) keeps its layout.
-        self._planned: dict[Any, list[NamedSharding]] = {}
 
     # -- rules -------------------------------------------------------------------------
     @property
@@ -127,12 +120,18 @@ class Plan:
 
     # -- specs and shardings --------------------------------------------------------------
     def _rules_for(self, info: LeafInfo) -> Rules:
-        if info.source == "mirror" and self.recipe.optimizer_rules is not None:
+        if info.optimizer and self.recipe.optimizer_rules is not None:
             return self.recipe.optimizer_rules
         return self.rules
 
     def leaves(self, tree: Any) -> list[PlannedLeaf]:
-        """Every leaf of ``tree`` with its logical axes and ``PartitionSpec``."""
+        """Every leaf of ``tree`` with its kind, logical axes and ``PartitionSpec``.
+
+        A leaf that already carries a ``NamedSharding`` on this plan's mesh (an array
+        from ``plan.init``) reports the spec it has; an ``AbstractState`` its own leaves.
+        """
+        if isinstance(tree, AbstractState):
+            return list(tree.leaves)
         infos, _ = describe_leaves(
             tree, annotations=self.annotations, on_unmatched=self.on_unmatched
         )
@@ -147,26 +146,21 @@ class Plan:
 
     def specs(self, tree: Any) -> Any:
         """A tree of ``PartitionSpec`` (Flax boxes / NNX Variables count as leaves)."""
-        _, treedef = describe_leaves(tree, annotations=self.annotations, on_unmatched="replicate")
-        return jax.tree_util.tree_unflatten(treedef, [leaf.spec for leaf in self.leaves(tree)])
+        treedef = jax.tree.structure(_tree_of(tree), is_leaf=is_annotated_leaf)
+        return jax.tree.unflatten(treedef, [leaf.spec for leaf in self.leaves(tree)])
 
     def shardings(self, tree: Any) -> Any:
         """A tree of ``NamedSharding`` for params, optimizer state, or both.
 
         Leaves that already carry a ``NamedSharding`` on this plan's mesh (arrays
-        from ``plan.init``, ``ShapeDtypeStruct``s from ``plan.abstract_init``)
-        keep it.
+        from ``plan.init``) keep it; an ``AbstractState`` gives its own. The result
+        depends on ``tree`` alone, never on what the plan did before.
         """
-        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=is_annotated_leaf)
-        if treedef in self._planned:
-            return jax.tree_util.tree_unflatten(treedef, self._planned[treedef])
-        planned = self.leaves(tree)
-        return jax.tree_util.tree_unflatten(
-            treedef,
-            [
-                self._existing(x) or NamedSharding(self.mesh, p.spec)
-                for x, p in zip(leaves, planned, strict=True)
-            ],
+        if isinstance(tree, AbstractState):
+            return tree.shardings
+        treedef = jax.tree.structure(tree, is_leaf=is_annotated_leaf)
+        return jax.tree.unflatten(
+            treedef, [NamedSharding(self.mesh, leaf.spec) for leaf in self.leaves(tree)]
         )
 
     def _existing(self, x: Any) -> NamedSharding | None:
@@ -187,55 +181,94 @@ class Plan:
         )
 
     # -- state ----------------------------------------------------------------------------
-    def abstract_init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
-        """``init_fn``'s result as ``ShapeDtypeStruct``s carrying planned shardings.
+    def abstract_init(self, init_fn: Callable[..., Any], *args: Any) -> AbstractState:
+        """``init_fn(*args)``'s state described, not created: an ``AbstractState``.
 
-        Nothing is allocated: use it to compile-only plan a model of any size.
+        Nothing is allocated: use it to compile-only plan a model of any size, to
+        create the state (``plan.init(abstract)``), as ``plan.jit(step,
+        state=abstract)`` for state that comes back as host arrays, for
+        ``plan.report``, and (``abstract.tree``) as an orbax restore target.
         """
-        with nnx.use_eager_sharding(False):
-            return self._abstract_state(jax.eval_shape(init_fn, *args))
+        return self._abstract_init(init_fn, args, stacklevel=4)
 
-    def _abstract_state(self, abstract: Any) -> Any:
-        """Unboxed ``ShapeDtypeStruct``s with planned shardings, from an annotated tree."""
-        shardings = jax.tree.leaves(self.shardings(abstract))
-        leaves, treedef = jax.tree.flatten(unbox(abstract))
-        state = jax.tree.unflatten(
+    def _abstract_init(self, init_fn: Callable[..., Any], args: tuple, *, stacklevel: int):
+        with nnx.use_eager_sharding(False):
+            annotated = jax.eval_shape(init_fn, *args)
+        leaves = self.leaves(annotated)
+        self._warn_if_replicated(leaves, stacklevel=stacklevel)
+        flat, treedef = jax.tree.flatten(unbox(annotated))
+        tree = jax.tree.unflatten(
             treedef,
             [
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                for x, s in zip(leaves, shardings, strict=True)
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(self.mesh, p.spec))
+                for x, p in zip(flat, leaves, strict=True)
             ],
         )
-        return self._remember(state, shardings)
+        return AbstractState(tree, tuple(leaves), self.mesh, init_fn, args)
 
-    def _remember(self, state: Any, shardings: list[NamedSharding]) -> Any:
-        treedef = jax.tree_util.tree_structure(state, is_leaf=is_annotated_leaf)
-        self._planned[treedef] = shardings
-        return state
-
-    def init(self, init_fn: Callable[..., Any], *args: Any) -> Any:
+    def init(self, init_fn: Callable[..., Any] | AbstractState, *args: Any) -> Any:
         """Run ``init_fn(*args)`` with its outputs born sharded; returns plain arrays.
 
         ``init_fn`` returns params (boxed linen params or an NNX ``State``) and
         optionally optimizer state built from them, in any container. It runs
         under ``jit`` with ``out_shardings``, so no device ever holds the
-        whole unsharded state.
+        whole unsharded state. ``plan.init(abstract)`` creates the state an
+        ``AbstractState`` describes, in its shardings.
         """
-        with nnx.use_eager_sharding(False):
-            abstract = jax.eval_shape(init_fn, *args)
-            # Flat leaves in and out: NNX objects carry static fields (an optimizer's
-            # ``tx``) that need not compare equal between two calls of ``init_fn``.
-            shardings = jax.tree.leaves(self.shardings(abstract))
-            structure = []
+        abstract = init_fn if isinstance(init_fn, AbstractState) else None
+        if abstract is None:
+            abstract = self._abstract_init(init_fn, args, stacklevel=4)
+        elif args:
+            raise ShardingError(
+                "plan.init(abstract_state, ...): the abstract state knows its arguments.\n"
+                "Fix: plan.init(abstract_state), or plan.init(init_fn, *args)."
+            )
+        if abstract.init_fn is None:
+            raise ShardingError(
+                "plan.init(abstract_state): this AbstractState was not made by "
+                "plan.abstract_init, so it has no init function.\nFix: plan.init(init_fn, key)."
+            )
+        shardings = jax.tree.leaves(abstract.shardings)
+        # Flat leaves in and out: NNX objects carry static fields (an optimizer's
+        # ``tx``) that need not compare equal between two calls of ``init_fn``.
+        structure = []
 
-            def flat_init(*a):
-                leaves, treedef = jax.tree.flatten(unbox(init_fn(*a)))
-                structure.append(treedef)
-                return leaves
+        def flat_init(*a):
+            leaves, treedef = jax.tree.flatten(unbox(abstract.init_fn(*a)))
+            structure.append(treedef)
+            return leaves
 
-            with jax.set_mesh(self.mesh):
-                leaves = jax.jit(flat_init, out_shardings=shardings)(*args)
-        return self._remember(jax.tree.unflatten(structure[-1], leaves), shardings)
+        with nnx.use_eager_sharding(False), jax.set_mesh(self.mesh):
+            leaves = jax.jit(flat_init, out_shardings=shardings)(*abstract.args)
+        return jax.tree.unflatten(structure[-1], leaves)
+
+    def _warn_if_replicated(self, leaves: Sequence[PlannedLeaf], *, stacklevel: int) -> None:
+        """Warn when a recipe meant to shard a kind of leaf left most of its bytes whole."""
+        meant = {"param": _shards_any(self.rules, self.mesh)}
+        meant["optimizer"] = _shards_any(self.recipe.optimizer_rules or self.rules, self.mesh)
+        for kind, sharded in meant.items():
+            rows = [leaf for leaf in leaves if leaf.kind == kind]
+            total = sum(_nbytes(leaf) for leaf in rows)
+            whole = [leaf for leaf in rows if all(e is None for e in leaf.spec)]
+            replicated = sum(_nbytes(leaf) for leaf in whole)
+            if not sharded or not total or replicated <= REPLICATED_WARN_SHARE * total:
+                continue
+            unmatched = [leaf.path for leaf in whole if leaf.info.source == "unmatched"]
+            why = (
+                f"{len(unmatched)} of them carry no logical axes (e.g. {unmatched[0]})"
+                if unmatched
+                else f"the recipe's rules map none of their logical axes (e.g. {whole[0].path}: "
+                f"{tuple(whole[0].axes)}) to a mesh axis"
+            )
+            warnings.warn(
+                f"Recipe {self.recipe.name!r} shards {kind}s, but {replicated / total:.0%} of "
+                f"their bytes ({replicated:,} of {total:,}) stay replicated on every device of "
+                f"{dict(self.mesh.shape)}: {why}.\nFix: annotate the model (@sk.axes, Flax "
+                "logical partitioning) or pass Plan(..., annotations=sk.PathAxes([(regex, "
+                "logical_axes), ...])); sk.logical_axes(state) shows what each leaf has.",
+                ShardingWarning,
+                stacklevel=stacklevel,
+            )
 
     def shard_batch(self, host_batch: Any) -> Any:
         """Global batch arrays from host arrays.
@@ -256,14 +289,32 @@ class Plan:
         return jax.tree_util.tree_map_with_path(place, host_batch)
 
     # -- steps ----------------------------------------------------------------------------
-    def jit(self, step_fn: Callable[..., Any], *, donate_state: bool = True) -> PlannedStep:
-        """``step_fn(state, batch, ...)`` jitted with planned shardings.
+    def jit(
+        self,
+        step_fn: Callable[..., Any],
+        *,
+        state: AbstractState | None = None,
+        donate_state: bool = True,
+        **jit_kwargs: Any,
+    ) -> PlannedStep:
+        """``step_fn(state, batch, *extra)`` jitted with planned shardings.
 
-        The returned step derives in/out shardings from the first call's
-        arguments (state leaves keep the sharding ``plan.init`` gave them) and
-        returns ``(new_state, *rest)`` with the state's sharding unchanged.
+        The state's shardings come from ``state`` (an ``AbstractState``) when given,
+        else from the first call's arguments (arrays from ``plan.init`` keep their
+        sharding; other leaves get the rules'). The batch is sharded by the
+        activation rules; the step returns ``(new_state, *rest)`` with the state's
+        sharding unchanged.
+
+        Args:
+          step_fn: the user's step.
+          state: the layout of the state (for state that arrives as host arrays).
+          donate_state: donate the state's buffers (ignored when ``donate_argnums``
+            or ``donate_argnames`` is given).
+          **jit_kwargs: passed to ``jax.jit`` (``static_argnums``, ``donate_argnums``,
+            ``out_shardings``, ...). ``in_shardings`` covers the extra arguments
+            only (positions 2, 3, ...; static ones excluded), as a tuple.
         """
-        return PlannedStep(self, step_fn, donate_state)
+        return PlannedStep(self, step_fn, state=state, donate_state=donate_state, **jit_kwargs)
 
     def lower(
         self,
@@ -272,29 +323,11 @@ class Plan:
         batch: Any,
         *args: Any,
         donate_state: bool = True,
+        **jit_kwargs: Any,
     ):
         """Lower ``step_fn`` for these (possibly abstract) arguments, as ``plan.jit`` would."""
-        return self.jit(step_fn, donate_state=donate_state).lower(state, batch, *args)
-
-    def report(self, compiled: Any, state: Any, **kwargs: Any):
-        """A ``Report`` of a step compiled under this plan (see ``shardkit.report``)."""
-        from shardkit.report.report import build_report
-
-        return build_report(self, compiled, state, **kwargs)
-
-    def report_model(self, model: Any, tx: Any, *, batch: int, seq: int, seed: int = 0):
-        """Compile-only ``Report`` of a reference model's train step (nothing allocated)."""
-        from shardkit import train
-
-        init = train.init_fn(model, tx)
-        with nnx.use_eager_sharding(False):
-            annotated = jax.eval_shape(init, jax.random.key(seed))
-        state = self._abstract_state(annotated)
-        tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
-        compiled = self.compile(
-            train.train_step(model, tx), state, {"inputs": tokens, "targets": tokens}
-        )
-        return self.report(compiled, annotated, model_config=model.config, batch=batch, seq=seq)
+        step = self.jit(step_fn, donate_state=donate_state, **jit_kwargs)
+        return step.lower(state, batch, *args)
 
     def compile(
         self,
@@ -303,19 +336,98 @@ class Plan:
         batch: Any,
         *args: Any,
         donate_state: bool = True,
+        **jit_kwargs: Any,
     ):
         """Compile ``step_fn`` without running it (arguments may be abstract)."""
-        return self.lower(step_fn, state, batch, *args, donate_state=donate_state).compile()
+        lowered = self.lower(step_fn, state, batch, *args, donate_state=donate_state, **jit_kwargs)
+        return lowered.compile()
+
+    def report(self, step: Any, state: Any, batch: Any = None, *args: Any, **kwargs: Any):
+        """A ``Report`` of a step under this plan: compiled (nothing runs), then read.
+
+        ``plan.report(step_fn, state, batch, *extra)`` compiles a user's step for
+        ``state`` (an ``AbstractState``, or the live state with its logical axes known)
+        and ``batch`` (arrays or ``ShapeDtypeStruct``s); ``plan.report(compiled, state)``
+        reads an already compiled one. Keywords go to
+        :func:`shardkit.report.build_report`; ``workload=`` (a ``sk.report.Workload``)
+        sets the step's sizes for the analytic model, and by default they are read from
+        the batch (its leading dimension, and the second as the sequence).
+        """
+        from shardkit.report.report import build_report
+
+        if _is_compiled(step):
+            if batch is not None or args:
+                raise ShardingError(
+                    "plan.report(compiled, state) takes no batch: the step is compiled already."
+                )
+            compiled = step
+        else:
+            if batch is None:
+                raise ShardingError(
+                    "plan.report(step, state, batch): a step needs a batch to compile.\n"
+                    "Fix: pass the batch (arrays or jax.ShapeDtypeStructs)."
+                )
+            compiled = self.compile(step, state, batch, *args)
+            if "workload" not in kwargs and "model_config" not in kwargs:
+                kwargs["workload"] = _workload_of(batch)
+        self._check_axes_known(state)
+        return build_report(self, compiled, state, **kwargs)
+
+    def _check_axes_known(self, state: Any) -> None:
+        """Live state that lost its logical axes would report them all as ``None``."""
+        lost = [
+            leaf
+            for leaf in self.leaves(state)
+            if leaf.info.source == "unmatched" and any(e is not None for e in leaf.spec)
+        ]
+        if lost:
+            raise ShardingError(
+                f"plan.report: {len(lost)} state leaves are sharded (e.g. {lost[0].path} as "
+                f"{lost[0].spec}) but carry no logical axes: plain arrays (what plan.init "
+                "returns) do not keep them.\nFix: pass the abstract state, "
+                "plan.report(step, plan.abstract_init(init_fn, key), batch), or give the "
+                "plan annotations=sk.PathAxes([...]) that cover these paths."
+            )
 
 
 class PlannedStep:
     """A step function jitted under a plan; compiled once per argument structure."""
 
-    def __init__(self, plan: Plan, step_fn: Callable[..., Any], donate_state: bool):
+    def __init__(
+        self,
+        plan: Plan,
+        step_fn: Callable[..., Any],
+        *,
+        state: AbstractState | None = None,
+        donate_state: bool = True,
+        **jit_kwargs: Any,
+    ):
+        if state is not None and not isinstance(state, AbstractState):
+            raise ShardingError(
+                f"plan.jit(step, state=...) takes an AbstractState, got {type(state).__name__}."
+                "\nFix: state=plan.abstract_init(init_fn, key)."
+            )
         self.plan = plan
         self.step_fn = step_fn
+        self.state = state
         self.donate_state = donate_state
+        self.jit_kwargs = jit_kwargs
         self._cache: dict[Any, Any] = {}
+
+    def _state_shardings(self, state: Any) -> Any:
+        plan = self.plan
+        if self.state is None:
+            shardings = plan.shardings(state)
+            plan._warn_if_replicated(plan.leaves(state), stacklevel=5)
+            return shardings
+        want, got = jax.tree.structure(self.state.tree), jax.tree.structure(state)
+        if want != got:
+            raise ShardingError(
+                "plan.jit(step, state=abstract): the state passed to the step has another "
+                f"structure than the abstract state.\n  abstract: {want}\n  got:      {got}\n"
+                "Fix: pass the state made by plan.init(abstract) (or restored into it)."
+            )
+        return self.state.shardings
 
     def _jitted(self, state: Any, batch: Any, n_extra: int):
         # Shardings follow the state's structure and the batch's shapes; state shapes are
@@ -323,10 +435,10 @@ class PlannedStep:
         key = (jax.tree_util.tree_structure(state), _shapes(batch), n_extra)
         if key not in self._cache:
             plan = self.plan
-            state_sh = plan.shardings(state)
+            state_sh = self._state_shardings(state)
             batch_sh = plan.batch_shardings(batch)
 
-            def traced(state, batch, *extra):
+            def traced(state, batch, *extra, **kwargs):
                 # NNX would otherwise read logical names as mesh axes when it rebuilds
                 # Variables inside the step; shardings here come from the plan.
                 with (
@@ -335,28 +447,74 @@ class PlannedStep:
                     use_attention(plan.recipe.attention),
                     nnx.use_eager_sharding(False),
                 ):
-                    out = self.step_fn(state, batch, *extra)
+                    out = self.step_fn(state, batch, *extra, **kwargs)
                 if not isinstance(out, tuple):
                     out = (out,)
                 new_state, rest = out[0], out[1:]
                 new_state = jax.lax.with_sharding_constraint(new_state, state_sh)
                 return (new_state, *rest)
 
+            kwargs = dict(self.jit_kwargs)
+            static = kwargs.get("static_argnums", ())
+            static = {static} if isinstance(static, int) else set(static)
+            extra_sh = tuple(kwargs.pop("in_shardings", (None,) * n_extra))
+            dynamic_extra = [i for i in range(2, 2 + n_extra) if i not in static]
+            if len(extra_sh) != len(dynamic_extra):
+                raise ShardingError(
+                    f"plan.jit(..., in_shardings=...) gives {len(extra_sh)} sharding(s) for "
+                    f"{len(dynamic_extra)} extra non-static argument(s).\nFix: one per extra "
+                    "argument after (state, batch); the plan shards state and batch itself."
+                )
+            if "donate_argnums" not in kwargs and "donate_argnames" not in kwargs:
+                kwargs["donate_argnums"] = (0,) if self.donate_state else ()
             self._cache[key] = jax.jit(
-                traced,
-                in_shardings=(state_sh, batch_sh, *([None] * n_extra)),
-                donate_argnums=(0,) if self.donate_state else (),
+                traced, in_shardings=(state_sh, batch_sh, *extra_sh), **kwargs
             )
         return self._cache[key]
 
-    def __call__(self, state: Any, batch: Any, *extra: Any):
-        with jax.set_mesh(self.plan.mesh):
-            return self._jitted(state, batch, len(extra))(state, batch, *extra)
+    def _args(self, state: Any) -> Any:
+        return state.tree if isinstance(state, AbstractState) else state
 
-    def lower(self, state: Any, batch: Any, *extra: Any):
+    def __call__(self, state: Any, batch: Any, *extra: Any, **kwargs: Any):
+        state = self._args(state)
         with jax.set_mesh(self.plan.mesh):
-            return self._jitted(state, batch, len(extra)).lower(state, batch, *extra)
+            return self._jitted(state, batch, len(extra))(state, batch, *extra, **kwargs)
+
+    def lower(self, state: Any, batch: Any, *extra: Any, **kwargs: Any):
+        state = self._args(state)
+        with jax.set_mesh(self.plan.mesh):
+            return self._jitted(state, batch, len(extra)).lower(state, batch, *extra, **kwargs)
+
+
+def _tree_of(tree: Any) -> Any:
+    return tree.tree if isinstance(tree, AbstractState) else tree
 
 
 def _shapes(tree: Any) -> tuple:
     return tuple((np.shape(x), str(getattr(x, "dtype", ""))) for x in jax.tree.leaves(tree))
+
+
+def _nbytes(leaf: PlannedLeaf) -> int:
+    return int(np.prod(leaf.shape)) * np.dtype(leaf.info.dtype).itemsize
+
+
+def _shards_any(rules: Rules, mesh: Mesh) -> bool:
+    """True if ``rules`` map some logical name to a mesh axis of size > 1."""
+    for _, axes in rules:
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        if any(mesh.shape.get(a, 1) > 1 for a in names):
+            return True
+    return False
+
+
+def _workload_of(batch: Any) -> Workload | None:
+    """The batch and sequence sizes a batch tree implies (first leaf with a dimension)."""
+    for x in jax.tree.leaves(batch):
+        shape = np.shape(x)
+        if shape:
+            return Workload(batch=int(shape[0]), seq=int(shape[1]) if len(shape) > 1 else None)
+    return None
+
+
+def _is_compiled(x: Any) -> bool:
+    return hasattr(x, "as_text") and hasattr(x, "memory_analysis")

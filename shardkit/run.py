@@ -22,10 +22,11 @@ import jax
 from shardkit import train
 from shardkit.data import MarkovSource
 from shardkit.errors import ShardingError
-from shardkit.models import get as get_model
+from shardkit.models import resolve as resolve_model
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
 from shardkit.report.report import Report
+from shardkit.workload import Workload
 
 __all__ = ["RunResult", "run"]
 
@@ -53,7 +54,7 @@ class RunResult:
 
 
 def run(
-    model: str = "gpt-tiny",
+    model: Any = "gpt-tiny",
     recipe: str | Plan = "fsdp",
     *,
     devices: Sequence[jax.Device] | None = None,
@@ -67,7 +68,8 @@ def run(
     """Train ``model`` with ``recipe`` on synthetic Markov tokens.
 
     Args:
-      model: a reference model name (``shardkit.models.names()``).
+      model: a reference model name (``shardkit.models.names()``), a user's
+        ``package.module:factory``, or a model object (``models.get`` / ``models.load``).
       recipe: a recipe name (``shardkit.recipes.names()``) or a ready ``Plan``.
       devices: devices for the mesh when ``recipe`` is a name (default: all).
       steps, batch, seq: training length, global batch size and sequence length.
@@ -78,19 +80,32 @@ def run(
       loss, throughput (steps after the first), per-device memory and the full
       ``Report`` of the compiled step (collectives, analytic model, warnings).
     """
-    spec = get_model(model)
+    spec = resolve_model(model) if isinstance(model, str) else model
     if isinstance(recipe, Plan) and devices is not None:
         raise ShardingError("run(recipe=Plan(...), devices=...): the plan has its mesh already.")
-    plan = recipe if isinstance(recipe, Plan) else Plan(get_recipe(recipe), devices=devices)
-    source = MarkovSource(vocab=spec.config.vocab, seed=seed)
+    annotations = getattr(spec, "annotations", None)
+    if isinstance(recipe, Plan):
+        plan = recipe
+    else:
+        plan = Plan(get_recipe(recipe), devices=devices, annotations=annotations)
+    vocab = spec.config.vocab if hasattr(spec, "config") else spec.vocab
+    if vocab is None:
+        raise ShardingError(
+            f"run({spec.name}): the model gives no vocab, so no tokens can be drawn for it.\n"
+            "Fix: return 'vocab': N (the token range of its inputs) from the factory."
+        )
+    source = MarkovSource(vocab=vocab, seed=seed)
     tx = train.adamw(learning_rate)
-    init = train.init_fn(spec, tx)
-    state = plan.init(init, jax.random.key(seed))
+    abstract = plan.abstract_init(train.init_fn(spec, tx), jax.random.key(seed))
+    state = plan.init(abstract)
     first = plan.shard_batch(_local_batch(source, batch, seq, 0))
     # Compile once; the same executable trains and is reported on.
-    compiled = plan.jit(train.train_step(spec, tx)).lower(state, first).compile()
-    annotated = jax.eval_shape(init, jax.random.key(seed))
-    report = plan.report(compiled, annotated, model_config=spec.config, batch=batch, seq=seq)
+    compiled = plan.jit(train.train_step(spec, tx), state=abstract).lower(state, first).compile()
+    if hasattr(spec, "config"):
+        workload = Workload.from_config(spec.config, batch=batch, seq=seq, model=spec.name)
+    else:
+        workload = Workload(batch=batch, seq=seq, model=spec.name, remat=None, **spec.dims)
+    report = plan.report(compiled, abstract, workload=workload)
 
     def step_fn(state, batch):
         with jax.set_mesh(plan.mesh):
@@ -113,7 +128,7 @@ def run(
         if on_step is not None:
             on_step(i, loss, tokens_per_s)
     return RunResult(
-        model=model,
+        model=spec.name,
         recipe=plan.recipe.name,
         mesh={k: int(v) for k, v in plan.mesh.shape.items()},
         devices=int(plan.mesh.devices.size),

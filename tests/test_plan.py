@@ -107,7 +107,7 @@ def test_state_keeps_its_sharding_across_steps_and_batch_is_sharded():
 def test_abstract_init_and_compile_only():
     plan = sk.Plan("fsdp")
     abstract = plan.abstract_init(init, jax.random.key(0))
-    kernel = abstract[0]["Dense_0"]["kernel"]
+    kernel = abstract.tree[0]["Dense_0"]["kernel"]
     assert isinstance(kernel, jax.ShapeDtypeStruct) and kernel.sharding.spec == P("fsdp", None)
     b = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch())
     compiled = plan.compile(step, abstract, b)
@@ -150,11 +150,130 @@ def test_plan_takes_the_path_axes_policy():
 
 def test_state_from_the_host_keeps_its_planned_layout():
     plan = sk.Plan("fsdp")
-    state = plan.init(init, jax.random.key(0))
+    abstract = plan.abstract_init(init, jax.random.key(0))
+    state = plan.init(abstract)
     host = jax.device_get(state)  # e.g. restored from a checkpoint: plain numpy arrays
-    new_state, _ = plan.jit(step)(host, plan.shard_batch(batch()))
+    new_state, _ = plan.jit(step, state=abstract)(host, plan.shard_batch(batch()))
     kernel = new_state[0]["Dense_0"]["kernel"]
     assert kernel.sharding.is_equivalent_to(NamedSharding(plan.mesh, P("fsdp", None)), 2)
+
+
+def test_shardings_depend_on_the_tree_alone_not_on_history():
+    # Regression: the plan used to remember the shardings of trees it had created, keyed
+    # by tree structure, so the same host tree got another layout after plan.init ran.
+    plan = sk.Plan("fsdp")
+    host = jax.device_get(sk.Plan("fsdp").init(init, jax.random.key(0)))
+    before = plan.shardings(host)
+    plan.init(init, jax.random.key(0))
+    assert plan.shardings(host) == before
+    assert before[0]["Dense_0"]["kernel"].spec == P(None, None)  # plain arrays: no axes
+
+
+def test_abstract_state_describes_every_leaf():
+    plan = sk.Plan("fsdp")
+    abstract = plan.abstract_init(init, jax.random.key(0))
+    kinds = {leaf.path: leaf.kind for leaf in abstract.leaves}
+    assert kinds["0/Dense_0/kernel"] == "param" and kinds["1/0/count"] == "scalar"
+    assert kinds["1/0/mu/Dense_0/kernel"] == "optimizer"
+    assert abstract.axes[1][0].nu["out"]["kernel"] == ("embed", "mlp")
+    assert abstract.shardings[0]["out"]["kernel"].spec == P("fsdp", None)
+    # f32 kernels 16x32 and 32x8 split 8 ways along 'embed'; the bias ('mlp',) has no
+    # fsdp rule and stays whole: (16*32/8 + 32 + 32*8/8) * 4 bytes per device.
+    assert abstract.bytes_per_device("param") == (16 * 32 // 8 + 32 + 32 * 8 // 8) * 4
+    with pytest.raises(sk.ShardingError, match="No state leaf at 'nope'"):
+        abstract.leaf("nope")
+    params, _ = plan.init(abstract)
+    assert params["Dense_0"]["kernel"].sharding.spec == P("fsdp", None)
+    with pytest.raises(sk.ShardingError, match="knows its arguments"):
+        plan.init(abstract, jax.random.key(1))
+
+
+def test_jit_takes_only_an_abstract_state_and_checks_its_structure():
+    plan = sk.Plan("fsdp")
+    with pytest.raises(sk.ShardingError, match="takes an AbstractState"):
+        plan.jit(step, state=jax.eval_shape(init, jax.random.key(0)))
+    abstract = plan.abstract_init(init, jax.random.key(0))
+    params, opt_state = plan.init(abstract)
+    with pytest.raises(sk.ShardingError, match="another structure"):
+        plan.jit(lambda s, b: (s, 0.0), state=abstract)(params, plan.shard_batch(batch()))
+
+
+def test_jit_passes_jax_jit_options_through():
+    plan = sk.Plan("fsdp")
+    state = plan.init(init, jax.random.key(0))
+
+    def scaled(state, batch, scale, power):
+        new_state, loss = step(state, batch)
+        return new_state, loss * scale**power
+
+    b = plan.shard_batch(batch())
+    jitted = plan.jit(
+        scaled, static_argnums=(3,), donate_argnums=(), in_shardings=(NamedSharding(plan.mesh, P()),)
+    )
+    _, ref = plan.jit(step, donate_state=False)(state, b)
+    new_state, loss = jitted(state, b, jnp.float32(2.0), 3)
+    np.testing.assert_allclose(float(loss), 8 * float(ref), rtol=1e-6)
+    assert not jax.tree.leaves(state)[0].is_deleted()  # donate_argnums=() kept it
+    with pytest.raises(sk.ShardingError, match="1 extra non-static"):
+        plan.jit(scaled, static_argnums=(3,), in_shardings=(None, None))(state, b, 2.0, 3)
+
+
+def test_zero1_shards_the_moments_of_path_axes_annotations():
+    # Regression: a PathAxes pattern written for the parameters also matched the Adam
+    # moments ('1/0/mu/dense/kernel'), which then got the parameter rules: nothing sharded.
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(16, name="dense")(x)
+
+    def plain_init(rng):
+        params = Net().init(rng, jnp.ones((1, 16)))["params"]
+        return params, TX.init(params)
+
+    pa = sk.PathAxes([("dense/kernel$", ("embed", "mlp")), ("dense/bias$", ("mlp",))])
+    abstract = sk.Plan("zero1", annotations=pa).abstract_init(plain_init, jax.random.key(0))
+    assert abstract.leaf("0/dense/kernel").spec == P(None, None)
+    for moment in ("mu", "nu"):
+        leaf = abstract.leaf(f"1/0/{moment}/dense/kernel")
+        assert leaf.kind == "optimizer" and leaf.spec == P("data", None)
+        assert leaf.bytes_per_device(abstract.mesh) == 16 * 16 * 4 // 8
+    assert abstract.bytes_per_device("param") == (16 * 16 + 16) * 4  # params replicated
+
+
+def test_init_warns_when_a_sharding_recipe_replicates_most_bytes():
+    class Bare(nn.Module):  # no annotations at all
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64)(nn.Dense(64)(x))
+
+    def bare_init(rng):  # 2 x (64*64 + 64) f32 parameters = 33,280 bytes
+        return Bare().init(rng, jnp.ones((1, 64)))["params"]
+
+    with pytest.warns(sk.ShardingWarning, match=r"(?s)'fsdp' shards params, but 100% .*"
+                      r"33,280 of 33,280.*carry no logical axes.*Fix: annotate"):  # fmt: skip
+        sk.Plan("fsdp").init(bare_init, jax.random.key(0))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sk.Plan("dp").init(bare_init, jax.random.key(0))  # dp means to replicate
+        sk.Plan("fsdp").init(init, jax.random.key(0))  # annotated: mostly sharded
+
+
+def test_report_of_a_users_step_from_abstract_or_live_state():
+    plan = sk.Plan("fsdp")
+    abstract = plan.abstract_init(init, jax.random.key(0))
+    b = batch()
+    report = plan.report(step, abstract, b)
+    kernel = next(r for r in report.params if r.path == "0/Dense_0/kernel")
+    assert kernel.logical == ("embed", "mlp") and kernel.spec == str(P("fsdp", None))
+    assert report.workload.batch == 16 and report.analytic is not None
+    # Regression: live state (plain arrays) used to be reported with logical (None, None).
+    live = plan.init(abstract)
+    with pytest.raises(sk.ShardingError, match=r"(?s)carry no logical axes.*abstract_init"):
+        plan.report(step, live, b)
+    with pytest.raises(sk.ShardingError, match="needs a batch"):
+        plan.report(step, abstract)
 
 
 def test_bare_rules_need_a_mesh():

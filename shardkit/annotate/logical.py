@@ -1,23 +1,34 @@
 """``sk.logical_axes``: the logical axes of every leaf of a state tree.
 
-Sources, in order, for each leaf:
+Each leaf is first sorted into a *kind*: optimizer state (it sits inside an optax
+state, an NNX optimizer Variable, or under a key such as ``opt_state``, ``mu`` or
+``nu``), a scalar, or a parameter (everything else). Then, for each leaf:
 
 1. axes stored by Flax on the leaf (``nn.LogicallyPartitioned``, NNX
    ``out_sharding``; ``@sk.axes`` produces these);
-2. a ``sk.PathAxes`` passed as ``annotations``;
-3. *mirroring*: optimizer states copy the params tree (``mu``, ``nu``, masked
-   and chained states), so a leaf whose path ends with an annotated leaf's path
-   and has its shape gets its axes; no boxed metadata has to survive ``tree_map``;
+2. parameters: a ``sk.PathAxes`` passed as ``annotations``;
+3. optimizer state: *mirroring* — optimizer states copy the params tree (``mu``,
+   ``nu``, masked and chained states), so the leaf takes the axes of the parameter
+   sharing the longest path ending with it and its shape; no boxed metadata has
+   to survive ``tree_map``, and patterns written for parameters never match the
+   moments by accident (a moment then gets the parameter's axes, and a recipe's
+   optimizer rules);
 4. scalars (step counters) are replicated;
-5. anything else follows ``on_unmatched``: all-``None`` axes, or an error.
+5. anything else follows ``on_unmatched``: all-``None`` axes, or an error that
+   names every unmatched parameter.
+
+Parameters never mirror one another: an unannotated parameter that shares a name
+and shape with an annotated one is unmatched, not a copy.
 
 Example:
   >>> import optax, numpy as np, shardkit as sk
   >>> params = {"w": np.zeros((4, 8))}
   >>> state = (params, optax.adam(1e-3).init(params))
-  >>> axes = sk.logical_axes(state, annotations=sk.PathAxes([("^0/w$", ("embed", "mlp"))]))
+  >>> axes = sk.logical_axes(state, annotations=sk.PathAxes([("w$", ("embed", "mlp"))]))
   >>> axes[1][0].mu["w"], axes[1][0].count
   (('embed', 'mlp'), ())
+  >>> [i.kind for i in sk.annotate.describe_leaves(state)[0]]
+  ['param', 'scalar', 'optimizer', 'optimizer']
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from typing import Any, Literal
 
 import jax
 import numpy as np
+from flax import nnx
 
 from shardkit import errors
 from shardkit.annotate.flax_meta import is_annotated_leaf, leaf_value, stored_axes
@@ -34,18 +46,32 @@ from shardkit.annotate.logical_axes_type import LogicalAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.paths import key_name
 
-__all__ = ["logical_axes", "describe_leaves", "LeafInfo"]
+__all__ = ["logical_axes", "describe_leaves", "LeafInfo", "OPTIMIZER_KEYS"]
+
+#: Path keys that mark optimizer state when no optax type says so (a hand-made
+#: ``{"mu": ...}`` or a ``TrainState.opt_state`` built by other libraries).
+OPTIMIZER_KEYS = frozenset({"opt_state", "mu", "nu", "trace", "momentum"})
+
+Source = Literal["flax", "annotation", "mirror", "scalar", "unmatched"]
 
 
 @dataclasses.dataclass(frozen=True)
 class LeafInfo:
-    """One leaf of a state tree and where its logical axes came from."""
+    """One leaf of a state tree, its kind, and where its logical axes came from."""
 
     path: str
     shape: tuple[int, ...]
     dtype: Any
     axes: LogicalAxes
-    source: Literal["flax", "annotation", "mirror", "scalar", "unmatched"]
+    source: Source
+    optimizer: bool = False
+
+    @property
+    def kind(self) -> Literal["param", "optimizer", "scalar"]:
+        """``"scalar"`` (no dimensions), ``"optimizer"`` (optimizer state) or ``"param"``."""
+        if not self.shape:
+            return "scalar"
+        return "optimizer" if self.optimizer else "param"
 
 
 def _names(path: tuple[Any, ...]) -> tuple[str, ...]:
@@ -63,13 +89,35 @@ def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
     return tuple(int(d) for d in shape), dtype
 
 
+def _is_optax_state(x: Any) -> bool:
+    """An optax state node: a NamedTuple defined by optax (``ScaleByAdamState``, ...)."""
+    t = type(x)
+    return isinstance(x, tuple) and hasattr(t, "_fields") and t.__module__.startswith("optax")
+
+
+def _optimizer_paths(tree: Any) -> set[tuple[Any, ...]]:
+    """Key paths of the optax state nodes in ``tree`` (their leaves are optimizer state)."""
+    nodes = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: is_annotated_leaf(x) or _is_optax_state(x)
+    )[0]
+    return {path for path, node in nodes if _is_optax_state(node)}
+
+
+def _is_optimizer_leaf(path: tuple[Any, ...], leaf: Any, optax_paths: set) -> bool:
+    if isinstance(leaf, nnx.training.optimizer.OptState):
+        return True
+    if any(path[:i] in optax_paths for i in range(len(path))):
+        return True
+    return any(key_name(k) in OPTIMIZER_KEYS for k in path)
+
+
 def describe_leaves(
     tree: Any,
     *,
     annotations: PatternAxes | None = None,
     on_unmatched: Literal["replicate", "error"] = "replicate",
 ) -> tuple[list[LeafInfo], jax.tree_util.PyTreeDef]:
-    """Every leaf's path, shape, dtype and logical axes, plus the tree structure.
+    """Every leaf's path, shape, dtype, kind and logical axes, plus the tree structure.
 
     Flax boxes and NNX Variables count as single leaves (their structure is a
     prefix of the unboxed tree, which is what ``jax.jit`` shardings accept).
@@ -77,38 +125,45 @@ def describe_leaves(
     if on_unmatched not in ("replicate", "error"):
         raise errors.RuleError(f"on_unmatched is 'replicate' or 'error', got {on_unmatched!r}.")
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_annotated_leaf)
+    optax_paths = _optimizer_paths(tree)
     infos: list[LeafInfo | None] = [None] * len(flat)
-    reference: dict[tuple[str, ...], list[tuple[tuple[int, ...], LogicalAxes]]] = {}
+    params: dict[tuple[str, ...], list[tuple[tuple[int, ...], LeafInfo]]] = {}
     pending = []
     for i, (path, leaf) in enumerate(flat):
         names = _names(path)
         where = "/".join(names) or "<root>"
         shape, dtype = _shape_dtype(leaf)
+        optimizer = _is_optimizer_leaf(path, leaf, optax_paths)
         axes, source = stored_axes(leaf, where), "flax"
+        if axes is None and optimizer:  # moments mirror their parameter (below)
+            pending.append((i, names, where, shape, dtype))
+            continue
         if axes is None and annotations is not None:
             axes, source = annotations.match(where, shape), "annotation"
         if axes is None:
-            pending.append((i, names, where, shape, dtype))
-            continue
+            source = "scalar" if not shape else "unmatched"
+            axes = LogicalAxes((None,) * len(shape))
         if len(axes) != len(shape):
             raise errors.RankMismatchError(
                 f"{where}: shape {shape} has {len(shape)} dimension(s) but its logical axes "
                 f"{tuple(axes)} name {len(axes)}.\nFix: give one name (or None) per dimension."
             )
-        infos[i] = LeafInfo(where, shape, dtype, axes, source)
-        for start in range(len(names)):  # index every suffix: containers differ in prefix
-            reference.setdefault(names[start:], []).append((shape, axes, len(names)))
+        infos[i] = info = LeafInfo(where, shape, dtype, axes, source, optimizer)
+        if not optimizer:
+            for start in range(len(names)):  # every suffix: containers differ in prefix
+                params.setdefault(names[start:], []).append((shape, info))
 
-    unmatched = []
     for i, names, where, shape, dtype in pending:
-        axes = _mirror(names, shape, reference)
-        if axes is not None:
-            infos[i] = LeafInfo(where, shape, dtype, axes, "mirror")
-        elif not shape:
-            infos[i] = LeafInfo(where, shape, dtype, LogicalAxes(()), "scalar")
-        else:
-            unmatched.append(f"{where} {shape}")
-            infos[i] = LeafInfo(where, shape, dtype, LogicalAxes((None,) * len(shape)), "unmatched")
+        ref = _mirror(names, shape, params)
+        if ref is not None:
+            infos[i] = LeafInfo(where, shape, dtype, ref.axes, "mirror", True)
+            continue
+        axes = annotations.match(where, shape) if annotations is not None else None
+        source = "annotation" if axes is not None else "scalar" if not shape else "unmatched"
+        axes = axes if axes is not None else LogicalAxes((None,) * len(shape))
+        infos[i] = LeafInfo(where, shape, dtype, axes, source, True)
+
+    unmatched = [f"{i.path} {i.shape}" for i in infos if i.source == "unmatched"]
     if unmatched and on_unmatched == "error":
         listing = "\n".join(f"  {u}" for u in unmatched[:20])
         more = f"\n  ... and {len(unmatched) - 20} more" if len(unmatched) > 20 else ""
@@ -120,17 +175,20 @@ def describe_leaves(
     return infos, treedef  # type: ignore[return-value]
 
 
-def _mirror(names, shape, reference) -> LogicalAxes | None:
-    """Axes of the annotated leaf sharing the longest path suffix (and the shape).
+def _split(path: str) -> tuple[str, ...]:
+    return tuple(path.split("/"))
 
-    Only leaves nested deeper than that annotated leaf qualify: optimizer states wrap
-    the params tree (``opt_state/0/mu/...``), while an unannotated *parameter* that
-    merely shares a name and shape with an annotated one is not its copy.
+
+def _mirror(names, shape, params) -> LeafInfo | None:
+    """The parameter sharing the longest path suffix with ``names`` (and its shape).
+
+    Among parameters with the same suffix, the one with the shortest path wins: it is
+    the parameter itself rather than a deeper one that happens to end the same way.
     """
     for start in range(len(names)):
-        for ref_shape, axes, ref_depth in reference.get(names[start:], ()):
-            if ref_shape == shape and len(names) > ref_depth:
-                return axes
+        hits = [info for ref_shape, info in params.get(names[start:], ()) if ref_shape == shape]
+        if hits:
+            return min(hits, key=lambda info: len(_split(info.path)))
     return None
 
 
@@ -138,7 +196,7 @@ def logical_axes(
     tree: Any,
     *,
     annotations: PatternAxes | None = None,
-    on_unmatched: Literal["replicate", "error"] = "replicate",
+    on_unmatched: Literal["replicate", "error"] | None = None,
 ) -> Any:
     """A tree of ``LogicalAxes`` (one per leaf) for params, optimizer state, or both.
 
@@ -147,11 +205,15 @@ def logical_axes(
         ``ShapeDtypeStruct``s), any optax state built from them, or a container
         of both (e.g. ``(params, opt_state)`` or a ``TrainState``).
       annotations: a ``sk.PathAxes`` for leaves Flax did not annotate.
-      on_unmatched: what to do with non-scalar leaves nothing annotates.
+      on_unmatched: what to do with non-scalar leaves nothing annotates; default:
+        the ``annotations``' own policy (a ``sk.PathAxes`` carries one), else
+        ``"replicate"``. ``sk.logical_axes(tree, annotations=pa)`` is ``pa(tree)``.
 
     Returns:
       A tree shaped like ``tree`` with Flax boxes / NNX Variables as single
       leaves, holding ``LogicalAxes``.
     """
+    if on_unmatched is None:
+        on_unmatched = getattr(annotations, "on_unmatched", "replicate")
     infos, treedef = describe_leaves(tree, annotations=annotations, on_unmatched=on_unmatched)
     return jax.tree_util.tree_unflatten(treedef, [info.axes for info in infos])

@@ -8,14 +8,15 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from shardkit import models, recipes
+from shardkit import recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
+from shardkit.cli.model_arg import MODEL_HELP, resolve_model
 from shardkit.report.lint import human_bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show each state leaf's logical axes, spec and bytes/device")
-    p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
+    p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     p.add_argument("--recipe", default="fsdp")
     add_devices_argument(p)
     p.add_argument("--all", action="store_true", help="include optimizer state and scalars")
@@ -24,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    model = models.get(args.model)
+    model = resolve_model(args.model)
     recipes.get(args.recipe)
     devices = select_devices(args.devices)
     import jax
@@ -33,8 +34,8 @@ def main(args: argparse.Namespace) -> int:
     from shardkit.plan import Plan
     from shardkit.report.report import param_rows
 
-    plan = Plan(args.recipe, devices=devices)
-    state = jax.eval_shape(train.init_fn(model, train.adamw()), jax.random.key(0))
+    plan = Plan(args.recipe, devices=devices, annotations=getattr(model, "annotations", None))
+    state = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
     rows = [r for r in param_rows(plan, state) if args.all or r.kind == "param"]
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     if args.json:

@@ -10,11 +10,12 @@ from rich.console import Console
 
 from shardkit import models, recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
+from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
 from shardkit.errors import ShardingError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
+    p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     add_devices_argument(p)
     p.add_argument("--batch", type=int, default=None,
                    help="global batch size (default: one example per device)")  # fmt: skip
@@ -44,9 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _model(args: argparse.Namespace):
-    overrides = {"remat": args.remat} if args.remat else {}
-    model = models.get(args.model, **overrides)
-    args.seq = args.seq or min(512, model.config.max_seq)
+    model = resolve_model(args.model, remat=args.remat)
+    args.seq = args.seq or default_seq(model)
     return model
 
 
@@ -54,8 +54,8 @@ def _report(model, recipe: str, devices, args):
     from shardkit import train
     from shardkit.plan import Plan
 
-    plan = Plan(recipe, devices=devices)
-    return plan.report_model(model, train.adamw(), batch=args.batch, seq=args.seq)
+    plan = Plan(recipe, devices=devices, annotations=getattr(model, "annotations", None))
+    return models.report(plan, model, train.adamw(), batch=args.batch, seq=args.seq)
 
 
 def main_report(args: argparse.Namespace) -> int:
@@ -70,13 +70,12 @@ def main_report(args: argparse.Namespace) -> int:
 
         plot_reports({args.recipe: report}, args.plot)
     if args.json:
-        print(json.dumps({"model": args.model, "devices": len(devices), **report.to_json()}))
+        print(json.dumps({"model": args.model, **report.to_json()}))
         return 0
     from shardkit.cli.render import print_report
 
     console = Console()
-    console.print(f"{args.model}, batch {args.batch}, seq {args.seq}, compiled in "
-                  f"{time.perf_counter() - start:.1f} s")  # fmt: skip
+    console.print(f"{args.model}, compiled in {time.perf_counter() - start:.1f} s")
     print_report(report, console)
     return 0
 

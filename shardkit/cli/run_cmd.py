@@ -10,14 +10,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shardkit import models, recipes
+from shardkit import recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
+from shardkit.cli.model_arg import MODEL_HELP, resolve_model
 from shardkit.errors import ShardingError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="train a reference model under a recipe")
-    p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
+    p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     p.add_argument("--recipe", default="fsdp", help="sharding recipe (default: fsdp)")
     add_devices_argument(p)
     p.add_argument("--steps", type=int, default=50)
@@ -31,21 +32,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=main)
 
 
-def _validate(args: argparse.Namespace) -> None:
-    models.get(args.model)
+def _validate(args: argparse.Namespace):
+    model = resolve_model(args.model)
     recipes.get(args.recipe)
     for flag in ("steps", "batch", "seq"):
         if getattr(args, flag) < 1:
             raise ShardingError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+    return model
 
 
 def main(args: argparse.Namespace) -> int:
-    _validate(args)
+    model = _validate(args)
     devices = select_devices(args.devices)
     from shardkit.plan import Plan  # imports JAX-heavy modules only once devices are set
     from shardkit.run import run
 
-    plan = Plan(args.recipe, devices=devices)
+    plan = Plan(args.recipe, devices=devices, annotations=getattr(model, "annotations", None))
     plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
 
     console = Console(stderr=True)
@@ -70,7 +72,7 @@ def main(args: argparse.Namespace) -> int:
             )
 
         result = run(
-            args.model,
+            model,
             plan,
             steps=args.steps,
             batch=args.batch,

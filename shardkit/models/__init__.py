@@ -15,5 +15,28 @@ Example:
 
 from shardkit.models.config import CONFIGS, ModelConfig
 from shardkit.models.model import Model, get, names
+from shardkit.models.reporting import report, token_batch
+from shardkit.models.user import UserModel, load
 
-__all__ = ["CONFIGS", "Model", "ModelConfig", "get", "names"]
+__all__ = [
+    "CONFIGS",
+    "Model",
+    "ModelConfig",
+    "UserModel",
+    "get",
+    "load",
+    "names",
+    "report",
+    "resolve",
+    "token_batch",
+]
+
+
+def resolve(name: str) -> Model | UserModel:
+    """A reference model by name (``gpt-tiny``), or a user's by ``package.module:factory``.
+
+    Example:
+      >>> resolve("gpt-tiny").name, resolve("examples.my_model:build").vocab
+      ('gpt-tiny', 256)
+    """
+    return load(name) if ":" in name else get(name)

@@ -20,10 +20,53 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Literal
 
+from shardkit.errors import ShardingError
 from shardkit.mesh import resolve_axis_sizes
 from shardkit.rules import Rules
 
-__all__ = ["Recipe"]
+__all__ = ["Parallelism", "Recipe"]
+
+#: Logical names whose weights Megatron splits: a mesh axis that shards them is a
+#: tensor-parallel axis.
+TENSOR_NAMES = frozenset({"heads", "kv_heads", "mlp"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """The degree of each kind of parallelism a recipe runs on a mesh.
+
+    Read from the recipe's rules (never from its name), so a custom recipe gets
+    the same analysis as a built-in one. A mesh axis that shards
+
+    - heads or MLP units (``heads``, ``kv_heads``, ``mlp``) of the parameters is
+      ``tensor`` (``tensor_kind="tp_sp"`` if it also splits activations' ``length``);
+    - other parameter dimensions (``embed``, ``vocab``) is ``fsdp``;
+    - only the batch is ``data`` (``data_kind="zero1"`` if it shards optimizer state);
+    - only the activations' ``length`` is ``sequence``.
+
+    Axes that shard nothing count as 1.
+    """
+
+    data: int = 1
+    fsdp: int = 1
+    tensor: int = 1
+    sequence: int = 1
+    data_kind: Literal["dp", "zero1"] = "dp"
+    tensor_kind: Literal["tp", "tp_sp"] = "tp"
+
+    def sizes(self) -> dict[str, int]:
+        """``{"data": d, "fsdp": f, "tensor": t, "sequence": c}``."""
+        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
+                "sequence": self.sequence}  # fmt: skip
+
+
+def _names_on(rules: Rules | None, axis: str) -> set[str]:
+    """Logical names that ``rules`` map (in any rule) onto mesh axis ``axis``."""
+    out = set()
+    for name, axes in rules or ():
+        if axis == axes or (isinstance(axes, tuple) and axis in axes):
+            out.add(name)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +107,48 @@ class Recipe:
           MeshError: the sizes do not factor ``device_count``.
         """
         return resolve_axis_sizes(dict(self.mesh_axes), device_count)
+
+    def parallelism(self, mesh: Mapping[str, int]) -> Parallelism:
+        """The parallelism degrees this recipe runs on mesh axis sizes ``mesh``.
+
+        Raises:
+          ShardingError: ``mesh`` sizes an axis (> 1) that the recipe does not declare.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("dp_tp_sp").parallelism({"data": 2, "tensor": 4})
+          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp')
+          >>> recipes.get("zero1").parallelism({"data": 8}).data_kind
+          'zero1'
+        """
+        declared = dict(self.mesh_axes)
+        extra = {a: v for a, v in mesh.items() if declared and a not in declared and v != 1}
+        if extra:
+            raise ShardingError(
+                f"Recipe {self.name!r} uses mesh axes {tuple(declared)}; mesh {dict(mesh)} also "
+                f"sizes {extra}.\nFix: drop those axes or set them to 1."
+            )
+        degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1}
+        kinds = {"data_kind": "dp", "tensor_kind": "tp"}
+        for axis, size in mesh.items():
+            params = _names_on(self.rules, axis)
+            acts = _names_on(self.activation_rules, axis)
+            if params & TENSOR_NAMES:
+                role = "tensor"
+                if "length" in acts:
+                    kinds["tensor_kind"] = "tp_sp"
+            elif params:
+                role = "fsdp"
+            elif "batch" in acts:
+                role = "data"
+                if _names_on(self.optimizer_rules, axis):
+                    kinds["data_kind"] = "zero1"
+            elif "length" in acts:
+                role = "sequence"
+            else:
+                continue
+            degrees[role] *= int(size)
+        return Parallelism(**degrees, **kinds)
 
     def with_mesh(self, axes: Mapping[str, int]) -> Recipe:
         """The same recipe on other mesh sizes (new axes go last).

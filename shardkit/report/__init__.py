@@ -1,11 +1,32 @@
 """What a compiled program costs: memory per device and what crosses the wire.
 
+``sk.report`` is this module. ``plan.report(step, state, batch)`` returns a
+:class:`Report`; ``print(report)`` renders it, ``report.to_json()`` gives the data.
+
 Example:
   >>> from shardkit.report import parse_collectives, wire_bytes_by_kind
   >>> wire_bytes_by_kind(parse_collectives("HloModule empty"))
   {}
 """
 
+from shardkit.report.analytic import AnalyticMemory, AnalyticModel, analytic_costs
 from shardkit.report.hlo import Collective, bytes_by_kind, parse_collectives, wire_bytes_by_kind
+from shardkit.report.memory import MemoryStats
+from shardkit.report.report import ParamRow, Report, build_report, param_rows
+from shardkit.workload import Workload
 
-__all__ = ["Collective", "bytes_by_kind", "parse_collectives", "wire_bytes_by_kind"]
+__all__ = [
+    "AnalyticMemory",
+    "AnalyticModel",
+    "Collective",
+    "MemoryStats",
+    "ParamRow",
+    "Report",
+    "Workload",
+    "analytic_costs",
+    "build_report",
+    "bytes_by_kind",
+    "param_rows",
+    "parse_collectives",
+    "wire_bytes_by_kind",
+]

@@ -22,20 +22,15 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from shardkit.errors import ShardingError
+from shardkit.recipes import Recipe
+from shardkit.recipes import get as get_recipe
+from shardkit.workload import Workload
 
 __all__ = [
-    "RECIPES", "AnalyticMemory", "AnalyticModel", "analytic_model",
+    "AnalyticMemory", "AnalyticModel", "analytic_costs", "analytic_model",
     "megatron_activations_per_layer", "wire_bytes", "wire_bytes_hybrid", "zero_memory",
 ]  # fmt: skip
 
-#: Recipe name → (mesh axes it uses, data-axis kind, tensor-axis kind).
-RECIPES: dict[str, tuple[tuple[str, ...], str, str]] = {
-    "dp": (("data",), "dp", "tp"), "zero1": (("data",), "zero1", "tp"),
-    "fsdp": (("fsdp",), "dp", "tp"), "tp": (("tensor",), "dp", "tp"),
-    "tp_sp": (("tensor",), "dp", "tp_sp"), "cp": (("sequence",), "dp", "tp"),
-    "dp_fsdp": (("data", "fsdp"), "dp", "tp"), "fsdp_tp": (("fsdp", "tensor"), "dp", "tp"),
-    "dp_tp_sp": (("data", "tensor"), "dp", "tp_sp"), "fsdp_cp": (("fsdp", "sequence"), "dp", "tp"),
-}  # fmt: skip
 _AXES = ("data", "fsdp", "tensor", "sequence")
 _KIND_AXIS = {"dp": "data", "zero1": "data", "zero2": "data", "fsdp": "fsdp", "zero3": "fsdp",
               "tp": "tensor", "tp_sp": "tensor", "cp": "sequence"}  # fmt: skip
@@ -242,15 +237,19 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
 
 
 def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind,
-            recompute=False, attention="allgather"):  # fmt: skip
-    """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`."""
+            recompute=False, attention="allgather", activations=True):  # fmt: skip
+    """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`.
+
+    ``activations=False`` leaves out the tensor and sequence axes' activation traffic
+    (a workload without the model's dimensions) instead of raising.
+    """
     unknown = sorted(set(axis_sizes) - set(_AXES))
     if unknown or any(not isinstance(v, int) or v < 1 for v in axis_sizes.values()):
         raise ShardingError(f"axis_sizes {dict(axis_sizes)}: axes are {_AXES} with sizes >= 1.")
     if data_kind not in ("dp", "zero1", "zero2") or tensor_kind not in ("tp", "tp_sp"):
         raise ShardingError(f"data_kind {data_kind!r} / tensor_kind {tensor_kind!r} unknown.")
     d, f, t, c = (axis_sizes.get(a, 1) for a in _AXES)
-    if (t > 1 or c > 1) and None in (layers, b, s, h):
+    if activations and (t > 1 or c > 1) and None in (layers, b, s, h):
         raise ShardingError(f"axis_sizes {dict(axis_sizes)}: tensor/sequence parallelism needs "
                             "layers=, b=, s= and h= (the activation sizes).")  # fmt: skip
     out: dict[str, float] = {}
@@ -270,7 +269,10 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
     else:
         add("reduce-scatter", shard, replicas, 1, f"{data_kind} gradients, (Ψ/(t·f))·B·(n−1)/n")
         add("all-gather", shard, replicas, 1, f"{data_kind} parameters, (Ψ/(t·f))·B·(n−1)/n")
-    if t > 1:
+    if (t > 1 or c > 1) and not activations:
+        notes.append("tensor/sequence activation traffic not modelled: the workload gives no "
+                     "model dimensions (layers, d_model, seq)")  # fmt: skip
+    if t > 1 and activations:
         bsh = b / (d * f) * (s / c) * h
         # Full recomputation re-runs each layer's forward, its 2 all-reduces included.
         n_ar = (6 if recompute else 4) * layers + (2 if vocab is not None else 0)
@@ -281,7 +283,7 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
                 add(kind, n_ar * bsh, t, 1, f"{n_ar} pairs for b·s·h all-reduces, TP+SP")
         if vocab is not None:
             add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s")
-    if c > 1:
+    if c > 1 and activations:
         kv = 2 * layers * b / (d * f) * s * (h if h_kv is None else h_kv) / t
         if attention == "ring":  # the same bytes, block by block around the ring
             add("collective-permute", kv, c, 3 if recompute else 2, "K, V blocks forward "
@@ -293,32 +295,99 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
     return out, notes
 
 
-def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, batch: int,
-                   seq: int, bytes_per_value: int = 4, remat: str | None = None,
-                   attention: str = "allgather") -> AnalyticModel:  # fmt: skip
-    """The analytic memory per device and wire bytes per step of a recipe on a mesh.
+def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: Workload,
+                   param_bytes: float, optimizer_bytes: float, psi: float | None = None,
+                   bytes_per_value: int = 4) -> AnalyticModel:  # fmt: skip
+    """The analytic memory per device and wire bytes per step of any model under a recipe.
 
-    Memory (f32 Adam by default): params ``BΨ``, grads ``BΨ``, optimizer ``2BΨ`` (m, v in
-    the parameter dtype), each divided by the degrees that shard it: tensor and fsdp shard
-    all three (Megatron's layer weights treated as Ψ/t), ``zero1`` shards the optimizer
-    over data too. Activations: :func:`megatron_activations_per_layer` × ``n_layers`` at the
-    per-device micro-batch ``batch/(data·fsdp)`` and sequence ``seq/sequence`` (mode ``tp``
-    or ``tp_sp`` under tensor recipes, ``full_recompute`` with remat ``"full"``), plus the
-    logits ``b·s·vocab·B`` (÷t, vocab-parallel, under tensor recipes). This is a guide, not
-    a bound: it ignores the backward pass's transient buffers, the layer being recomputed,
-    XLA's temporaries, and ``save_dots`` (counted as no remat).
+    What the layout runs is read from the recipe's rules (:meth:`Recipe.parallelism`),
+    never from its name. State: ``param_bytes`` (and as many gradient bytes) divided by
+    the degrees that shard parameters (tensor × fsdp), ``optimizer_bytes`` by those that
+    shard optimizer state (× data under ZeRO-1). Wire: the ring model of
+    :func:`wire_bytes_hybrid`. Activations (Megatron, Korthikanti et al. 2022, plus the
+    logits) and the tensor/sequence activation traffic need the workload's dimensions;
+    without them they are left out, and a note says so.
+
+    Args:
+      recipe: a ``Recipe`` or a registered recipe's name.
+      mesh: mesh axis sizes.
+      workload: the step's sizes (:class:`shardkit.workload.Workload`).
+      param_bytes, optimizer_bytes: bytes of all parameters / all optimizer state,
+        unsharded (count them from the state tree).
+      psi: parameter count Ψ (default: ``param_bytes / bytes_per_value``).
+      bytes_per_value: bytes of one parameter, gradient or activation value.
+
+    Returns:
+      An :class:`AnalyticModel`.
+
+    Example:
+      >>> from shardkit.workload import Workload
+      >>> m = analytic_costs("fsdp", {"fsdp": 8}, workload=Workload(batch=8),
+      ...                    param_bytes=4e6, optimizer_bytes=8e6)
+      >>> m.memory.params, m.memory.optimizer, m.wire_bytes_by_kind["all-gather"]
+      (500000.0, 1000000.0, 7000000.0)
+    """
+    recipe = get_recipe(recipe)
+    par = recipe.parallelism(mesh)
+    d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
+    w, nb = workload, bytes_per_value
+    psi = param_bytes / nb if psi is None else psi
+    opt_degree = t * f * (d if par.data_kind == "zero1" else 1)
+    remat = w.remat or "none"
+    mode = "full_recompute" if remat == "full" else par.tensor_kind if t > 1 else "none"
+    b = w.batch / (d * f)
+    activations = 0.0
+    if w.has_dims:
+        s = w.seq / c
+        per_layer = megatron_activations_per_layer(s, b, w.d_model, w.n_heads, t=t, mode=mode,
+                                                   bytes_per_value=nb)  # fmt: skip
+        activations = w.layers * per_layer + b * s * w.vocab * nb / t
+        act_note = (f"activations: {w.layers} layers × Megatron '{mode}' (Korthikanti et al. "
+                    f"2022) at b={b:g}, s={s:g}, t={t}, + logits b·s·V·B/{t}; a guide, not a "
+                    "bound")  # fmt: skip
+    else:
+        act_note = ("activations: not modelled (the workload gives no layers, d_model, n_heads, "
+                    "seq, vocab)")  # fmt: skip
+    memory = AnalyticMemory(params=param_bytes / (t * f), grads=param_bytes / (t * f),
+                            optimizer=optimizer_bytes / opt_degree, activations=activations)  # fmt: skip
+    h_kv = None
+    if w.has_dims and w.n_kv_heads is not None:
+        h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
+    attention = "ring" if recipe.attention == "ring" else "allgather"
+    wire, wire_notes = _hybrid(par.sizes(), psi, nb, w.layers, w.batch, w.seq, w.d_model,
+                               w.vocab, h_kv, par.data_kind, par.tensor_kind,
+                               recompute=remat == "full", attention=attention,
+                               activations=w.has_dims)  # fmt: skip
+    notes = (
+        f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
+        f"state: params and grads {param_bytes:,.0f} B/{t * f}, optimizer "
+        f"{optimizer_bytes:,.0f} B/{opt_degree} (ZeRO, Rajbhandari et al. 2019)",
+        act_note,
+        *wire_notes,
+    )
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes)
+
+
+def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *, batch: int,
+                   seq: int, bytes_per_value: int = 4, remat: str | None = None) -> AnalyticModel:  # fmt: skip
+    """The analytic memory per device and wire bytes per step of a reference model.
+
+    :func:`analytic_costs` with the state counted from ``config`` for f32 Adam: params
+    ``BΨ``, grads ``BΨ``, optimizer ``2BΨ`` (m and v). Activations:
+    :func:`megatron_activations_per_layer` × ``n_layers`` at the per-device micro-batch
+    and sequence (mode ``tp`` or ``tp_sp`` under tensor recipes, ``full_recompute``
+    with remat ``"full"``), plus the logits ``b·s·vocab·B`` (÷t, vocab-parallel). This
+    is a guide, not a bound: it ignores the backward pass's transient buffers, the
+    layer being recomputed, XLA's temporaries, and ``save_dots`` (counted as no remat).
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (or anything with ``vocab``,
         ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``remat``, ``param_count()``).
-      recipe_name: one of :data:`RECIPES`.
-      mesh: mesh axis sizes (``data``, ``fsdp``, ``tensor``, ``sequence``); axes the
-        recipe does not use must be absent or 1.
+      recipe: a ``Recipe`` or a registered recipe's name.
+      mesh: mesh axis sizes; axes the recipe does not declare must be absent or 1.
       batch: global batch; seq: sequence length.
       bytes_per_value: bytes B of a parameter, gradient and activation value.
       remat: overrides ``config.remat`` when given.
-      attention: ``"ring"`` moves K/V by collective-permute (the same bytes as the
-        all-gather / reduce-scatter of ``"allgather"``).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -332,36 +401,9 @@ def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, ba
       >>> m.memory.params == 4 * CONFIGS["gpt-tiny"].param_count() / 8
       True
     """
-    if recipe_name not in RECIPES:
-        raise ShardingError(f"Unknown recipe {recipe_name!r} for the analytic model. "
-                            f"Known recipes: {', '.join(RECIPES)}.")  # fmt: skip
-    axes, data_kind, tensor_kind = RECIPES[recipe_name]
-    extra = {a: v for a, v in mesh.items() if a not in axes and v != 1}
-    if extra:
-        raise ShardingError(f"Recipe {recipe_name!r} uses mesh axes {axes}; mesh {dict(mesh)} "
-                            f"also sizes {extra}.\nFix: drop those axes or set them to 1.")  # fmt: skip
-    sizes = {a: mesh.get(a, 1) for a in axes}
-    d, f, t, c = (sizes.get(a, 1) for a in _AXES)
-    psi, nb = config.param_count(), bytes_per_value
-    remat = config.remat if remat is None else remat
-    mode = "full_recompute" if remat == "full" else tensor_kind if t > 1 else "none"
-    b, s, opt_degree = batch / (d * f), seq / c, t * f * (d if data_kind == "zero1" else 1)
-    state, opt = psi / (t * f), psi / opt_degree
-    per_layer = megatron_activations_per_layer(s, b, config.d_model, config.n_heads, t=t,
-                                               mode=mode, bytes_per_value=nb)  # fmt: skip
-    logits = b * s * config.vocab * nb / t
-    memory = AnalyticMemory(params=nb * state, grads=nb * state, optimizer=2 * nb * opt,
-                            activations=config.n_layers * per_layer + logits)  # fmt: skip
-    h_kv = config.n_kv_heads * (config.d_model // config.n_heads)
-    wire, wire_notes = _hybrid(sizes, psi, nb, config.n_layers, batch, seq, config.d_model,
-                               config.vocab, h_kv, data_kind, tensor_kind,
-                               recompute=remat == "full", attention=attention)  # fmt: skip
-    notes = (
-        f"Ψ = {psi:,} parameters, {recipe_name} on {sizes}, B = {nb} bytes per value",
-        f"state: params {nb}Ψ/{t * f}, grads {nb}Ψ/{t * f}, optimizer {2 * nb}Ψ/{opt_degree} "
-        "(ZeRO, Rajbhandari et al. 2019)",
-        f"activations: {config.n_layers} layers × Megatron '{mode}' (Korthikanti et al. 2022) "
-        f"at b={b:g}, s={s:g}, t={t}, + logits b·s·V·B/{t}; a guide, not a bound",
-        *wire_notes,
-    )
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes)
+    psi = config.param_count()
+    workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat)
+    return analytic_costs(recipe, mesh, workload=workload, psi=psi,
+                          param_bytes=bytes_per_value * psi,
+                          optimizer_bytes=2 * bytes_per_value * psi,
+                          bytes_per_value=bytes_per_value)  # fmt: skip

@@ -36,14 +36,11 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
-from typing import Literal
+
+from shardkit.collectives import KINDS, Kind
 
 __all__ = ["KINDS", "Collective", "parse_collectives", "wire_bytes_by_kind", "bytes_by_kind"]
 
-Kind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
-KINDS: tuple[str, ...] = (
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-)  # fmt: skip
 
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
          "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128,

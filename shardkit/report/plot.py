@@ -3,9 +3,9 @@ measured next to analytic.
 
 Example:
   >>> import shardkit as sk
-  >>> from shardkit import train
+  >>> from shardkit import models
   >>> from shardkit.models import get
-  >>> r = sk.Plan("dp").report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+  >>> r = models.report(sk.Plan("dp"), get("gpt-tiny"), batch=8, seq=32)
   >>> import tempfile, os
   >>> path = os.path.join(tempfile.mkdtemp(), "dp.png")
   >>> plot_reports({"dp": r}, path)   # doctest: +ELLIPSIS
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from shardkit.report.hlo import KINDS
+from shardkit.collectives import KINDS
 from shardkit.report.report import Report
 
 __all__ = ["plot_reports"]

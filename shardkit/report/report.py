@@ -1,19 +1,18 @@
 """``Report``: what each device holds, what crosses the wire, against the analytic limit.
 
-Built from a compiled step (``plan.report(compiled, state)``): the per-leaf table
-from the plan, memory from ``compiled.memory_analysis()``, collectives from the
-optimized HLO, FLOPs from ``cost_analysis()``, the analytic model of the recipe,
-and lint warnings. A ``Report`` is data; rendering lives in the CLI and in
-:mod:`shardkit.report.plot`.
+Built from a compiled step (``plan.report(step, state, batch)``): the per-leaf
+table from the plan, memory from ``compiled.memory_analysis()``, collectives from
+the optimized HLO, FLOPs from ``cost_analysis()``, the analytic model of the recipe
+for the step's :class:`~shardkit.workload.Workload`, and lint warnings. A ``Report``
+is data; it renders itself (``print(report)``, rich's ``console.print(report)``,
+``report.to_json()``) through :mod:`shardkit.report.render`.
 
 Example:
   >>> import jax, shardkit as sk
-  >>> from shardkit import train
-  >>> from shardkit.models import get
-  >>> model, tx, plan = get("gpt-tiny"), train.adamw(), sk.Plan("fsdp")
-  >>> report = plan.report_model(model, tx, batch=8, seq=32)
-  >>> report.mesh, report.replicated_fraction < 0.05
-  ({'fsdp': 8}, True)
+  >>> from shardkit import models
+  >>> report = models.report(sk.Plan("fsdp"), models.get("gpt-tiny"), batch=8, seq=32)
+  >>> report.mesh, report.replicated_fraction < 0.05, report.workload.seq
+  ({'fsdp': 8}, True, 32)
 """
 
 from __future__ import annotations
@@ -26,9 +25,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardkit.report import lint
-from shardkit.report.analytic import RECIPES, AnalyticModel, analytic_model
+from shardkit.report.analytic import AnalyticModel, analytic_costs
 from shardkit.report.hlo import Collective, parse_collectives, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
+from shardkit.workload import Workload
 
 __all__ = ["ParamRow", "Report", "build_report", "param_rows"]
 
@@ -69,6 +69,7 @@ class Report:
     flops: float | None
     analytic: AnalyticModel | None
     warnings: tuple[str, ...]
+    workload: Workload | None = None
 
     @property
     def replicated_fraction(self) -> float:
@@ -102,6 +103,8 @@ class Report:
         return {
             "recipe": self.recipe,
             "mesh": self.mesh,
+            "devices": math.prod(self.mesh.values()),
+            "workload": self.workload.to_json() if self.workload else None,
             "memory_per_device_bytes": self.memory.to_dict(),
             "analytic_memory_per_device_bytes": analytic.memory.to_dict() if analytic else None,
             "collectives": [
@@ -125,6 +128,16 @@ class Report:
             "flops": self.flops,
         }
 
+    def __rich_console__(self, console: Any, options: Any):
+        from shardkit.report.render import report_renderables
+
+        yield from report_renderables(self)
+
+    def __str__(self) -> str:
+        from shardkit.report.render import to_text
+
+        return to_text(self)
+
 
 def _full_bytes(row: ParamRow) -> int:
     return math.prod(row.shape) * np.dtype(row.dtype).itemsize
@@ -136,7 +149,7 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
     for leaf in plan.leaves(state):
         info = leaf.info
         shard = NamedSharding(plan.mesh, leaf.spec).shard_shape(info.shape)
-        kind = {"mirror": "optimizer", "scalar": "scalar"}.get(info.source, "param")
+        kind = info.kind
         rows.append(
             ParamRow(
                 path=info.path,
@@ -169,6 +182,7 @@ def build_report(
     compiled: Any,
     state: Any,
     *,
+    workload: Workload | None = None,
     model_config: Any = None,
     batch: int | None = None,
     seq: int | None = None,
@@ -180,9 +194,11 @@ def build_report(
     Args:
       plan: the ``sk.Plan`` the step was compiled under.
       compiled: ``plan.compile(...)`` (or ``plan.jit(step).lower(...).compile()``).
-      state: the state tree, annotated (e.g. ``jax.eval_shape(init_fn, key)``) so the
-        table shows logical axes, or the arrays the step takes.
-      model_config, batch, seq: enable the analytic model (built-in recipes only).
+      state: an ``AbstractState`` (``plan.abstract_init``), the annotated tree
+        (``jax.eval_shape(init_fn, key)``), or arrays whose logical axes the plan knows.
+      workload: the step's sizes; enables the analytic model (state and data-parallel
+        terms from the batch alone; activation terms with the model's dimensions).
+      model_config, batch, seq: a reference model's config instead of ``workload``.
       replicated_threshold_bytes, replicated_threshold_share: warn about replicated
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
@@ -192,11 +208,15 @@ def build_report(
     collectives = tuple(parse_collectives(compiled.as_text()))
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
+    if workload is None and model_config is not None and batch and seq:
+        workload = Workload.from_config(model_config, batch=batch, seq=seq)
     analytic = None
-    if model_config is not None and batch and seq and recipe.name in RECIPES:
-        analytic = analytic_model(
-            model_config, recipe.name, mesh, batch=batch, seq=seq, attention=recipe.attention
-        )
+    if workload is not None:
+        full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
+        analytic = analytic_costs(
+            recipe, mesh, workload=workload,
+            param_bytes=full["param"], optimizer_bytes=full["optimizer"],
+        )  # fmt: skip
     logical_names = {n for r in rows for n in r.logical if n}
     shards_params = any(axes for _, axes in recipe.rules)
     warnings = [
@@ -219,4 +239,5 @@ def build_report(
         flops=_flops(compiled),
         analytic=analytic,
         warnings=tuple(warnings),
+        workload=workload,
     )

@@ -132,3 +132,42 @@ def test_keys_named_value_are_kept():
 def test_unknown_unmatched_policy():
     with pytest.raises(errors.RuleError, match="on_unmatched"):
         sk.logical_axes({"w": np.zeros(2)}, on_unmatched="errors")
+
+
+def test_an_unannotated_parameter_never_inherits_another_leafs_axes():
+    # Regression: mirroring matched any shared path ending and shape, so h/0/mlp/bias
+    # (deeper than ln_f/bias) silently took ('embed',) and no error was raised.
+    tree = {"ln_f": {"bias": np.zeros(8)}, "h": {"0": {"mlp": {"bias": np.zeros(8)}}}}
+    pa = sk.PathAxes([("ln_f/bias$", ("embed",))], on_unmatched="error")
+    with pytest.raises(errors.UnmatchedPathError, match=r"(?s)1 leaf.*h/0/mlp/bias \(8,\)"):
+        pa(tree)
+    lenient = sk.PathAxes([("ln_f/bias$", ("embed",))])(tree)
+    assert lenient["h"]["0"]["mlp"]["bias"] == (None,)
+
+
+def test_optimizer_state_is_recognised_however_patterns_are_written():
+    # A pattern for the parameter also matches its moments' paths; they are still
+    # optimizer state, and mirror the parameter (a moment of an unmatched parameter
+    # is not listed as unmatched a second time).
+    params = {"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}}
+    state = (params, optax.adamw(1e-3).init(params))
+    pa = sk.PathAxes([("dense/kernel$", ("embed", "mlp"))], on_unmatched="error")
+    with pytest.raises(errors.UnmatchedPathError, match=r"(?s)^1 leaf.*0/dense/bias \(8,\)\n"):
+        sk.logical_axes(state, annotations=pa)
+    infos, _ = sk.annotate.describe_leaves(state, annotations=pa)
+    by_path = {i.path: i for i in infos}
+    mu = by_path["1/0/mu/dense/kernel"]
+    assert (mu.kind, mu.source, mu.axes) == ("optimizer", "mirror", ("embed", "mlp"))
+    assert by_path["0/dense/kernel"].kind == "param"
+    assert by_path["1/0/count"].kind == "scalar"
+
+
+def test_logical_axes_honours_the_path_axes_policy():
+    # Regression: sk.logical_axes(tree, annotations=pa) ignored pa.on_unmatched.
+    tree = {"w": np.zeros((4, 8)), "b": np.zeros(8)}
+    pa = sk.PathAxes([("w$", ("embed", "mlp"))], on_unmatched="error")
+    with pytest.raises(errors.UnmatchedPathError, match=r"b \(8,\)"):
+        sk.logical_axes(tree, annotations=pa)
+    with pytest.raises(errors.UnmatchedPathError):
+        pa(tree)
+    assert sk.logical_axes(tree, annotations=pa, on_unmatched="replicate")["b"] == (None,)

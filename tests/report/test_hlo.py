@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from shardkit.collectives import KINDS
 from shardkit.report import Collective, bytes_by_kind, parse_collectives, wire_bytes_by_kind
-from shardkit.report.hlo import KINDS
 
 ADD = """
 %add (x: f32[], y: f32[]) -> f32[] {

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import shardkit as sk
-from shardkit import train
+from shardkit import models, train
 from shardkit.cli import main
 from shardkit.models import get
 
@@ -16,7 +16,7 @@ TX = optax.sgd(0.1)
 
 @pytest.fixture(scope="module")
 def fsdp_report():
-    return sk.Plan("fsdp").report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    return models.report(sk.Plan("fsdp"), get("gpt-tiny"), train.adamw(), batch=8, seq=32)
 
 
 def test_report_numbers_are_consistent(fsdp_report):
@@ -86,7 +86,7 @@ def test_lint_names_the_op_a_broken_annotation_makes_xla_gather():
 
 def test_lint_flags_rules_that_match_nothing(fsdp_report):
     plan = sk.Plan(sk.Rules([("vocab", "data"), ("embd", "data")]), sk.make_mesh({"data": 8}))
-    r = plan.report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    r = models.report(plan, get("gpt-tiny"), train.adamw(), batch=8, seq=32)
     assert any("('embd', 'data') matched no parameter" in w for w in r.warnings)
 
 
@@ -105,7 +105,7 @@ def test_cli_report_json_and_compare_plot(tmp_path, capsys):
 
 def test_builtin_recipes_do_not_flag_axes_the_model_lacks():
     # tp carries a kv_heads rule for Llama; GPT has no kv_heads axis.
-    r = sk.Plan("tp").report_model(get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    r = models.report(sk.Plan("tp"), get("gpt-tiny"), train.adamw(), batch=8, seq=32)
     assert not [w for w in r.warnings if "matched no parameter" in w]
 
 

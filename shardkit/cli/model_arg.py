@@ -1,0 +1,39 @@
+"""``--model``: a reference model's name, or a user's ``package.module:factory``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardkit import models
+from shardkit.errors import ShardingError
+
+MODEL_HELP = (
+    "a reference model (gpt-tiny, llama-small, ...; default: gpt-tiny) or your own as "
+    "package.module:factory (e.g. examples.my_model:build)"
+)
+
+#: Default sequence length of a user's model (reference models: min(512, max_seq)).
+USER_SEQ = 128
+
+
+def resolve_model(name: str, *, remat: str | None = None) -> Any:
+    """The model ``--model`` names, with ``--remat`` applied to a reference model.
+
+    Raises:
+      ShardingError: unknown name, a factory that cannot be loaded, or ``--remat``
+        for a model of one's own (its code decides what it rematerialises).
+    """
+    if ":" in name:
+        if remat:
+            raise ShardingError(
+                f"--remat {remat}: only the reference models take it; {name}'s own code "
+                "decides what it rematerialises.\nFix: drop --remat."
+            )
+        return models.load(name)
+    return models.get(name, **({"remat": remat} if remat else {}))
+
+
+def default_seq(model: Any) -> int:
+    """``min(512, max_seq)`` for a reference model; 128 for a user's."""
+    config = getattr(model, "config", None)
+    return min(512, config.max_seq) if config is not None else USER_SEQ

@@ -1,0 +1,59 @@
+"""Compile-only reports of the reference models' training step.
+
+``models.report(plan, model, batch=..., seq=...)`` is ``plan.report`` with the
+pieces a reference model brings: its init, its loss, an AdamW train step, an
+abstract token batch and its workload. Nothing is allocated.
+
+Example:
+  >>> import shardkit as sk
+  >>> from shardkit import models
+  >>> r = models.report(sk.Plan("fsdp"), models.get("gpt-tiny"), batch=8, seq=32)
+  >>> r.workload.model, r.ratios()["state_memory"] < 1.1
+  ('gpt-tiny', True)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardkit import train
+from shardkit.workload import Workload
+
+__all__ = ["report", "token_batch"]
+
+
+def token_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
+    """An abstract ``{"inputs", "targets"}`` batch of ``int32[batch, seq]`` tokens."""
+    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
+    return {"inputs": tokens, "targets": tokens}
+
+
+def report(
+    plan: Any, model: Any, tx: Any = None, *, batch: int, seq: int, seed: int = 0, **kwargs: Any
+):
+    """A compile-only ``Report`` of ``model``'s AdamW train step under ``plan``.
+
+    Args:
+      plan: an ``sk.Plan``.
+      model: a reference ``Model`` (``models.get``) or a user's model loaded by
+        ``models.load`` (anything with ``init(rng)`` and ``loss(params, batch)``).
+      tx: the optimizer (default: ``train.adamw()``).
+      batch, seq: global batch and sequence length.
+      seed: the PRNG seed of the (abstract) init.
+      **kwargs: passed to ``plan.report`` (e.g. lint thresholds).
+    """
+    tx = train.adamw() if tx is None else tx
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
+    config = getattr(model, "config", None)
+    name = getattr(model, "name", None)
+    if config is not None:
+        workload = Workload.from_config(config, batch=batch, seq=seq, model=name)
+    else:
+        dims = getattr(model, "dims", {})
+        workload = Workload(batch=batch, seq=seq, model=name, remat=None, **dims)
+    return plan.report(
+        train.train_step(model, tx), abstract, token_batch(batch, seq), workload=workload, **kwargs
+    )

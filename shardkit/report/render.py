@@ -1,0 +1,126 @@
+"""Rich renderables for reports: ``print(report)`` and ``console.print(report)`` use these.
+
+Library code returns data and renderables; only the CLI (or the user) prints.
+
+Example:
+  >>> import shardkit as sk
+  >>> from shardkit import models
+  >>> report = models.report(sk.Plan("dp"), models.get("gpt-tiny"), batch=8, seq=32)
+  >>> text = str(report)
+  >>> "memory per device" in text and "wire bytes per device per step" in text
+  True
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from typing import Any
+
+from rich.console import Console, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from shardkit.report.lint import human_bytes
+
+__all__ = ["comparison_table", "report_renderables", "to_text"]
+
+
+def _ratio(measured: float, analytic: float | None) -> str:
+    return f"{measured / analytic:.2f}×" if analytic else "–"
+
+
+def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
+    """The report as rich renderables: header, memory, wire, largest collectives, notes."""
+    a = report.analytic
+    mesh = " × ".join(f"{k}={v}" for k, v in report.mesh.items())
+    out: list[RenderableType] = [Text.from_markup(f"[bold]{report.recipe}[/bold] on {mesh}")]
+    w = report.workload
+    if w is not None:
+        label = f"{w.model}, " if w.model else ""
+        seq = f", seq {w.seq}" if w.seq else ""
+        remat = f", remat {w.remat}" if w.remat else ""
+        out.append(Text(f"{label}batch {w.batch}{seq}{remat}, {w.precision}"))
+
+    mem = Table(title="memory per device", show_lines=False)
+    for col in ("", "measured", "analytic", "ratio"):
+        mem.add_column(col, justify="right" if col else "left")
+    m = report.memory
+    state = (a.memory.params + a.memory.optimizer) if a else None
+    # Without the model's dimensions the analytic model has no activation terms: its
+    # temp and total would be a floor, not an estimate.
+    whole = a if a and report.workload is not None and report.workload.has_dims else None
+    mem.add_row("arguments (params + optimizer)", human_bytes(m.arguments),
+                human_bytes(state) if a else "–", _ratio(m.arguments, state))  # fmt: skip
+    mem.add_row("temp (grads, activations, gathered weights)", human_bytes(m.temp),
+                human_bytes(whole.memory.grads + whole.memory.activations) if whole else "–",
+                "")  # fmt: skip
+    mem.add_row("total = arguments + output + temp − alias", human_bytes(m.total),
+                human_bytes(whole.memory.total) if whole else "–",
+                _ratio(m.total, whole and whole.memory.total))  # fmt: skip
+    out.append(mem)
+
+    wire = Table(title="wire bytes per device per step")
+    for col in ("collective", "measured", "analytic", "ratio"):
+        wire.add_column(col, justify="right" if col != "collective" else "left")
+    measured = report.wire_bytes_by_kind
+    analytic = a.wire_bytes_by_kind if a else {}
+    for kind in sorted(set(measured) | set(analytic)):
+        got, want = measured.get(kind, 0.0), analytic.get(kind)
+        wire.add_row(kind, human_bytes(got), human_bytes(want) if want else "–", _ratio(got, want))
+    total_a = sum(analytic.values()) if analytic else None
+    wire.add_row("[bold]total", human_bytes(report.wire_bytes),
+                 human_bytes(total_a) if total_a else "–", _ratio(report.wire_bytes, total_a))  # fmt: skip
+    out.append(wire)
+
+    ops = Table(title=f"largest collectives (of {len(report.collectives)})")
+    for col in ("kind", "buffer", "N", "×", "wire", "op_name"):
+        ops.add_column(col)
+    for c in sorted(report.collectives, key=lambda c: -c.wire_bytes)[:top]:
+        kind = c.kind + (f" ({c.lowered_as})" if c.lowered_as else "")
+        ops.add_row(kind, f"{c.dtype}{c.shape}"[:40], str(c.group_size), str(c.count),
+                    human_bytes(c.wire_bytes), c.op_name[-70:])  # fmt: skip
+    out.append(ops)
+
+    params = [r for r in report.params if r.kind == "param"]
+    out.append(
+        Text(
+            f"{len(params)} parameters, {report.replicated_fraction:.1%} of parameter bytes "
+            f"replicated; FLOPs per step per device: {report.flops:.3g}"
+            if report.flops
+            else "FLOPs: not reported by this backend"
+        )
+    )
+    for warning in report.warnings:
+        out.append(Text.from_markup("[yellow]warning:[/yellow] ") + Text(warning))
+    return out
+
+
+def comparison_table(reports: Mapping[str, Any]) -> Table:
+    """Several reports side by side, one row each (per device)."""
+    table = Table(title="recipes side by side (per device)")
+    for col in ("recipe", "mesh", "state", "temp", "total", "wire", "wire/analytic",
+                "replicated", "warnings"):  # fmt: skip
+        table.add_column(col, justify="left" if col in ("recipe", "mesh") else "right")
+    for name, r in reports.items():
+        ratios = r.ratios()
+        table.add_row(
+            name,
+            "×".join(f"{k}={v}" for k, v in r.mesh.items()),
+            human_bytes(r.memory.arguments),
+            human_bytes(r.memory.temp),
+            human_bytes(r.memory.total),
+            human_bytes(r.wire_bytes),
+            f"{ratios['wire_bytes']:.2f}" if "wire_bytes" in ratios else "–",
+            f"{r.replicated_fraction:.0%}",
+            str(len(r.warnings)),
+        )
+    return table
+
+
+def to_text(report: Any, *, width: int = 120) -> str:
+    """The report rendered as plain text (what ``str(report)`` returns)."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, color_system=None, force_terminal=False)
+    console.print(report)
+    return buffer.getvalue()

@@ -1,0 +1,76 @@
+"""``Workload``: what one training step processes, for the analytic model and reports.
+
+A report read from a compiled program is reproducible only with the step's
+workload next to it: the batch, the sequence, the model's dimensions where
+known, rematerialisation and precision. The reference models fill it from their
+config; a user's own model gives what it knows (batch alone is enough for the
+state and data-parallel terms; the activation terms need the dimensions).
+
+Example:
+  >>> from shardkit.workload import Workload
+  >>> w = Workload(batch=8, seq=128, layers=2, d_model=64, n_heads=4, vocab=256)
+  >>> w.has_dims, Workload(batch=8).has_dims
+  (True, False)
+  >>> w.to_json()["batch"]
+  8
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["Workload"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One training step's sizes.
+
+    Attributes:
+      batch: global batch (examples per step).
+      seq: sequence length (tokens per example), if the batch has one.
+      layers, d_model, n_heads, n_kv_heads, vocab: the model's dimensions, for the
+        activation terms (Megatron's per-layer activations, tensor- and
+        sequence-parallel collectives, the logits); ``None`` where unknown.
+      remat: ``"none"``, ``"full"`` or ``"save_dots"``; ``None`` where the model's own
+        code decides (a user's model).
+      precision: ``"f32"`` (every value 4 bytes).
+      model: a label for reports (a reference model's name, or ``module:factory``).
+    """
+
+    batch: int
+    seq: int | None = None
+    layers: int | None = None
+    d_model: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    vocab: int | None = None
+    remat: str | None = "none"
+    precision: str = "f32"
+    model: str | None = None
+
+    @property
+    def has_dims(self) -> bool:
+        """True when the activation terms can be computed."""
+        return None not in (self.seq, self.layers, self.d_model, self.n_heads, self.vocab)
+
+    @classmethod
+    def from_config(
+        cls, config: Any, *, batch: int, seq: int, model: str | None = None, remat: str | None = None
+    ) -> Workload:
+        """A reference model's workload (``config`` is a ``ModelConfig`` or alike)."""
+        return cls(
+            batch=batch,
+            seq=seq,
+            layers=config.n_layers,
+            d_model=config.d_model,
+            n_heads=config.n_heads,
+            n_kv_heads=getattr(config, "n_kv_heads", config.n_heads),
+            vocab=config.vocab,
+            remat=remat or getattr(config, "remat", "none") or "none",
+            model=model,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
