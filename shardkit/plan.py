@@ -254,18 +254,24 @@ class Plan:
             if not sharded or not total or replicated <= REPLICATED_WARN_SHARE * total:
                 continue
             unmatched = [leaf.path for leaf in whole if leaf.info.source == "unmatched"]
-            why = (
-                f"{len(unmatched)} of them carry no logical axes (e.g. {unmatched[0]})"
-                if unmatched
-                else f"the recipe's rules map none of their logical axes (e.g. {whole[0].path}: "
-                f"{tuple(whole[0].axes)}) to a mesh axis"
-            )
+            if unmatched:
+                why = f"{len(unmatched)} of them carry no logical axes (e.g. {unmatched[0]})"
+                fix = (
+                    "annotate the model (@sk.axes, Flax logical partitioning) or pass "
+                    "Plan(..., annotations=sk.PathAxes([(regex, logical_axes), ...]))"
+                )
+            else:
+                why = (
+                    f"the recipe's rules map none of their logical axes (e.g. {whole[0].path}: "
+                    f"{tuple(whole[0].axes)}) to a mesh axis"
+                )
+                fix = "add rules for those logical names, or use the names the recipe's rules use"
+            label = {"param": "parameters", "optimizer": "optimizer state"}[kind]
             warnings.warn(
-                f"Recipe {self.recipe.name!r} shards {kind}s, but {replicated / total:.0%} of "
+                f"Recipe {self.recipe.name!r} shards {label}, but {replicated / total:.0%} of "
                 f"their bytes ({replicated:,} of {total:,}) stay replicated on every device of "
-                f"{dict(self.mesh.shape)}: {why}.\nFix: annotate the model (@sk.axes, Flax "
-                "logical partitioning) or pass Plan(..., annotations=sk.PathAxes([(regex, "
-                "logical_axes), ...])); sk.logical_axes(state) shows what each leaf has.",
+                f"{dict(self.mesh.shape)}: {why}.\nFix: {fix}; sk.logical_axes(state) shows "
+                "what each leaf has.",
                 ShardingWarning,
                 stacklevel=stacklevel,
             )
@@ -414,28 +420,34 @@ class PlannedStep:
         self.jit_kwargs = jit_kwargs
         self._cache: dict[Any, Any] = {}
 
-    def _state_shardings(self, state: Any) -> Any:
+    def _state_shardings(self, state: Any, abstract: AbstractState | None) -> Any:
         plan = self.plan
-        if self.state is None:
-            shardings = plan.shardings(state)
-            plan._warn_if_replicated(plan.leaves(state), stacklevel=5)
-            return shardings
-        want, got = jax.tree.structure(self.state.tree), jax.tree.structure(state)
+        abstract = self.state or abstract
+        if abstract is None:
+            leaves = plan.leaves(state)
+            # Leaves with a sharding already were planned (and checked) when created.
+            planned = [leaf for leaf, x in zip(leaves, jax.tree.leaves(state), strict=True)
+                       if plan._existing(x) is None]  # fmt: skip
+            plan._warn_if_replicated(planned, stacklevel=6)
+            treedef = jax.tree.structure(state)
+            return jax.tree.unflatten(treedef, [NamedSharding(plan.mesh, x.spec) for x in leaves])
+        want, got = jax.tree.structure(abstract.tree), jax.tree.structure(state)
         if want != got:
             raise ShardingError(
                 "plan.jit(step, state=abstract): the state passed to the step has another "
                 f"structure than the abstract state.\n  abstract: {want}\n  got:      {got}\n"
                 "Fix: pass the state made by plan.init(abstract) (or restored into it)."
             )
-        return self.state.shardings
+        return abstract.shardings
 
-    def _jitted(self, state: Any, batch: Any, n_extra: int):
+    def _jitted(self, state: Any, batch: Any, n_extra: int, abstract: AbstractState | None):
         # Shardings follow the state's structure and the batch's shapes; state shapes are
         # fixed by its structure in training, and jax.jit itself retraces on new shapes.
-        key = (jax.tree_util.tree_structure(state), _shapes(batch), n_extra)
+        layout = None if abstract is None else tuple(jax.tree.leaves(abstract.shardings))
+        key = (jax.tree_util.tree_structure(state), _shapes(batch), n_extra, layout)
         if key not in self._cache:
             plan = self.plan
-            state_sh = self._state_shardings(state)
+            state_sh = self._state_shardings(state, abstract)
             batch_sh = plan.batch_shardings(batch)
 
             def traced(state, batch, *extra, **kwargs):
@@ -472,18 +484,21 @@ class PlannedStep:
             )
         return self._cache[key]
 
-    def _args(self, state: Any) -> Any:
-        return state.tree if isinstance(state, AbstractState) else state
+    def _prepare(self, state: Any, batch: Any, n_extra: int):
+        """(the state as arrays, the jitted step); an ``AbstractState`` gives its layout."""
+        abstract = state if isinstance(state, AbstractState) else None
+        state = abstract.tree if abstract is not None else state
+        return state, self._jitted(state, batch, n_extra, abstract)
 
     def __call__(self, state: Any, batch: Any, *extra: Any, **kwargs: Any):
-        state = self._args(state)
         with jax.set_mesh(self.plan.mesh):
-            return self._jitted(state, batch, len(extra))(state, batch, *extra, **kwargs)
+            state, jitted = self._prepare(state, batch, len(extra))
+            return jitted(state, batch, *extra, **kwargs)
 
     def lower(self, state: Any, batch: Any, *extra: Any, **kwargs: Any):
-        state = self._args(state)
         with jax.set_mesh(self.plan.mesh):
-            return self._jitted(state, batch, len(extra)).lower(state, batch, *extra, **kwargs)
+            state, jitted = self._prepare(state, batch, len(extra))
+            return jitted.lower(state, batch, *extra, **kwargs)
 
 
 def _tree_of(tree: Any) -> Any:

@@ -249,7 +249,7 @@ def test_init_warns_when_a_sharding_recipe_replicates_most_bytes():
     def bare_init(rng):  # 2 x (64*64 + 64) f32 parameters = 33,280 bytes
         return Bare().init(rng, jnp.ones((1, 64)))["params"]
 
-    with pytest.warns(sk.ShardingWarning, match=r"(?s)'fsdp' shards params, but 100% .*"
+    with pytest.warns(sk.ShardingWarning, match=r"(?s)'fsdp' shards parameters, but 100% .*"
                       r"33,280 of 33,280.*carry no logical axes.*Fix: annotate"):  # fmt: skip
         sk.Plan("fsdp").init(bare_init, jax.random.key(0))
     import warnings

@@ -28,3 +28,15 @@ def test_quick_start_is_two_commands():
     commands = re.findall(r"```bash\n(.*?)```", quick, flags=re.S)
     assert len(commands) == 2 and all(c.count("\n") == 1 for c in commands)
     assert "shardkit run" in commands[0] and "--devices 8" in commands[0]
+
+
+def test_readme_own_model_example_runs(capsys):
+    """The second example continues the first (its plan, init, step and batch)."""
+    blocks = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    namespace: dict = {}
+    exec(compile(blocks[0], "README.md", "exec"), namespace)
+    capsys.readouterr()
+    exec(compile(blocks[1], "README.md", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert out.startswith("P('fsdp', None)\n") and "memory per device" in out
+    assert namespace["report"].to_json()["workload"]["batch"] == 8

@@ -95,3 +95,49 @@ def test_plan_command_shows_every_leaf(capsys):
     assert wte["bytes_per_device"] == 256 * 64 * 4 // 8
     assert main(["plan", "--model", "gpt-tiny", "--recipe", "fsdp", "--all"]) == 0
     assert "opt_state" in capsys.readouterr().out
+
+
+def test_report_of_a_users_model_from_its_factory(tmp_path):
+    # From another directory, as a user would run it: the module is found from the cwd.
+    import shutil
+    from pathlib import Path
+
+    shutil.copytree(Path(__file__).resolve().parents[2] / "examples", tmp_path / "examples")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", "report", "--model", "examples.my_model:build",
+         "--recipe", "fsdp", "--json"],
+        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    d = json.loads(proc.stdout)
+    # Everything needed to reproduce the report: what ran, on what, with which sizes.
+    assert d["model"] == "examples.my_model:build" and d["recipe"] == "fsdp"
+    assert d["mesh"] == {"fsdp": 8} and d["devices"] == 8
+    w = d["workload"]
+    assert (w["model"], w["batch"], w["seq"], w["precision"]) == ("examples.my_model:build",
+                                                                  8, 128, "f32")  # fmt: skip
+    # The model carries no annotations: its PathAxes alone shard it (fc_in: embed x mlp).
+    fc_in = next(p for p in d["params"] if p["path"] == "params/blocks_0/fc_in/kernel")
+    assert fc_in["logical"] == ["embed", "mlp"] and fc_in["spec"] == "P('fsdp', None)"
+    assert d["replicated_fraction"] < 0.05 and d["warnings"] == []
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("examples.my_model", "Unknown model"),
+        ("examples.nope:build", "cannot import 'examples.nope'"),
+        ("examples.my_model:nope", "has no function 'nope'"),
+        (":build", "package.module:factory"),
+    ],
+)
+def test_bad_user_models_exit_2_with_the_fix(spec, message, capsys):
+    assert main(["plan", "--model", spec]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("shardkit plan: error:")
+
+
+def test_remat_is_for_reference_models_only(capsys):
+    assert main(["report", "--model", "examples.my_model:build", "--remat", "full"]) == 2
+    assert "only the reference models take it" in capsys.readouterr().err

@@ -35,6 +35,19 @@ def test_report_numbers_are_consistent(fsdp_report):
     assert sum(c.wire_bytes for c in r.collectives) == pytest.approx(r.wire_bytes)
 
 
+def test_a_report_renders_itself(fsdp_report):
+    from rich.console import Console
+
+    assert sk.report.Report is type(fsdp_report)
+    console = Console(record=True, width=100)
+    console.print(fsdp_report)  # rich's protocol
+    text = console.export_text()
+    for part in ("fsdp on fsdp=8", "gpt-tiny, batch 8, seq 32", "memory per device",
+                 "wire bytes per device per step", "largest collectives"):  # fmt: skip
+        assert part in text and part in str(fsdp_report)
+    assert fsdp_report.to_json()["workload"]["model"] == "gpt-tiny"
+
+
 def test_report_json_schema(fsdp_report):
     d = json.loads(json.dumps(fsdp_report.to_json()))
     assert set(d["memory_per_device_bytes"]) == {"arguments", "output", "temp", "alias", "total"}
