@@ -44,6 +44,7 @@ from shardkit.errors import ShardingError, ShardingWarning
 from shardkit.mesh import make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
+from shardkit.report.report import Report, build_report
 from shardkit.rules import Rules
 from shardkit.state import AbstractState, PlannedLeaf
 from shardkit.workload import Workload
@@ -348,7 +349,7 @@ class Plan:
         lowered = self.lower(step_fn, state, batch, *args, donate_state=donate_state, **jit_kwargs)
         return lowered.compile()
 
-    def report(self, step: Any, state: Any, batch: Any = None, *args: Any, **kwargs: Any):
+    def report(self, step: Any, state: Any, batch: Any = None, *args: Any, **kwargs: Any) -> Report:
         """A ``Report`` of a step under this plan: compiled (nothing runs), then read.
 
         ``plan.report(step_fn, state, batch, *extra)`` compiles a user's step for
@@ -359,8 +360,6 @@ class Plan:
         sets the step's sizes for the analytic model, and by default they are read from
         the batch (its leading dimension, and the second as the sequence).
         """
-        from shardkit.report.report import build_report
-
         if _is_compiled(step):
             if batch is not None or args:
                 raise ShardingError(
