@@ -53,61 +53,40 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
-import threading
-from collections.abc import Iterator
-from typing import Any, Literal, get_args
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from shardkit import context
 from shardkit.annotate.constrain import constrain, current_activation_rules, is_explicit
+from shardkit.context import AttentionStrategy
 from shardkit.errors import ShardingError
 from shardkit.rules import Rules
 
 __all__ = ["AttentionStrategy", "causal_attention", "current_attention", "use_attention"]
 
-AttentionStrategy = Literal["dense", "ring", "allgather"]
 _LOGICAL = ("batch", "length", "heads", "kv")
 _NEG = float(jnp.finfo(jnp.float32).min)
-_STATE = threading.local()
 
 
-def _stack() -> list[tuple[AttentionStrategy, str]]:
-    stack = getattr(_STATE, "attention", None)
-    if stack is None:
-        stack = _STATE.attention = []
-    return stack
-
-
-@contextlib.contextmanager
-def use_attention(strategy: AttentionStrategy, *, axis: str = "sequence") -> Iterator[None]:
+def use_attention(strategy: AttentionStrategy, *, axis: str = "sequence"):
     """Make ``causal_attention`` use ``strategy`` over mesh axis ``axis``, restoring on exit.
 
     The strategy is read when ``causal_attention`` is traced, and ``jax.jit``
     caches traces by function and arguments, not by this context: jit a fresh
     function (or clear its cache) to trace the same step under another strategy.
     """
-    if strategy not in get_args(AttentionStrategy):
-        raise ShardingError(
-            f"Unknown attention strategy {strategy!r}.\nFix: use one of "
-            f"{list(get_args(AttentionStrategy))}."
-        )
-    stack = _stack()
-    stack.append((strategy, axis))
-    try:
-        yield
-    finally:
-        stack.pop()
+    return context.using(attention=strategy, attention_axis=axis)
 
 
 def current_attention() -> tuple[AttentionStrategy, str]:
-    """``(strategy, axis)`` of the innermost ``use_attention``; ``("dense", "sequence")`` if none."""
-    stack = _stack()
-    return stack[-1] if stack else ("dense", "sequence")
+    """``(strategy, axis)`` of the active context; ``("dense", "sequence")`` by default."""
+    ctx = context.current()
+    return ctx.attention, ctx.attention_axis
 
 
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
@@ -258,11 +237,10 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             f"{q.shape}, {k.shape}, {v.shape}.\nFix: repeat K/V heads to match q's heads."
         )
     strategy, axis = current_attention()
-    mesh = jax.sharding.get_abstract_mesh()
+    mesh = context.active_mesh()
     if (
         strategy == "dense"
         or mesh is None
-        or mesh.empty
         or axis not in mesh.axis_names
         or mesh.shape[axis] == 1
     ):

@@ -27,11 +27,16 @@ __all__ = [
     "MeshError",
     "DeviceError",
     "ShardingWarning",
+    "ArgumentTypeError",
 ]
 
 
 class ShardingError(ValueError):
     """Base class of every error shardkit raises for a user mistake."""
+
+
+class ArgumentTypeError(ShardingError, TypeError):
+    """A public argument has the wrong type (also a ``TypeError``)."""
 
 
 class RuleError(ShardingError):

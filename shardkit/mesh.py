@@ -11,16 +11,17 @@ Example:
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
-from shardkit.errors import MeshError
+from shardkit.errors import ArgumentTypeError, MeshError
 
-__all__ = ["divisors", "make_mesh", "resolve_axis_sizes"]
+__all__ = ["check_devices", "divisors", "make_mesh", "resolve_axis_sizes"]
 
 
 def _describe(axes: Mapping[str, int]) -> str:
@@ -34,6 +35,19 @@ def resolve_axis_sizes(axes: Mapping[str, int], device_count: int) -> dict[str, 
       >>> resolve_axis_sizes({"data": -1, "tensor": 2}, 8)
       {'data': 4, 'tensor': 2}
     """
+    if not isinstance(axes, Mapping):
+        fix = f"dict({axes!r})" if isinstance(axes, (list, tuple)) else "{'data': -1}"
+        raise ArgumentTypeError(
+            f"Mesh axes are a mapping {{axis_name: size}}, got {type(axes).__name__} {axes!r}.\n"
+            f"Fix: pass {fix}."
+        )
+    if isinstance(device_count, bool) or not isinstance(device_count, (int, np.integer)):
+        raise ArgumentTypeError(f"The device count is an integer, got {device_count!r}.")
+    if device_count < 1:
+        raise MeshError(
+            f"Mesh axes {_describe(axes)} need at least one device, got {device_count}.\n"
+            "Fix: pass a non-empty list of devices (or leave devices out for all of them)."
+        )
     if not axes:
         raise MeshError("A mesh needs at least one axis, e.g. {'data': -1}.")
     bad = {k: v for k, v in axes.items() if not isinstance(k, str) or not k}
@@ -75,6 +89,39 @@ def resolve_axis_sizes(axes: Mapping[str, int], device_count: int) -> dict[str, 
     return sizes
 
 
+def check_devices(devices: Any) -> list[jax.Device]:
+    """``devices`` as a list of distinct ``jax.Device``s.
+
+    Raises:
+      ArgumentTypeError: not a sequence of devices. MeshError: empty, or a device twice.
+    """
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, Iterable):
+        raise ArgumentTypeError(
+            f"devices is a list of jax.Device, got {type(devices).__name__} {devices!r}.\n"
+            "Fix: devices=jax.devices()[:8] (or leave it out for all devices)."
+        )
+    devices = list(devices)
+    bad = [d for d in devices if not isinstance(d, jax.Device)]
+    if bad:
+        raise ArgumentTypeError(
+            f"devices holds {bad[0]!r} ({type(bad[0]).__name__}), not a jax.Device.\n"
+            "Fix: devices=jax.devices()[:8] (or leave it out for all devices)."
+        )
+    if not devices:
+        raise MeshError(
+            "devices is empty: a mesh needs at least one device.\nFix: pass a non-empty list "
+            "(e.g. jax.devices()[:8]), or leave devices out for all of them."
+        )
+    twice = [d for i, d in enumerate(devices) if d in devices[:i]]
+    if twice:
+        raise MeshError(
+            f"devices lists {twice[0]} more than once ({len(devices)} entries, "
+            f"{len(set(devices))} distinct): a device can hold one place in a mesh.\n"
+            "Fix: pass each device once, e.g. jax.devices()[:8]."
+        )
+    return devices
+
+
 def divisors(n: int) -> list[int]:
     """The positive divisors of ``n``, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -104,7 +151,14 @@ def make_mesh(
     Raises:
       MeshError: sizes that do not factor the device count, or a bad ``dcn``.
     """
-    devices = list(jax.devices() if devices is None else devices)
+    devices = check_devices(jax.devices() if devices is None else devices)
+    if not isinstance(explicit, bool):
+        raise ArgumentTypeError(f"make_mesh(explicit=...) is True or False, got {explicit!r}.")
+    if dcn is not None and not isinstance(dcn, Mapping):
+        raise ArgumentTypeError(
+            f"make_mesh(dcn=...) is a mapping {{axis_name: hosts}}, got {dcn!r}.\n"
+            "Fix: e.g. dcn={'data': 2}."
+        )
     sizes = resolve_axis_sizes(axes, len(devices))
     names = tuple(sizes)
     shape = tuple(sizes.values())

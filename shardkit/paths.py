@@ -22,10 +22,12 @@ def key_name(key: Any) -> str:
     return str(key)
 
 
-def path_str(path: tuple[Any, ...] | str | None) -> str:
+def path_str(path: Any) -> str:
     """``('params', 'Dense_0', 'kernel')`` key paths as ``'params/Dense_0/kernel'``."""
     if path is None:
         return "<array>"
     if isinstance(path, str):
         return path
-    return "/".join(key_name(k) for k in path)
+    if isinstance(path, tuple):
+        return "/".join(key_name(k) for k in path)
+    return str(path)

@@ -32,18 +32,18 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit.annotate.constrain import activation_rules, param_rules
+from shardkit import context
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
-from shardkit.attention import use_attention
 from shardkit.collectives import KINDS
-from shardkit.errors import ShardingError, ShardingWarning
-from shardkit.mesh import make_mesh
+from shardkit.errors import ArgumentTypeError, RuleError, ShardingError, ShardingWarning
+from shardkit.mesh import check_devices, make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
+from shardkit.recipes import names as recipe_names
 from shardkit.report.report import Report, build_report
 from shardkit.rules import Rules
 from shardkit.state import AbstractState, PlannedLeaf
@@ -82,6 +82,26 @@ class Plan:
         annotations: PathAxes | Sequence[tuple[str, Sequence[str | None]]] | None = None,
         on_unmatched: Literal["replicate", "error"] | None = None,
     ):
+        if not isinstance(recipe, (str, Recipe, Rules, list, tuple)):
+            raise ArgumentTypeError(
+                f"Plan takes a recipe name, a Recipe or Rules, got {type(recipe).__name__} "
+                f"{recipe!r}.\nFix: e.g. sk.Plan('fsdp'); names: {', '.join(recipe_names())}."
+            )
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise ArgumentTypeError(
+                f"Plan(..., mesh=...) takes a jax.sharding.Mesh, got {type(mesh).__name__} "
+                f"{mesh!r}.\nFix: mesh=sk.make_mesh({mesh!r})"
+                + (" (sizes by axis name)." if isinstance(mesh, dict) else ", or leave it out.")
+            )
+        if mesh is not None and devices is not None:
+            raise ShardingError(
+                "Plan(recipe, mesh, devices=...): the mesh has its devices already.\n"
+                "Fix: pass the mesh or the devices, not both."
+            )
+        if on_unmatched not in (None, "replicate", "error"):
+            raise RuleError(
+                f"Plan(on_unmatched=...) is 'replicate' or 'error', got {on_unmatched!r}."
+            )
         if isinstance(recipe, (Rules, list, tuple)):
             if mesh is None:
                 raise ShardingError(
@@ -94,7 +114,7 @@ class Plan:
             )
         self.recipe: Recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         if mesh is None:
-            devices = list(jax.devices() if devices is None else devices)
+            devices = check_devices(jax.devices() if devices is None else devices)
             mesh = make_mesh(self.recipe.axis_sizes(len(devices)), devices=devices)
         self.mesh = mesh
         if annotations is not None and not isinstance(annotations, PatternAxes):
@@ -118,6 +138,14 @@ class Plan:
 
     def __repr__(self) -> str:
         return f"Plan({self.recipe.name!r}, mesh={dict(self.mesh.shape)})"
+
+    def context(self):
+        """The sharding context a step is traced under (``plan.jit`` enters it)."""
+        return context.using(
+            param_rules=self.rules,
+            activation_rules=self.activation_rules,
+            attention=self.recipe.attention,
+        )
 
     # -- specs and shardings --------------------------------------------------------------
     def _rules_for(self, info: LeafInfo) -> Rules:
@@ -452,12 +480,7 @@ class PlannedStep:
             def traced(state, batch, *extra, **kwargs):
                 # NNX would otherwise read logical names as mesh axes when it rebuilds
                 # Variables inside the step; shardings here come from the plan.
-                with (
-                    activation_rules(plan.activation_rules),
-                    param_rules(plan.rules),
-                    use_attention(plan.recipe.attention),
-                    nnx.use_eager_sharding(False),
-                ):
+                with plan.context(), nnx.use_eager_sharding(False):
                     out = self.step_fn(state, batch, *extra, **kwargs)
                 if not isinstance(out, tuple):
                     out = (out,)

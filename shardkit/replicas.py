@@ -54,11 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
-from shardkit.annotate.constrain import (
-    _active_mesh,
-    current_activation_rules,
-    current_param_rules,
-)
+from shardkit import context
 
 __all__ = ["ReplicaView", "per_replica"]
 
@@ -141,7 +137,8 @@ def per_replica(
       ShardingError: the data's shape does not fit the activation rules (e.g. a
         batch the data axis does not divide).
     """
-    mesh, act, rules = _active_mesh(), current_activation_rules(), current_param_rules()
+    ctx, mesh = context.current(), context.active_mesh()
+    act, rules = ctx.activation_rules, ctx.param_rules
     if mesh is None or act is None or rules is None:
         return ReplicaView(param)  # the layouts are unknown: leave them to XLA
     spec = rules.spec(tuple(logical), shape=param.shape, mesh=mesh)

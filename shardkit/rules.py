@@ -32,6 +32,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 from jax.sharding import PartitionSpec
 
 from shardkit import errors
@@ -45,12 +46,51 @@ _UNASSIGNED = object()
 
 
 def axis_sizes_of(mesh: Any) -> dict[str, int]:
-    """``{axis_name: size}`` of a ``Mesh``, ``AbstractMesh`` or plain mapping."""
+    """``{axis_name: size}`` of a ``Mesh``, ``AbstractMesh`` or plain mapping.
+
+    Raises:
+      ArgumentTypeError: ``mesh`` is none of those. MeshError: a size is not a
+        positive integer, or a name not a non-empty string.
+    """
     if mesh is None:
         return {}
     if isinstance(mesh, Mapping):
-        return {str(k): int(v) for k, v in mesh.items()}
-    return {str(k): int(v) for k, v in mesh.shape.items()}
+        sizes = dict(mesh)
+    elif isinstance(getattr(mesh, "shape", None), Mapping):
+        sizes = dict(mesh.shape)
+    else:
+        raise errors.ArgumentTypeError(
+            f"mesh is a Mesh, an AbstractMesh or a mapping {{axis_name: size}}, got "
+            f"{type(mesh).__name__} {mesh!r}.\nFix: mesh=sk.make_mesh({{'data': -1}}) or "
+            "mesh={'data': 8}."
+        )
+    for name, size in sizes.items():
+        if not isinstance(name, str) or not name:
+            raise errors.MeshError(f"mesh axis names are non-empty strings, got {name!r}.")
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise errors.MeshError(
+                f"mesh axis {name!r} has size {size!r}; mesh sizes are positive integers "
+                f"(mesh: {sizes}).\nFix: give {name!r} a size of 1 or more."
+            )
+    return {k: int(v) for k, v in sizes.items()}
+
+
+def _check_shape(shape: Any, where: str) -> tuple[int, ...]:
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise errors.ArgumentTypeError(
+            f"{where}: shape is a tuple of dimension sizes, got {type(shape).__name__} {shape!r}."
+        )
+    shape = tuple(shape)
+    bad = [d for d in shape if isinstance(d, bool) or not isinstance(d, (int, np.integer))]
+    if bad:
+        raise errors.ArgumentTypeError(
+            f"{where}: shape {shape!r} holds {bad[0]!r}; dimension sizes are integers."
+        )
+    if any(d < 0 for d in shape):
+        raise errors.RankMismatchError(
+            f"{where}: shape {shape!r} has a negative dimension; sizes are >= 0."
+        )
+    return tuple(int(d) for d in shape)
 
 
 def _normalize_rule(rule: Any, index: int) -> tuple[str, tuple[str, ...] | None]:
@@ -186,6 +226,12 @@ class Rules:
             dimension, or (strict) a logical name with no rule.
         """
         where = path_str(path)
+        if not isinstance(logical_axes, (tuple, list, str)):
+            raise errors.ArgumentTypeError(
+                f"{where}: logical axes are a tuple of names (or None), one per dimension, "
+                f"got {type(logical_axes).__name__} {logical_axes!r}.\nFix: e.g. "
+                "('batch', 'embed')."
+            )
         if isinstance(logical_axes, str) or not all(
             a is None or (isinstance(a, str) and a) for a in logical_axes
         ):
@@ -196,6 +242,9 @@ class Rules:
                 else f"{where}: logical axes {tuple(logical_axes)!r} may only hold names or None."
             )
         logical_axes = tuple(logical_axes)
+        if shape is not None:
+            shape = _check_shape(shape, where)
+        sizes = axis_sizes_of(mesh)
         if shape is not None and len(shape) != len(logical_axes):
             raise errors.RankMismatchError(
                 f"{where}: shape {tuple(shape)} has {len(shape)} dimension(s) but logical axes "
@@ -227,7 +276,7 @@ class Rules:
                 used.update(axes)
         entries = [None if r is _UNASSIGNED else r for r in resolved]
         if mesh is not None:
-            entries = self._fit_to_mesh(entries, logical_axes, shape, axis_sizes_of(mesh), where)
+            entries = self._fit_to_mesh(entries, logical_axes, shape, sizes, where)
         return PartitionSpec(
             *(e[0] if isinstance(e, tuple) and len(e) == 1 else e for e in entries)
         )

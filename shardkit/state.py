@@ -14,9 +14,9 @@ Example:
   >>> abstract = sk.Plan("fsdp").abstract_init(init, jax.random.key(0))
   >>> leaf = abstract.leaf("0/wte/embedding")
   >>> leaf.axes, leaf.spec, leaf.kind
-  (('vocab', 'embed'), PartitionSpec('fsdp', None), 'param')
+  (('vocab', 'embed'), P('fsdp', None), 'param')
   >>> abstract.tree[0]["wte"]["embedding"].sharding.spec        # what orbax restores into
-  PartitionSpec('fsdp', None)
+  P('fsdp', None)
   >>> abstract.leaf("1/0/mu/wte/embedding").kind
   'optimizer'
 """

@@ -12,14 +12,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 from jax.sharding import AxisType
 
+from shardkit import context, errors
 from shardkit.rules import Rules
 
 __all__ = [
@@ -31,63 +30,35 @@ __all__ = [
     "param_rules",
 ]
 
-_STATE = threading.local()
-
-
-def _stack(kind: str) -> list[Rules | None]:
-    stack = getattr(_STATE, kind, None)
-    if stack is None:
-        stack = []
-        setattr(_STATE, kind, stack)
-    return stack
-
-
-@contextlib.contextmanager
-def _using(kind: str, rules: Rules | Sequence[Any] | None) -> Iterator[None]:
-    stack = _stack(kind)
-    stack.append(None if rules is None else Rules(rules))
-    try:
-        yield
-    finally:
-        stack.pop()
-
 
 def current_activation_rules() -> Rules | None:
-    """The rules set by the innermost ``activation_rules`` context, if any."""
-    stack = _stack("activations")
-    return stack[-1] if stack else None
+    """The activation rules of the active sharding context, if any."""
+    return context.current().activation_rules
 
 
 def current_param_rules() -> Rules | None:
-    """The rules set by the innermost ``param_rules`` context, if any."""
-    stack = _stack("params")
-    return stack[-1] if stack else None
+    """The parameter rules of the active sharding context, if any."""
+    return context.current().param_rules
 
 
 def activation_rules(rules: Rules | Sequence[Any] | None):
     """Make ``rules`` the ones ``sk.constrain`` resolves with, restoring on exit.
 
-    ``sk.Plan`` enters this around tracing, so model code never names rules.
+    ``sk.Plan`` enters them (with the rest of the sharding context) around tracing,
+    so model code never names rules.
     """
-    return _using("activations", rules)
+    return context.using(activation_rules=rules)
 
 
 def param_rules(rules: Rules | Sequence[Any] | None):
     """Make ``rules`` the ones parameters are constrained with where they are used.
 
-    ``sk.Plan`` enters this around tracing. ``@sk.axes`` linen modules then pin
+    ``sk.Plan`` enters them around tracing. ``@sk.axes`` linen modules then pin
     each parameter they read (inside a layer scan: each layer's slice) to its
     planned sharding, so XLA gathers weights just in time and reduce-scatters
     their gradients instead of all-reducing them.
     """
-    return _using("params", rules)
-
-
-def _active_mesh() -> Any:
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh is None or mesh.empty:
-        return None
-    return mesh
+    return context.using(param_rules=rules)
 
 
 def constrain(
@@ -105,7 +76,30 @@ def constrain(
       ``x`` unchanged when no mesh or no rules are active.
     """
     rules = Rules(rules) if rules is not None else current_activation_rules()
+    _check_logical(x, logical)
     return _pin(x, logical, rules, "activation")
+
+
+def _check_logical(x: Any, logical: Any) -> None:
+    """``logical`` names each dimension of ``x`` once (a str or ``None``)."""
+    shape = getattr(x, "shape", None)
+    if shape is None:
+        raise errors.ArgumentTypeError(
+            f"sk.constrain takes an array, got {type(x).__name__} {x!r}."
+        )
+    if not isinstance(logical, (tuple, list)) or not all(
+        a is None or (isinstance(a, str) and a) for a in logical
+    ):
+        fix = f"({logical!r},)" if isinstance(logical, str) else "('batch', 'embed')"
+        raise errors.ArgumentTypeError(
+            f"sk.constrain: logical axes are a tuple with one name (or None) per dimension, "
+            f"got {logical!r}.\nFix: e.g. {fix}."
+        )
+    if len(logical) != len(shape):
+        raise errors.RankMismatchError(
+            f"sk.constrain: an array of shape {tuple(shape)} needs {len(shape)} logical axes, "
+            f"got {len(logical)}: {tuple(logical)}.\nFix: one name (or None) per dimension."
+        )
 
 
 def constrain_param(
@@ -121,7 +115,7 @@ def is_explicit(mesh: Any) -> bool:
 
 
 def _pin(x: jax.Array, logical: Sequence[str | None], rules: Rules | None, path: Any) -> jax.Array:
-    mesh = _active_mesh()
+    mesh = context.active_mesh()
     if rules is None or mesh is None:
         return x
     spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path)

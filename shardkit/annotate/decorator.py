@@ -33,8 +33,8 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from shardkit import errors
-from shardkit.annotate.constrain import constrain_param, current_param_rules
+from shardkit import context, errors
+from shardkit.annotate.constrain import constrain_param
 from shardkit.annotate.flax_meta import is_annotated_leaf, stored_axes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.paths import path_str
@@ -98,7 +98,7 @@ def _box_tree(variables: Any, matcher: PatternAxes, owner: str) -> Any:
 
 def _pin_params(variables: Any, matcher: PatternAxes, owner: str) -> Any:
     """When applied: pin each parameter the module reads to its planned sharding."""
-    if current_param_rules() is None:
+    if context.current().param_rules is None:
         return variables
     return _map_matched(
         variables, matcher, owner, lambda leaf, names, path: constrain_param(leaf, names, path=path)

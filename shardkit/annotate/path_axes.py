@@ -31,6 +31,7 @@ class PathAxes(PatternAxes):
     """
 
     __slots__ = ("on_unmatched",)
+    label = "sk.PathAxes"
 
     def __init__(
         self,

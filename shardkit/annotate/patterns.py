@@ -43,8 +43,16 @@ class PatternAxes:
     """An ordered list of ``(regex, logical_axes)`` annotations."""
 
     __slots__ = ("entries",)
+    #: How users call it, for error messages.
+    label = "@sk.axes"
 
     def __init__(self, patterns: Mapping[str, Sequence[str | None]] | Iterable[Any]):
+        if isinstance(patterns, (str, bytes)) or not isinstance(patterns, (Mapping, Iterable)):
+            raise errors.ArgumentTypeError(
+                f"{self.label} takes a list of (regex, logical_axes) pairs (or a dict), "
+                f"got {type(patterns).__name__} {patterns!r}.\nFix: e.g. "
+                "[('attn/query/kernel$', ('embed', 'heads', 'kv'))]."
+            )
         items = list(patterns.items() if isinstance(patterns, Mapping) else patterns)
         entries = []
         for i, item in enumerate(items):
@@ -54,6 +62,12 @@ class PatternAxes:
                     "e.g. ('attn/query/kernel$', ('embed', 'heads', 'kv'))."
                 )
             pattern, axes = item
+            if not isinstance(pattern, str):
+                raise errors.RuleError(
+                    f"Annotation #{i}: the pattern {pattern!r} is a {type(pattern).__name__}; "
+                    "patterns are regexes as str, searched in 'a/b/c' paths.\nFix: e.g. "
+                    "'attn/query/kernel$'."
+                )
             try:
                 compiled = re.compile(pattern)
             except (re.error, TypeError) as e:

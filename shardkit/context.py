@@ -1,0 +1,106 @@
+"""The one sharding context that code running inside a model reads.
+
+``plan.jit`` enters it once around tracing a step: the parameter rules (``@sk.axes``
+pins each weight where it is read), the activation rules (``sk.constrain``, the
+batch), the attention strategy (``causal_attention``) and the precision. Model code
+reads it through :func:`current` and never names a rule or a mesh axis; the mesh is
+JAX's own (``jax.set_mesh``), read by :func:`active_mesh`.
+
+The context is immutable; :func:`using` replaces fields for the duration of a
+``with`` block and restores the previous context on exit (a ``contextvars``
+variable, so threads and async tasks each see their own).
+
+Example:
+  >>> import shardkit as sk
+  >>> from shardkit import context
+  >>> context.current().activation_rules is None
+  True
+  >>> with context.using(activation_rules=sk.Rules([("batch", "data")]), attention="ring"):
+  ...     ctx = context.current()
+  ...     ctx.activation_rules.spec(("batch",)), ctx.attention
+  (P('data',), 'ring')
+  >>> context.current().attention
+  'dense'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal, get_args
+
+import jax
+
+from shardkit.errors import ShardingError
+from shardkit.rules import Rules
+
+__all__ = ["AttentionStrategy", "ShardingContext", "active_mesh", "current", "using"]
+
+AttentionStrategy = Literal["dense", "allgather", "ring"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingContext:
+    """What in-model code needs to know about the layout it is traced under.
+
+    Attributes:
+      param_rules: logical → mesh rules for parameters (``None``: weights unpinned).
+      activation_rules: rules for activations and the batch (``None``: no constraints).
+      attention: how ``causal_attention`` treats a sharded sequence.
+      attention_axis: the mesh axis that splits the sequence for attention.
+      precision: the step's numeric precision (``"f32"``).
+    """
+
+    param_rules: Rules | None = None
+    activation_rules: Rules | None = None
+    attention: AttentionStrategy = "dense"
+    attention_axis: str = "sequence"
+    precision: str = "f32"
+
+    def __post_init__(self):
+        if self.attention not in get_args(AttentionStrategy):
+            raise ShardingError(
+                f"Unknown attention strategy {self.attention!r}.\nFix: use one of "
+                f"{list(get_args(AttentionStrategy))}."
+            )
+
+
+_CURRENT: contextvars.ContextVar[ShardingContext] = contextvars.ContextVar(
+    "shardkit_context", default=ShardingContext()  # noqa: B039 (frozen: immutable)
+)
+
+
+def current() -> ShardingContext:
+    """The active context (defaults when none was entered)."""
+    return _CURRENT.get()
+
+
+def _as_rules(rules: Rules | Sequence[Any] | None) -> Rules | None:
+    return None if rules is None else Rules(rules)
+
+
+@contextlib.contextmanager
+def using(**changes: Any) -> Iterator[ShardingContext]:
+    """The current context with ``changes`` applied, for the duration of a ``with``.
+
+    Rule fields accept ``Rules`` or a plain list of pairs (``None`` clears them).
+    """
+    for key in ("param_rules", "activation_rules"):
+        if key in changes:
+            changes[key] = _as_rules(changes[key])
+    ctx = dataclasses.replace(current(), **changes)
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def active_mesh() -> Any:
+    """JAX's active (abstract) mesh, or ``None`` outside ``jax.set_mesh``."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty:
+        return None
+    return mesh
