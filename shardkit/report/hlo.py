@@ -36,10 +36,13 @@ import dataclasses
 import math
 import re
 from collections import defaultdict
+from typing import Any
 
 from shardkit.collectives import KINDS, Kind
+from shardkit.report.provenance import frames_by_id, module_path_of, pass_of, source_of
 
-__all__ = ["KINDS", "Collective", "parse_collectives", "wire_bytes_by_kind", "bytes_by_kind"]
+__all__ = ["KINDS", "Collective", "bytes_by_kind", "collectives_of", "parse_collectives",
+           "wire_bytes_by_kind"]  # fmt: skip
 
 
 _BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
@@ -57,6 +60,7 @@ _CALLS = re.compile(
 _NAME = re.compile(r"%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _REF = re.compile(r"%([\w.\-]+)")
@@ -90,6 +94,15 @@ class Collective:
     shape: str
     count_exact: bool = True
     lowered_as: str = ""
+    module_path: str = ""
+    pass_: str = ""
+    source: str = ""
+    function: str = ""
+
+    @property
+    def where(self) -> str:
+        """The model path of the op, else the function of the model code that asked for it."""
+        return self.module_path or self.function
 
 
 _BRACKETS = {"(": re.compile(r"[()]"), "{": re.compile(r"[{}]"), "[": re.compile(r"[\[\]]")}
@@ -286,7 +299,26 @@ def _nelems(text: str) -> int:
     return sum(math.prod(a[1]) for a in _shape_arrays(text))
 
 
-def parse_collectives(hlo_text: str, *, fuse_reduce_scatter: bool = True) -> list[Collective]:
+def collectives_of(compiled: Any, *, fuse_reduce_scatter: bool = True) -> list[Collective]:
+    """:func:`parse_collectives` of a compiled program, with each op's Python stack.
+
+    The stacks come from the executable's ``HloModuleProto`` (the text lacks the links
+    between frames); without them ``source`` and ``function`` stay empty.
+    """
+    stacks: dict[int, tuple] = {}
+    try:
+        modules = compiled.runtime_executable().hlo_modules()
+        stacks = frames_by_id(modules[0].as_serialized_hlo_module_proto())
+    except (AttributeError, IndexError, ValueError):  # a backend without HLO modules
+        pass
+    return parse_collectives(
+        compiled.as_text(), fuse_reduce_scatter=fuse_reduce_scatter, stacks=stacks
+    )
+
+
+def parse_collectives(
+    hlo_text: str, *, fuse_reduce_scatter: bool = True, stacks: dict[int, tuple] | None = None
+) -> list[Collective]:
     """Every collective in an optimized HLO module, weighted by its executions per step.
 
     Handles tuple-combined collectives, async ``*-start``/``*-done`` pairs and
@@ -321,7 +353,7 @@ def parse_collectives(hlo_text: str, *, fuse_reduce_scatter: bool = True) -> lis
     track = fuse_reduce_scatter and "all-reduce" in hlo_text
     graph = _Graph(shapes, defaultdict(list), {}, {}, set())
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # caller -> callees
-    async_parent: dict[str, tuple[str, str]] = {}  # wrapped comp -> (caller comp, op_name)
+    async_parent: dict[str, tuple[str, str, str]] = {}  # wrapped comp -> (caller, op_name, frame)
     comps: list[str] = [""]  # "": instructions outside any computation (a fragment)
     comp = ""
     for line in hlo_text.splitlines():
@@ -367,8 +399,8 @@ def parse_collectives(hlo_text: str, *, fuse_reduce_scatter: bool = True) -> lis
                 loop = key in ("body", "condition")
                 edges[comp].append((callee, trip if loop else 1, exact or not loop))
                 if opcode == "async-start":
-                    o = _OP_NAME.search(attrs)
-                    async_parent[callee] = (comp, o.group(1) if o else "")
+                    o, f = _OP_NAME.search(attrs), _FRAME_ID.search(attrs)
+                    async_parent[callee] = (comp, o.group(1) if o else "", f.group(1) if f else "")
 
     # Executions per step of each computation: sum over call sites, in topological order.
     indeg: dict[str, int] = defaultdict(int)
@@ -389,6 +421,7 @@ def parse_collectives(hlo_text: str, *, fuse_reduce_scatter: bool = True) -> lis
             if indeg[callee] == 0:
                 stack.append(callee)
 
+    stacks = stacks or {}
     out = []
     for comp, kind, opcode, rest, args, attrs, instr in found:
         shape = _parse_shape(_COMMENT.sub("", rest))[0]
@@ -414,12 +447,14 @@ def parse_collectives(hlo_text: str, *, fuse_reduce_scatter: bool = True) -> lis
                 k = int(d.group(1)) if d else 0
                 operands = [(t, s[:k] + (s[k] * n,) + s[k + 1 :], b) for t, s, b in result]
             buf = operands
-        op_name = _OP_NAME.search(attrs)
+        op_name, frame_id = _OP_NAME.search(attrs), _FRAME_ID.search(attrs)
         name = op_name.group(1) if op_name else ""
+        frame = frame_id.group(1) if frame_id else ""
         shown, count = comp, mult[comp]
         if comp in async_parent:
-            shown, parent_name = async_parent[comp]
-            name = name or parent_name
+            shown, parent_name, parent_frame = async_parent[comp]
+            name, frame = name or parent_name, frame or parent_frame
+        origin = source_of(stacks.get(int(frame), ())) if frame else None
         parts = [(kind, buf, "")]
         if track and kind == "all-reduce":
             sliced = graph.sliced_elements(instr, opcode, value_shape, n)
@@ -431,8 +466,13 @@ def parse_collectives(hlo_text: str, *, fuse_reduce_scatter: bool = True) -> lis
             nbytes = _nbytes(arrays)
             dtype, shape_str = _describe(arrays)
             wire = _wire(part_kind, nbytes, n) * count
-            out.append(Collective(part_kind, nbytes, n, wire, count, name, shown, dtype,
-                                  shape_str, known[comp], lowered))  # fmt: skip
+            out.append(Collective(
+                kind=part_kind, bytes=nbytes, group_size=n, wire_bytes=wire, count=count,
+                op_name=name, computation=shown, dtype=dtype, shape=shape_str,
+                count_exact=known[comp], lowered_as=lowered, module_path=module_path_of(name),
+                pass_=pass_of(name), source=origin.where if origin else "",
+                function=origin.function if origin else "",
+            ))  # fmt: skip
     return out
 
 

@@ -17,13 +17,18 @@ import io
 from collections.abc import Mapping
 from typing import Any
 
+from rich import box
 from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from shardkit.report.lint import human_bytes
 
-__all__ = ["comparison_table", "report_renderables", "to_text"]
+__all__ = ["abbreviate", "comparison_table", "report_renderables", "to_text"]
+
+
+#: Short pass names for the 80-column table (the JSON has the full ones).
+_PASS = {"forward": "fwd", "backward": "bwd", "remat": "remat", "update": "update"}
 
 
 def _ratio(measured: float, analytic: float | None) -> str:
@@ -73,13 +78,19 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
                  human_bytes(total_a) if total_a else "–", _ratio(report.wire_bytes, total_a))  # fmt: skip
     out.append(wire)
 
-    ops = Table(title=f"largest collectives (of {len(report.collectives)})")
-    for col in ("kind", "buffer", "N", "×", "wire", "op_name"):
-        ops.add_column(col)
-    for c in sorted(report.collectives, key=lambda c: -c.wire_bytes)[:top]:
-        kind = c.kind + (f" ({c.lowered_as})" if c.lowered_as else "")
-        ops.add_row(kind, f"{c.dtype}{c.shape}"[:40], str(c.group_size), str(c.count),
-                    human_bytes(c.wire_bytes), c.op_name[-70:])  # fmt: skip
+    groups = report.collective_groups()
+    lowered = any(g.kind.endswith("*") for g in groups)
+    ops = Table(
+        title=f"largest collectives by cause ({len(report.collectives)} ops, {len(groups)} causes)",
+        caption="* a reduce-scatter lowered as all-reduce + dynamic-slice on CPU" if lowered else None,
+        box=box.SIMPLE_HEAD,
+    )  # fmt: skip
+    for col, justify in (("kind", "left"), ("pass", "left"), ("where", "left"),
+                         ("source", "left"), ("runs", "right"), ("wire", "right")):  # fmt: skip
+        ops.add_column(col, justify=justify, no_wrap=True)
+    for g in groups[:top]:
+        ops.add_row(g.kind, _PASS.get(g.pass_, g.pass_), abbreviate(g.where or "–", 20),
+                    abbreviate(g.source, 14), str(g.executions), human_bytes(g.wire_bytes))  # fmt: skip
     out.append(ops)
 
     params = [r for r in report.params if r.kind == "param"]
@@ -94,6 +105,33 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
     for warning in report.warnings:
         out.append(Text.from_markup("[yellow]warning:[/yellow] ") + Text(warning))
     return out
+
+
+def abbreviate(text: str, width: int) -> str:
+    """``text`` cut from the middle to ``width`` characters, keeping its distinctive end.
+
+    Example:
+      >>> abbreviate("params/layers/mlp/down/kernel", 20)
+      'params/…/down/kernel'
+      >>> abbreviate("short", 20)
+      'short'
+    """
+    if len(text) <= width:
+        return text
+    parts = text.split("/")
+    if len(parts) > 1:
+        head, tail = parts[0], parts[-1]
+        for i in range(len(parts) - 2, 0, -1):  # keep as many trailing parts as fit
+            longer = parts[i] + "/" + tail
+            if len(head) + len(longer) + 3 > width:
+                break
+            tail = longer
+        candidate = f"{head}/…/{tail}"
+        if len(candidate) <= width:
+            return candidate
+        if len(tail) + 2 <= width:
+            return "…/" + tail
+    return "…" + text[-(width - 1) :]
 
 
 def comparison_table(reports: Mapping[str, Any]) -> Table:

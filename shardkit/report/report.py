@@ -26,11 +26,11 @@ from jax.sharding import NamedSharding
 
 from shardkit.report import lint
 from shardkit.report.analytic import AnalyticModel, analytic_costs
-from shardkit.report.hlo import Collective, parse_collectives, wire_bytes_by_kind
+from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
 from shardkit.workload import Workload
 
-__all__ = ["ParamRow", "Report", "build_report", "param_rows"]
+__all__ = ["CollectiveGroup", "ParamRow", "Report", "build_report", "param_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,23 @@ class ParamRow:
             "spec": self.spec,
             "bytes_per_device": self.bytes_per_device,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveGroup:
+    """Collectives with one cause: kind, pass, model path and source line.
+
+    ``kind`` ends in ``*`` for a reduce-scatter the CPU pipeline left as an all-reduce
+    plus a dynamic-slice; ``executions`` counts every run per step (ops × loop trips).
+    """
+
+    kind: str
+    pass_: str
+    where: str
+    source: str
+    ops: int
+    executions: int
+    wire_bytes: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +114,20 @@ class Report:
             out["wire_bytes"] = self.wire_bytes / analytic_wire
         return out
 
+    def collective_groups(self) -> list[CollectiveGroup]:
+        """Collectives grouped by cause (kind, pass, model path, source line), largest first."""
+        groups: dict[tuple[str, ...], list[Collective]] = {}
+        for c in self.collectives:
+            key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source)
+            groups.setdefault(key, []).append(c)
+        rows = [
+            CollectiveGroup(kind=k[0], pass_=k[1], where=k[2], source=k[3],
+                            ops=len(cs), executions=sum(c.count for c in cs),
+                            wire_bytes=sum(c.wire_bytes for c in cs))  # fmt: skip
+            for k, cs in groups.items()
+        ]
+        return sorted(rows, key=lambda g: -g.wire_bytes)
+
     def to_json(self) -> dict[str, Any]:
         """The schema ``shardkit report --json`` prints."""
         analytic = self.analytic
@@ -116,6 +147,10 @@ class Report:
                     "count": c.count,
                     "op_name": c.op_name,
                     "lowered_as": c.lowered_as,
+                    "module_path": c.module_path,
+                    "pass": c.pass_,
+                    "source": c.source,
+                    "function": c.function,
                 }
                 for c in self.collectives
             ],
@@ -205,7 +240,7 @@ def build_report(
         ``replicated_threshold_bytes``.
     """
     rows = param_rows(plan, state)
-    collectives = tuple(parse_collectives(compiled.as_text()))
+    collectives = tuple(collectives_of(compiled))
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     if workload is None and model_config is not None and batch and seq:

@@ -1,0 +1,184 @@
+"""Where a collective comes from: the model path, the pass, and the line of code.
+
+XLA keeps, for every instruction, the ``op_name`` JAX traced it under (transforms and
+Flax module scopes: ``jit(step)/transpose(jvp(GPT))/layers/mlp/down/dot_general``) and a
+``stack_frame_id`` into the module's index of Python frames (read from the serialized
+``HloModuleProto``, where each frame links to its caller). From
+those this module gives each collective:
+
+- ``module_path``: the Flax module scopes in the op name (``layers/mlp/down``); for code
+  without name scopes (NNX), the function of the innermost model frame
+  (``LlamaMLP.__call__``);
+- ``pass``: ``forward``, ``backward`` (under ``transpose``), ``remat`` (a forward
+  recomputed in the backward pass) or ``update`` (outside the differentiated function:
+  the optimizer step);
+- ``source``: ``file.py:line`` of the innermost frame outside JAX, Flax, optax and
+  shardkit's own plumbing (the line of the model that asked for the op).
+
+Example:
+  >>> module_path_of("jit(traced)/transpose(jvp(GPT))/while/body/layers/mlp/down/dot_general")
+  'layers/mlp/down'
+  >>> pass_of("jit(traced)/transpose(jvp())/while/body/checkpoint/rematted_computation/mul")
+  'remat'
+  >>> pass_of("jit(traced)/jvp(GPT)/wte/gather"), pass_of("jit(traced)/mul")
+  ('forward', 'update')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+__all__ = ["Frame", "frames_by_id", "module_path_of", "pass_of", "source_of"]
+
+_EINSUM = re.compile(r"^[\w.]*,[\w.,]*->[\w.]*$|^[\w.]+->[\w.]+$")
+_TRANSFORMS = ("jit", "jvp", "transpose", "pjit", "vmap", "remat", "checkpoint", "custom_jvp",
+               "custom_vjp", "shard_map", "xla_call")  # fmt: skip
+_NOT_MODULES = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation",
+                "remat", "core_call", "custom_jvp_call", "custom_vjp_call", "shmap_body",
+                "branch_0_fun", "branch_1_fun", "scan", "jit", "traced"}  # fmt: skip
+#: Frames in these places are machinery, not the line that asked for a collective.
+_LIBRARIES = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}flax{os.sep}",
+              f"{os.sep}optax{os.sep}", f"{os.sep}contextlib.py", "<frozen ")  # fmt: skip
+_PLUMBING = tuple(f"shardkit{os.sep}{p}" for p in (
+    "plan.py", "state.py", "context.py", "replicas.py", f"annotate{os.sep}",
+))  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Frame:
+    """One Python frame XLA recorded: file, function and line."""
+
+    file: str
+    function: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        """``file.py:line`` (the file's base name)."""
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+
+def _varint(b: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = b[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, i
+
+
+def _fields(b: bytes) -> list[tuple[int, int | bytes]]:
+    """The (field number, value) pairs of one protobuf message (wire format)."""
+    out, i = [], 0
+    while i < len(b):
+        key, i = _varint(b, i)
+        number, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = _varint(b, i)
+        elif wire == 2:
+            n, i = _varint(b, i)
+            value, i = b[i : i + n], i + n
+        elif wire in (1, 5):
+            n = 8 if wire == 1 else 4
+            value, i = b[i : i + n], i + n
+        else:
+            raise ValueError(f"protobuf wire type {wire} at byte {i}")
+        out.append((number, value))
+    return out
+
+
+#: Field numbers in XLA's ``HloModuleProto`` (xla/service/hlo.proto): the module's
+#: ``stack_frame_index``, and within it names, file locations and frames (1-based ids).
+_STACK_FRAME_INDEX, _FILE_NAMES, _FUNCTION_NAMES, _LOCATIONS, _FRAMES = 17, 1, 2, 3, 4
+
+
+def frames_by_id(module_proto: bytes) -> dict[int, tuple[Frame, ...]]:
+    """``stack_frame_id`` → its Python stack, innermost frame first.
+
+    Reads the stack frame index of a serialized ``HloModuleProto``
+    (``compiled.runtime_executable().hlo_modules()[0].as_serialized_hlo_module_proto()``).
+    The text form prints these tables too, but without the parent links, so the
+    structured form is the one to read. Empty when the module records no frames.
+    """
+    index = b""
+    for number, value in _fields(module_proto):
+        if number == _STACK_FRAME_INDEX and isinstance(value, bytes):
+            index = value
+    entries = _fields(index)
+    files = [v.decode() for n, v in entries if n == _FILE_NAMES]
+    functions = [v.decode() for n, v in entries if n == _FUNCTION_NAMES]
+    locations = []
+    for n, v in entries:
+        if n == _LOCATIONS:
+            f = dict(_fields(v))
+            function = _at(functions, f.get(2)).replace(".<locals>", "")
+            locations.append(Frame(_at(files, f.get(1)), function, f.get(3, 0)))
+    frames = [dict(_fields(v)) for n, v in entries if n == _FRAMES]
+    stacks: dict[int, tuple[Frame, ...]] = {}
+    for k in range(1, len(frames) + 1):
+        stack, cur, seen = [], k, set()
+        while 0 < cur <= len(frames) and cur not in seen:
+            seen.add(cur)
+            loc = frames[cur - 1].get(1, 0)
+            if 0 < loc <= len(locations):
+                stack.append(locations[loc - 1])
+            cur = frames[cur - 1].get(2, 0)
+        stacks[k] = tuple(stack)
+    return stacks
+
+
+def _at(names: list[str], one_based: int | None) -> str:
+    return names[one_based - 1] if one_based and one_based <= len(names) else "?"
+
+
+def _segments(op_name: str) -> list[str]:
+    """``op_name`` split at ``/`` outside parentheses."""
+    out, depth, start = [], 0, 0
+    for i, ch in enumerate(op_name):
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "/" and depth == 0:
+            out.append(op_name[start:i])
+            start = i + 1
+    out.append(op_name[start:])
+    return out
+
+
+def module_path_of(op_name: str) -> str:
+    """The Flax module scopes in an op name (``layers/mlp/down``), ``""`` if none."""
+    parts = []
+    for seg in _segments(op_name)[:-1]:  # the last segment is the primitive
+        if seg.startswith("(") or _EINSUM.match(seg) or seg in _NOT_MODULES:
+            continue
+        if any(seg.startswith(t + "(") for t in _TRANSFORMS):
+            continue
+        parts.append(seg)
+    return "/".join(parts)
+
+
+def pass_of(op_name: str) -> str:
+    """``forward``, ``backward``, ``remat`` or ``update`` (see the module docstring)."""
+    if "rematted_computation" in op_name:
+        return "remat"
+    if "transpose(" in op_name:
+        return "backward"
+    if "jvp(" in op_name:
+        return "forward"
+    return "update"
+
+
+def source_of(stack: tuple[Frame, ...]) -> Frame | None:
+    """The innermost frame of ``stack`` that is neither a library nor shardkit plumbing."""
+    for frame in stack:
+        if not frame.file.endswith(".py") and not frame.file.startswith("<"):
+            continue
+        if any(p in frame.file for p in _LIBRARIES) or frame.file.endswith(_PLUMBING):
+            continue
+        if any(p in frame.file for p in _PLUMBING):
+            continue
+        return frame
+    return None
