@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from rich.console import Console
 from rich.table import Table
 
-from shardkit import recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, resolve_model
+from shardkit.cli.options import add_json, add_mesh, check_outputs, emit_json, wants_tables
+from shardkit.cli.report_cmd import recipe_for
 from shardkit.report.lint import human_bytes
+from shardkit.report.render import abbreviate
+
+
+#: Paths are cut from the middle to this width, keeping the leaf name.
+PATH_WIDTH = 26
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -20,13 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default="fsdp")
     add_devices_argument(p)
     p.add_argument("--all", action="store_true", help="include optimizer state and scalars")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_mesh(p)
+    add_json(p)
     p.set_defaults(handler=main)
 
 
 def main(args: argparse.Namespace) -> int:
+    check_outputs(args)
     model = resolve_model(args.model)
-    recipes.get(args.recipe)
+    recipe = recipe_for(args.recipe, args)
     devices = select_devices(args.devices)
     import jax
 
@@ -34,20 +41,21 @@ def main(args: argparse.Namespace) -> int:
     from shardkit.plan import Plan
     from shardkit.report.report import param_rows
 
-    plan = Plan(args.recipe, devices=devices, annotations=getattr(model, "annotations", None))
+    plan = Plan(recipe, devices=devices, annotations=getattr(model, "annotations", None))
     state = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
     rows = [r for r in param_rows(plan, state) if args.all or r.kind == "param"]
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-    if args.json:
-        print(json.dumps({"model": args.model, "recipe": args.recipe, "mesh": mesh,
-                          "leaves": [{**r.to_json(), "kind": r.kind} for r in rows]}))  # fmt: skip
+    emit_json(args, {"model": args.model, "recipe": args.recipe, "mesh": mesh,
+                     "leaves": [{**r.to_json(), "kind": r.kind} for r in rows]})  # fmt: skip
+    if not wants_tables(args):
         return 0
     table = Table(title=f"{args.model} under {args.recipe} on {mesh}")
-    for col in ("path", "shape", "logical axes", "spec", "per device"):
+    table.add_column("path", no_wrap=True, min_width=PATH_WIDTH)
+    for col in ("shape", "logical axes", "spec", "per device"):
         table.add_column(col, justify="right" if col == "per device" else "left")
     for r in rows:
         logical = ", ".join("·" if a is None else a for a in r.logical)
-        table.add_row(r.path, "×".join(map(str, r.shape)), logical, r.spec,
+        table.add_row(abbreviate(r.path, PATH_WIDTH), "×".join(map(str, r.shape)), logical, r.spec,
                       human_bytes(r.bytes_per_device))  # fmt: skip
     total = sum(r.bytes_per_device for r in rows)
     Console().print(table)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 from rich.console import Console
@@ -11,12 +10,14 @@ from rich.console import Console
 from shardkit import models, recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
+from shardkit.cli.options import add_json, add_mesh, check_outputs, emit_json, wants_tables
 from shardkit.errors import ShardingError
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     add_devices_argument(p)
+    add_mesh(p)
     p.add_argument("--batch", type=int, default=None,
                    help="global batch size (default: one example per device)")  # fmt: skip
     p.add_argument(
@@ -24,13 +25,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--remat", choices=["none", "full", "save_dots"], default=None,
                    help="override the model's rematerialization policy")  # fmt: skip
+    add_json(p)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="compile one recipe (nothing allocated) and report its costs")
     _common(p)
     p.add_argument("--recipe", default="fsdp")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", metavar="PNG", help="also draw memory and wire bytes to PNG")
     p.set_defaults(handler=main_report)
 
@@ -39,28 +40,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--recipes", default=None, help="comma-separated (default: every recipe that fits)"
     )
-    c.add_argument("--json", action="store_true", help="print the reports as JSON")
     c.add_argument("--plot", metavar="PNG", help="draw all recipes into one figure")
     c.set_defaults(handler=main_compare)
 
 
 def _model(args: argparse.Namespace):
+    check_outputs(args)
     model = resolve_model(args.model, remat=args.remat)
     args.seq = args.seq or default_seq(model)
     return model
+
+
+def recipe_for(name: str, args: argparse.Namespace):
+    """The recipe ``name`` with ``--mesh`` sizes applied."""
+    recipe = recipes.get(name)
+    return recipe.with_mesh(args.mesh) if getattr(args, "mesh", None) else recipe
 
 
 def _report(model, recipe: str, devices, args):
     from shardkit import train
     from shardkit.plan import Plan
 
-    plan = Plan(recipe, devices=devices, annotations=getattr(model, "annotations", None))
+    plan = Plan(
+        recipe_for(recipe, args), devices=devices, annotations=getattr(model, "annotations", None)
+    )
     return models.report(plan, model, train.adamw(), batch=args.batch, seq=args.seq)
 
 
 def main_report(args: argparse.Namespace) -> int:
     model = _model(args)
-    recipes.get(args.recipe)
+    recipe_for(args.recipe, args)
     devices = select_devices(args.devices)
     args.batch = args.batch or len(devices)
     start = time.perf_counter()
@@ -68,23 +77,25 @@ def main_report(args: argparse.Namespace) -> int:
     if args.plot:
         from shardkit.report.plot import plot_reports
 
-        plot_reports({args.recipe: report}, args.plot)
-    if args.json:
-        print(json.dumps({"model": args.model, **report.to_json()}))
-        return 0
-    from shardkit.cli.render import print_report
-
-    console = Console()
-    console.print(f"{args.model}, compiled in {time.perf_counter() - start:.1f} s")
-    print_report(report, console)
+        plot_reports({args.recipe: report}, args.plot, title=_title(args, devices))
+    emit_json(args, {"model": args.model, **report.to_json()})
+    if wants_tables(args):
+        console = Console()
+        console.print(f"{args.model}, compiled in {time.perf_counter() - start:.1f} s")
+        console.print(report)
     return 0
+
+
+def _title(args: argparse.Namespace, devices) -> str:
+    return (f"{args.model} on {len(devices)} devices: batch {args.batch}, seq {args.seq}"
+            + (f", remat {args.remat}" if args.remat else ""))  # fmt: skip
 
 
 def main_compare(args: argparse.Namespace) -> int:
     model = _model(args)
     names = args.recipes.split(",") if args.recipes else recipes.names()
     for name in names:
-        recipes.get(name)
+        recipe_for(name, args)
     devices = select_devices(args.devices)
     args.batch = args.batch or len(devices)
     console = Console(stderr=True)
@@ -101,16 +112,15 @@ def main_compare(args: argparse.Namespace) -> int:
     if args.plot:
         from shardkit.report.plot import plot_reports
 
-        plot_reports(reports, args.plot)
-    if args.json:
-        print(json.dumps({"model": args.model, "devices": len(devices),
-                          "reports": {n: r.to_json() for n, r in reports.items()},
-                          "skipped": skipped}))  # fmt: skip
-        return 0
-    from shardkit.cli.render import print_comparison
+        plot_reports(reports, args.plot, title=_title(args, devices), skipped=skipped)
+    emit_json(args, {"model": args.model, "devices": len(devices),
+                     "reports": {n: r.to_json() for n, r in reports.items()},
+                     "skipped": skipped})  # fmt: skip
+    if wants_tables(args):
+        from shardkit.report.render import comparison_table
 
-    out = Console()
-    print_comparison(reports, out)
-    for name, why in skipped.items():
-        out.print(f"[dim]skipped {name}: {why}[/dim]")
+        out = Console()
+        out.print(comparison_table(reports))
+        for name, why in skipped.items():
+            out.print(f"[dim]skipped {name}: {why}[/dim]")
     return 0

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
-from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -13,6 +11,7 @@ from rich.table import Table
 from shardkit import recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, resolve_model
+from shardkit.cli.options import add_json, add_mesh, check_outputs, emit_json, wants_tables
 from shardkit.errors import ShardingError
 
 
@@ -26,13 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
+    add_mesh(p)
+    add_json(p)
     p.add_argument("--no-report", action="store_true",
                    help="skip the layout report (memory, collectives vs analytic) after the run")  # fmt: skip
     p.set_defaults(handler=main)
 
 
 def _validate(args: argparse.Namespace):
+    check_outputs(args)
     model = resolve_model(args.model)
     recipes.get(args.recipe)
     for flag in ("steps", "batch", "seq"):
@@ -44,10 +45,14 @@ def _validate(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     model = _validate(args)
     devices = select_devices(args.devices)
+    from shardkit.cli.report_cmd import recipe_for
     from shardkit.plan import Plan  # imports JAX-heavy modules only once devices are set
     from shardkit.run import run
 
-    plan = Plan(args.recipe, devices=devices, annotations=getattr(model, "annotations", None))
+    plan = Plan(
+        recipe_for(args.recipe, args), devices=devices,
+        annotations=getattr(model, "annotations", None),
+    )  # fmt: skip
     plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
 
     console = Console(stderr=True)
@@ -81,13 +86,13 @@ def main(args: argparse.Namespace) -> int:
             seed=args.seed,
             on_step=on_step,
         )
-    _print_summary(result)
-    if not args.no_report:
-        from shardkit.cli.render import print_report
+    emit_json(args, result.to_json())
+    if wants_tables(args):
+        _print_summary(result)
+        if not args.no_report:
+            from shardkit.cli.render import print_report
 
-        print_report(result.report, Console(), top=6)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
+            print_report(result.report, Console(), top=6)
     return 0
 
 

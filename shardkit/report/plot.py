@@ -25,10 +25,17 @@ __all__ = ["plot_reports"]
 _MIB = 1 / 2**20
 
 
-def plot_reports(reports: Mapping[str, Report], path: str | Path) -> str:
+def plot_reports(
+    reports: Mapping[str, Report],
+    path: str | Path,
+    *,
+    title: str | None = None,
+    skipped: Mapping[str, str] | None = None,
+) -> str:
     """Two panels per figure: memory per device (stacked by kind) and wire bytes per
     device per step (stacked by collective kind), each recipe's measured bar next to its
-    analytic bar. Returns the path written."""
+    analytic bar. ``title`` heads the figure (model, devices, workload); ``skipped``
+    recipes are listed under it with their reason. Returns the path written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,6 +87,14 @@ def plot_reports(reports: Mapping[str, Report], path: str | Path) -> str:
     for ax in (ax_mem, ax_wire):
         ax.set_xticks(list(xs), names, rotation=30, ha="right")
     ax_mem.legend(fontsize=8)
+    for ax in (ax_mem, ax_wire):  # headroom above the tallest bar for the legend
+        low, high = ax.get_ylim()
+        ax.set_ylim(low, high * 1.25)
+    lines = [title] if title else []
+    if skipped:
+        lines.append("skipped: " + "; ".join(f"{n} ({why[:60]})" for n, why in skipped.items()))
+    if lines:
+        fig.suptitle("\n".join(lines), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,0 +1,85 @@
+"""Every command reads well at 80 columns and spells --json, --mesh and outputs alike."""
+
+import json
+
+import pytest
+
+from shardkit.cli import main
+from shardkit.cli.options import parse_mesh
+
+
+@pytest.fixture
+def narrow(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+
+
+def lines_of(text):
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def test_report_fits_80_columns_and_keeps_leaf_names(narrow, capsys):
+    assert main(["report", "--model", "gpt-tiny", "--recipe", "tp", "--mesh", "tensor=4,data=2",
+                 "--remat", "full"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert max(len(line) for line in lines_of(out)) <= 80
+    assert "tp on tensor=4 × data=2" in out
+    # Collectives name the layer that caused them, not a truncated op name.
+    assert "layers/mlp/down" in out or "layers/attn/out" in out
+
+
+def test_plan_table_abbreviates_paths_from_the_middle(narrow, capsys):
+    assert main(["plan", "--model", "llama-tiny", "--recipe", "fsdp", "--all"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in lines_of(out)) <= 80
+    assert "…/mlp/down/kernel" in out  # the distinctive end survives
+
+
+def test_compare_fits_80_columns(narrow, capsys):
+    assert main(["compare", "--model", "gpt-tiny", "--recipes", "dp,fsdp"]) == 0
+    assert max(len(line) for line in lines_of(capsys.readouterr().out)) <= 80
+
+
+def test_json_means_the_same_in_every_command(tmp_path, capsys):
+    # Alone: JSON on stdout, no tables.
+    assert main(["plan", "--model", "gpt-tiny", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mesh"] == {"fsdp": 8}
+    # With a path: the file, and the tables on the terminal as usual.
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--json", str(out)]) == 0
+    assert "per device" in capsys.readouterr().out
+    assert json.loads(out.read_text())["recipe"] == "fsdp"
+    assert main(["report", "--model", "gpt-tiny", "--recipe", "dp", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["recipe"] == "dp" and d["workload"]["batch"] == 8
+
+
+def test_mesh_flag_sizes_the_recipes_axes(capsys):
+    assert main(["plan", "--model", "gpt-tiny", "--recipe", "fsdp_tp", "--mesh", "tensor=2",
+                 "--json"]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["mesh"] == {"fsdp": 4, "tensor": 2}
+    assert parse_mesh("data=-1, tensor=4") == {"data": -1, "tensor": 4}
+
+
+@pytest.mark.parametrize("bad", ["data", "data=x", "data=2,data=4", ","])
+def test_bad_mesh_flags_are_usage_errors(bad, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--mesh", bad])
+    assert e.value.code == 2 and "NAME=SIZE" in capsys.readouterr().err or bad == ","
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["report", "--json", "/nonexistent/dir/r.json"], "does not exist"),
+        (["compare", "--recipes", "dp", "--plot", "out.txt"], "--plot out.png"),
+        (["run", "--steps", "1", "--json", "/nonexistent/r.json"], "does not exist"),
+        (["plan", "--json", "/"], "is a directory"),
+    ],
+)
+def test_output_paths_are_checked_before_any_work(argv, message, capsys, monkeypatch):
+    # Nothing may compile first: a failing output path must fail fast.
+    import shardkit.models
+
+    monkeypatch.setattr(shardkit.models, "report", lambda *a, **k: pytest.fail("compiled"))
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
