@@ -40,3 +40,30 @@ def test_readme_own_model_example_runs(capsys):
     out = capsys.readouterr().out
     assert out.startswith("P('fsdp', None)\n") and "memory per device" in out
     assert namespace["report"].to_json()["workload"]["batch"] == 8
+
+
+def test_reference_models_table_matches_the_configs():
+    from shardkit.models import CONFIGS
+
+    table = README.split("<!-- reference-models -->", 1)[1].split("\n\n", 1)[0]
+    rows = [line.split("|")[1:-1] for line in table.strip().splitlines()[2:]]
+    assert [r[0].strip(" `") for r in rows] == list(CONFIGS)
+    for r in rows:
+        c = CONFIGS[r[0].strip(" `")]
+        assert int(r[2].replace(",", "")) == c.param_count()
+        assert r[5].strip() == f"{c.n_heads} ({c.n_kv_heads})"
+        assert int(r[6].replace(",", "")) == c.vocab and int(r[4]) == c.n_layers
+
+
+def test_the_sample_error_is_the_real_one():
+    import shardkit as sk
+
+    block = README.split("Mistakes raise `sk.ShardingError`", 1)[1].split("```", 2)[1]
+    try:
+        sk.recipes.get("tp").rules.spec(("embed", "heads", "kv"), (768, 12, 64),
+                                        {"data": 1, "tensor": 8},
+                                        "params/layers/attn/query/kernel")  # fmt: skip
+    except sk.ShardingError as e:
+        assert " ".join(block.split()) == " ".join(str(e).split())
+    else:
+        raise AssertionError("no error")
