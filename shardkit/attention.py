@@ -80,6 +80,7 @@ def use_attention(strategy: AttentionStrategy, *, axis: str = "sequence"):
     caches traces by function and arguments, not by this context: jit a fresh
     function (or clear its cache) to trace the same step under another strategy.
     """
+    context.ShardingContext(attention=strategy)  # an unknown strategy fails here, not later
     return context.using(attention=strategy, attention_axis=axis)
 
 

@@ -2,7 +2,7 @@
 
 ``plan.jit`` enters it once around tracing a step: the parameter rules (``@sk.axes``
 pins each weight where it is read), the activation rules (``sk.constrain``, the
-batch), the attention strategy (``causal_attention``) and the precision. Model code
+batch) and the attention strategy (``causal_attention``). Model code
 reads it through :func:`current` and never names a rule or a mesh axis; the mesh is
 JAX's own (``jax.set_mesh``), read by :func:`active_mesh`.
 
@@ -50,14 +50,12 @@ class ShardingContext:
       activation_rules: rules for activations and the batch (``None``: no constraints).
       attention: how ``causal_attention`` treats a sharded sequence.
       attention_axis: the mesh axis that splits the sequence for attention.
-      precision: the step's numeric precision (``"f32"``).
     """
 
     param_rules: Rules | None = None
     activation_rules: Rules | None = None
     attention: AttentionStrategy = "dense"
     attention_axis: str = "sequence"
-    precision: str = "f32"
 
     def __post_init__(self):
         if self.attention not in get_args(AttentionStrategy):

@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -160,7 +162,7 @@ class Plan:
         from ``plan.init``) reports the spec it has; an ``AbstractState`` its own leaves.
         """
         if isinstance(tree, AbstractState):
-            return list(tree.leaves)
+            return list(self._own(tree).leaves)
         infos, _ = describe_leaves(
             tree, annotations=self.annotations, on_unmatched=self.on_unmatched
         )
@@ -186,11 +188,15 @@ class Plan:
         depends on ``tree`` alone, never on what the plan did before.
         """
         if isinstance(tree, AbstractState):
-            return tree.shardings
+            return self._own(tree).shardings
         treedef = jax.tree.structure(tree, is_leaf=is_annotated_leaf)
         return jax.tree.unflatten(
             treedef, [NamedSharding(self.mesh, leaf.spec) for leaf in self.leaves(tree)]
         )
+
+    def _shards(self, rules: Rules) -> bool:
+        """True if ``rules`` map some logical name to a mesh axis of size > 1 here."""
+        return any(self.mesh.shape.get(a, 1) > 1 for a in rules.mesh_axis_names)
 
     def _existing(self, x: Any) -> NamedSharding | None:
         sharding = getattr(x, "sharding", None)
@@ -218,13 +224,13 @@ class Plan:
         state=abstract)`` for state that comes back as host arrays, for
         ``plan.report``, and (``abstract.tree``) as an orbax restore target.
         """
-        return self._abstract_init(init_fn, args, stacklevel=4)
+        return self._abstract_init(init_fn, args)
 
-    def _abstract_init(self, init_fn: Callable[..., Any], args: tuple, *, stacklevel: int):
+    def _abstract_init(self, init_fn: Callable[..., Any], args: tuple) -> AbstractState:
         with nnx.use_eager_sharding(False):
             annotated = jax.eval_shape(init_fn, *args)
         leaves = self.leaves(annotated)
-        self._warn_if_replicated(leaves, stacklevel=stacklevel)
+        self._warn_if_replicated(leaves)
         flat, treedef = jax.tree.flatten(unbox(annotated))
         tree = jax.tree.unflatten(
             treedef,
@@ -244,9 +250,9 @@ class Plan:
         whole unsharded state. ``plan.init(abstract)`` creates the state an
         ``AbstractState`` describes, in its shardings.
         """
-        abstract = init_fn if isinstance(init_fn, AbstractState) else None
+        abstract = self._own(init_fn) if isinstance(init_fn, AbstractState) else None
         if abstract is None:
-            abstract = self._abstract_init(init_fn, args, stacklevel=4)
+            abstract = self._abstract_init(init_fn, args)
         elif args:
             raise ShardingError(
                 "plan.init(abstract_state, ...): the abstract state knows its arguments.\n"
@@ -271,10 +277,21 @@ class Plan:
             leaves = jax.jit(flat_init, out_shardings=shardings)(*abstract.args)
         return jax.tree.unflatten(structure[-1], leaves)
 
-    def _warn_if_replicated(self, leaves: Sequence[PlannedLeaf], *, stacklevel: int) -> None:
+    def _own(self, abstract: AbstractState) -> AbstractState:
+        """``abstract`` if it was planned on this plan's mesh, else a clear error."""
+        if abstract.mesh != self.mesh:
+            raise ShardingError(
+                f"This AbstractState was planned on mesh {dict(abstract.mesh.shape)}, not on "
+                f"this plan's {dict(self.mesh.shape)}.\nFix: make it with this plan "
+                "(plan.abstract_init(init_fn, key)); to move a state between layouts, restore "
+                "it into this plan's abstract state."
+            )
+        return abstract
+
+    def _warn_if_replicated(self, leaves: Sequence[PlannedLeaf]) -> None:
         """Warn when a recipe meant to shard a kind of leaf left most of its bytes whole."""
-        meant = {"param": _shards_any(self.rules, self.mesh)}
-        meant["optimizer"] = _shards_any(self.recipe.optimizer_rules or self.rules, self.mesh)
+        meant = {"param": self._shards(self.rules)}
+        meant["optimizer"] = self._shards(self.recipe.optimizer_rules or self.rules)
         for kind, sharded in meant.items():
             rows = [leaf for leaf in leaves if leaf.kind == kind]
             total = sum(_nbytes(leaf) for leaf in rows)
@@ -302,7 +319,7 @@ class Plan:
                 f"{dict(self.mesh.shape)}: {why}.\nFix: {fix}; sk.logical_axes(state) shows "
                 "what each leaf has.",
                 ShardingWarning,
-                stacklevel=stacklevel,
+                stacklevel=_user_stacklevel(),
             )
 
     def shard_batch(self, host_batch: Any) -> Any:
@@ -400,6 +417,7 @@ class Plan:
                     "plan.report(step, state, batch): a step needs a batch to compile.\n"
                     "Fix: pass the batch (arrays or jax.ShapeDtypeStructs)."
                 )
+            self._check_axes_known(state)
             compiled = self.compile(step, state, batch, *args)
             if "workload" not in kwargs and "model_config" not in kwargs:
                 kwargs["workload"] = _workload_of(batch)
@@ -449,13 +467,13 @@ class PlannedStep:
 
     def _state_shardings(self, state: Any, abstract: AbstractState | None) -> Any:
         plan = self.plan
-        abstract = self.state or abstract
+        abstract = plan._own(self.state) if self.state is not None else abstract
         if abstract is None:
             leaves = plan.leaves(state)
             # Leaves with a sharding already were planned (and checked) when created.
             planned = [leaf for leaf, x in zip(leaves, jax.tree.leaves(state), strict=True)
                        if plan._existing(x) is None]  # fmt: skip
-            plan._warn_if_replicated(planned, stacklevel=6)
+            plan._warn_if_replicated(planned)
             treedef = jax.tree.structure(state)
             return jax.tree.unflatten(treedef, [NamedSharding(plan.mesh, x.spec) for x in leaves])
         want, got = jax.tree.structure(abstract.tree), jax.tree.structure(state)
@@ -477,11 +495,11 @@ class PlannedStep:
             state_sh = self._state_shardings(state, abstract)
             batch_sh = plan.batch_shardings(batch)
 
-            def traced(state, batch, *extra, **kwargs):
+            def traced(state, batch, *extra):
                 # NNX would otherwise read logical names as mesh axes when it rebuilds
                 # Variables inside the step; shardings here come from the plan.
                 with plan.context(), nnx.use_eager_sharding(False):
-                    out = self.step_fn(state, batch, *extra, **kwargs)
+                    out = self.step_fn(state, batch, *extra)
                 if not isinstance(out, tuple):
                     out = (out,)
                 new_state, rest = out[0], out[1:]
@@ -489,10 +507,19 @@ class PlannedStep:
                 return (new_state, *rest)
 
             kwargs = dict(self.jit_kwargs)
+            n_args = 2 + n_extra
             static = kwargs.get("static_argnums", ())
             static = {static} if isinstance(static, int) else set(static)
-            extra_sh = tuple(kwargs.pop("in_shardings", (None,) * n_extra))
-            dynamic_extra = [i for i in range(2, 2 + n_extra) if i not in static]
+            static = {i % n_args if -n_args <= i < n_args else i for i in static}
+            if static & {0, 1}:
+                raise ShardingError(
+                    "plan.jit(..., static_argnums=...) names the state or the batch (positions "
+                    "0, 1); the plan shards those.\nFix: static_argnums counts from 2."
+                )
+            if static:
+                kwargs["static_argnums"] = tuple(sorted(static))
+            dynamic_extra = [i for i in range(2, n_args) if i not in static]
+            extra_sh = tuple(kwargs.pop("in_shardings", (None,) * len(dynamic_extra)))
             if len(extra_sh) != len(dynamic_extra):
                 raise ShardingError(
                     f"plan.jit(..., in_shardings=...) gives {len(extra_sh)} sharding(s) for "
@@ -508,19 +535,24 @@ class PlannedStep:
 
     def _prepare(self, state: Any, batch: Any, n_extra: int):
         """(the state as arrays, the jitted step); an ``AbstractState`` gives its layout."""
-        abstract = state if isinstance(state, AbstractState) else None
+        abstract = self.plan._own(state) if isinstance(state, AbstractState) else None
         state = abstract.tree if abstract is not None else state
         return state, self._jitted(state, batch, n_extra, abstract)
 
-    def __call__(self, state: Any, batch: Any, *extra: Any, **kwargs: Any):
+    def __call__(self, state: Any, batch: Any, *extra: Any):
+        if isinstance(state, AbstractState):
+            raise ShardingError(
+                "A step runs on arrays; an AbstractState only describes them.\nFix: "
+                "step(plan.init(abstract), batch), or step.lower(abstract, batch) to compile."
+            )
         with jax.set_mesh(self.plan.mesh):
             state, jitted = self._prepare(state, batch, len(extra))
-            return jitted(state, batch, *extra, **kwargs)
+            return jitted(state, batch, *extra)
 
-    def lower(self, state: Any, batch: Any, *extra: Any, **kwargs: Any):
+    def lower(self, state: Any, batch: Any, *extra: Any):
         with jax.set_mesh(self.plan.mesh):
             state, jitted = self._prepare(state, batch, len(extra))
-            return jitted.lower(state, batch, *extra, **kwargs)
+            return jitted.lower(state, batch, *extra)
 
 
 def _tree_of(tree: Any) -> Any:
@@ -535,22 +567,25 @@ def _nbytes(leaf: PlannedLeaf) -> int:
     return int(np.prod(leaf.shape)) * np.dtype(leaf.info.dtype).itemsize
 
 
-def _shards_any(rules: Rules, mesh: Mesh) -> bool:
-    """True if ``rules`` map some logical name to a mesh axis of size > 1."""
-    for _, axes in rules:
-        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        if any(mesh.shape.get(a, 1) > 1 for a in names):
-            return True
-    return False
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside shardkit."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _workload_of(batch: Any) -> Workload | None:
-    """The batch and sequence sizes a batch tree implies (first leaf with a dimension)."""
-    for x in jax.tree.leaves(batch):
-        shape = np.shape(x)
-        if shape:
-            return Workload(batch=int(shape[0]), seq=int(shape[1]) if len(shape) > 1 else None)
-    return None
+    """The batch size a batch tree implies (its leaves' leading dimension), and the
+    sequence length when the batch holds token ids (2-D integer arrays)."""
+    leaves = [x for x in jax.tree.leaves(batch) if np.shape(x)]
+    if not leaves:
+        return None
+    tokens = [x for x in leaves if len(np.shape(x)) == 2
+              and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)]  # fmt: skip
+    seq = int(np.shape(tokens[0])[1]) if tokens else None
+    return Workload(batch=int(np.shape(leaves[0])[0]), seq=seq)
 
 
 def _is_compiled(x: Any) -> bool:

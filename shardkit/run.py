@@ -19,10 +19,9 @@ from typing import Any
 
 import jax
 
-from shardkit import train
+from shardkit import models, train
 from shardkit.data import MarkovSource
 from shardkit.errors import ShardingError
-from shardkit.models import resolve as resolve_model
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
 from shardkit.report.report import Report
@@ -80,7 +79,7 @@ def run(
       loss, throughput (steps after the first), per-device memory and the full
       ``Report`` of the compiled step (collectives, analytic model, warnings).
     """
-    spec = resolve_model(model) if isinstance(model, str) else model
+    spec = models.resolve(model) if isinstance(model, str) else model
     if isinstance(recipe, Plan) and devices is not None:
         raise ShardingError("run(recipe=Plan(...), devices=...): the plan has its mesh already.")
     annotations = getattr(spec, "annotations", None)
@@ -101,10 +100,7 @@ def run(
     first = plan.shard_batch(_local_batch(source, batch, seq, 0))
     # Compile once; the same executable trains and is reported on.
     compiled = plan.jit(train.train_step(spec, tx), state=abstract).lower(state, first).compile()
-    if hasattr(spec, "config"):
-        workload = Workload.from_config(spec.config, batch=batch, seq=seq, model=spec.name)
-    else:
-        workload = Workload(batch=batch, seq=seq, model=spec.name, remat=None, **spec.dims)
+    workload = Workload.of_model(spec, batch=batch, seq=seq)
     report = plan.report(compiled, abstract, workload=workload)
 
     def step_fn(state, batch):

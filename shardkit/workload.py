@@ -72,5 +72,15 @@ class Workload:
             model=model,
         )
 
+    @classmethod
+    def of_model(cls, model: Any, *, batch: int, seq: int) -> Workload:
+        """The workload of a reference ``Model`` (from its config) or a user's model
+        (``dims`` it declares; its own code decides remat, so ``remat`` is ``None``)."""
+        name = getattr(model, "name", None)
+        config = getattr(model, "config", None)
+        if config is not None:
+            return cls.from_config(config, batch=batch, seq=seq, model=name)
+        return cls(batch=batch, seq=seq, model=name, remat=None, **getattr(model, "dims", {}))
+
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -8,6 +8,8 @@ Together the targets below draw more than 10,000 examples (derandomized, so CI s
 the same ones every run).
 """
 
+import sys
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -69,8 +71,13 @@ patterns = st.one_of(
 policies = st.one_of(st.sampled_from(["replicate", "error", None]), junk)
 
 
+CALLS: dict[str, int] = {}
+
+
 def outcome(fn, *words):
     """Call ``fn``; a ShardingError must mention one of ``words`` (the argument)."""
+    target = sys._getframe(1).f_code.co_name
+    CALLS[target] = CALLS.get(target, 0) + 1
     try:
         fn()
     except sk.ShardingError as e:
@@ -162,10 +169,11 @@ def test_plan(recipe, mesh, devs, annotations, policy):
             "on_unmatched", "Mesh", "axes", "PathAxes", "pattern")  # fmt: skip
 
 
-def test_the_targets_draw_at_least_10000_examples():
-    targets = [test_rules, test_rules_spec, test_make_mesh, test_path_axes,
-               test_axes_decorator, test_constrain, test_plan]  # fmt: skip
-    assert len(targets) * EXAMPLES >= 10_000
+def test_the_targets_drew_at_least_10000_examples():
+    """Counts the calls the targets above really made (pytest runs a file in order)."""
+    if len(CALLS) < 7:
+        pytest.skip("run with the whole file: counts the calls of every target above")
+    assert sum(CALLS.values()) >= 10_000, CALLS
 
 
 @pytest.mark.parametrize(
@@ -176,7 +184,7 @@ def test_the_targets_draw_at_least_10000_examples():
         (lambda: sk.make_mesh({"data": -1}, devices=[]), ValueError, "devices is empty"),
         (lambda: sk.Rules([("e", "d")]).spec(("e",), shape=(7.5,)), TypeError, "holds 7.5"),
         (lambda: sk.Rules([]).spec(None), TypeError, "logical axes are a tuple"),
-        (lambda: sk.PathAxes([(b"kernel", ("embed",))]), ValueError, "patterns are regexes"),
+        (lambda: sk.PathAxes([(b"kernel", ("embed",))]), TypeError, "patterns are regexes"),
         (lambda: sk.PathAxes("kernel$"), TypeError, "got str 'kernel$'"),
         (lambda: sk.constrain(jnp.ones(5), "batch"), TypeError, "Fix: e.g. ('batch',)"),
         (lambda: sk.Rules([("e", "d")]).spec(("e",), mesh={"d": 0}), ValueError, "size 0"),

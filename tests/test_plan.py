@@ -291,3 +291,51 @@ def test_constrain_takes_a_rule_list():
 def test_plan_accepts_annotation_pairs():
     plan = sk.Plan("fsdp", annotations=[("w$", ("embed", "mlp"))])
     assert plan.shardings({"w": jnp.zeros((16, 8))})["w"].spec == P("fsdp", None)
+
+
+def test_static_argnums_alone_and_counted_from_the_end():
+    # Regression: without in_shardings, the default counted static arguments too.
+    plan = sk.Plan("fsdp")
+    state = plan.init(init, jax.random.key(0))
+    b = plan.shard_batch(batch())
+
+    def scaled(state, batch, scale, power):
+        new_state, loss = step(state, batch)
+        return new_state, loss * scale**power
+
+    _, ref = plan.jit(step, donate_state=False)(state, b)
+    for static in ((3,), -1):
+        step_fn = plan.jit(scaled, static_argnums=static, donate_state=False)
+        _, loss = step_fn(state, b, jnp.float32(2.0), 2)
+        np.testing.assert_allclose(float(loss), 4 * float(ref), rtol=1e-6)
+    with pytest.raises(sk.ShardingError, match="counts from 2"):
+        plan.jit(scaled, static_argnums=(1,))(state, b, 2.0, 3)
+
+
+def test_an_abstract_state_belongs_to_its_plan():
+    fsdp, dp = sk.Plan("fsdp"), sk.Plan("dp")
+    abstract = fsdp.abstract_init(init, jax.random.key(0))
+    for use in (lambda: dp.init(abstract), lambda: dp.shardings(abstract),
+                lambda: dp.jit(step, state=abstract)(fsdp.init(abstract),
+                                                      dp.shard_batch(batch()))):  # fmt: skip
+        with pytest.raises(sk.ShardingError, match=r"planned on mesh \{'fsdp': 8\}"):
+            use()
+    with pytest.raises(sk.ShardingError, match="only describes them"):
+        fsdp.jit(step)(abstract, fsdp.shard_batch(batch()))
+
+
+def test_the_replication_warning_points_at_the_callers_line():
+    class Bare(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(64)(x)
+
+    def bare_init(rng):
+        return Bare().init(rng, jnp.ones((1, 64)))["params"]
+
+    plan = sk.Plan("fsdp")
+    for call in (lambda: plan.init(bare_init, jax.random.key(0)),
+                 lambda: plan.abstract_init(bare_init, jax.random.key(0))):  # fmt: skip
+        with pytest.warns(sk.ShardingWarning) as record:
+            call()
+        assert record[0].filename == __file__

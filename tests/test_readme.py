@@ -42,17 +42,27 @@ def test_readme_own_model_example_runs(capsys):
     assert namespace["report"].to_json()["workload"]["batch"] == 8
 
 
-def test_reference_models_table_matches_the_configs():
-    from shardkit.models import CONFIGS
+def test_reference_models_table_matches_the_models():
+    import jax
+    import numpy as np
+
+    from shardkit import models
 
     table = README.split("<!-- reference-models -->", 1)[1].split("\n\n", 1)[0]
-    rows = [line.split("|")[1:-1] for line in table.strip().splitlines()[2:]]
-    assert [r[0].strip(" `") for r in rows] == list(CONFIGS)
-    for r in rows:
-        c = CONFIGS[r[0].strip(" `")]
-        assert int(r[2].replace(",", "")) == c.param_count()
-        assert r[5].strip() == f"{c.n_heads} ({c.n_kv_heads})"
-        assert int(r[6].replace(",", "")) == c.vocab and int(r[4]) == c.n_layers
+    rows = [[c.strip(" `") for c in line.split("|")[1:-1]]
+            for line in table.strip().splitlines()[2:]]  # fmt: skip
+    assert [r[0] for r in rows] == models.names()
+    for name, api, params, width, layers, heads, vocab, max_seq in rows:
+        model = models.get(name)
+        c = model.config
+        # Parameters counted from the abstract init (not from the config's own formula).
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        count = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(shapes))
+        assert int(params.replace(",", "")) == count
+        assert api == ("linen" if c.family == "gpt" else "NNX")
+        assert (int(width.replace(",", "")), int(layers)) == (c.d_model, c.n_layers)
+        assert heads == f"{c.n_heads} ({c.n_kv_heads})"
+        assert (int(vocab.replace(",", "")), int(max_seq.replace(",", ""))) == (c.vocab, c.max_seq)
 
 
 def test_the_sample_error_is_the_real_one():

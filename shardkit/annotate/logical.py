@@ -1,8 +1,8 @@
 """``sk.logical_axes``: the logical axes of every leaf of a state tree.
 
 Each leaf is first sorted into a *kind*: optimizer state (it sits inside an optax
-state, an NNX optimizer Variable, or under a key such as ``opt_state``, ``mu`` or
-``nu``), a scalar, or a parameter (everything else). Then, for each leaf:
+state, is an NNX optimizer Variable, or is under a key named ``opt_state``), a
+scalar, or a parameter (everything else). Then, for each leaf:
 
 1. axes stored by Flax on the leaf (``nn.LogicallyPartitioned``, NNX
    ``out_sharding``; ``@sk.axes`` produces these);
@@ -13,12 +13,15 @@ state, an NNX optimizer Variable, or under a key such as ``opt_state``, ``mu`` o
    to survive ``tree_map``, and patterns written for parameters never match the
    moments by accident (a moment then gets the parameter's axes, and a recipe's
    optimizer rules);
-4. scalars (step counters) are replicated;
-5. anything else follows ``on_unmatched``: all-``None`` axes, or an error that
+4. an unannotated leaf that is a deeper copy of an annotated parameter (its path
+   ends with that parameter's whole path inside its container, e.g. a hand-made
+   ``{"mu": ...}`` next to ``params``) mirrors it too, and counts as optimizer state;
+5. scalars (step counters) are replicated;
+6. anything else follows ``on_unmatched``: all-``None`` axes, or an error that
    names every unmatched parameter.
 
-Parameters never mirror one another: an unannotated parameter that shares a name
-and shape with an annotated one is unmatched, not a copy.
+Parameters never mirror one another: an unannotated parameter that merely shares a
+name and shape with an annotated one is unmatched, not a copy.
 
 Example:
   >>> import optax, numpy as np, shardkit as sk
@@ -48,9 +51,9 @@ from shardkit.paths import key_name
 
 __all__ = ["logical_axes", "describe_leaves", "LeafInfo", "OPTIMIZER_KEYS"]
 
-#: Path keys that mark optimizer state when no optax type says so (a hand-made
-#: ``{"mu": ...}`` or a ``TrainState.opt_state`` built by other libraries).
-OPTIMIZER_KEYS = frozenset({"opt_state", "mu", "nu", "trace", "momentum"})
+#: Path keys that mark optimizer state when no optax type says so (Flax's
+#: ``TrainState.opt_state``, ``nnx.Optimizer.opt_state``).
+OPTIMIZER_KEYS = frozenset({"opt_state"})
 
 Source = Literal["flax", "annotation", "mirror", "scalar", "unmatched"]
 
@@ -92,7 +95,8 @@ def _shape_dtype(x: Any) -> tuple[tuple[int, ...], Any]:
 def _is_optax_state(x: Any) -> bool:
     """An optax state node: a NamedTuple defined by optax (``ScaleByAdamState``, ...)."""
     t = type(x)
-    return isinstance(x, tuple) and hasattr(t, "_fields") and t.__module__.startswith("optax")
+    optax_type = t.__module__ == "optax" or t.__module__.startswith("optax.")
+    return isinstance(x, tuple) and hasattr(t, "_fields") and optax_type
 
 
 def _optimizer_paths(tree: Any) -> set[tuple[Any, ...]]:
@@ -127,34 +131,47 @@ def describe_leaves(
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_annotated_leaf)
     optax_paths = _optimizer_paths(tree)
     infos: list[LeafInfo | None] = [None] * len(flat)
-    params: dict[tuple[str, ...], list[tuple[tuple[int, ...], LeafInfo]]] = {}
-    pending = []
+    pending_params, pending_optimizer = [], []
     for i, (path, leaf) in enumerate(flat):
         names = _names(path)
         where = "/".join(names) or "<root>"
         shape, dtype = _shape_dtype(leaf)
         optimizer = _is_optimizer_leaf(path, leaf, optax_paths)
         axes, source = stored_axes(leaf, where), "flax"
-        if axes is None and optimizer:  # moments mirror their parameter (below)
-            pending.append((i, names, where, shape, dtype))
-            continue
-        if axes is None and annotations is not None:
+        if axes is None and not optimizer and annotations is not None:
             axes, source = annotations.match(where, shape), "annotation"
-        if axes is None:
-            source = "scalar" if not shape else "unmatched"
-            axes = LogicalAxes((None,) * len(shape))
+        if axes is None:  # decided below, once every annotated parameter is known
+            (pending_optimizer if optimizer else pending_params).append((i, path, where, shape, dtype))
+            continue
         if len(axes) != len(shape):
             raise errors.RankMismatchError(
                 f"{where}: shape {shape} has {len(shape)} dimension(s) but its logical axes "
                 f"{tuple(axes)} name {len(axes)}.\nFix: give one name (or None) per dimension."
             )
-        infos[i] = info = LeafInfo(where, shape, dtype, axes, source, optimizer)
-        if not optimizer:
-            for start in range(len(names)):  # every suffix: containers differ in prefix
-                params.setdefault(names[start:], []).append((shape, info))
+        infos[i] = LeafInfo(where, shape, dtype, axes, source, optimizer)
 
-    for i, names, where, shape, dtype in pending:
-        ref = _mirror(names, shape, params)
+    # Deeper copies of an annotated parameter (an optimizer state made by hand).
+    annotated = [(_relative(flat[i][0]), len(flat[i][0]), info) for i, info in enumerate(infos)
+                 if info is not None and not info.optimizer]  # fmt: skip
+    for i, path, where, shape, dtype in pending_params:
+        names = _names(path)
+        copies = [info for rel, depth, info in annotated
+                  if rel and len(names) > depth and names[len(names) - len(rel):] == rel
+                  and info.shape == shape]  # fmt: skip
+        if copies:
+            infos[i] = LeafInfo(where, shape, dtype, _agreed(copies, where).axes, "mirror", True)
+        else:
+            source = "scalar" if not shape else "unmatched"
+            infos[i] = LeafInfo(where, shape, dtype, LogicalAxes((None,) * len(shape)), source)
+
+    params: dict[tuple[str, ...], list[LeafInfo]] = {}
+    for i, info in enumerate(infos):
+        if info is not None and not info.optimizer:
+            names = _names(flat[i][0])
+            for start in range(len(names)):  # every suffix: containers differ in prefix
+                params.setdefault(names[start:], []).append(info)
+    for i, path, where, shape, dtype in pending_optimizer:
+        ref = _mirror(_names(path), shape, params, where)
         if ref is not None:
             infos[i] = LeafInfo(where, shape, dtype, ref.axes, "mirror", True)
             continue
@@ -175,21 +192,40 @@ def describe_leaves(
     return infos, treedef  # type: ignore[return-value]
 
 
-def _split(path: str) -> tuple[str, ...]:
-    return tuple(path.split("/"))
+def _relative(path: tuple[Any, ...]) -> tuple[str, ...]:
+    """A parameter's path inside its container: without the first key when the tree's
+    top level is a container of states (a tuple, a NamedTuple or dataclass, or a dict
+    key ``params``), the whole path when the tree is the params themselves."""
+    names = _names(path)
+    top = path[0] if path else None
+    contained = isinstance(top, (jax.tree_util.SequenceKey, jax.tree_util.GetAttrKey))
+    return names[1:] if names and (contained or names[0] == "params") else names
 
 
-def _mirror(names, shape, params) -> LeafInfo | None:
+def _mirror(names, shape, params, where) -> LeafInfo | None:
     """The parameter sharing the longest path suffix with ``names`` (and its shape).
 
     Among parameters with the same suffix, the one with the shortest path wins: it is
     the parameter itself rather than a deeper one that happens to end the same way.
     """
     for start in range(len(names)):
-        hits = [info for ref_shape, info in params.get(names[start:], ()) if ref_shape == shape]
+        hits = [info for info in params.get(names[start:], ()) if info.shape == shape]
         if hits:
-            return min(hits, key=lambda info: len(_split(info.path)))
+            shortest = min(len(h.path.split("/")) for h in hits)
+            return _agreed([h for h in hits if len(h.path.split("/")) == shortest], where)
     return None
+
+
+def _agreed(candidates: list[LeafInfo], where: str) -> LeafInfo:
+    """The one candidate to mirror; candidates that disagree on axes are an error."""
+    if len({tuple(c.axes) for c in candidates}) > 1:
+        listing = "\n".join(f"  {c.path} -> {tuple(c.axes)}" for c in candidates)
+        raise errors.AmbiguousAxesError(
+            f"{where} copies one of several parameters with its shape, which disagree on "
+            f"logical axes:\n{listing}\nFix: annotate {where} itself (a sk.PathAxes pattern), "
+            "or give the parameters distinct names."
+        )
+    return candidates[0]
 
 
 def logical_axes(

@@ -63,7 +63,7 @@ class PatternAxes:
                 )
             pattern, axes = item
             if not isinstance(pattern, str):
-                raise errors.RuleError(
+                raise errors.ArgumentTypeError(
                     f"Annotation #{i}: the pattern {pattern!r} is a {type(pattern).__name__}; "
                     "patterns are regexes as str, searched in 'a/b/c' paths.\nFix: e.g. "
                     "'attn/query/kernel$'."

@@ -16,7 +16,8 @@ from typing import Any
 
 from shardkit.errors import ShardingError
 
-__all__ = ["add_json", "add_mesh", "check_outputs", "emit_json", "parse_mesh", "wants_tables"]
+__all__ = ["add_json", "add_mesh", "check_outputs", "emit_json", "parse_mesh", "recipe_for",
+           "wants_tables"]  # fmt: skip
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -53,8 +54,16 @@ def parse_mesh(text: str) -> dict[str, int]:
             )
         axes[name] = value
     if not axes:
-        raise argparse.ArgumentTypeError(f"{text!r} names no axis (e.g. --mesh data=2,tensor=4)")
+        raise argparse.ArgumentTypeError(f"{text!r} names no axis: each is NAME=SIZE (e.g. data=2)")
     return axes
+
+
+def recipe_for(name: str, args: argparse.Namespace):
+    """The recipe ``name`` with ``--mesh`` sizes applied."""
+    from shardkit import recipes
+
+    recipe = recipes.get(name)
+    return recipe.with_mesh(args.mesh) if getattr(args, "mesh", None) else recipe
 
 
 def check_outputs(args: argparse.Namespace) -> None:
@@ -63,7 +72,7 @@ def check_outputs(args: argparse.Namespace) -> None:
         if path is None or path == "-":
             continue
         target = Path(path)
-        parent = target.parent if str(target.parent) else Path(".")
+        parent = target.parent
         if target.is_dir():
             raise ShardingError(f"{flag} {path}: is a directory.\nFix: give a file name.")
         if not parent.is_dir():

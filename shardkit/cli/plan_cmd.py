@@ -9,11 +9,16 @@ from rich.table import Table
 
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, resolve_model
-from shardkit.cli.options import add_json, add_mesh, check_outputs, emit_json, wants_tables
-from shardkit.cli.report_cmd import recipe_for
+from shardkit.cli.options import (
+    add_json,
+    add_mesh,
+    check_outputs,
+    emit_json,
+    recipe_for,
+    wants_tables,
+)
 from shardkit.report.lint import human_bytes
 from shardkit.report.render import abbreviate
-
 
 #: Paths are cut from the middle to this width, keeping the leaf name.
 PATH_WIDTH = 26

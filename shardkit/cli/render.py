@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from rich.console import Console
 
-from shardkit.report.render import comparison_table, report_renderables
+from shardkit.report.render import report_renderables
 from shardkit.report.report import Report
 
 
@@ -14,6 +12,3 @@ def print_report(report: Report, console: Console, *, top: int = 12) -> None:
     for renderable in report_renderables(report, top=top):
         console.print(renderable)
 
-
-def print_comparison(reports: Mapping[str, Report], console: Console) -> None:
-    console.print(comparison_table(reports))

@@ -10,7 +10,14 @@ from rich.console import Console
 from shardkit import models, recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
-from shardkit.cli.options import add_json, add_mesh, check_outputs, emit_json, wants_tables
+from shardkit.cli.options import (
+    add_json,
+    add_mesh,
+    check_outputs,
+    emit_json,
+    recipe_for,
+    wants_tables,
+)
 from shardkit.errors import ShardingError
 
 
@@ -49,12 +56,6 @@ def _model(args: argparse.Namespace):
     model = resolve_model(args.model, remat=args.remat)
     args.seq = args.seq or default_seq(model)
     return model
-
-
-def recipe_for(name: str, args: argparse.Namespace):
-    """The recipe ``name`` with ``--mesh`` sizes applied."""
-    recipe = recipes.get(name)
-    return recipe.with_mesh(args.mesh) if getattr(args, "mesh", None) else recipe
 
 
 def _report(model, recipe: str, devices, args):

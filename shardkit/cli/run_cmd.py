@@ -11,7 +11,14 @@ from rich.table import Table
 from shardkit import recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, resolve_model
-from shardkit.cli.options import add_json, add_mesh, check_outputs, emit_json, wants_tables
+from shardkit.cli.options import (
+    add_json,
+    add_mesh,
+    check_outputs,
+    emit_json,
+    recipe_for,
+    wants_tables,
+)
 from shardkit.errors import ShardingError
 
 
@@ -45,7 +52,6 @@ def _validate(args: argparse.Namespace):
 def main(args: argparse.Namespace) -> int:
     model = _validate(args)
     devices = select_devices(args.devices)
-    from shardkit.cli.report_cmd import recipe_for
     from shardkit.plan import Plan  # imports JAX-heavy modules only once devices are set
     from shardkit.run import run
 

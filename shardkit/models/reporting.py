@@ -47,13 +47,7 @@ def report(
     """
     tx = train.adamw() if tx is None else tx
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
-    config = getattr(model, "config", None)
-    name = getattr(model, "name", None)
-    if config is not None:
-        workload = Workload.from_config(config, batch=batch, seq=seq, model=name)
-    else:
-        dims = getattr(model, "dims", {})
-        workload = Workload(batch=batch, seq=seq, model=name, remat=None, **dims)
+    workload = Workload.of_model(model, batch=batch, seq=seq)
     return plan.report(
         train.train_step(model, tx), abstract, token_batch(batch, seq), workload=workload, **kwargs
     )

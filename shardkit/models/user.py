@@ -93,20 +93,34 @@ def load(spec: str) -> UserModel:
             f"--model {spec!r}: a model of your own is named package.module:factory.\n"
             "Fix: e.g. --model examples.my_model:build (a function returning the model)."
         )
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
+        if e.name is not None and module_name != e.name and not module_name.startswith(
+            e.name + "."
+        ):  # the module was found, but something it imports was not
+            raise ShardingError(
+                f"--model {spec!r}: {module_name} imports {e.name!r}, which is not installed "
+                f"({e}).\nFix: install it (pip install ...) in this environment."
+            ) from None
         raise ShardingError(
             f"--model {spec!r}: cannot import {module_name!r} ({e}).\nFix: run from the "
             "directory that contains it, or install its package."
         ) from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
     factory = getattr(module, attr, None)
     if not callable(factory):
         found = ", ".join(n for n in dir(module) if callable(getattr(module, n)) and n[0] != "_")
+        what = "has no attribute" if factory is None else "has a non-callable"
         raise ShardingError(
-            f"--model {spec!r}: {module_name} has no function {attr!r}.\nFix: one of: {found}."
+            f"--model {spec!r}: {module_name} {what} {attr!r}; the factory is a function "
+            f"returning the model.\nFix: one of: {found}."
         )
     return as_user_model(factory(), name=spec)
 

@@ -38,8 +38,9 @@ class Parallelism:
     Read from the recipe's rules (never from its name), so a custom recipe gets
     the same analysis as a built-in one. A mesh axis that shards
 
-    - heads or MLP units (``heads``, ``kv_heads``, ``mlp``) of the parameters is
-      ``tensor`` (``tensor_kind="tp_sp"`` if it also splits activations' ``length``);
+    - heads or MLP units (``heads``, ``kv_heads``, ``mlp``) of the parameters, but not the
+      batch, is ``tensor`` (``tensor_kind="tp_sp"`` if it also splits activations'
+      ``length``);
     - other parameter dimensions (``embed``, ``vocab``) is ``fsdp``;
     - only the batch is ``data`` (``data_kind="zero1"`` if it shards optimizer state);
     - only the activations' ``length`` is ``sequence``.
@@ -133,8 +134,8 @@ class Recipe:
         for axis, size in mesh.items():
             params = _names_on(self.rules, axis)
             acts = _names_on(self.activation_rules, axis)
-            if params & TENSOR_NAMES:
-                role = "tensor"
+            if params & TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
+                role = "tensor"  # and heads/MLP units is FSDP that also shards those
                 if "length" in acts:
                     kinds["tensor_kind"] = "tp_sp"
             elif params:

@@ -176,9 +176,7 @@ def source_of(stack: tuple[Frame, ...]) -> Frame | None:
     for frame in stack:
         if not frame.file.endswith(".py") and not frame.file.startswith("<"):
             continue
-        if any(p in frame.file for p in _LIBRARIES) or frame.file.endswith(_PLUMBING):
-            continue
-        if any(p in frame.file for p in _PLUMBING):
+        if any(p in frame.file for p in _LIBRARIES + _PLUMBING):
             continue
         return frame
     return None

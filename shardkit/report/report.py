@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
+from shardkit.errors import ShardingError
 from shardkit.report import lint
 from shardkit.report.analytic import AnalyticModel, analytic_costs
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
@@ -245,16 +246,20 @@ def build_report(
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     if workload is None and model_config is not None and batch and seq:
         workload = Workload.from_config(model_config, batch=batch, seq=seq)
-    analytic = None
+    analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
-        analytic = analytic_costs(
-            recipe, mesh, workload=workload,
-            param_bytes=full["param"], optimizer_bytes=full["optimizer"],
-        )  # fmt: skip
+        try:
+            analytic = analytic_costs(
+                recipe, mesh, workload=workload,
+                param_bytes=full["param"], optimizer_bytes=full["optimizer"],
+            )  # fmt: skip
+        except ShardingError as e:  # a layout the analytic model does not cover
+            notes.append(f"no analytic model: {' '.join(str(e).split())}")
     logical_names = {n for r in rows for n in r.logical if n}
-    shards_params = any(axes for _, axes in recipe.rules)
+    shards_params = bool(recipe.rules.mesh_axis_names)
     warnings = [
+        *notes,
         *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
         *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]

@@ -171,3 +171,41 @@ def test_logical_axes_honours_the_path_axes_policy():
     with pytest.raises(errors.UnmatchedPathError):
         pa(tree)
     assert sk.logical_axes(tree, annotations=pa, on_unmatched="replicate")["b"] == (None,)
+
+
+def test_parameters_named_like_optimizer_fields_are_parameters():
+    # A VAE's 'mu' layer or a 'trace' module is a parameter, annotated like any other.
+    tree = {"enc": {"kernel": np.zeros((4, 8))}, "mu": {"kernel": np.zeros((8, 4))},
+            "trace": {"w": np.zeros(4)}}  # fmt: skip
+    pa = sk.PathAxes([("enc/kernel$", ("embed", "mlp")), ("mu/kernel$", ("mlp", "embed")),
+                      ("trace/w$", ("embed",))], on_unmatched="error")  # fmt: skip
+    infos = {i.path: i for i in sk.annotate.describe_leaves(tree, annotations=pa)[0]}
+    assert infos["mu/kernel"].axes == ("mlp", "embed") and infos["mu/kernel"].kind == "param"
+    assert infos["trace/w"].kind == "param"
+
+
+def test_a_hand_made_optimizer_state_mirrors_its_parameters():
+    # Not optax: a NamedTuple of moments. Anchored patterns name the parameters only; the
+    # moments are deeper copies of them, so they mirror and count as optimizer state.
+    from typing import NamedTuple
+
+    class Moments(NamedTuple):
+        m: dict
+        v: dict
+
+    params = {"dense": {"kernel": np.zeros((4, 8))}}
+    state = (params, Moments(params, params))
+    pa = sk.PathAxes([("^0/dense/kernel$", ("embed", "mlp"))], on_unmatched="error")
+    infos = {i.path: i for i in sk.annotate.describe_leaves(state, annotations=pa)[0]}
+    for moment in ("m", "v"):
+        info = infos[f"1/{moment}/dense/kernel"]
+        assert (info.axes, info.kind, info.source) == (("embed", "mlp"), "optimizer", "mirror")
+
+
+def test_a_copy_of_parameters_that_disagree_is_ambiguous():
+    # opt_state/mu/w could be a/w's or b/w's moment: same name, same shape, other axes.
+    tree = {"params": {"a": {"w": np.zeros(8)}, "b": {"w": np.zeros(8)}},
+            "opt_state": {"mu": {"w": np.zeros(8)}}}  # fmt: skip
+    pa = sk.PathAxes([("a/w$", ("embed",)), ("b/w$", ("mlp",))])
+    with pytest.raises(errors.AmbiguousAxesError, match=r"(?s)opt_state/mu/w.*params/a/w.*b/w"):
+        sk.logical_axes(tree, annotations=pa)

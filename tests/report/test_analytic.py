@@ -331,3 +331,20 @@ def test_ring_attention_moves_the_same_bytes_by_permutes():
     assert ring["collective-permute"] == pytest.approx(
         gathered["all-gather"] + gathered["reduce-scatter"]
     )
+
+
+def test_an_axis_that_splits_the_batch_is_not_tensor_parallel():
+    # A custom FSDP recipe that also shards 'mlp' over its batch axis is still FSDP: its
+    # analytic wire bytes are FSDP's gathers and reduce-scatters, not TP's (none here).
+    import dataclasses
+
+    from shardkit.rules import Rules
+
+    custom = dataclasses.replace(
+        recipes.get("fsdp"), name="fsdp_mlp",
+        rules=Rules([("vocab", "fsdp"), ("embed", "fsdp"), ("mlp", "fsdp")]),
+    )  # fmt: skip
+    par = custom.parallelism({"fsdp": 8})
+    assert (par.fsdp, par.tensor) == (8, 1)
+    m = analytic_model(CONFIGS["gpt-tiny"], custom, {"fsdp": 8}, batch=8, seq=32)
+    assert set(m.wire_bytes_by_kind) == {"all-gather", "reduce-scatter"}
