@@ -131,6 +131,11 @@ def make_mesh(
                 f"{hosts} (one process per host, after jax.distributed.initialize())."
             )
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=True))
-        device_array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+        # TPU slices carry ``slice_index``; CPU and most GPU devices do not, and then each
+        # process (host) is one granule of the DCN mesh.
+        by_process = any(getattr(d, "slice_index", None) is None for d in devices)
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici_shape, dcn_shape, devices, process_is_granule=by_process
+        )
         return Mesh(device_array, names, axis_types=axis_types)
     return jax.make_mesh(shape, names, axis_types=axis_types, devices=devices)
