@@ -26,6 +26,11 @@ __all__ = [
     "UnknownLogicalAxisError",
     "MeshError",
     "DeviceError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointMismatchError",
+    "CheckpointCorruptError",
+    "PeerFailedError",
 ]
 
 
@@ -71,3 +76,23 @@ class MeshError(ShardingError):
 
 class DeviceError(ShardingError):
     """Devices cannot be set up as asked (e.g. the backend already started)."""
+
+
+class CheckpointError(ShardingError):
+    """A checkpoint cannot be saved or restored as asked."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No complete checkpoint (or not the asked-for step) under a directory."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's leaves differ from the restore target (names, shapes, dtypes)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's files are unreadable or its values fail their checksums."""
+
+
+class PeerFailedError(ShardingError):
+    """Another process of a multi-process run died or stopped responding."""
