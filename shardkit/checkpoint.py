@@ -300,9 +300,7 @@ def save(
 
 
 # -- restore ----------------------------------------------------------------------------------
-def restore(
-    plan: Any, path: str | os.PathLike, *, like: Any, step: int | None = None
-) -> Restored:
+def restore(plan: Any, path: str | os.PathLike, *, like: Any, step: int | None = None) -> Restored:
     """Restore checkpoint ``step`` (default: the latest complete one) in ``like``'s layout.
 
     Args:
@@ -388,9 +386,7 @@ def _targets(plan: Any, tree: Any) -> dict[str, jax.ShapeDtypeStruct]:
     missing = [n for n, x in flat.items() if not isinstance(getattr(x, "sharding", None), Sharding)]
     planned = {}
     if missing:  # leaves of `like` without a layout take the plan's
-        shardings = jax.tree.leaves(
-            plan.shardings(tree), is_leaf=lambda s: isinstance(s, Sharding)
-        )
+        shardings = jax.tree.leaves(plan.shardings(tree), is_leaf=lambda s: isinstance(s, Sharding))
         planned = dict(zip(flat, shardings, strict=True))
     out = {}
     for name, x in flat.items():

@@ -69,7 +69,9 @@ def test_restore_accepts_an_object_with_tree_and_the_latest_step(tmp_path):
 
     restored = checkpoint.restore(plan, tmp_path, like=AbstractState())
     assert restored.step == 7
-    np.testing.assert_array_equal(np.asarray(restored.state["w"]), np.arange(64.0).reshape(8, 8) * 7)
+    np.testing.assert_array_equal(
+        np.asarray(restored.state["w"]), np.arange(64.0).reshape(8, 8) * 7
+    )
     earlier = checkpoint.restore(plan, tmp_path, like=AbstractState(), step=3)
     np.testing.assert_array_equal(np.asarray(earlier.state["w"]), np.arange(64.0).reshape(8, 8) * 3)
 
@@ -89,7 +91,9 @@ def _small_checkpoint(tmp_path):
     shard = plan.shardings({"w": jnp.zeros((256, 256))})["w"]
     state = {"b": jnp.ones((8,)), "w": jax.device_put(jnp.arange(256.0 * 256).reshape(256, 256), shard)}  # fmt: skip
     checkpoint.save(plan, tmp_path, state, step=5, block=True)
-    like = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+    like = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
+    )
     return plan, like
 
 
