@@ -19,9 +19,9 @@ from typing import Any
 
 import jax
 
-from shardkit import train
+from shardkit import checkpoint, train
 from shardkit.data import MarkovSource
-from shardkit.errors import ShardingError
+from shardkit.errors import CheckpointMismatchError, ShardingError
 from shardkit.models import get as get_model
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
@@ -46,6 +46,7 @@ class RunResult:
     tokens_per_s: float
     memory_per_device_bytes: dict[str, int]
     report: Report
+    first_step: int = 0  # > 0 when resumed: losses[0] is the loss of this step
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -63,6 +64,9 @@ def run(
     learning_rate: float = 1e-2,
     seed: int = 0,
     on_step: StepCallback | None = None,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    save_every: int | None = None,
 ) -> RunResult:
     """Train ``model`` with ``recipe`` on synthetic Markov tokens.
 
@@ -72,6 +76,10 @@ def run(
       devices: devices for the mesh when ``recipe`` is a name (default: all).
       steps, batch, seq: training length, global batch size and sequence length.
       on_step: called as ``on_step(step, loss, tokens_per_s)`` after each step.
+      checkpoint_dir: save the state and the data position there after the last step
+        and every ``save_every`` steps (``shardkit.checkpoint``).
+      resume: continue from the latest checkpoint in ``checkpoint_dir`` (if any) up to
+        ``steps`` in all; the losses are those of the steps this call runs.
 
     Returns:
       A ``RunResult`` with the loss curve, the entropy-rate lower bound on the
@@ -85,8 +93,10 @@ def run(
     source = MarkovSource(vocab=spec.config.vocab, seed=seed)
     tx = train.adamw(learning_rate)
     init = train.init_fn(spec, tx)
-    state = plan.init(init, jax.random.key(seed))
-    first = plan.shard_batch(_local_batch(source, batch, seq, 0))
+    first_step, state = _resume(plan, init, checkpoint_dir, resume, steps, model, batch, seq, seed)
+    if state is None:
+        state = plan.init(init, jax.random.key(seed))
+    first = plan.shard_batch(_local_batch(source, batch, seq, first_step))
     # Compile once; the same executable trains and is reported on.
     compiled = plan.jit(train.train_step(spec, tx)).lower(state, first).compile()
     annotated = jax.eval_shape(init, jax.random.key(seed))
@@ -99,19 +109,25 @@ def run(
     losses: list[float] = []
     tokens_per_s = 0.0
     timed_tokens, timed_seconds = 0, 0.0
-    for i in range(steps):
-        batch_i = first if i == 0 else plan.shard_batch(_local_batch(source, batch, seq, i))
+    for i in range(first_step, steps):
+        batch_i = first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
         start = time.perf_counter()
         state, metrics = step_fn(state, batch_i)
         loss = float(metrics["loss"])  # blocks until the step is done
         elapsed = time.perf_counter() - start
-        if i > 0:
+        if i > first_step:
             timed_tokens += batch * seq
             timed_seconds += elapsed
             tokens_per_s = timed_tokens / timed_seconds
         losses.append(loss)
         if on_step is not None:
             on_step(i, loss, tokens_per_s)
+        if checkpoint_dir and (i + 1 == steps or (save_every and (i + 1) % save_every == 0)):
+            position = _data_state(model, batch, seq, seed, i + 1)
+            checkpoint.save(plan, checkpoint_dir, state, step=i + 1, data_state=position,
+                            metrics={"loss": loss})  # fmt: skip
+    if checkpoint_dir:
+        checkpoint.wait(checkpoint_dir)
     return RunResult(
         model=model,
         recipe=plan.recipe.name,
@@ -123,6 +139,7 @@ def run(
         tokens_per_s=tokens_per_s,
         memory_per_device_bytes=report.memory.to_dict(),
         report=report,
+        first_step=first_step,
     )
 
 
@@ -130,3 +147,31 @@ def _local_batch(source: MarkovSource, batch: int, seq: int, step: int) -> dict:
     return source.batch(
         batch, seq, step, process_index=jax.process_index(), process_count=jax.process_count()
     )
+
+
+def _data_state(model: str, batch: int, seq: int, seed: int, next_step: int) -> dict:
+    """Where the data stream is: batch ``i`` is a function of (seed, i) alone."""
+    return {"model": model, "batch": batch, "seq": seq, "seed": seed, "next_step": next_step}
+
+
+def _resume(plan, init, directory, resume, steps, model, batch, seq, seed):
+    """``(first step, restored state or None)``."""
+    if not (directory and resume and checkpoint.steps(directory)):
+        return 0, None
+    like = plan.abstract_init(init, jax.random.key(seed))
+    restored = checkpoint.restore(plan, directory, like=like)
+    saved = restored.data_state or {}
+    expected = _data_state(model, batch, seq, seed, restored.step)
+    differ = {k: (saved.get(k), v) for k, v in expected.items() if saved.get(k) != v}
+    if differ:
+        shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        raise CheckpointMismatchError(
+            f"{directory}/{restored.step} was saved by another run ({shown}); resuming would "
+            "not continue it.\nFix: pass the saved values, or another --checkpoint-dir."
+        )
+    if restored.step >= steps:
+        raise CheckpointMismatchError(
+            f"{directory} already holds step {restored.step}, and --steps is {steps} in all."
+            f"\nFix: pass --steps above {restored.step} to train further."
+        )
+    return restored.step, restored.state

@@ -1,5 +1,6 @@
 """Checkpoints restore bit for bit into other layouts, and refuse what they do not hold."""
 
+import json
 import os
 import signal
 import subprocess
@@ -119,7 +120,8 @@ def test_mismatched_checkpoint_names_the_leaf(tmp_path, change, names):
 
 
 def test_another_model_is_a_mismatch(tmp_path):
-    plan, init, state = _trained("gpt-tiny")
+    plan = sk.Plan("fsdp")
+    state = plan.init(train.init_fn(get("gpt-tiny"), train.adamw()), jax.random.key(0))
     checkpoint.save(plan, tmp_path, state, step=1)
     other = train.init_fn(get("llama-tiny"), train.adamw())
     with pytest.raises(errors.CheckpointMismatchError) as e:
@@ -196,3 +198,25 @@ def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     restored = checkpoint.restore(plan, tmp_path, like=like)
     assert restored.step == 1
     assert float(jnp.min(restored.state["w"])) == float(jnp.max(restored.state["w"])) == 1.0
+
+
+def test_resumed_run_in_a_new_process_continues_exactly(tmp_path):
+    from shardkit.run import run
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.json"
+    common = {"steps": 6, "batch": 8, "seq": 32}
+    uninterrupted = run("gpt-tiny", "fsdp", **common).losses
+    first = run("gpt-tiny", "fsdp", **{**common, "steps": 3}, checkpoint_dir=str(ckpt)).losses
+    assert first == uninterrupted[:3]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    args = ["run", "--steps", "6", "--seq", "32", "--checkpoint-dir", str(ckpt), "--resume",
+            "--save-every", "2", "--no-report", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run([sys.executable, "-m", "shardkit.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = json.loads(out.read_text())
+    assert resumed["first_step"] == 3
+    assert resumed["losses"] == uninterrupted[3:]  # bit for bit: data position and state
+    assert checkpoint.steps(ckpt) == [3, 4, 6]  # saved at 4 (every 2) and at the end
+    with pytest.raises(errors.CheckpointMismatchError, match=r"seq: saved 32, now 16"):
+        run("gpt-tiny", "fsdp", **{**common, "seq": 16}, checkpoint_dir=str(ckpt), resume=True)

@@ -28,6 +28,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     p.add_argument("--no-report", action="store_true",
                    help="skip the layout report (memory, collectives vs analytic) after the run")  # fmt: skip
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save the state and data position to DIR after the last step")  # fmt: skip
+    p.add_argument("--save-every", type=int, metavar="K", help="also save every K steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir (--steps counts all steps)")  # fmt: skip
+    p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[],
+                   help="multi-process runs: lay N processes along mesh axis AXIS (repeatable)")  # fmt: skip
     p.set_defaults(handler=main)
 
 
@@ -37,18 +44,27 @@ def _validate(args: argparse.Namespace) -> None:
     for flag in ("steps", "batch", "seq"):
         if getattr(args, flag) < 1:
             raise ShardingError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        raise ShardingError("--resume and --save-every need --checkpoint-dir DIR.")
+    if args.save_every is not None and args.save_every < 1:
+        raise ShardingError(f"--save-every must be at least 1, got {args.save_every}.")
 
 
 def main(args: argparse.Namespace) -> int:
     _validate(args)
-    devices = select_devices(args.devices)
+    from shardkit.cli.launch_cmd import join_launched_run
+
+    devices = join_launched_run(args.devices) or select_devices(args.devices)
     from shardkit.plan import Plan  # imports JAX-heavy modules only once devices are set
     from shardkit.run import run
 
-    plan = Plan(args.recipe, devices=devices)
+    plan = Plan(args.recipe, mesh=_mesh(args, devices)) if args.dcn else Plan(args.recipe, devices=devices)  # fmt: skip
     plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
 
-    console = Console(stderr=True)
+    import jax
+
+    main_process = jax.process_index() == 0  # reports and logs print once
+    console = Console(stderr=True, quiet=not main_process)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -78,7 +94,12 @@ def main(args: argparse.Namespace) -> int:
             learning_rate=args.lr,
             seed=args.seed,
             on_step=on_step,
+            checkpoint_dir=args.checkpoint_dir,
+            resume=args.resume,
+            save_every=args.save_every,
         )
+    if not main_process:
+        return 0
     _print_summary(result)
     if not args.no_report:
         from shardkit.cli.render import print_report
@@ -87,6 +108,19 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
     return 0
+
+
+def _mesh(args: argparse.Namespace, devices):
+    from shardkit.mesh import make_mesh
+
+    dcn = {}
+    for item in args.dcn:
+        axis, _, size = item.partition("=")
+        if not size.isdigit():
+            raise ShardingError(f"--dcn {item!r}: expected AXIS=N, e.g. --dcn data=2.")
+        dcn[axis] = int(size)
+    sizes = recipes.get(args.recipe).axis_sizes(len(devices))
+    return make_mesh(sizes, devices=devices, dcn=dcn)
 
 
 def _print_summary(result) -> None:
@@ -104,6 +138,8 @@ def _print_summary(result) -> None:
         f"alias {mem['alias'] * mib:,.2f})",
     )
     first, last = result.losses[0], result.losses[-1]
+    if result.first_step:
+        table.add_row("resumed", f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})")
     table.add_row("loss", f"{first:.4f} → {last:.4f} nats/token")
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")
