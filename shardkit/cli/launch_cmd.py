@@ -111,7 +111,7 @@ def _watch(procs: list[subprocess.Popen], command: list[str], grace: float) -> i
     deadline = None
     ended_by_launcher = []
     try:
-        while any(p.poll() is None for p in procs):
+        while [p.poll() for p in procs].count(None):  # poll every one, no short circuit
             if failed is None:
                 for i, p in enumerate(procs):
                     if p.returncode not in (None, 0):
