@@ -11,12 +11,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardkit.cli import launch_cmd, plan_cmd, recipes_cmd, report_cmd, run_cmd
+from shardkit.cli import launch_cmd, plan_cmd, recipes_cmd, report_cmd, reshard_cmd, run_cmd
 from shardkit.errors import ShardingError
 
 __all__ = ["main"]
 
-_COMMANDS = (run_cmd, report_cmd, plan_cmd, recipes_cmd, launch_cmd)
+_COMMANDS = (run_cmd, report_cmd, plan_cmd, recipes_cmd, launch_cmd, reshard_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:
