@@ -6,7 +6,7 @@ Example:
   P('data', None)
 """
 
-from shardkit import recipes
+from shardkit import checkpoint, distributed, recipes
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -35,7 +35,9 @@ __all__ = [
     "ShardingError",
     "activation_rules",
     "axes",
+    "checkpoint",
     "constrain",
+    "distributed",
     "emulate_devices",
     "logical_axes",
     "make_mesh",

@@ -58,7 +58,7 @@ from shardkit.errors import (
     CheckpointNotFoundError,
 )
 
-__all__ = ["Restored", "save", "restore", "wait", "steps", "leaf_paths"]
+__all__ = ["Restored", "save", "restore", "wait", "steps", "manifest", "leaf_paths"]
 
 _STATE, _MANIFEST = "state", "shardkit"
 _FORMAT = 1
@@ -207,6 +207,24 @@ def steps(path: str | os.PathLike) -> list[int]:
     return sorted(_reader(os.fspath(path)).all_steps())
 
 
+def manifest(path: str | os.PathLike, step: int) -> dict[str, Any]:
+    """What checkpoint ``step`` holds: leaves (name, shape, dtype, checksum), the step,
+    ``data_state``, ``metrics``, and the recipe and mesh that saved it."""
+    import orbax.checkpoint as ocp
+
+    reader = _reader(os.fspath(path))
+    try:
+        return reader.restore(
+            step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
+        )[_MANIFEST]
+    except Exception as e:  # orbax raises many kinds; all mean the same here
+        raise CheckpointCorruptError(
+            f"{path}/{step}: the shardkit manifest is missing or unreadable "
+            f"({type(e).__name__}: {_first_line(e)}). Not a checkpoint shardkit wrote, or "
+            f"a damaged one.\nFix: restore another step (steps: {steps(path)})."
+        ) from None
+
+
 # -- save -----------------------------------------------------------------------------------
 def save(
     plan: Any,
@@ -259,7 +277,7 @@ def save(
                 f"{name}: a {type(x).__name__}, not a jax.Array; checkpoints hold arrays.\n"
                 "Fix: save the state plan.init made (or jnp.asarray the leaf)."
             )
-    manifest = {
+    contents = {
         "format": _FORMAT,
         "step": int(step),
         "recipe": plan.recipe.name,
@@ -272,7 +290,7 @@ def save(
         ],
     }
     try:
-        json.dumps(manifest)
+        json.dumps(contents)
     except TypeError as e:
         raise CheckpointError(
             f"save(data_state=...): JSON cannot hold it ({e}).\n"
@@ -287,14 +305,14 @@ def save(
     manager.save(
         int(step),
         args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(flat), _MANIFEST: ocp.args.JsonSave(manifest)}
+            **{_STATE: ocp.args.StandardSave(flat), _MANIFEST: ocp.args.JsonSave(contents)}
         ),
-        metrics=manifest["metrics"],
+        metrics=contents["metrics"],
         force=True,
     )
     from shardkit import distributed
 
-    distributed.note_checkpoint(os.path.abspath(os.fspath(path)))
+    distributed.note_checkpoint(os.fspath(path))
     if block:
         manager.wait_until_finished()
 
@@ -340,22 +358,13 @@ def restore(plan: Any, path: str | os.PathLike, *, like: Any, step: int | None =
         raise CheckpointNotFoundError(
             f"No complete checkpoint for step {step} under {path!r}; steps: {available}."
         )
-    try:
-        manifest = manager.restore(
-            step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-        )[_MANIFEST]
-    except Exception as e:  # orbax raises many kinds; all mean the same here
-        raise CheckpointCorruptError(
-            f"{path}/{step}: the shardkit manifest is missing or unreadable "
-            f"({type(e).__name__}: {_first_line(e)}). Not a checkpoint shardkit wrote, or "
-            "a damaged one.\nFix: restore an earlier step (steps: {available})."
-        ) from None
-    if not isinstance(manifest, dict) or manifest.get("format") != _FORMAT:
+    saved = manifest(path, step)
+    if not isinstance(saved, dict) or saved.get("format") != _FORMAT:
         raise CheckpointCorruptError(
             f"{path}/{step}: the manifest is not shardkit checkpoint format {_FORMAT}."
         )
     target = _targets(plan, tree)
-    _check_leaves(path, step, manifest["leaves"], target)
+    _check_leaves(path, step, saved["leaves"], target)
     try:
         restored = manager.restore(
             step, args=ocp.args.Composite(**{_STATE: ocp.args.StandardRestore(target)})
@@ -369,7 +378,7 @@ def restore(plan: Any, path: str | os.PathLike, *, like: Any, step: int | None =
         ) from None
     names = list(target)
     sums = _checksums([restored[n] for n in names])
-    for entry, got in zip(manifest["leaves"], sums, strict=True):
+    for entry, got in zip(saved["leaves"], sums, strict=True):
         if entry["checksum"] != got:
             raise CheckpointCorruptError(
                 f"{path}/{step}: leaf {entry['path']!r} {tuple(entry['shape'])} "
@@ -378,7 +387,7 @@ def restore(plan: Any, path: str | os.PathLike, *, like: Any, step: int | None =
                 f"Fix: restore an earlier step (steps: {available})."
             )
     state = jax.tree.unflatten(jax.tree.structure(tree), [restored[n] for n in names])
-    return Restored(state, int(step), manifest.get("data_state"), manifest.get("metrics"))
+    return Restored(state, int(step), saved.get("data_state"), saved.get("metrics"))
 
 
 def _targets(plan: Any, tree: Any) -> dict[str, jax.ShapeDtypeStruct]:

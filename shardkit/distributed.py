@@ -163,13 +163,27 @@ me, n = sys.argv[1], sys.argv[2]
 CONTROL = b"\x00shardkit-checkpoint="
 FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
 out = sys.stdout.buffer
-directory, fatal, dead, pending = None, False, None, b""
+directory, fatal, pending, recent = None, False, b"", []
 def last_step(d):
     try:
         steps = [int(x) for x in os.listdir(d) if x.isdigit()]
     except OSError:
         return None
     return max(steps) if steps else None
+def dead_process(text):
+    # TSL names tasks /job:jax_worker/replica:0/task:N; a heartbeat failure lists the
+    # ids one per line after "unhealthy"; a lost leader is process 0.
+    found = [m.decode() for m in re.findall(rb"task:(\d+)", text)]
+    after = text.split(b"unhealthy", 1)[1] if b"unhealthy" in text else b""
+    found += [m.decode() for m in re.findall(rb"\n\s*(\d+)\s*(?=\n|$)", after)]
+    if b"leader task" in text or b"leader incarnation" in text.lower():
+        found.append("0")
+    others = [f for f in found if f != me]
+    if not others and n == "2":  # two processes: the dead one is the other one
+        others = [str(1 - int(me))]
+    if not others:
+        return None
+    return others[0] + (" (the coordinator)" if others[0] == "0" else "")
 while True:
     chunk = os.read(0, 65536)
     if not chunk:
@@ -183,17 +197,15 @@ while True:
         if FATAL in line:
             fatal = True
         if fatal:
-            if b"leader task" in line:
-                dead = dead or "0 (the coordinator)"
-            m = re.fullmatch(rb"\s*([0-9][0-9, ]*)\s*", line)
-            if m and dead is None:
-                dead = m.group(1).decode().strip()
+            recent.append(line)
             continue
+        recent = (recent + [line])[-200:]
         out.write(line + b"\n")
         out.flush()
 if pending and not fatal:
     out.write(pending)
 if fatal:
+    dead = dead_process(b"\n".join(recent))
     who = f"process {dead}" if dead else "another process"
     if directory is None:
         where = "no checkpoint was saved in this run, so a restart begins at step 0"

@@ -82,8 +82,9 @@ def main(args: argparse.Namespace) -> int:
 
         def on_step(step: int, loss: float, tps: float) -> None:
             progress.update(
-                task, advance=1, loss=loss, tps=tps, description=f"{args.model} · {args.recipe}"
-            )
+                task, completed=step + 1, loss=loss, tps=tps,
+                description=f"{args.model} · {args.recipe}",
+            )  # fmt: skip
 
         result = run(
             args.model,

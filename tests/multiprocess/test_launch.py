@@ -1,7 +1,6 @@
 """``shardkit launch``: 2 processes × 4 CPU devices with a DCN axis train like 1 × 8, and a
 killed peer stops the survivor within seconds with one clear line."""
 
-import json
 import os
 import signal
 import subprocess
@@ -10,65 +9,69 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 
-from shardkit import distributed
-from shardkit.cli.launch_cmd import _free_port
+from shardkit import checkpoint, distributed
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
 SHARDKIT = [sys.executable, "-m", "shardkit.cli"]
 
 
-def test_two_processes_with_dcn_train_like_one(tmp_path):
-    out = tmp_path / "run.json"
-    run_args = ["run", "--recipe", "dp", "--devices", "8", "--steps", "3", "--seq", "32",
-                "--no-report", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run([*SHARDKIT, "launch", "-n", "2", "--", "shardkit", *run_args, "--dcn", "data=2"],
-                          env=ENV, capture_output=True, text=True, timeout=240)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    launched = json.loads(out.read_text())
-    assert launched["mesh"] == {"data": 8} and launched["devices"] == 8
-    assert proc.stdout.count("shardkit run: gpt-tiny under dp") == 1  # process 0 prints
-
-    from shardkit.run import run
-
-    single = run("gpt-tiny", "dp", steps=3, batch=8, seq=32).losses  # 1 process × 8 devices
-    np.testing.assert_allclose(launched["losses"], single, rtol=1e-6)
+def _readme_launch_command() -> list[str]:
+    """The README's ``shardkit launch`` line, as a user would type it."""
+    text = (ROOT / "README.md").read_text()
+    line = next(x for x in text.splitlines() if x.startswith("shardkit launch -n 2 -- "))
+    return line.split("#")[0].split()
 
 
-def test_killed_peer_stops_the_survivor_with_one_clear_line(tmp_path):
+def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_path):
+    """One pair of processes (they are slow to start) checks both: 2 processes x 4
+    devices with dcn={"data": 2} give the losses of 1 x 8 (stored with each
+    checkpoint), and killing process 1 stops process 0 within seconds, with one line."""
     ckpt = tmp_path / "ckpt"
-    port = _free_port()
-    run_args = ["run", "--recipe", "dp", "--devices", "8", "--steps", "100000", "--seq", "32",
-                "--checkpoint-dir", str(ckpt), "--save-every", "2", "--no-report"]  # fmt: skip
-    procs = []
-    for i in range(2):  # what `shardkit launch -n 2` does, with the pids at hand
-        env = {**ENV, distributed.ENV_COORDINATOR: f"127.0.0.1:{port}",
-               distributed.ENV_NUM_PROCESSES: "2", distributed.ENV_PROCESS_ID: str(i),
-               distributed.ENV_HEARTBEAT: "5"}  # fmt: skip
-        procs.append(subprocess.Popen([*SHARDKIT, *run_args], env=env, text=True,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))  # fmt: skip
-    survivor, victim = procs
+    command = _readme_launch_command()  # later flags override the README's
+    assert command[:3] == ["shardkit", "launch", "-n"] and "--dcn" in command
+    command += ["--steps", "100000", "--seq", "32", "--checkpoint-dir", str(ckpt),
+                "--save-every", "1", "--no-report"]  # fmt: skip
+    launcher = subprocess.Popen([*SHARDKIT, *command[1:]], env=ENV, text=True,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
-        while not (ckpt.is_dir() and any(p.isdigit() for p in os.listdir(ckpt))):
-            assert survivor.poll() is None and time.monotonic() < deadline, survivor.stderr.read()
+        while len(checkpoint.steps(ckpt) if ckpt.is_dir() else []) < 3:
+            assert launcher.poll() is None, launcher.stderr.read()[-3000:]
+            assert time.monotonic() < deadline
             time.sleep(0.2)
+        children = psutil.Process(launcher.pid).children()
+        assert len(children) == 2
+        survivor, victim = sorted(children, key=lambda c: c.environ()[distributed.ENV_PROCESS_ID])  # fmt: skip
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
-        _, err = survivor.communicate(timeout=60)
+        survivor.wait(timeout=60)
         seconds = time.monotonic() - killed
+        _, err = launcher.communicate(timeout=60)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    assert survivor.returncode != 0
-    assert seconds < 15, seconds
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("shardkit: process 1 of 2 died or stopped responding"), err[-3000:]
-    assert f"in {ckpt}, is the restart point" in last and "--resume" in last
-    assert "Check failure stack trace" not in err and "    @ " not in err
+        if launcher.poll() is None:
+            launcher.kill()
     print(f"survivor stopped {seconds:.1f} s after its peer was killed")
+    assert seconds < 15, seconds
+    assert launcher.returncode == 1
+    lines = err.strip().splitlines()
+    assert lines[-1].startswith("shardkit launch: process 1 of 2 was killed by SIGKILL"), err[
+        -3000:
+    ]
+    assert lines[-2].startswith("shardkit: process 1 of 2 died or stopped responding, so process 0 stopped too")  # fmt: skip
+    assert f"in {ckpt}, is the restart point" in lines[-2] and "--resume" in lines[-2]
+    assert "Check failure stack trace" not in err and "    @ " not in err
+
+    steps = checkpoint.steps(ckpt)  # the last 3 saved, one per step
+    saved = [checkpoint.manifest(ckpt, s) for s in steps]
+    assert saved[-1]["mesh"] == {"data": 8}
+    from shardkit.run import run
+
+    single = run("gpt-tiny", "dp", steps=steps[-1], batch=8, seq=32).losses  # 1 process x 8
+    launched = [m["metrics"]["loss"] for m in saved]
+    np.testing.assert_allclose(launched, [single[s - 1] for s in steps], rtol=1e-6)
 
 
 def test_launcher_names_the_dead_process_and_ends_the_rest(tmp_path):
