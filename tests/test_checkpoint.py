@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +16,6 @@ import pytest
 
 import shardkit as sk
 from shardkit import checkpoint, errors, train
-from shardkit.data import MarkovSource
 from shardkit.models import get
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,21 +25,27 @@ LAYOUTS = [("tp", 4), ("dp", 2), ("dp_fsdp", 8)]
 
 
 def _trained(model_name):
-    """fsdp@8 state after one AdamW step (so the moments are not zeros), and its init."""
+    """fsdp@8 state (params and AdamW moments) with every element distinct, so a permuted
+    or misplaced chunk changes the bits; and its init. Built from the planned layout
+    (no init or training step to compile)."""
     model, tx = get(model_name), train.adamw()
     init = train.init_fn(model, tx)
     plan = sk.Plan("fsdp")
-    state = plan.init(init, jax.random.key(0))
-    batch = MarkovSource(vocab=model.config.vocab).batch(8, 32, 0)
-    state, _ = plan.jit(train.train_step(model, tx))(state, plan.shard_batch(batch))
-    return plan, init, state
+    abstract = plan.abstract_init(init, jax.random.key(0))
+
+    def distinct(i, x):
+        values = (np.arange(x.size) + 1000 * i).reshape(x.shape) / 7
+        return jax.device_put(values.astype(x.dtype), x.sharding)
+
+    leaves, treedef = jax.tree.flatten(abstract)
+    return plan, init, jax.tree.unflatten(treedef, [distinct(i, x) for i, x in enumerate(leaves)])
 
 
 @pytest.mark.parametrize("model_name", ["gpt-tiny", "llama-tiny"])
 def test_restore_into_three_other_layouts_is_bit_identical(model_name, tmp_path):
     plan, init, state = _trained(model_name)
     saved = {k: np.asarray(v) for k, v in zip(checkpoint.leaf_paths(state), jax.tree.leaves(state), strict=True)}  # fmt: skip
-    saved_specs = [x.sharding.spec for x in jax.tree.leaves(state)]
+    saved_shardings = [x.sharding for x in jax.tree.leaves(state)]
     checkpoint.save(plan, tmp_path, state, step=1, data_state={"next_batch": 1})
     for recipe, n in LAYOUTS:
         new = sk.Plan(recipe, devices=jax.devices()[:n])
@@ -55,8 +61,8 @@ def test_restore_into_three_other_layouts_is_bit_identical(model_name, tmp_path)
             got = np.asarray(x)
             assert got.dtype == saved[name].dtype
             assert got.tobytes() == saved[name].tobytes(), name  # bit for bit
-        new_specs = [x.sharding.spec for x in leaves]
-        assert new_specs != saved_specs  # the layout really changed
+        changed = [a != b.sharding for a, b in zip(saved_shardings, leaves, strict=True)]
+        assert all(changed)  # every leaf is laid out anew (another mesh)
 
 
 def test_restore_accepts_an_object_with_tree_and_the_latest_step(tmp_path):
@@ -120,8 +126,7 @@ def test_mismatched_checkpoint_names_the_leaf(tmp_path, change, names):
 
 
 def test_another_model_is_a_mismatch(tmp_path):
-    plan = sk.Plan("fsdp")
-    state = plan.init(train.init_fn(get("gpt-tiny"), train.adamw()), jax.random.key(0))
+    plan, _, state = _trained("gpt-tiny")
     checkpoint.save(plan, tmp_path, state, step=1)
     other = train.init_fn(get("llama-tiny"), train.adamw())
     with pytest.raises(errors.CheckpointMismatchError) as e:
@@ -205,9 +210,10 @@ def test_resumed_run_in_a_new_process_continues_exactly(tmp_path):
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "resumed.json"
     common = {"steps": 6, "batch": 8, "seq": 32}
-    uninterrupted = run("gpt-tiny", "fsdp", **common).losses
-    first = run("gpt-tiny", "fsdp", **{**common, "steps": 3}, checkpoint_dir=str(ckpt)).losses
-    assert first == uninterrupted[:3]
+    # 6 steps in one go, saving after step 3 (and at the end): the reference.
+    uninterrupted = run("gpt-tiny", "fsdp", **common, checkpoint_dir=str(ckpt), save_every=3)
+    assert checkpoint.steps(ckpt) == [3, 6]
+    shutil.rmtree(ckpt / "6")  # as if the process had died after saving step 3
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     args = ["run", "--steps", "6", "--seq", "32", "--checkpoint-dir", str(ckpt), "--resume",
             "--save-every", "2", "--no-report", "--json", str(out)]  # fmt: skip
@@ -216,7 +222,7 @@ def test_resumed_run_in_a_new_process_continues_exactly(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads(out.read_text())
     assert resumed["first_step"] == 3
-    assert resumed["losses"] == uninterrupted[3:]  # bit for bit: data position and state
+    assert resumed["losses"] == uninterrupted.losses[3:]  # bit for bit: data position and state
     assert checkpoint.steps(ckpt) == [3, 4, 6]  # saved at 4 (every 2) and at the end
     with pytest.raises(errors.CheckpointMismatchError, match=r"seq: saved 32, now 16"):
         run("gpt-tiny", "fsdp", **{**common, "seq": 16}, checkpoint_dir=str(ckpt), resume=True)

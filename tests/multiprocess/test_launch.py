@@ -38,7 +38,7 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
     try:
         deadline = time.monotonic() + 180
-        while len(checkpoint.steps(ckpt) if ckpt.is_dir() else []) < 3:
+        while len(checkpoint.steps(ckpt) if ckpt.is_dir() else []) < 2:
             assert launcher.poll() is None, launcher.stderr.read()[-3000:]
             assert time.monotonic() < deadline
             time.sleep(0.2)
@@ -64,7 +64,7 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
     assert f"in {ckpt}, is the restart point" in lines[-2] and "--resume" in lines[-2]
     assert "Check failure stack trace" not in err and "    @ " not in err
 
-    steps = checkpoint.steps(ckpt)  # the last 3 saved, one per step
+    steps = checkpoint.steps(ckpt)  # the last (up to) 3 saved, one per step
     saved = [checkpoint.manifest(ckpt, s) for s in steps]
     assert saved[-1]["mesh"] == {"data": 8}
     from shardkit.run import run
