@@ -29,4 +29,4 @@ def test_readme_commands_parse_and_reshard_plan_runs(capsys):
         build_parser().parse_args(argv)  # exits on an unknown flag
     (reshard,) = [c for c in commands if c[0] == "reshard-plan"]
     assert main(reshard) == 0
-    assert "1,309.1 KiB to hold 445.1 KiB" in capsys.readouterr().out  # the README's numbers
+    assert "reads 1.3 MiB to hold 445.1 KiB" in capsys.readouterr().out  # the README's numbers

@@ -68,30 +68,33 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _kib(n: int) -> str:
-    return f"{n / 1024:,.1f}"
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
 
 
 def _print(plan, args, n_target) -> None:
-    console = Console(width=max(Console().width, 140))
-    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (KiB per device)")
+    console = Console(width=max(Console().width, 160))
+    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (per device)")
     table.add_column("leaf", no_wrap=True)
     for col in ("shape", "saved chunk", "restored spec"):
         table.add_column(col, no_wrap=True)
     for col in ("holds", "reads", "reads/holds"):
-        table.add_column(col, justify="right", min_width=len(col), no_wrap=True)
+        table.add_column(col, justify="right", min_width=max(len(col), 9), no_wrap=True)
     for leaf in plan.leaves:
         ratio = leaf.read_per_device / leaf.held_per_device if leaf.held_per_device else 1.0
         table.add_row(
             leaf.path, str(leaf.shape), str(leaf.chunk_shape), leaf.restored_spec,
-            _kib(leaf.held_per_device), _kib(leaf.read_per_device), f"{ratio:.2f}",
+            _size(leaf.held_per_device), _size(leaf.read_per_device), f"{ratio:.2f}",
         )  # fmt: skip
     console.print(table)
     reads, held = plan.read_by_device, plan.held_by_device
-    low, high = _kib(min(reads.values())), _kib(max(reads.values()))
+    low, high = _size(min(reads.values())), _size(max(reads.values()))
     console.print(
-        f"Each of the {n_target} devices reads {low if low == high else low + '–' + high} KiB "
-        f"to hold {_kib(max(held.values()))} KiB. Peak host memory: "
-        f"{_kib(plan.peak_host_bytes)} KiB in the largest of {plan.processes} process(es), "
+        f"Each of the {n_target} devices reads {low if low == high else low + ' to ' + high} "
+        f"to hold {_size(max(held.values()))}. Peak host memory: "
+        f"{_size(plan.peak_host_bytes)} in the largest of {plan.processes} process(es), "
         "with every leaf in flight at once, as orbax restores."
     )

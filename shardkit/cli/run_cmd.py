@@ -86,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
                 description=f"{args.model} · {args.recipe}",
             )  # fmt: skip
 
-        result = run(
+        result = _run_or_stop_with_peers(
+            run,
             args.model,
             plan,
             steps=args.steps,
@@ -109,6 +110,20 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result.to_json(), indent=2))
     return 0
+
+
+def _run_or_stop_with_peers(run, *args, **kwargs):
+    """``run(...)``; a step that failed because a peer died waits for JAX's runtime to end
+    this process (the distributed guard then prints one line naming the dead process)."""
+    try:
+        return run(*args, **kwargs)
+    except ShardingError:
+        raise
+    except Exception:
+        from shardkit import distributed
+
+        distributed.wait_for_fatal_error()  # returns at once in a single-process run
+        raise
 
 
 def _mesh(args: argparse.Namespace, devices):
