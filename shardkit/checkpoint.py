@@ -172,21 +172,19 @@ def _manager(path: str, *, keep: int | None, keep_best: int, best_metric: str, b
 
 
 def _reader(path: str):
-    """A manager for reading: the cached writer if there is one (after its saves end)."""
+    """The directory's manager (after its pending saves commit), refreshed from disk."""
     key = os.path.abspath(os.fspath(path))
-    if key in _managers:
-        manager = _managers[key][1]
-        manager.wait_until_finished()
-        manager.reload()
-        return manager
-    if not os.path.isdir(key):
+    if key not in _managers and not os.path.isdir(key):
         raise CheckpointNotFoundError(
             f"No checkpoint directory {path!r}.\nFix: pass the directory given to save()."
         )
-    import orbax.checkpoint as ocp
-
-    options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-    return ocp.CheckpointManager(key, options=options, item_names=(_STATE, _MANIFEST))
+    if key in _managers:
+        manager = _managers[key][1]
+    else:  # reading deletes nothing; a later save() with other options replaces it
+        manager = _manager(key, keep=3, keep_best=0, best_metric="loss", best_mode="min")
+    manager.wait_until_finished()
+    manager.reload()
+    return manager
 
 
 def wait(path: str | os.PathLike | None = None) -> None:
