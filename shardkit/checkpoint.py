@@ -300,6 +300,11 @@ def save(
         os.fspath(path), keep=keep, keep_best=keep_best, best_metric=best_metric,
         best_mode=best_mode,
     )  # fmt: skip
+    if int(step) in manager.all_steps():
+        raise CheckpointError(
+            f"{path} already holds a checkpoint for step {step}.\n"
+            "Fix: save under a new step number, or into another directory."
+        )
     manager.save(
         int(step),
         args=ocp.args.Composite(

@@ -171,6 +171,9 @@ def test_no_checkpoint_is_a_clear_error(tmp_path):
         checkpoint.restore(plan, tmp_path / "nowhere", like=like)
     with pytest.raises(errors.CheckpointError, match="JSON cannot hold"):
         checkpoint.save(plan, tmp_path, {"x": jnp.ones(8)}, step=1, data_state={"rng": object()})
+    checkpoint.save(plan, tmp_path, {"x": jnp.ones(8)}, step=1)
+    with pytest.raises(errors.CheckpointError, match="already holds a checkpoint for step 1"):
+        checkpoint.save(plan, tmp_path, {"x": jnp.ones(8)}, step=1)
 
 
 _KILLED_SAVE = textwrap.dedent(
