@@ -124,15 +124,29 @@ def initialize(
             "distributed.initialize() must run before the JAX backend starts "
             f"({e}).\nFix: call it right after the imports, before any array is made."
         ) from None
-    jax.distributed.initialize(
-        coordinator_address,
-        num_processes,
-        process_id,
-        local_device_ids=local_device_ids,
-        initialization_timeout=initialization_timeout,
-        heartbeat_timeout_seconds=heartbeat_timeout_seconds,
-        shutdown_timeout_seconds=shutdown_timeout_seconds,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            local_device_ids=local_device_ids,
+            initialization_timeout=initialization_timeout,
+            heartbeat_timeout_seconds=heartbeat_timeout_seconds,
+            shutdown_timeout_seconds=shutdown_timeout_seconds,
+        )
+    except RuntimeError as e:
+        if "must be called before" not in str(e):
+            raise
+        raise DeviceError(
+            "distributed.initialize() must run before the JAX backend starts.\nFix: call it "
+            "right after the imports, before any array is made or jax.devices() is called."
+        ) from None
+    except ValueError as e:  # JAX found no cluster and was given too little
+        raise DeviceError(
+            f"distributed.initialize: {e} (no cluster detected).\nFix: pass "
+            "coordinator_address='host:port', num_processes and process_id, or start the "
+            "processes with `shardkit launch -n N -- ...`."
+        ) from None
     _state["initialized"] = True
     if guard and jax.process_count() > 1:
         _install_guard(jax.process_index(), jax.process_count())

@@ -3,12 +3,16 @@
 The inputs are what JAX 0.10.2 printed when a peer, then the coordinator, was killed
 (stack frames shortened); the guard runs as it does in a real run, as a process."""
 
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from shardkit import distributed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PEER_DIED = """\
 E1130 07:23:19.947739 coordination_service.cc:1549] Use error polling to propagate the following error to all tasks: UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):
@@ -59,3 +63,18 @@ def test_guard_names_the_dead_process_and_drops_the_stack_trace(tmp_path, text, 
 def test_guard_without_a_fatal_error_only_forwards():
     assert _guard("a\nb", 0, 2) == ["step 1 done", "a", "b"]
     assert _guard(PEER_DIED, 0, 2)[-1].endswith("no checkpoint was saved in this run, so a restart begins at step 0.")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "code, message",
+    [("distributed.initialize()", "no cluster detected"),
+     ("import jax; jax.devices(); distributed.initialize(num_processes=2, process_id=0, coordinator_address='127.0.0.1:1')",
+      "must run before the JAX backend starts")],
+    ids=["no-cluster", "too-late"],
+)  # fmt: skip
+def test_initialize_errors_say_what_to_do(code, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDKIT_")}
+    env["PYTHONPATH"], env["JAX_PLATFORMS"] = str(ROOT), "cpu"
+    script = f"from shardkit import distributed, errors\ntry:\n    {code}\nexcept errors.DeviceError as e:\n    print(e)"  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert message in proc.stdout and "Fix:" in proc.stdout, proc.stdout + proc.stderr
