@@ -103,7 +103,12 @@ def main(args: argparse.Namespace) -> int:
         env.setdefault(distributed.ENV_HEARTBEAT, str(LOCAL_HEARTBEAT_SECONDS))
         env.setdefault("JAX_PLATFORMS", "cpu")
         procs.append(subprocess.Popen(command, env=env))
+    signal.signal(signal.SIGTERM, _interrupt)  # a terminated launcher ends its processes
     return _watch(procs, command, args.grace)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _watch(procs: list[subprocess.Popen], command: list[str], grace: float) -> int:
