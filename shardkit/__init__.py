@@ -6,7 +6,7 @@ Example:
   P('data', None)
 """
 
-from shardkit import recipes, report
+from shardkit import checkpoint, distributed, recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -38,7 +38,9 @@ __all__ = [
     "ShardingWarning",
     "activation_rules",
     "axes",
+    "checkpoint",
     "constrain",
+    "distributed",
     "emulate_devices",
     "logical_axes",
     "make_mesh",

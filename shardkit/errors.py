@@ -28,6 +28,11 @@ __all__ = [
     "DeviceError",
     "ShardingWarning",
     "ArgumentTypeError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CheckpointMismatchError",
+    "CheckpointCorruptError",
+    "PeerFailedError",
 ]
 
 
@@ -81,3 +86,23 @@ class DeviceError(ShardingError):
 
 class ShardingWarning(UserWarning):
     """A layout that works but is probably not what was meant (e.g. mostly replicated)."""
+
+
+class CheckpointError(ShardingError):
+    """A checkpoint cannot be saved or restored as asked."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """No complete checkpoint (or not the asked-for step) under a directory."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """A checkpoint's leaves differ from the restore target (names, shapes, dtypes)."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint's files are unreadable or its values fail their checksums."""
+
+
+class PeerFailedError(ShardingError):
+    """Another process of a multi-process run died or stopped responding."""

@@ -185,6 +185,13 @@ def make_mesh(
                 f"{hosts} (one process per host, after jax.distributed.initialize())."
             )
         ici_shape = tuple(s // d for s, d in zip(shape, dcn_shape, strict=True))
-        device_array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
+        # Multi-slice TPUs lay DCN axes across slices (``slice_index``). Devices without
+        # one (CPU in one process), or all in one slice (CPU and GPU processes), are laid
+        # out with each process (host) as one granule of the DCN mesh.
+        slices = {getattr(d, "slice_index", None) for d in devices}
+        by_process = None in slices or len(slices) != math.prod(dcn_shape)
+        device_array = mesh_utils.create_hybrid_device_mesh(
+            ici_shape, dcn_shape, devices, process_is_granule=by_process
+        )
         return Mesh(device_array, names, axis_types=axis_types)
     return jax.make_mesh(shape, names, axis_types=axis_types, devices=devices)

@@ -340,6 +340,22 @@ class Plan:
 
         return jax.tree_util.tree_map_with_path(place, host_batch)
 
+    # -- checkpoints ----------------------------------------------------------------------
+    def save(self, path: Any, state: Any, *, step: int, data_state: Any = None, **kwargs: Any):
+        """Save ``state`` as checkpoint ``step`` under ``path`` (:func:`shardkit.checkpoint.save`)."""
+        from shardkit import checkpoint
+
+        return checkpoint.save(self, path, state, step=step, data_state=data_state, **kwargs)
+
+    def restore(self, path: Any, *, like: Any, step: int | None = None):
+        """Restore a checkpoint into this plan's layout (:func:`shardkit.checkpoint.restore`);
+        ``like`` is an ``AbstractState`` (``plan.abstract_init``) or a tree of them."""
+        from shardkit import checkpoint
+
+        if isinstance(like, AbstractState):
+            like = self._own(like)
+        return checkpoint.restore(self, path, like=like, step=step)
+
     # -- steps ----------------------------------------------------------------------------
     def jit(
         self,

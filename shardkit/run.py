@@ -19,9 +19,9 @@ from typing import Any
 
 import jax
 
-from shardkit import models, train
+from shardkit import checkpoint, models, train
 from shardkit.data import MarkovSource
-from shardkit.errors import ShardingError
+from shardkit.errors import CheckpointMismatchError, ShardingError
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
 from shardkit.report.report import Report
@@ -46,6 +46,7 @@ class RunResult:
     tokens_per_s: float
     memory_per_device_bytes: dict[str, int]
     report: Report
+    first_step: int = 0  # > 0 when resumed: losses[0] is the loss of this step
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -63,6 +64,9 @@ def run(
     learning_rate: float = 1e-2,
     seed: int = 0,
     on_step: StepCallback | None = None,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
+    save_every: int | None = None,
 ) -> RunResult:
     """Train ``model`` with ``recipe`` on synthetic Markov tokens.
 
@@ -73,6 +77,10 @@ def run(
       devices: devices for the mesh when ``recipe`` is a name (default: all).
       steps, batch, seq: training length, global batch size and sequence length.
       on_step: called as ``on_step(step, loss, tokens_per_s)`` after each step.
+      checkpoint_dir: save the state and the data position there after the last step
+        and every ``save_every`` steps (``shardkit.checkpoint``).
+      resume: continue from the latest checkpoint in ``checkpoint_dir`` (if any) up to
+        ``steps`` in all; the losses are those of the steps this call runs.
 
     Returns:
       A ``RunResult`` with the loss curve, the entropy-rate lower bound on the
@@ -96,8 +104,11 @@ def run(
     source = MarkovSource(vocab=vocab, seed=seed)
     tx = train.adamw(learning_rate)
     abstract = plan.abstract_init(train.init_fn(spec, tx), jax.random.key(seed))
-    state = plan.init(abstract)
-    first = plan.shard_batch(_local_batch(source, batch, seq, 0))
+    first_step, state = _resume(plan, abstract, checkpoint_dir, resume, steps, spec.name, batch,
+                                seq, seed)  # fmt: skip
+    if state is None:
+        state = plan.init(abstract)
+    first = plan.shard_batch(_local_batch(source, batch, seq, first_step))
     # Compile once; the same executable trains and is reported on.
     compiled = plan.jit(train.train_step(spec, tx), state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq)
@@ -110,19 +121,25 @@ def run(
     losses: list[float] = []
     tokens_per_s = 0.0
     timed_tokens, timed_seconds = 0, 0.0
-    for i in range(steps):
-        batch_i = first if i == 0 else plan.shard_batch(_local_batch(source, batch, seq, i))
+    for i in range(first_step, steps):
+        batch_i = first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
         start = time.perf_counter()
         state, metrics = step_fn(state, batch_i)
         loss = float(metrics["loss"])  # blocks until the step is done
         elapsed = time.perf_counter() - start
-        if i > 0:
+        if i > first_step:
             timed_tokens += batch * seq
             timed_seconds += elapsed
             tokens_per_s = timed_tokens / timed_seconds
         losses.append(loss)
         if on_step is not None:
             on_step(i, loss, tokens_per_s)
+        if checkpoint_dir and (i + 1 == steps or (save_every and (i + 1) % save_every == 0)):
+            position = _data_state(spec.name, batch, seq, seed, i + 1)
+            checkpoint.save(plan, checkpoint_dir, state, step=i + 1, data_state=position,
+                            metrics={"loss": loss})  # fmt: skip
+    if checkpoint_dir:
+        checkpoint.wait(checkpoint_dir)
     return RunResult(
         model=spec.name,
         recipe=plan.recipe.name,
@@ -134,6 +151,7 @@ def run(
         tokens_per_s=tokens_per_s,
         memory_per_device_bytes=report.memory.to_dict(),
         report=report,
+        first_step=first_step,
     )
 
 
@@ -141,3 +159,30 @@ def _local_batch(source: MarkovSource, batch: int, seq: int, step: int) -> dict:
     return source.batch(
         batch, seq, step, process_index=jax.process_index(), process_count=jax.process_count()
     )
+
+
+def _data_state(model: str, batch: int, seq: int, seed: int, next_step: int) -> dict:
+    """Where the data stream is: batch ``i`` is a function of (seed, i) alone."""
+    return {"model": model, "batch": batch, "seq": seq, "seed": seed, "next_step": next_step}
+
+
+def _resume(plan, abstract, directory, resume, steps, model, batch, seq, seed):
+    """``(first step, restored state or None)``."""
+    if not (directory and resume and checkpoint.steps(directory)):
+        return 0, None
+    restored = checkpoint.restore(plan, directory, like=abstract)
+    saved = restored.data_state or {}
+    expected = _data_state(model, batch, seq, seed, restored.step)
+    differ = {k: (saved.get(k), v) for k, v in expected.items() if saved.get(k) != v}
+    if differ:
+        shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())
+        raise CheckpointMismatchError(
+            f"{directory}/{restored.step} was saved by another run ({shown}); resuming would "
+            "not continue it.\nFix: pass the saved values, or another --checkpoint-dir."
+        )
+    if restored.step >= steps:
+        raise CheckpointMismatchError(
+            f"{directory} already holds step {restored.step}, and --steps is {steps} in all."
+            f"\nFix: pass --steps above {restored.step} to train further."
+        )
+    return restored.step, restored.state

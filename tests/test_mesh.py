@@ -65,3 +65,10 @@ def test_dcn_sizes_must_match_the_processes():
         sk.make_mesh({"data": 8}, dcn={"data": 0})
     with pytest.raises(errors.MeshError, match=r"span 2 hosts, but the devices belong to 1"):
         sk.make_mesh({"data": 8}, dcn={"data": 2})
+
+
+def test_dcn_on_cpu_devices_without_slices_uses_processes():
+    # CPU devices carry no slice_index: each process is one DCN granule (here, one).
+    mesh = sk.make_mesh({"data": 4, "tensor": 2}, dcn={"data": 1})
+    assert dict(mesh.shape) == {"data": 4, "tensor": 2}
+    assert sorted(d.id for d in mesh.devices.flat) == list(range(8))

@@ -1,4 +1,4 @@
-"""``shardkit run``: train a reference model under a recipe, with progress and a summary."""
+"""``shardkit run``: train a model under a recipe, with progress and a summary."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from shardkit import recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, resolve_model
 from shardkit.cli.options import (
@@ -23,45 +22,62 @@ from shardkit.errors import ShardingError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="train a reference model under a recipe")
+    p = sub.add_parser("run", help="train a model under a recipe")
     p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     p.add_argument("--recipe", default="fsdp", help="sharding recipe (default: fsdp)")
     add_devices_argument(p)
+    add_mesh(p)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0)
-    add_mesh(p)
     add_json(p)
     p.add_argument("--no-report", action="store_true",
                    help="skip the layout report (memory, collectives vs analytic) after the run")  # fmt: skip
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save the state and data position to DIR after the last step")  # fmt: skip
+    p.add_argument("--save-every", type=int, metavar="K", help="also save every K steps")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir (--steps counts all steps)")  # fmt: skip
+    p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[],
+                   help="multi-process runs: lay N processes along mesh axis AXIS (repeatable)")  # fmt: skip
     p.set_defaults(handler=main)
 
 
 def _validate(args: argparse.Namespace):
     check_outputs(args)
     model = resolve_model(args.model)
-    recipes.get(args.recipe)
+    recipe_for(args.recipe, args)
     for flag in ("steps", "batch", "seq"):
         if getattr(args, flag) < 1:
             raise ShardingError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        raise ShardingError("--resume and --save-every need --checkpoint-dir DIR.")
+    if args.save_every is not None and args.save_every < 1:
+        raise ShardingError(f"--save-every must be at least 1, got {args.save_every}.")
     return model
 
 
 def main(args: argparse.Namespace) -> int:
     model = _validate(args)
-    devices = select_devices(args.devices)
+    from shardkit.cli.launch_cmd import join_launched_run
+
+    devices = join_launched_run(args.devices) or select_devices(args.devices)
     from shardkit.plan import Plan  # imports JAX-heavy modules only once devices are set
     from shardkit.run import run
 
-    plan = Plan(
-        recipe_for(args.recipe, args), devices=devices,
-        annotations=getattr(model, "annotations", None),
-    )  # fmt: skip
+    recipe, annotations = recipe_for(args.recipe, args), getattr(model, "annotations", None)
+    if args.dcn:
+        plan = Plan(recipe, mesh=_mesh(args, recipe, devices), annotations=annotations)
+    else:
+        plan = Plan(recipe, devices=devices, annotations=annotations)
     plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
 
-    console = Console(stderr=True)
+    import jax
+
+    main_process = jax.process_index() == 0  # reports and logs print once
+    console = Console(stderr=True, quiet=not main_process)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -79,10 +95,12 @@ def main(args: argparse.Namespace) -> int:
 
         def on_step(step: int, loss: float, tps: float) -> None:
             progress.update(
-                task, advance=1, loss=loss, tps=tps, description=f"{args.model} · {args.recipe}"
-            )
+                task, completed=step + 1, loss=loss, tps=tps,
+                description=f"{args.model} · {args.recipe}",
+            )  # fmt: skip
 
-        result = run(
+        result = _run_or_stop_with_peers(
+            run,
             model,
             plan,
             steps=args.steps,
@@ -91,7 +109,12 @@ def main(args: argparse.Namespace) -> int:
             learning_rate=args.lr,
             seed=args.seed,
             on_step=on_step,
+            checkpoint_dir=args.checkpoint_dir,
+            resume=args.resume,
+            save_every=args.save_every,
         )
+    if not main_process:
+        return 0
     emit_json(args, result.to_json())
     if wants_tables(args):
         _print_summary(result)
@@ -100,6 +123,33 @@ def main(args: argparse.Namespace) -> int:
 
             print_report(result.report, Console(), top=6)
     return 0
+
+
+def _run_or_stop_with_peers(run, *args, **kwargs):
+    """``run(...)``; a step that failed because a peer died waits for JAX's runtime to end
+    this process (the distributed guard then prints one line naming the dead process)."""
+    try:
+        return run(*args, **kwargs)
+    except ShardingError:
+        raise
+    except Exception:
+        from shardkit import distributed
+
+        distributed.wait_for_fatal_error()  # returns at once in a single-process run
+        raise
+
+
+def _mesh(args: argparse.Namespace, recipe, devices):
+    from shardkit.mesh import make_mesh
+
+    dcn = {}
+    for item in args.dcn:
+        axis, _, size = item.partition("=")
+        if not size.isdigit():
+            raise ShardingError(f"--dcn {item!r}: expected AXIS=N, e.g. --dcn data=2.")
+        dcn[axis] = int(size)
+    sizes = recipe.axis_sizes(len(devices))
+    return make_mesh(sizes, devices=devices, dcn=dcn)
 
 
 def _print_summary(result) -> None:
@@ -117,6 +167,8 @@ def _print_summary(result) -> None:
         f"alias {mem['alias'] * mib:,.2f})",
     )
     first, last = result.losses[0], result.losses[-1]
+    if result.first_step:
+        table.add_row("resumed", f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})")
     table.add_row("loss", f"{first:.4f} → {last:.4f} nats/token")
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")

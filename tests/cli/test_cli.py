@@ -128,7 +128,7 @@ def test_report_of_a_users_model_from_its_factory(tmp_path):
     [
         ("examples.my_model", "Unknown model"),
         ("examples.nope:build", "cannot import 'examples.nope'"),
-        ("examples.my_model:nope", "has no function 'nope'"),
+        ("examples.my_model:nope", "has no attribute 'nope'"),
         (":build", "package.module:factory"),
     ],
 )

@@ -37,11 +37,12 @@ def main(process_id: int, port: str, recipe: str) -> None:
     import jax
 
     jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", 4)
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
-
     import shardkit as sk
+
+    # Explicit coordinator, count and id; 4 emulated CPU devices here, gloo between.
+    sk.distributed.initialize(
+        f"localhost:{port}", num_processes=2, process_id=process_id, cpu_devices=4
+    )
 
     assert jax.process_count() == 2 and len(jax.devices()) == 8
     assert len(jax.local_devices()) == 4

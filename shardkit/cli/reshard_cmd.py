@@ -1,0 +1,100 @@
+"""``shardkit reshard-plan --from fsdp@8 --to tp@4 --model M``: a restore's reads, beforehand."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from rich.console import Console
+from rich.table import Table
+
+from shardkit import models, recipes
+from shardkit.errors import ShardingError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "reshard-plan",
+        help="bytes each device reads when a checkpoint is restored into another layout",
+    )
+    p.add_argument("--from", dest="source", required=True, metavar="RECIPE@N",
+                   help="the layout that saved, e.g. fsdp@8")  # fmt: skip
+    p.add_argument("--to", dest="target", required=True, metavar="RECIPE@N",
+                   help="the layout to restore into, e.g. tp@4")  # fmt: skip
+    p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="processes the restoring devices are split over (default 1)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    p.set_defaults(handler=main)
+
+
+def _layout(text: str, flag: str) -> tuple[str, int]:
+    recipe, _, count = text.partition("@")
+    if not count.isdigit() or int(count) < 1:
+        raise ShardingError(f"{flag} {text!r}: expected RECIPE@DEVICES, e.g. fsdp@8.")
+    recipes.get(recipe)
+    return recipe, int(count)
+
+
+def main(args: argparse.Namespace) -> int:
+    source, n_source = _layout(args.source, "--from")
+    target, n_target = _layout(args.target, "--to")
+    models.get(args.model)
+    if args.processes < 1 or n_target % args.processes:
+        raise ShardingError(
+            f"--processes {args.processes} does not split the {n_target} restoring devices."
+        )
+    from shardkit.cli.devices_arg import select_devices
+
+    devices = select_devices(max(n_source, n_target))
+    import jax
+
+    from shardkit import train
+    from shardkit.plan import Plan
+    from shardkit.reshard import reshard_plan
+
+    model, tx = models.get(args.model), train.adamw()
+    init = train.init_fn(model, tx)
+    saved = Plan(source, devices=devices[:n_source]).abstract_init(init, jax.random.key(0))
+    restored = Plan(target, devices=devices[:n_target]).abstract_init(init, jax.random.key(0))
+    # Emulated devices share one process; --processes groups them as separate hosts would.
+    position = {d.id: i for i, d in enumerate(devices[:n_target])}
+    per_process = n_target // args.processes
+    plan = reshard_plan(saved, restored, process_of=lambda d: position[d.id] // per_process)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    _print(plan, args, n_target)
+    return 0
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _print(plan, args, n_target) -> None:
+    console = Console(width=max(Console().width, 160))
+    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (per device)")
+    table.add_column("leaf", no_wrap=True)
+    for col in ("shape", "saved chunk", "restored spec"):
+        table.add_column(col, no_wrap=True)
+    for col in ("holds", "reads", "reads/holds"):
+        table.add_column(col, justify="right", min_width=max(len(col), 9), no_wrap=True)
+    for leaf in plan.leaves:
+        ratio = leaf.read_per_device / leaf.held_per_device if leaf.held_per_device else 1.0
+        table.add_row(
+            leaf.path, str(leaf.shape), str(leaf.chunk_shape), leaf.restored_spec,
+            _size(leaf.held_per_device), _size(leaf.read_per_device), f"{ratio:.2f}",
+        )  # fmt: skip
+    console.print(table)
+    reads, held = plan.read_by_device, plan.held_by_device
+    low, high = _size(min(reads.values())), _size(max(reads.values()))
+    console.print(
+        f"Each of the {n_target} devices reads {low if low == high else low + ' to ' + high} "
+        f"to hold {_size(max(held.values()))}. Peak host memory: "
+        f"{_size(plan.peak_host_bytes)} in the largest of {plan.processes} process(es), "
+        "with every leaf in flight at once, as orbax restores."
+    )
