@@ -19,6 +19,7 @@ from shardkit.annotate import (
 from shardkit.attention import use_attention
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError
+from shardkit.loss import chunked_cross_entropy
 from shardkit.mesh import make_mesh
 from shardkit.plan import Plan
 from shardkit.replicas import ReplicaView, per_replica
@@ -35,6 +36,7 @@ __all__ = [
     "ShardingError",
     "activation_rules",
     "axes",
+    "chunked_cross_entropy",
     "constrain",
     "emulate_devices",
     "logical_axes",

@@ -135,8 +135,12 @@ class Model:
           >>> jax.eval_shape(model.loss, params, {"inputs": t, "targets": t}).shape
           ()
         """
-        logits = self.apply(params, batch["inputs"]).astype(jnp.float32)
-        return vocab_parallel_cross_entropy(logits, batch["targets"]).mean()
+        inputs, targets = batch["inputs"], batch["targets"]
+        if self.config.family == "gpt":
+            losses = self.module.apply({"params": params}, inputs, targets)
+        else:
+            losses = nnx.merge(self._graphdef, params)(inputs, targets)
+        return losses.mean()
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
