@@ -43,21 +43,36 @@ _KIND_AXIS = {"dp": "data", "zero1": "data", "zero2": "data", "fsdp": "fsdp", "z
 
 @dataclasses.dataclass(frozen=True)
 class AnalyticMemory:
-    """Bytes per device of the training state and activations."""
+    """Bytes per device of the training state and activations.
+
+    ``phases`` (optional): the peak of each phase of the step (layers, head and loss,
+    optimizer step; :mod:`shardkit.report.phases`). When given, the total is the
+    largest of them rather than the sum of the four parts.
+    """
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    phases: Mapping[str, float] | None = None
 
     @property
     def total(self) -> float:
-        """Sum of the four parts."""
+        """Sum of the four parts, or the largest phase peak when ``phases`` is given."""
+        if self.phases:
+            return max(self.phases.values())
         return self.params + self.grads + self.optimizer + self.activations
 
-    def to_dict(self) -> dict[str, float]:
-        """``params``, ``grads``, ``optimizer``, ``activations`` and ``total``."""
-        return {**dataclasses.asdict(self), "total": self.total}
+    def to_dict(self) -> dict[str, Any]:
+        """``params``, ``grads``, ``optimizer``, ``activations`` and ``total`` (with
+        ``phases`` and ``peak_phase`` when phases are given)."""
+        out: dict[str, Any] = {**dataclasses.asdict(self), "total": self.total}
+        if not self.phases:
+            del out["phases"]
+        else:
+            out["phases"] = dict(self.phases)
+            out["peak_phase"] = max(self.phases, key=lambda k: self.phases[k])
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +308,11 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
     return out, notes
 
 
+def _phase_note(phases: Mapping[str, float]) -> str:
+    peaks = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in phases.items())
+    return f"total: the largest phase peak (shardkit.report.phases): {peaks}"
+
+
 def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, batch: int,
                    seq: int, bytes_per_value: int = 4, remat: str | None = None,
                    attention: str = "allgather") -> AnalyticModel:  # fmt: skip
@@ -306,7 +326,10 @@ def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, ba
     or ``tp_sp`` under tensor recipes, ``full_recompute`` with remat ``"full"``), plus the
     logits ``b·s·vocab·B`` (÷t, vocab-parallel, under tensor recipes). This is a guide, not
     a bound: it ignores the backward pass's transient buffers, the layer being recomputed,
-    XLA's temporaries, and ``save_dots`` (counted as no remat).
+    XLA's temporaries, and ``save_dots`` (counted as no remat). For a reference model
+    (a config with ``loss_chunks``) ``memory.phases`` holds the peak of each phase of
+    the step (:func:`shardkit.report.phases.phase_peaks`: the layer being recomputed,
+    the chunked head and loss, the optimizer step) and the total is the largest.
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (or anything with ``vocab``,
@@ -352,6 +375,12 @@ def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, ba
     logits = b * s * config.vocab * nb / t
     memory = AnalyticMemory(params=nb * state, grads=nb * state, optimizer=2 * nb * opt,
                             activations=config.n_layers * per_layer + logits)  # fmt: skip
+    if hasattr(config, "loss_chunks"):  # a reference model: its phase peaks set the total
+        from shardkit.report.phases import phase_peaks
+
+        phases = phase_peaks(config, recipe_name, mesh, batch=batch, seq=seq,
+                             bytes_per_value=nb, remat=remat, base=memory)  # fmt: skip
+        memory = dataclasses.replace(memory, phases=phases)
     h_kv = config.n_kv_heads * (config.d_model // config.n_heads)
     wire, wire_notes = _hybrid(sizes, psi, nb, config.n_layers, batch, seq, config.d_model,
                                config.vocab, h_kv, data_kind, tensor_kind,
@@ -362,6 +391,7 @@ def analytic_model(config: Any, recipe_name: str, mesh: Mapping[str, int], *, ba
         "(ZeRO, Rajbhandari et al. 2019)",
         f"activations: {config.n_layers} layers × Megatron '{mode}' (Korthikanti et al. 2022) "
         f"at b={b:g}, s={s:g}, t={t}, + logits b·s·V·B/{t}; a guide, not a bound",
+        *([_phase_note(memory.phases)] if memory.phases else []),
         *wire_notes,
     )
     return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes)
