@@ -355,7 +355,9 @@ def chunked_cross_entropy(
         # once, outside the loop and its recomputation. Backward: the gradient goes back
         # to the hidden states' own layout (a reduce-scatter, not an all-reduce).
         own = _logits_spec((*lead, length, d), (*token_axes, None))
-        hidden = _relayout(hidden, PartitionSpec(*full_spec[:-1], None), own)
+        # Pinned in its own layout first: the op that made it (a norm's "+ bias") then
+        # runs there, and XLA gathers its result, not a broadcast of the bias.
+        hidden = _relayout(_pin(hidden, own), PartitionSpec(*full_spec[:-1], None), own)
         inner = PartitionSpec(*chunk_spec[:-1], None)
         inner_own = _logits_spec((*lead, size, d), (*token_axes, None))
 
