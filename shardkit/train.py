@@ -60,7 +60,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
         del params
-        norm = optax.global_norm(updates)
+        norm = optax.tree.norm(updates)
         scale = max_norm / jnp.maximum(norm, max_norm)
         return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
 
