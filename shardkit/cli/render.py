@@ -31,6 +31,9 @@ def print_report(report: Report, console: Console, *, top: int = 12) -> None:
                 human_bytes(a.memory.grads + a.memory.activations) if a else "–", "")  # fmt: skip
     mem.add_row("total = arguments + output + temp − alias", human_bytes(m.total),
                 human_bytes(a.memory.total) if a else "–", _ratio(m.total, a and a.memory.total))  # fmt: skip
+    for phase, peak in ((a.memory.phases or {}) if a else {}).items():
+        mark = " (peak)" if peak == a.memory.total else ""
+        mem.add_row(f"  analytic phase: {phase}{mark}", "", human_bytes(peak), "")
     console.print(mem)
 
     wire = Table(title="wire bytes per device per step")
