@@ -86,13 +86,17 @@ def test_head_gradient_reduced_once_not_per_chunk(name, recipe):
 def test_bad_chunk_counts_raise():
     h, t = jnp.ones((2, 6, 4)), jnp.zeros((2, 6), jnp.int32)
     w = jnp.zeros((4, 10))
-    with pytest.raises(ChunkError, match=r"(?s)chunks=4 does not divide .* \(6\).*Fix: pass chunks"):
+    with pytest.raises(
+        ChunkError, match=r"(?s)chunks=4 does not divide .* \(6\).*Fix: pass chunks"
+    ):
         sk.chunked_cross_entropy(h, t, lambda w, x: x @ w, weight=w, chunks=4)
     with pytest.raises(sk.ShardingError, match="loss_chunks must be a positive int"):
         get("gpt-tiny", loss_chunks=0)
     # The sequence split over 8 devices (cp): chunks of 32 / 8 = 4 positions are not.
     model = get("llama-tiny", n_layers=1, loss_chunks=8)
-    with pytest.raises(ChunkError, match=r"(?s)4 positions per chunk.*8 devices.*chunks in \[1, 2, 4\]"):
+    with pytest.raises(
+        ChunkError, match=r"(?s)4 positions per chunk.*8 devices.*chunks in \[1, 2, 4\]"
+    ):
         sk.Plan("cp").report_model(model, train.adamw(), batch=B, seq=S)
 
 

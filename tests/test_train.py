@@ -111,6 +111,8 @@ def test_adamw_step_holds_no_copy_of_the_gradients():
         return optax.apply_updates(params, updates), opt_state
 
     x = jax.ShapeDtypeStruct((8, 512), np.float32)
-    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(params, jax.eval_shape(tx.init, params), x)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, jax.eval_shape(tx.init, params), x
+    )
     memory = memory_per_device(compiled.compile())
     assert memory.total <= memory.arguments + 1.05 * grad_bytes

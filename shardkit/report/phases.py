@@ -106,7 +106,9 @@ def optimizer_step_peak_bytes(*, grads_bytes: float, clip: Literal["scale", "sel
       30.0
     """
     if clip not in ("scale", "select"):
-        raise ShardingError(f"optimizer_step_peak_bytes: clip is 'scale' or 'select', got {clip!r}.")
+        raise ShardingError(
+            f"optimizer_step_peak_bytes: clip is 'scale' or 'select', got {clip!r}."
+        )
     return float((grads_bytes if clip == "select" else 0.0) + reduced_leaf_bytes)
 
 
