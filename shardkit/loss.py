@@ -111,8 +111,8 @@ def auto_chunks(length: int, vocab: int, d_model: int, *, quantum: int = 1,
     multiple of ``quantum`` positions (the devices the sequence is split over). With
     ``ratio=1`` this is the rule of Liger-Kernel's fused linear cross-entropy; measured
     on GPT-2-small under ``fsdp`` (8 devices, 8 × 512 tokens), memory stops falling
-    past 8 chunks (548 MiB unchunked, 368 at 4, 352 at 8, 351 at 16), so 8 keeps the
-    chunks' matrix products larger for the same memory.
+    past 8 chunks (548 MiB unchunked, 356 at 4, 347 at 8, 346 at 16 and 32), so 8 keeps
+    the chunks' matrix products larger for about the same memory.
 
     Args:
       length: the chunked dimension (the sequence length).
