@@ -46,7 +46,7 @@ BATCH = 8
 HEADERS = (
     "recipe", "mesh",
     "shardkit total MiB", "Flax total MiB", "Flax/shardkit total", "shardkit unrolled total MiB",
-    "analytic total MiB", "shardkit/analytic total",
+    "analytic total MiB", "shardkit/analytic total", "analytic peak phase",
     "shardkit state MiB", "analytic state MiB", "shardkit/analytic state",
     "shardkit wire MiB", "Flax wire MiB", "Flax/shardkit wire",
     "analytic wire MiB", "shardkit/analytic wire",
@@ -98,6 +98,7 @@ def row(model, unrolled, tx, recipe: str, n: int, seq: int) -> tuple[list, dict]
         recipe, "×".join(f"{k}{v}" for k, v in report.mesh.items()),
         _mib(sk_total), _mib(fl_total), _ratio(fl_total, sk_total), _mib(flat.memory.total),
         _mib(a.memory.total), _ratio(sk_total, a.memory.total),
+        a.memory.to_dict().get("peak_phase", "—"),
         _mib(sk_state), _mib(a_state), _ratio(sk_state, a_state),
         _mib(sk_wire), _mib(fl_wire), _ratio(fl_wire, sk_wire),
         _mib(a_wire), _ratio(sk_wire, a_wire),
@@ -169,6 +170,8 @@ def main(argv=None) -> int:
     text = emit("layout", title, HEADERS, rows, args.out,
                 extra={"details": details, "notes": notes, "seconds": elapsed})  # fmt: skip
     legend = (
+        "analytic total = the largest phase peak (`shardkit.report.phases`: layers, head and "
+        "loss, optimizer step), the phase named; "
         "state = arguments (params + optimizer state + batch) against the analytic params + "
         'optimizer; "Flax" is the baseline as written (its `nn.with_logical_constraint`s are '
         'silent no-ops under the legacy `with mesh:`), "Flax pinned" passes `mesh=` to them; '

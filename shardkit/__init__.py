@@ -19,6 +19,7 @@ from shardkit.annotate import (
 from shardkit.attention import use_attention
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError, ShardingWarning
+from shardkit.loss import chunked_cross_entropy
 from shardkit.mesh import make_mesh
 from shardkit.plan import Plan
 from shardkit.replicas import ReplicaView, per_replica
@@ -39,6 +40,7 @@ __all__ = [
     "activation_rules",
     "axes",
     "checkpoint",
+    "chunked_cross_entropy",
     "constrain",
     "distributed",
     "emulate_devices",

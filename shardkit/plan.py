@@ -435,7 +435,7 @@ class Plan:
                 )
             self._check_axes_known(state)
             compiled = self.compile(step, state, batch, *args)
-            if "workload" not in kwargs and "model_config" not in kwargs:
+            if kwargs.get("workload") is None and kwargs.get("model_config") is None:
                 kwargs["workload"] = _workload_of(batch)
         self._check_axes_known(state)
         return build_report(self, compiled, state, **kwargs)

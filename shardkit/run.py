@@ -112,7 +112,9 @@ def run(
     # Compile once; the same executable trains and is reported on.
     compiled = plan.jit(train.train_step(spec, tx), state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq)
-    report = plan.report(compiled, abstract, workload=workload)
+    report = plan.report(
+        compiled, abstract, workload=workload, model_config=getattr(spec, "config", None)
+    )
 
     def step_fn(state, batch):
         with jax.set_mesh(plan.mesh):

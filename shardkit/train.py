@@ -26,7 +26,7 @@ import optax
 
 from shardkit.annotate.unbox import unbox
 
-__all__ = ["TrainState", "adamw", "init_fn", "train_step"]
+__all__ = ["TrainState", "adamw", "clip_by_global_norm", "init_fn", "train_step"]
 
 
 class TrainState(NamedTuple):
@@ -37,12 +37,45 @@ class TrainState(NamedTuple):
     opt_state: Any
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """``optax.clip_by_global_norm`` as one scalar factor: ``g · max / max(‖g‖, max)``.
+
+    optax writes the clip as ``select(‖g‖ < max, g, g / ‖g‖ · max)``, which XLA
+    computes as a second full copy of the gradients before the optimizer reads them
+    (475 MiB per device for GPT-2-small under ``dp``). One scalar multiply fuses into
+    the optimizer's element-wise update instead: no copy. The result is the same
+    (``max / max`` is exactly 1 below the threshold); the state is ``optax``'s (empty).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> tx = clip_by_global_norm(1.0)
+      >>> g = {"a": jnp.array([3.0, 4.0])}
+      >>> [float(x) for x in tx.update(g, tx.init(g))[0]["a"]]
+      [0.6000000238418579, 0.800000011920929]
+    """
+
+    def init(params: Any) -> optax.EmptyState:
+        del params
+        return optax.EmptyState()
+
+    def update(updates: Any, state: optax.EmptyState, params: Any = None) -> tuple[Any, Any]:
+        del params
+        norm = optax.tree.norm(updates)
+        scale = max_norm / jnp.maximum(norm, max_norm)
+        return jax.tree.map(lambda g: (g * scale).astype(g.dtype), updates), state
+
+    return optax.GradientTransformation(init, update)
+
+
 def adamw(
     learning_rate: float = 1e-2, weight_decay: float = 0.0, eps: float = 1e-8
 ) -> optax.GradientTransformation:
-    """AdamW with global-norm clipping at 1.0 (the optimizer every recipe uses)."""
+    """AdamW with global-norm clipping at 1.0 (the optimizer every recipe uses).
+
+    The clip is :func:`clip_by_global_norm` (a scalar factor, no copy of the gradients).
+    """
     return optax.chain(
-        optax.clip_by_global_norm(1.0),
+        clip_by_global_norm(1.0),
         optax.adamw(learning_rate, b1=0.9, b2=0.95, eps=eps, weight_decay=weight_decay),
     )
 

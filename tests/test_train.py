@@ -2,12 +2,14 @@
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 import shardkit as sk
 from shardkit import train
 from shardkit.data import MarkovSource
 from shardkit.models import get
+from shardkit.report.memory import memory_per_device
 
 STEPS, BATCH, SEQ, LR, EPS = 3, 8, 32, 1e-2, 1e-5
 MODELS = ["gpt-tiny", "llama-tiny"]
@@ -81,3 +83,36 @@ def test_reference_state_is_born_sharded(model_name):
             sharded += 1
     # params and both Adam moments of every matrix are sharded, not just a few leaves
     assert sharded >= 3 * 8
+
+
+@pytest.mark.parametrize("norm", [0.5, 3.0])  # below and above the threshold
+def test_clip_matches_optax(norm):
+    keys = jax.random.split(jax.random.key(0), 2)
+    grads = {"a": jax.random.normal(keys[0], (5, 3)), "b": jax.random.normal(keys[1], (7,))}
+    grads = jax.tree.map(lambda g: g * norm / optax.tree.norm(grads), grads)
+    ref_tx, tx = optax.clip_by_global_norm(1.0), train.clip_by_global_norm(1.0)
+    ref, ref_state = ref_tx.update(grads, ref_tx.init(grads))
+    got, state = tx.update(grads, tx.init(grads))
+    assert jax.tree.structure(state) == jax.tree.structure(ref_state)  # checkpoints unchanged
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-6)
+
+
+def test_adamw_step_holds_no_copy_of_the_gradients():
+    # Compile only, one device: a step's memory is its arguments (params, Adam moments,
+    # batch) plus the gradients, nothing more. optax's select-form clip adds a copy.
+    params = {f"w{i}": jax.ShapeDtypeStruct((512, 512), np.float32) for i in range(4)}
+    grad_bytes = 4 * 512 * 512 * 4
+    tx = train.adamw()
+
+    def step(params, opt_state, x):
+        loss = lambda p: sum(((x @ w) ** 2).sum() for w in p.values())  # noqa: E731
+        updates, opt_state = tx.update(jax.grad(loss)(params), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    x = jax.ShapeDtypeStruct((8, 512), np.float32)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(
+        params, jax.eval_shape(tx.init, params), x
+    )
+    memory = memory_per_device(compiled.compile())
+    assert memory.total <= memory.arguments + 1.05 * grad_bytes

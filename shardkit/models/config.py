@@ -43,6 +43,9 @@ class ModelConfig:
       scan: stack the layers under a scan, with a leading ``"layers"`` logical axis.
       dtype: activation / compute dtype.
       param_dtype: parameter dtype.
+      loss_chunks: chunks of the sequence the vocabulary head and the loss run in
+        (``sk.chunked_cross_entropy``); ``None`` picks them from the step's size
+        (``shardkit.loss.auto_chunks``), 1 projects all the tokens at once.
 
     Example:
       >>> cfg = ModelConfig("gpt", vocab=256, d_model=64, n_layers=2, n_heads=8,
@@ -63,6 +66,7 @@ class ModelConfig:
     scan: bool = True
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    loss_chunks: int | None = None
 
     def __post_init__(self) -> None:
         where = (
@@ -80,6 +84,13 @@ class ModelConfig:
                 raise errors.ShardingError(
                     f"{where}: {field} must be a positive int, got {value!r}."
                 )
+        if self.loss_chunks is not None and (
+            not isinstance(self.loss_chunks, int) or self.loss_chunks <= 0
+        ):
+            raise errors.ShardingError(
+                f"{where}: loss_chunks must be a positive int or None, got "
+                f"{self.loss_chunks!r}.\nFix: pass loss_chunks=None to pick it from the step."
+            )
         if self.d_model % self.n_heads:
             raise errors.ShardingError(
                 f"{where}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}.\n"

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import shardkit as sk
 from shardkit import errors
 from shardkit.attention import causal_attention
+from shardkit.loss import head_view
 from shardkit.models.config import ModelConfig
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
@@ -199,7 +200,10 @@ class GPT(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        """Logits ``f32[batch, seq, vocab]``; with ``targets``, the cross-entropy of each
+        token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
+        are never held whole)."""
         cfg = self.config
         seq = tokens.shape[-1]
         if seq > cfg.max_seq:
@@ -224,9 +228,13 @@ class GPT(nn.Module):
         )
         # The embedding is tied: read by the lookup and by the logits. One replica view
         # for both uses makes data parallelism all-reduce its gradient once, not twice.
-        table = sk.per_replica(
-            wte.embedding.astype(cfg.dtype), TABLE, data=tokens, data_axes=("batch", "length")
-        )
+        weight = wte.embedding.astype(cfg.dtype)
+        table = sk.per_replica(weight, TABLE, data=tokens, data_axes=("batch", "length"))
+        if targets is not None and table.n > 1:
+            # The chunked head reads the table in its own layout (see head_view). Where
+            # the lookup has replicas, it reads that view too, so the two uses'
+            # gradients add up on each replica before one reduction.
+            table = head_view(weight, TABLE, data=targets, reuse=table)
         x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
         x = x + wpe(jnp.arange(seq)[None, :])
         x = sk.constrain(x.astype(cfg.dtype), RESIDUAL)
@@ -248,6 +256,12 @@ class GPT(nn.Module):
                 x, _ = block(cfg, name=f"layers_{i}")(x)
 
         x = nn.LayerNorm(epsilon=LN_EPS, name="ln_f", **embed)(x)
-        logits = table.map(lambda t, y: jnp.einsum("...d,vd->...v", y, t), x)
-        logits = logits.astype(jnp.float32)
-        return sk.constrain(logits, LOGITS)
+
+        def head(t: jax.Array, y: jax.Array) -> jax.Array:
+            return jnp.einsum("...d,vd->...v", y, t)
+
+        if targets is not None:
+            if table.n == 1:  # the head's layout, here, after the layers
+                table = head_view(weight, TABLE, data=targets, reuse=table)
+            return sk.chunked_cross_entropy(x, targets, head, weight=table, chunks=cfg.loss_chunks)
+        return sk.constrain(table.map(head, x).astype(jnp.float32), LOGITS)

@@ -40,6 +40,7 @@ from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, checkpoint_poli
 __all__ = ["Llama", "Block", "Attention", "Mlp", "rope_tables", "apply_rope"]
 
 KV_HEADS = ("batch", "length", "kv_heads", "kv")
+HEAD = ("embed", "vocab")
 INIT_STD = 0.02
 NORM_EPS = 1e-5
 ROPE_THETA = 10000.0
@@ -187,7 +188,7 @@ class Block(nnx.Module):
     {
         r"^embed/embedding$": ("vocab", "embed"),
         r"^norm/scale$": ("embed",),
-        r"^head/kernel$": ("embed", "vocab"),
+        r"^head/kernel$": HEAD,
     }
 )
 class Llama(nnx.Module):
@@ -244,7 +245,10 @@ class Llama(nnx.Module):
             return run
         return jax.checkpoint(run, prevent_cse=not cfg.scan, policy=checkpoint_policy(cfg.remat))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+        """Logits ``f32[batch, seq, vocab]``; with ``targets``, the cross-entropy of each
+        token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
+        are never held whole)."""
         cfg = self.config
         x = sk.constrain(self.embed(tokens).astype(cfg.dtype), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
@@ -256,5 +260,15 @@ class Llama(nnx.Module):
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
                 x = self._block_fn(graphdef, cos, sin)(state, x)
-        logits = self.head(self.norm(x)).astype(jnp.float32)
-        return sk.constrain(logits, LOGITS)
+        x = self.norm(x)
+        if targets is not None:
+            kernel = self.head.kernel[...].astype(cfg.dtype)
+            return sk.chunked_cross_entropy(
+                x,
+                targets,
+                lambda w, h: jnp.einsum("...d,dv->...v", h, w),
+                weight=kernel,
+                weight_axes=HEAD,
+                chunks=cfg.loss_chunks,
+            )
+        return sk.constrain(self.head(x).astype(jnp.float32), LOGITS)

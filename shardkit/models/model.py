@@ -28,6 +28,7 @@ from flax import nnx
 
 from shardkit import errors
 from shardkit.annotate import activation_rules
+from shardkit.loss import cross_entropy
 from shardkit.models.config import CONFIGS, ModelConfig
 from shardkit.models.gpt import GPT
 from shardkit.models.llama import Llama
@@ -127,6 +128,9 @@ class Model:
     def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         """Mean next-token cross-entropy (f32) of ``batch["targets"]`` given ``batch["inputs"]``.
 
+        The head and the loss run a chunk of tokens at a time (``sk.chunked_cross_entropy``,
+        ``config.loss_chunks`` chunks), so the whole logits are never held.
+
         Example:
           >>> import jax, jax.numpy as jnp, shardkit as sk
           >>> model = get("llama-tiny", n_layers=1)
@@ -135,8 +139,12 @@ class Model:
           >>> jax.eval_shape(model.loss, params, {"inputs": t, "targets": t}).shape
           ()
         """
-        logits = self.apply(params, batch["inputs"]).astype(jnp.float32)
-        return vocab_parallel_cross_entropy(logits, batch["targets"]).mean()
+        inputs, targets = batch["inputs"], batch["targets"]
+        if self.config.family == "gpt":
+            losses = self.module.apply({"params": params}, inputs, targets)
+        else:
+            losses = nnx.merge(self._graphdef, params)(inputs, targets)
+        return losses.mean()
 
 
 def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -154,9 +162,7 @@ def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.A
       ...                   optax.softmax_cross_entropy_with_integer_labels(logits, t)))
       True
     """
-    log_z = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
-    return log_z - target
+    return cross_entropy(logits, targets)
 
 
 def names() -> list[str]:

@@ -27,7 +27,7 @@ from shardkit.recipes import get as get_recipe
 from shardkit.workload import Workload
 
 __all__ = [
-    "AnalyticMemory", "AnalyticModel", "analytic_costs", "analytic_model",
+    "AnalyticMemory", "AnalyticModel", "analytic_costs", "analytic_model", "with_phases",
     "megatron_activations_per_layer", "wire_bytes", "wire_bytes_hybrid", "zero_memory",
 ]  # fmt: skip
 
@@ -38,21 +38,36 @@ _KIND_AXIS = {"dp": "data", "zero1": "data", "zero2": "data", "fsdp": "fsdp", "z
 
 @dataclasses.dataclass(frozen=True)
 class AnalyticMemory:
-    """Bytes per device of the training state and activations."""
+    """Bytes per device of the training state and activations.
+
+    ``phases`` (optional): the peak of each phase of the step (layers, head and loss,
+    optimizer step; :mod:`shardkit.report.phases`). When given, the total is the
+    largest of them rather than the sum of the four parts.
+    """
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    phases: Mapping[str, float] | None = None
 
     @property
     def total(self) -> float:
-        """Sum of the four parts."""
+        """Sum of the four parts, or the largest phase peak when ``phases`` is given."""
+        if self.phases:
+            return max(self.phases.values())
         return self.params + self.grads + self.optimizer + self.activations
 
-    def to_dict(self) -> dict[str, float]:
-        """``params``, ``grads``, ``optimizer``, ``activations`` and ``total``."""
-        return {**dataclasses.asdict(self), "total": self.total}
+    def to_dict(self) -> dict[str, Any]:
+        """``params``, ``grads``, ``optimizer``, ``activations`` and ``total`` (with
+        ``phases`` and ``peak_phase`` when phases are given)."""
+        out: dict[str, Any] = {**dataclasses.asdict(self), "total": self.total}
+        if not self.phases:
+            del out["phases"]
+        else:
+            out["phases"] = dict(self.phases)
+            out["peak_phase"] = max(self.phases, key=lambda k: self.phases[k])
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +310,11 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
     return out, notes
 
 
+def _phase_note(phases: Mapping[str, float]) -> str:
+    peaks = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in phases.items())
+    return f"total: the largest phase peak (shardkit.report.phases): {peaks}"
+
+
 def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: Workload,
                    param_bytes: float, optimizer_bytes: float, psi: float | None = None,
                    bytes_per_value: int = 4) -> AnalyticModel:  # fmt: skip
@@ -377,8 +397,11 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
     :func:`megatron_activations_per_layer` × ``n_layers`` at the per-device micro-batch
     and sequence (mode ``tp`` or ``tp_sp`` under tensor recipes, ``full_recompute``
     with remat ``"full"``), plus the logits ``b·s·vocab·B`` (÷t, vocab-parallel). This
-    is a guide, not a bound: it ignores the backward pass's transient buffers, the
-    layer being recomputed, XLA's temporaries, and ``save_dots`` (counted as no remat).
+    is a guide, not a bound: it ignores XLA's temporaries and ``save_dots`` (counted as
+    no remat). For a reference model (a config with ``loss_chunks``) ``memory.phases``
+    holds the peak of each phase of the step (:func:`shardkit.report.phases.phase_peaks`:
+    the layer being recomputed, the chunked head and loss, the optimizer step) and the
+    total is the largest.
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (or anything with ``vocab``,
@@ -403,7 +426,27 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
     """
     psi = config.param_count()
     workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat)
-    return analytic_costs(recipe, mesh, workload=workload, psi=psi,
-                          param_bytes=bytes_per_value * psi,
-                          optimizer_bytes=2 * bytes_per_value * psi,
-                          bytes_per_value=bytes_per_value)  # fmt: skip
+    model = analytic_costs(recipe, mesh, workload=workload, psi=psi,
+                           param_bytes=bytes_per_value * psi,
+                           optimizer_bytes=2 * bytes_per_value * psi,
+                           bytes_per_value=bytes_per_value)  # fmt: skip
+    return with_phases(model, config, recipe, mesh, workload)
+
+
+def with_phases(model: AnalyticModel, config: Any, recipe: Recipe | str,
+                mesh: Mapping[str, int], workload: Workload) -> AnalyticModel:  # fmt: skip
+    """``model`` with the peak of each phase of a reference model's step as its total.
+
+    A no-op unless ``config`` is a reference model's (it has ``loss_chunks``) and the
+    workload has a sequence. See :func:`shardkit.report.phases.phase_peaks`.
+    """
+    if not hasattr(config, "loss_chunks") or not workload.seq:
+        return model
+    from shardkit.report.phases import phase_peaks
+
+    phases = phase_peaks(config, recipe, mesh, batch=workload.batch, seq=workload.seq,
+                         bytes_per_value=4, remat=workload.remat or "none",
+                         base=model.memory)  # fmt: skip
+    memory = dataclasses.replace(model.memory, phases=phases)
+    notes = (*model.notes[:3], _phase_note(phases), *model.notes[3:])
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=model.wire_bytes_by_kind, notes=notes)

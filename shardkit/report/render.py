@@ -63,6 +63,9 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
     mem.add_row("total = arguments + output + temp − alias", human_bytes(m.total),
                 human_bytes(whole.memory.total) if whole else "–",
                 _ratio(m.total, whole and whole.memory.total))  # fmt: skip
+    for phase, peak in ((whole.memory.phases or {}) if whole else {}).items():
+        mark = " (peak)" if peak == whole.memory.total else ""
+        mem.add_row(f"  analytic phase: {phase}{mark}", "", human_bytes(peak), "")
     out.append(mem)
 
     wire = Table(title="wire bytes per device per step")

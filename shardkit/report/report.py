@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 
 from shardkit.errors import ShardingError
 from shardkit.report import lint
-from shardkit.report.analytic import AnalyticModel, analytic_costs
+from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
 from shardkit.workload import Workload
@@ -234,7 +234,9 @@ def build_report(
         (``jax.eval_shape(init_fn, key)``), or arrays whose logical axes the plan knows.
       workload: the step's sizes; enables the analytic model (state and data-parallel
         terms from the batch alone; activation terms with the model's dimensions).
-      model_config, batch, seq: a reference model's config instead of ``workload``.
+      model_config: a reference model's config: with ``workload`` it adds the analytic
+        peak of each phase of the step; alone (with ``batch``, ``seq``) it sets the workload.
+      batch, seq: with ``model_config`` and no ``workload``.
       replicated_threshold_bytes, replicated_threshold_share: warn about replicated
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
@@ -254,6 +256,8 @@ def build_report(
                 recipe, mesh, workload=workload,
                 param_bytes=full["param"], optimizer_bytes=full["optimizer"],
             )  # fmt: skip
+            if model_config is not None:  # a reference model: its phases set the total
+                analytic = with_phases(analytic, model_config, recipe, mesh, workload)
         except ShardingError as e:  # a layout the analytic model does not cover
             notes.append(f"no analytic model: {' '.join(str(e).split())}")
     logical_names = {n for r in rows for n in r.logical if n}

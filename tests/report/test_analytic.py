@@ -1,5 +1,7 @@
 """Tests for shardkit.report.analytic: the ZeRO / Megatron analytic cost of a layout."""
 
+import dataclasses
+
 import pytest
 
 from shardkit import recipes
@@ -226,10 +228,13 @@ def test_a_custom_recipe_gets_the_analytic_model_of_what_it_does():
     import dataclasses
 
     fsdp = recipes.get("fsdp")
+
+    def renamed(rules):
+        return sk_rules([(n, "shard" if a == "fsdp" else a) for n, a in rules])
+
     custom = dataclasses.replace(
-        fsdp, name="my_layout", mesh_axes=(("shard", -1),),
-        rules=sk_rules([("vocab", "shard"), ("embed", "shard")]),
-        activation_rules=sk_rules([("batch", "shard")]),
+        fsdp, name="my_layout", mesh_axes=(("shard", -1),), rules=renamed(fsdp.rules),
+        activation_rules=renamed(fsdp.activation_rules),
     )  # fmt: skip
     cfg = CONFIGS["gpt-tiny"]
     mine = analytic_model(cfg, custom, {"shard": 8}, batch=8, seq=32)
@@ -273,7 +278,8 @@ def test_analytic_model_matches_zero_and_wire_bytes():
     for name, stage in [("dp", 0), ("zero1", 1), ("fsdp", 3)]:
         m = analytic_model(cfg, name, MESHES[name], batch=8, seq=32)
         z = zero_memory(psi, 8, stage, k=8, param_bytes=4, grad_bytes=4)
-        assert m.memory.total - m.memory.activations == pytest.approx(z.total)
+        state = m.memory.params + m.memory.grads + m.memory.optimizer  # the total is a phase peak
+        assert state == pytest.approx(z.total)
         kind = "fsdp" if name == "fsdp" else name
         assert m.wire_bytes_by_kind == pytest.approx(wire_bytes(kind, psi=psi, n=8))
 
@@ -293,7 +299,9 @@ def test_analytic_hybrid_reduces_to_pure(hybrid, mesh, pure):
     pure_mesh = {a: v for a, v in mesh.items() if v > 1}
     h = analytic_model(cfg, hybrid, mesh, batch=8, seq=32)
     p = analytic_model(cfg, pure, pure_mesh, batch=8, seq=32)
-    assert h.memory == p.memory
+    # Phases aside: the head's layout follows each recipe's activation rules (fsdp splits
+    # the logits over the vocabulary, dp_fsdp does not); tests/report/test_phases.py.
+    assert dataclasses.replace(h.memory, phases=None) == dataclasses.replace(p.memory, phases=None)
     assert h.wire_bytes_by_kind == pytest.approx(p.wire_bytes_by_kind)
 
 

@@ -52,7 +52,7 @@ def test_report_json_schema(fsdp_report):
     d = json.loads(json.dumps(fsdp_report.to_json()))
     assert set(d["memory_per_device_bytes"]) == {"arguments", "output", "temp", "alias", "total"}
     assert set(d["analytic_memory_per_device_bytes"]) == {
-        "params", "grads", "optimizer", "activations", "total"}  # fmt: skip
+        "params", "grads", "optimizer", "activations", "total", "phases", "peak_phase"}  # fmt: skip
     assert {"kind", "bytes", "wire_bytes", "group_size", "op_name"} <= set(d["collectives"][0])
     assert {"path", "shape", "logical", "spec", "bytes_per_device"} <= set(d["params"][0])
     for key in ("wire_bytes_by_kind", "analytic_wire_bytes_by_kind", "replicated_fraction",

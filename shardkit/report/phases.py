@@ -1,0 +1,230 @@
+"""Which phase of a training step sets its memory peak: layers, head and loss, optimizer.
+
+:func:`~shardkit.report.analytic.analytic_model` adds up the state (params, grads,
+optimizer) and the activations. A step never holds all of that *plus* every transient
+at once: it passes through phases, and its peak is the largest of them. Per device:
+
+- ``layers``: the state, the activations saved for the backward pass, and the layer
+  being recomputed (full remat) with, under FSDP, its gathered weights and their
+  gradient before the reduce-scatter (:func:`layer_peak_bytes`);
+- ``head_loss``: the state, the saved activations, and the vocabulary head with its
+  cross-entropy (:func:`head_loss_peak_bytes`): a chunk's logits, their gradient, the
+  hidden states in the head's layout, and a gathered copy of the head's weight with
+  its gradient where the head computes in another layout than the one stored;
+- ``optimizer_step``: the state, and what the update holds on top
+  (:func:`optimizer_step_peak_bytes`): nothing for a clip by one scalar factor, a copy
+  of the gradients for optax's ``select`` form, and the largest gradient all-reduced
+  out of place (XLA's CPU all-reduce writes a new buffer).
+
+:func:`phase_peaks` evaluates the three for a reference model under a built-in
+recipe; ``analytic_model`` stores them in ``AnalyticMemory.phases``, whose largest is
+then the analytic total. A guide, not a bound: XLA's temporaries inside a phase
+(f32 softmax scratch, copies for layout changes) are not modelled.
+
+Example:
+  >>> from shardkit.models import CONFIGS
+  >>> peaks = phase_peaks(CONFIGS["gpt-small"], "fsdp", {"fsdp": 8}, batch=8, seq=512,
+  ...                     remat="full")
+  >>> max(peaks, key=peaks.get)
+  'layers'
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from shardkit.errors import ShardingError
+
+__all__ = [
+    "PHASES", "head_loss_peak_bytes", "layer_peak_bytes", "optimizer_step_peak_bytes",
+    "peak_phase", "phase_peaks",
+]  # fmt: skip
+
+#: The phases, in the order a step runs them.
+PHASES = ("layers", "head_loss", "optimizer_step")
+
+
+def head_loss_peak_bytes(*, tokens: float, vocab: int, d_model: int, chunks: int = 1,
+                         token_split: int = 1, vocab_split: int = 1,
+                         bytes_per_value: float = 4, weight_copy_bytes: float = 0.0,
+                         live_logits: int = 3, weight_buffers: int = 3) -> float:  # fmt: skip
+    """Bytes per device the vocabulary head and its loss hold beyond the state.
+
+    ``live_logits`` f32 buffers of one chunk's logits (the exponentials, their gradient,
+    the gradient again for the weight's gradient: three in XLA's buffer assignment),
+    each ``tokens/(token_split·chunks) × vocab/vocab_split × 4``; the hidden states in
+    the head's layout and their gradient, ``2 · tokens/token_split · d_model · B``; and
+    ``weight_buffers`` times ``weight_copy_bytes``, the part of the head's weight a
+    device holds in the head's layout beyond its stored shard (a vocabulary gathered for
+    the head): the copy, its gradient, and that gradient's reduction, which XLA's CPU
+    pipeline computes whole (an all-reduce, then a slice) before keeping the shard.
+
+    Args:
+      tokens: tokens of the step (batch × sequence).
+      vocab, d_model: vocabulary and hidden size.
+      chunks: chunks the head and loss run in (``sk.chunked_cross_entropy``).
+      token_split, vocab_split: devices the logits' tokens and vocabulary are split over.
+      bytes_per_value: bytes B of a hidden-state value.
+      weight_copy_bytes: bytes per device of the weight's head layout beyond its shard.
+      live_logits: logits-sized buffers live at once.
+      weight_buffers: buffers of ``weight_copy_bytes`` live at once.
+
+    Example:
+      >>> # GPT-2-small under fsdp, unchunked: three f32[4096, 6288] (98.25 MiB each)
+      >>> b = head_loss_peak_bytes(tokens=4096, vocab=50304, d_model=768, vocab_split=8)
+      >>> round(b / 2**20, 2)
+      318.75
+      >>> round(head_loss_peak_bytes(tokens=4096, vocab=50304, d_model=768, chunks=16,
+      ...                            vocab_split=8) / 2**20, 2)
+      42.42
+    """
+    if chunks < 1 or token_split < 1 or vocab_split < 1:
+        raise ShardingError(f"head_loss_peak_bytes: chunks {chunks}, token_split {token_split} "
+                            f"and vocab_split {vocab_split} must be >= 1.")  # fmt: skip
+    logits = tokens / (token_split * chunks) * vocab / vocab_split * 4
+    hidden = tokens / token_split * d_model * bytes_per_value
+    return float(live_logits * logits + 2 * hidden + weight_buffers * weight_copy_bytes)
+
+
+def optimizer_step_peak_bytes(*, grads_bytes: float, clip: Literal["scale", "select"] = "scale",
+                              reduced_leaf_bytes: float = 0.0) -> float:  # fmt: skip
+    """Bytes per device the optimizer step holds beyond the state.
+
+    A clip by one scalar factor (``shardkit.train.clip_by_global_norm``) fuses into the
+    update: nothing. optax's ``select(‖g‖ < max, g, g/‖g‖·max)`` is computed as a second
+    copy of the gradients: ``grads_bytes``. Plus ``reduced_leaf_bytes``: the largest
+    gradient all-reduced across replicas, whose result XLA's CPU all-reduce writes to a
+    new buffer while the input is still live (measured: GPT-2-small's 147 MiB embedding
+    gradient twice under ``dp``).
+
+    Example:
+      >>> optimizer_step_peak_bytes(grads_bytes=100.0, clip="select")
+      100.0
+      >>> optimizer_step_peak_bytes(grads_bytes=100.0, reduced_leaf_bytes=30.0)
+      30.0
+    """
+    if clip not in ("scale", "select"):
+        raise ShardingError(
+            f"optimizer_step_peak_bytes: clip is 'scale' or 'select', got {clip!r}."
+        )
+    return float((grads_bytes if clip == "select" else 0.0) + reduced_leaf_bytes)
+
+
+def layer_peak_bytes(*, s: float, b: float, h: float, a: float, t: int = 1,
+                     mode: Literal["none", "tp", "tp_sp"] = "none", bytes_per_value: float = 4,
+                     recompute: bool = True, gathered_layer_bytes: float = 0.0) -> float:  # fmt: skip
+    """Bytes per device a layer's backward holds beyond the state and saved activations.
+
+    With full recomputation, the layer being recomputed holds its activations again:
+    Megatron's per-layer count for the layout (``mode``, see
+    :func:`~shardkit.report.analytic.megatron_activations_per_layer`); without it they
+    are among the saved activations already (0). Plus twice ``gathered_layer_bytes``:
+    under FSDP one layer's weights gathered, and their gradient before it is
+    reduce-scattered.
+
+    Example:
+      >>> # GPT-2-small, one sequence of 512 per device, f32, no tensor parallelism
+      >>> round(layer_peak_bytes(s=512, b=1, h=768, a=12) / 2**20, 2)
+      55.5
+    """
+    from shardkit.report.analytic import megatron_activations_per_layer
+
+    layer = megatron_activations_per_layer(s, b, h, a, t=t, mode=mode,
+                                           bytes_per_value=bytes_per_value) if recompute else 0.0  # fmt: skip
+    return float(layer + 2 * gathered_layer_bytes)
+
+
+def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
+    """Devices the dimensions ``dims`` of a ``PartitionSpec`` are split over."""
+    names: list[str] = []
+    for i in dims:
+        entry = spec[i] if i < len(spec) else None
+        names += [entry] if isinstance(entry, str) else list(entry or ())
+    return math.prod(mesh.get(n, 1) for n in names)
+
+
+def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int, seq: int,
+                bytes_per_value: int = 4, remat: str | None = None,
+                clip: Literal["scale", "select"] = "scale", base: Any = None) -> dict[str, float]:  # fmt: skip
+    """Bytes per device at the peak of each phase of a reference model's training step.
+
+    Args:
+      config: a :class:`shardkit.models.ModelConfig` (``loss_chunks`` as the model uses
+        it: ``None`` is :func:`shardkit.loss.auto_chunks`).
+      recipe: a ``Recipe`` or a registered recipe's name (its rules give the head's
+        layout, and what each mesh axis runs: ``Recipe.parallelism``).
+      mesh: mesh axis sizes.
+      batch, seq: global batch and sequence length.
+      bytes_per_value: bytes of a parameter, gradient or activation value.
+      remat: overrides ``config.remat``.
+      clip: the optimizer's clip (``"scale"``: ``shardkit.train.adamw``).
+      base: the ``AnalyticMemory`` of ``analytic_model`` for these arguments (computed
+        when not given).
+
+    Returns:
+      ``{"layers": ..., "head_loss": ..., "optimizer_step": ...}``.
+
+    Example:
+      >>> from shardkit.models import CONFIGS
+      >>> peaks = phase_peaks(CONFIGS["gpt-small"], "dp", {"data": 8}, batch=8, seq=512,
+      ...                     remat="full", clip="select")
+      >>> max(peaks, key=peaks.get)
+      'optimizer_step'
+    """
+    from shardkit import recipes
+    from shardkit.loss import LOGITS, auto_chunks
+    from shardkit.report.analytic import analytic_model
+
+    recipe = recipes.get(recipe)
+    if base is None:
+        base = analytic_model(config, recipe, mesh, batch=batch, seq=seq,
+                              bytes_per_value=bytes_per_value, remat=remat).memory  # fmt: skip
+    par = recipe.parallelism(mesh)
+    d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
+    data_kind, tensor_kind = par.data_kind, par.tensor_kind
+    sizes = {a: int(v) for a, v in mesh.items()}
+    nb, vocab, h = bytes_per_value, config.vocab, config.d_model
+    remat = config.remat if remat is None else remat
+    state = base.params + base.grads + base.optimizer
+    logits_term = batch / (d * f) * seq / c * vocab * nb / t  # analytic_model's logits
+    saved = base.activations - logits_term
+
+    # The head: its layout is the activation rules' for the logits and for the weight.
+    logits_spec = recipe.activation_rules.spec(LOGITS, mesh=sizes)
+    token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
+    table = ("vocab", "embed")
+    head_split = _split(recipe.activation_rules.spec(table, mesh=sizes), sizes, (0, 1))
+    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
+    weight = vocab * h * nb
+    copy = max(0.0, weight / head_split - weight / stored_split)
+    quantum = _split(logits_spec, sizes, (1,))
+    chunks = config.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
+    head = head_loss_peak_bytes(tokens=batch * seq, vocab=vocab, d_model=h, chunks=chunks,
+                                token_split=token_split, vocab_split=vocab_split,
+                                bytes_per_value=nb, weight_copy_bytes=copy)  # fmt: skip
+
+    # One layer recomputed (full remat), its weights gathered under FSDP.
+    mode = tensor_kind if t > 1 else "none"
+    layer_params = config._layer_params()
+    layer = layer_peak_bytes(s=seq / c, b=batch / (d * f), h=h, a=config.n_heads, t=t,
+                             mode=mode, bytes_per_value=nb, recompute=remat == "full",
+                             gathered_layer_bytes=layer_params * nb / t if f > 1 else 0.0)  # fmt: skip
+
+    # The largest gradient (a vocab × d_model table) all-reduced across replicas.
+    replicas = d * c if data_kind == "dp" else 1
+    reduced = weight / stored_split if replicas > 1 else 0.0
+    step = optimizer_step_peak_bytes(grads_bytes=base.grads, clip=clip, reduced_leaf_bytes=reduced)
+    return {"layers": state + saved + layer, "head_loss": state + saved + head,
+            "optimizer_step": state + step}  # fmt: skip
+
+
+def peak_phase(phases: Mapping[str, float]) -> str:
+    """The phase with the largest peak.
+
+    Example:
+      >>> peak_phase({"layers": 2.0, "head_loss": 3.0, "optimizer_step": 1.0})
+      'head_loss'
+    """
+    return max(phases, key=lambda k: phases[k])
