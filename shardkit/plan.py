@@ -145,6 +145,8 @@ class Plan:
             param_rules=self.rules,
             activation_rules=self.activation_rules,
             attention=self.recipe.attention,
+            attention_axis=self.recipe.attention_axis,
+            layer_schedule=self.recipe.layer_schedule,
         )
 
     # -- specs and shardings --------------------------------------------------------------
