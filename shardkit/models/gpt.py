@@ -32,6 +32,7 @@ import shardkit as sk
 from shardkit import errors
 from shardkit.attention import causal_attention
 from shardkit.models.config import ModelConfig
+from shardkit.parallel.tsp import TspDot
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 
@@ -96,6 +97,7 @@ class CausalSelfAttention(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD),
+            dot_general=TspDot(("embed", None, "heads", "kv")),  # a ring under tsp
             name="qkv",
         )(x)
         qkv = sk.constrain(qkv, ("batch", "length", None, "heads", "kv"))
@@ -107,6 +109,7 @@ class CausalSelfAttention(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
+            dot_general=TspDot(("heads", "kv", "embed")),
             name="out",
         )(y)
 
@@ -139,6 +142,7 @@ class Mlp(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD),
+            dot_general=TspDot(("embed", "mlp")),
             name="up",
         )(x)
         h = sk.constrain(nn.gelu(h), HIDDEN)
@@ -147,6 +151,7 @@ class Mlp(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
+            dot_general=TspDot(("mlp", "embed")),
             name="down",
         )(h)
 

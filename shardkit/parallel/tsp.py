@@ -332,7 +332,8 @@ class TspDot:
 
     def __call__(self, x: jax.Array, w: jax.Array, dims: Any, precision: Any = None,
                  preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:  # fmt: skip
-        if active_axis() is None or preferred_element_type is not None or kwargs:
+        extra = preferred_element_type is not None or any(v is not None for v in kwargs.values())
+        if active_axis() is None or extra:
             return lax.dot_general(x, w, dims, precision=precision,
                                    preferred_element_type=preferred_element_type, **kwargs)  # fmt: skip
         return tsp_dot_general(x, w, dims, kernel_axes=self.kernel_axes, precision=precision)
