@@ -126,6 +126,9 @@ class Plan:
         for rules in (self.rules, self.activation_rules, self.recipe.optimizer_rules):
             if rules is not None:
                 rules.validate(mesh)
+        from shardkit.parallel.tsp import check_layout  # TSP's own checks (issue 11)
+
+        check_layout(self.recipe, mesh.shape)
 
     # -- rules -------------------------------------------------------------------------
     @property

@@ -270,21 +270,22 @@ def tsp() -> Recipe:
     two shards of a weight are live; attention is zigzag ring attention over ``tsp``.
     ``tsp_gspmd`` is the same layout left to XLA (it all-gathers each layer's weights).
 
-    Analytic model (shardkit.report.analytic.tsp_costs; f = (D−1)/D, B bytes per value,
-    Ψ_l a layer's weights, b·S the tokens of one replica, h_kv the K/V width that
-    travels (Llama repeats its K/V heads first, so h), per layer and device):
+    Analytic model (derived in :mod:`shardkit.report.analytic_tsp`; f = (D−1)/D, B bytes
+    per value, Ψ_l a layer's attention and MLP kernels, b·S the tokens of one replica,
+    h the K/V width that travels (Llama repeats its K/V heads first, so d_model)), per
+    layer and device:
 
-    - state: (params + grads + 2 Adam moments) / D.
-    - activations: one layer's input per layer under full remat, 2·b·(S/D)·h·B.
-    - wire, paper schedule: forward f·Ψ_l·B (weights) + f·2·b·S·h_kv·B (K/V blocks);
-      backward f·2Ψ_l·B (weights again, gradient shards home) + f·2·b·S·h_kv·B
-      (dK/dV blocks home): f·(3Ψ_l + 4·b·S·h_kv)·B with backward. Full remat re-runs
-      the K/V ring and the input-side projections (q/k/v, up/gate). TP moves 8f·b·S·h·B
-      per layer with backward (4 all-reduces of b·S·h), so TSP moves fewer bytes once
-      b·S > 3Ψ_l/(4h) − ... (see tsp_crossover_tokens).
-    - wire, gspmd: FSDP's all-gather of weights forward and backward and gradient
-      reduce-scatter (3f·Ψ_l·B) plus the same K/V ring.
-    Zigzag reordering adds permutes of q/k/v and the output (see tsp_costs).
+    - state: (params + grads + 2 Adam moments) / D; activations: Megatron's per-layer
+      count at S/D tokens (under full remat: one layer input, b·(S/D)·h·B).
+    - wire, paper's schedule: forward f·Ψ_l·B (weight shards) + f·2·b·S·h·B (K/V
+      blocks); backward 2f·Ψ_l·B (the shards again, gradient shards home) + f·2·b·S·h·B
+      (dK/dV home): f·(3Ψ_l + 4·b·S·h)·B in all, + f·Ψ_in·B and one more K/V pass under
+      full remat (Ψ_in: q/k/v, up, gate). The zigzag layout adds 8·b·S·h·B/D a pass.
+    - wire, ``tsp_gspmd``: FSDP's 3f·Ψ·B (all-gather forward and backward,
+      reduce-scatter) plus the same K/V ring.
+    - TP+SP moves 8f·b·S·h·B a layer (4 all-reduces' worth), so the paper's schedule
+      moves fewer bytes for b·S > 3Ψ_l/(h·(4 − 16/(D−1))) tokens
+      (``analytic_tsp.tsp_crossover_tokens``; the paper's 3Ψ_l/(4h) without zigzag).
 
     Use for long sequences on models whose weights do not fit one device, when the
     interconnect is a ring (or all-to-all) among D devices.

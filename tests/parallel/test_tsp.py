@@ -140,3 +140,53 @@ def test_attention_gqa_rope_matches_dense_with_gradients():
     wo = 0.5 * jax.random.normal(ks[4], (6, 4, 8))
     rope = rope_tables(16, 4)
     _check_against_dense(lambda *a: tsp.attention(*a, rope=rope), (x, wq, wk, wv, wo))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("recipe", ["tsp", "tsp_gspmd"])
+def test_sequence_not_a_multiple_of_2d_names_the_numbers(recipe):
+    import shardkit as sk
+    from shardkit import models
+    from shardkit.errors import ShardingError
+
+    with pytest.raises(ShardingError) as err:
+        models.report(sk.Plan(recipe), models.get("gpt-tiny"), batch=2, seq=24)
+    assert "length 24" in str(err.value) and "\nFix: " in str(err.value)
+    assert "multiple of 16" in str(err.value).split("Fix:")[1]
+
+
+def test_weight_dimension_not_divisible_by_tsp_names_the_numbers():
+    import shardkit as sk
+    from shardkit import models
+    from shardkit.errors import ShardingError
+
+    model = models.get("gpt-tiny", d_model=36, n_heads=4, n_kv_heads=4)
+    with pytest.raises(ShardingError, match=r"'embed'.*36.*tsp=8.*\nFix: .*multiple of 8"):
+        models.report(sk.Plan("tsp"), model, batch=2, seq=32)
+
+
+@pytest.mark.parametrize("recipe", ["tsp", "tsp_gspmd"])
+def test_tsp_and_tensor_on_one_dimension_is_refused(recipe):
+    import dataclasses
+
+    import shardkit as sk
+    from shardkit.errors import ShardingError
+
+    base = sk.recipes.get(recipe)
+    both = dataclasses.replace(
+        base, mesh_axes=(("tsp", 4), ("tensor", 2)),
+        rules=Rules([("vocab", "tsp"), ("embed", ("tsp", "tensor"))]),
+    )  # fmt: skip
+    with pytest.raises(ShardingError, match=r"'embed'.*tsp=4, tensor=2.*\nFix: map 'embed'"):
+        sk.Plan(both)
+    # under the paper's schedule, a kernel split over tsp and tensor at trace time too
+    with pytest.raises(ShardingError, match=r"also over \['tensor'\].*\nFix"):
+        mesh = jax.make_mesh((4, 2), ("tsp", "tensor"), axis_types=(AUTO, AUTO))
+        ctx = dict(param_rules=Rules([("embed", "tsp"), ("mlp", "tensor")]),
+                   activation_rules=Rules([("length", "tsp")]), layer_schedule="tsp",
+                   attention_axis="tsp")  # fmt: skip
+        with jax.set_mesh(mesh), context.using(**ctx):
+            jax.jit(tsp.gated_mlp).lower(jnp.ones((1, 16, 8)), None, jnp.ones((8, 4)),
+                                         jnp.ones((4, 8)))  # fmt: skip
