@@ -36,9 +36,14 @@ import jax
 from shardkit.errors import ShardingError
 from shardkit.rules import Rules
 
-__all__ = ["AttentionStrategy", "ShardingContext", "active_mesh", "current", "using"]
+__all__ = [
+    "AttentionStrategy", "LayerSchedule", "ShardingContext", "active_mesh", "current", "using",
+]  # fmt: skip
 
 AttentionStrategy = Literal["dense", "allgather", "ring"]
+#: How the layers' matmuls treat weights sharded over ``attention_axis``: ``"gspmd"``
+#: leaves them to XLA; ``"tsp"`` runs shardkit.parallel.tsp's weight-shard ring.
+LayerSchedule = Literal["gspmd", "tsp"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +55,26 @@ class ShardingContext:
       activation_rules: rules for activations and the batch (``None``: no constraints).
       attention: how ``causal_attention`` treats a sharded sequence.
       attention_axis: the mesh axis that splits the sequence for attention.
+      layer_schedule: how the models' projections run (``"tsp"``: weight shards
+        circulate over ``attention_axis``, see ``shardkit.parallel.tsp``).
     """
 
     param_rules: Rules | None = None
     activation_rules: Rules | None = None
     attention: AttentionStrategy = "dense"
     attention_axis: str = "sequence"
+    layer_schedule: LayerSchedule = "gspmd"
 
     def __post_init__(self):
         if self.attention not in get_args(AttentionStrategy):
             raise ShardingError(
                 f"Unknown attention strategy {self.attention!r}.\nFix: use one of "
                 f"{list(get_args(AttentionStrategy))}."
+            )
+        if self.layer_schedule not in get_args(LayerSchedule):
+            raise ShardingError(
+                f"Unknown layer schedule {self.layer_schedule!r}.\nFix: use one of "
+                f"{list(get_args(LayerSchedule))}."
             )
 
 

@@ -128,6 +128,9 @@ class Plan:
         for rules in (self.rules, self.activation_rules, self.recipe.optimizer_rules):
             if rules is not None:
                 rules.validate(mesh)
+        from shardkit.parallel.tsp import check_layout  # TSP's own checks (issue 11)
+
+        check_layout(self.recipe, mesh.shape)
 
     # -- rules -------------------------------------------------------------------------
     @property
@@ -147,6 +150,8 @@ class Plan:
             param_rules=self.rules,
             activation_rules=self.activation_rules,
             attention=self.recipe.attention,
+            attention_axis=self.recipe.attention_axis,
+            layer_schedule=self.recipe.layer_schedule,
         )
 
     # -- specs and shardings --------------------------------------------------------------

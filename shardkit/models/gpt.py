@@ -33,6 +33,7 @@ from shardkit import errors
 from shardkit.attention import causal_attention
 from shardkit.loss import head_view
 from shardkit.models.config import ModelConfig
+from shardkit.parallel.tsp import TspDot
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 
@@ -97,6 +98,7 @@ class CausalSelfAttention(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD),
+            dot_general=TspDot(("embed", None, "heads", "kv")),  # a ring under tsp
             name="qkv",
         )(x)
         qkv = sk.constrain(qkv, ("batch", "length", None, "heads", "kv"))
@@ -108,6 +110,7 @@ class CausalSelfAttention(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
+            dot_general=TspDot(("heads", "kv", "embed")),
             name="out",
         )(y)
 
@@ -140,6 +143,7 @@ class Mlp(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD),
+            dot_general=TspDot(("embed", "mlp")),
             name="up",
         )(x)
         h = sk.constrain(nn.gelu(h), HIDDEN)
@@ -148,6 +152,7 @@ class Mlp(nn.Module):
             dtype=cfg.dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
+            dot_general=TspDot(("mlp", "embed")),
             name="down",
         )(h)
 

@@ -36,6 +36,7 @@ import shardkit as sk
 from shardkit.attention import causal_attention
 from shardkit.models.config import ModelConfig
 from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, checkpoint_policy
+from shardkit.parallel.tsp import TspDot, TspEinsum
 
 __all__ = ["Llama", "Block", "Attention", "Mlp", "rope_tables", "apply_rope"]
 
@@ -106,10 +107,13 @@ class Attention(nnx.Module):
             kernel_init=_normal(),
             rngs=rngs,
         )
-        self.wq = proj("bsd,dhk->bshk", (d, cfg.n_heads, hd))
-        self.wk = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd))
-        self.wv = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd))
-        self.wo = proj("bshk,hkd->bsd", (cfg.n_heads, hd, d))
+        # einsum_op: a weight-shard ring under the tsp recipe, jnp.einsum otherwise.
+        q_op, kv_op = TspEinsum(("embed", "heads", "kv")), TspEinsum(("embed", "kv_heads", "kv"))
+        self.wq = proj("bsd,dhk->bshk", (d, cfg.n_heads, hd), einsum_op=q_op)
+        self.wk = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd), einsum_op=kv_op)
+        self.wv = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd), einsum_op=kv_op)
+        self.wo = proj("bshk,hkd->bsd", (cfg.n_heads, hd, d),
+                       einsum_op=TspEinsum(("heads", "kv", "embed")))  # fmt: skip
         self.n_rep = cfg.n_heads // cfg.n_kv_heads
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
@@ -144,9 +148,10 @@ class Mlp(nnx.Module):
             kernel_init=_normal(),
             rngs=rngs,
         )
-        self.gate = linear(cfg.d_model, cfg.d_ff)
-        self.up = linear(cfg.d_model, cfg.d_ff)
-        self.down = linear(cfg.d_ff, cfg.d_model)
+        ring_in, ring_out = TspDot(("embed", "mlp")), TspDot(("mlp", "embed"))  # tsp recipe
+        self.gate = linear(cfg.d_model, cfg.d_ff, dot_general=ring_in)
+        self.up = linear(cfg.d_model, cfg.d_ff, dot_general=ring_in)
+        self.down = linear(cfg.d_ff, cfg.d_model, dot_general=ring_out)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         h = sk.constrain(nnx.silu(self.gate(x)) * self.up(x), HIDDEN)

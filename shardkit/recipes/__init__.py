@@ -3,7 +3,8 @@
 Example:
   >>> import shardkit as sk
   >>> sk.recipes.names()
-  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp']
+  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp', 'tsp', 'dp_tsp',
+   'tsp_gspmd', 'dp_tsp_gspmd']
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp_tp_sp": catalogue.dp_tp_sp,
     "cp": catalogue.cp,
     "fsdp_cp": catalogue.fsdp_cp,
+    "tsp": catalogue.tsp,
+    "dp_tsp": catalogue.dp_tsp,
+    "tsp_gspmd": catalogue.tsp_gspmd,
+    "dp_tsp_gspmd": catalogue.dp_tsp_gspmd,
 }
 
 

@@ -14,11 +14,15 @@ __all__ = [
     "dp",
     "dp_fsdp",
     "dp_tp_sp",
+    "dp_tsp",
+    "dp_tsp_gspmd",
     "fsdp",
     "fsdp_cp",
     "fsdp_tp",
     "tp",
     "tp_sp",
+    "tsp",
+    "tsp_gspmd",
     "zero1",
 ]
 
@@ -244,4 +248,113 @@ def fsdp_cp() -> Recipe:
             [("batch", "fsdp"), ("length", "sequence"), *_REPLICATED_ACTIVATIONS]
         ),
         attention="ring",
+    )
+
+
+#: TSP: every weight's ``embed`` dimension (the embedding's ``vocab``) over ``tsp``, as
+#: FSDP does; every activation's ``length`` over the same axis, as context parallelism.
+_TSP_PARAMS = [("vocab", "tsp"), ("embed", "tsp")]
+_TSP_ACTIVATIONS = [("length", "tsp"), *_REPLICATED_ACTIVATIONS]
+_TSP_COLLECTIVES = frozenset({"all-gather", "reduce-scatter", "all-reduce", "collective-permute"})
+
+
+def tsp() -> Recipe:
+    """TSP: tensor and sequence parallelism folded onto one axis ``tsp`` (size D).
+
+    Shyam, Golubeva, Anthony (2026), arXiv:2604.26294. Each device holds 1/D of every
+    weight (its ``embed`` rows or columns) and S/D of every sequence, so state *and*
+    activations fall by D, and the head count need not divide D (gpt-small's 12 heads
+    run on 8 devices). The layers run the paper's schedules (``layer_schedule="tsp"``,
+    :mod:`shardkit.parallel.tsp`): each projection passes the layer's weight shards
+    around a ring (``ppermute``) while it multiplies the shard it holds, so at most
+    two shards of a weight are live; attention is zigzag ring attention over ``tsp``.
+    ``tsp_gspmd`` is the same layout left to XLA (it all-gathers each layer's weights).
+
+    Analytic model (derived in :mod:`shardkit.report.analytic_tsp`; f = (D−1)/D, B bytes
+    per value, Ψ_l a layer's attention and MLP kernels, b·S the tokens of one replica,
+    h the K/V width that travels (Llama repeats its K/V heads first, so d_model)), per
+    layer and device:
+
+    - state: (params + grads + 2 Adam moments) / D; activations: Megatron's per-layer
+      count at S/D tokens (under full remat: one layer input, b·(S/D)·h·B).
+    - wire, paper's schedule: forward f·Ψ_l·B (weight shards) + f·2·b·S·h·B (K/V
+      blocks); backward 2f·Ψ_l·B (the shards again, gradient shards home) + f·2·b·S·h·B
+      (dK/dV home): f·(3Ψ_l + 4·b·S·h)·B in all, + f·Ψ_in·B and one more K/V pass under
+      full remat (Ψ_in: q/k/v, up, gate). The zigzag layout adds 8·b·S·h·B/D a pass.
+    - wire, ``tsp_gspmd``: FSDP's 3f·Ψ·B (all-gather forward and backward,
+      reduce-scatter) plus the same K/V ring.
+    - TP+SP moves 8f·b·S·h·B a layer (4 all-reduces' worth), so the paper's schedule
+      moves fewer bytes for b·S > 3Ψ_l/(h·(4 − 16/(D−1))) tokens
+      (``analytic_tsp.tsp_crossover_tokens``; the paper's 3Ψ_l/(4h) without zigzag).
+
+    Use for long sequences on models whose weights do not fit one device, when the
+    interconnect is a ring (or all-to-all) among D devices.
+    """
+    return Recipe(
+        name="tsp",
+        optional_names=_REFERENCE_NAMES,
+        collectives=_TSP_COLLECTIVES,
+        summary="TSP: weights and sequence both split over 'tsp', weight-shard ring",
+        mesh_axes=(("tsp", -1),),
+        rules=Rules(_TSP_PARAMS),
+        activation_rules=Rules([("batch", None), *_TSP_ACTIVATIONS]),
+        attention="ring",
+        attention_axis="tsp",
+        layer_schedule="tsp",
+    )
+
+
+def tsp_gspmd() -> Recipe:
+    """TSP's layout by rules only: weights and sequence over ``tsp``, XLA does the rest.
+
+    The same rules as ``tsp``, ``layer_schedule="gspmd"``: XLA all-gathers each layer's
+    weights (as FSDP: the whole layer live at once), ring attention moves K/V. The
+    baseline the paper's schedules are measured against.
+    """
+    return Recipe(
+        name="tsp_gspmd",
+        optional_names=_REFERENCE_NAMES,
+        collectives=_TSP_COLLECTIVES,
+        summary="TSP layout by rules only: XLA all-gathers each layer's weights over 'tsp'",
+        mesh_axes=(("tsp", -1),),
+        rules=Rules(_TSP_PARAMS),
+        activation_rules=Rules([("batch", None), *_TSP_ACTIVATIONS]),
+        attention="ring",
+        attention_axis="tsp",
+    )
+
+
+def dp_tsp() -> Recipe:
+    """Data parallel over ``data`` × TSP over ``tsp`` (2×4 on 8 devices).
+
+    Each TSP group of D devices holds one replica of the state, sharded D ways, and
+    trains on its share of the batch; gradients of the Ψ/D shard are all-reduced over
+    ``data``: 2(Ψ/D)·B·(N−1)/N per device. The layers run the paper's schedules.
+    """
+    return Recipe(
+        name="dp_tsp",
+        optional_names=_REFERENCE_NAMES,
+        collectives=_TSP_COLLECTIVES,
+        summary="data parallel × TSP (2×4 on 8 devices), weight-shard ring",
+        mesh_axes=(("data", -1), ("tsp", 4)),
+        rules=Rules(_TSP_PARAMS),
+        activation_rules=Rules([("batch", "data"), *_TSP_ACTIVATIONS]),
+        attention="ring",
+        attention_axis="tsp",
+        layer_schedule="tsp",
+    )
+
+
+def dp_tsp_gspmd() -> Recipe:
+    """``dp_tsp`` by rules only (XLA all-gathers each layer's weights over ``tsp``)."""
+    return Recipe(
+        name="dp_tsp_gspmd",
+        optional_names=_REFERENCE_NAMES,
+        collectives=_TSP_COLLECTIVES,
+        summary="data parallel × TSP layout by rules only (2×4 on 8 devices)",
+        mesh_axes=(("data", -1), ("tsp", 4)),
+        rules=Rules(_TSP_PARAMS),
+        activation_rules=Rules([("batch", "data"), *_TSP_ACTIVATIONS]),
+        attention="ring",
+        attention_axis="tsp",
     )

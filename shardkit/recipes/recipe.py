@@ -43,7 +43,11 @@ class Parallelism:
       ``length``);
     - other parameter dimensions (``embed``, ``vocab``) is ``fsdp``;
     - only the batch is ``data`` (``data_kind="zero1"`` if it shards optimizer state);
-    - only the activations' ``length`` is ``sequence``.
+    - only the activations' ``length`` is ``sequence``;
+    - other parameter dimensions *and* the activations' ``length`` is ``tsp``
+      (tensor and sequence parallelism folded onto one axis: each device holds 1/D of
+      every weight and S/D of the tokens; ``tsp_kind`` is the recipe's
+      ``layer_schedule``, ``"gspmd"`` or ``"tsp"``).
 
     Axes that shard nothing count as 1.
     """
@@ -54,6 +58,8 @@ class Parallelism:
     sequence: int = 1
     data_kind: Literal["dp", "zero1"] = "dp"
     tensor_kind: Literal["tp", "tp_sp"] = "tp"
+    tsp: int = 1
+    tsp_kind: Literal["gspmd", "tsp"] = "gspmd"
 
     def sizes(self) -> dict[str, int]:
         """``{"data": d, "fsdp": f, "tensor": t, "sequence": c}``."""
@@ -89,6 +95,10 @@ class Recipe:
       optional_names: logical names the rules cover that a model may not have (the
         built-in recipes serve GPT and Llama, so ``kv_heads`` may match nothing); the
         report does not flag their rules as unused.
+      attention_axis: the mesh axis ring/allgather attention splits the sequence over.
+      layer_schedule: ``"gspmd"`` (XLA places the layers' collectives) or ``"tsp"``
+        (the projections circulate weight shards over ``attention_axis``; see
+        ``shardkit.parallel.tsp``).
     """
 
     name: str
@@ -100,6 +110,8 @@ class Recipe:
     attention: Literal["dense", "ring", "allgather"] = "dense"
     collectives: frozenset[str] = frozenset({"all-reduce"})
     optional_names: frozenset[str] = frozenset()
+    attention_axis: str = "sequence"
+    layer_schedule: Literal["gspmd", "tsp"] = "gspmd"
 
     def axis_sizes(self, device_count: int) -> dict[str, int]:
         """Mesh axis sizes for ``device_count`` devices.
@@ -118,7 +130,7 @@ class Recipe:
         Example:
           >>> from shardkit import recipes
           >>> recipes.get("dp_tp_sp").parallelism({"data": 2, "tensor": 4})
-          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp')
+          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp', tsp=1, tsp_kind='gspmd')
           >>> recipes.get("zero1").parallelism({"data": 8}).data_kind
           'zero1'
         """
@@ -129,8 +141,8 @@ class Recipe:
                 f"Recipe {self.name!r} uses mesh axes {tuple(declared)}; mesh {dict(mesh)} also "
                 f"sizes {extra}.\nFix: drop those axes or set them to 1."
             )
-        degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1}
-        kinds = {"data_kind": "dp", "tensor_kind": "tp"}
+        degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "tsp": 1}
+        kinds = {"data_kind": "dp", "tensor_kind": "tp", "tsp_kind": self.layer_schedule}
         for axis, size in mesh.items():
             params = _names_on(self.rules, axis)
             acts = _names_on(self.activation_rules, axis)
@@ -138,6 +150,8 @@ class Recipe:
                 role = "tensor"  # and heads/MLP units is FSDP that also shards those
                 if "length" in acts:
                     kinds["tensor_kind"] = "tp_sp"
+            elif params and "length" in acts:
+                role = "tsp"
             elif params:
                 role = "fsdp"
             elif "batch" in acts:

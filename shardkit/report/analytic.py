@@ -317,7 +317,8 @@ def _phase_note(phases: Mapping[str, float]) -> str:
 
 def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: Workload,
                    param_bytes: float, optimizer_bytes: float, psi: float | None = None,
-                   bytes_per_value: int = 4) -> AnalyticModel:  # fmt: skip
+                   bytes_per_value: int = 4, layer_params: float | None = None,
+                   in_params: float | None = None) -> AnalyticModel:  # fmt: skip
     """The analytic memory per device and wire bytes per step of any model under a recipe.
 
     What the layout runs is read from the recipe's rules (:meth:`Recipe.parallelism`),
@@ -336,6 +337,9 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         unsharded (count them from the state tree).
       psi: parameter count Ψ (default: ``param_bytes / bytes_per_value``).
       bytes_per_value: bytes of one parameter, gradient or activation value.
+      layer_params, in_params: a layer's ringed weights and their input-side part, for a
+        TSP axis (default: estimated as (Ψ − vocab·d_model)/layers and half of it;
+        :mod:`shardkit.report.analytic_tsp`).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -350,6 +354,9 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     recipe = get_recipe(recipe)
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
+    if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
+        return _tsp_costs(recipe, par, workload, param_bytes, optimizer_bytes, psi,
+                          bytes_per_value, layer_params, in_params)  # fmt: skip
     w, nb = workload, bytes_per_value
     psi = param_bytes / nb if psi is None else psi
     opt_degree = t * f * (d if par.data_kind == "zero1" else 1)
@@ -386,6 +393,64 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         *wire_notes,
     )
     return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes)
+
+
+def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_params,
+               in_params) -> AnalyticModel:  # fmt: skip
+    """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``)."""
+    from shardkit.report.analytic_tsp import tsp_wire_bytes
+
+    if par.fsdp > 1 or par.tensor > 1 or par.sequence > 1:
+        raise ShardingError(f"{recipe.name}: the analytic model covers TSP with data "
+                            f"parallelism only, got {par}.")  # fmt: skip
+    d, data = par.tsp, par.data
+    psi = param_bytes / nb if psi is None else psi
+    remat = w.remat or "none"
+    memory = AnalyticMemory(params=param_bytes / d, grads=param_bytes / d,
+                            optimizer=optimizer_bytes / d, activations=0.0)  # fmt: skip
+    notes = [f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
+             f"state: params, grads and optimizer / {d} (every weight split over the TSP axis)"]  # fmt: skip
+    if not w.has_dims:
+        notes.append("activations and TSP traffic not modelled: the workload gives no model "
+                     "dimensions (layers, d_model, seq)")  # fmt: skip
+        return AnalyticModel(memory=memory, wire_bytes_by_kind={}, notes=tuple(notes))
+    b, s = w.batch / data, w.seq / d
+    mode = "full_recompute" if remat == "full" else "none"
+    per_layer = megatron_activations_per_layer(s, b, w.d_model, w.n_heads, mode=mode,
+                                               bytes_per_value=nb)  # fmt: skip
+    memory = dataclasses.replace(memory, activations=w.layers * per_layer + b * s * w.vocab * nb)
+    if layer_params is None:
+        layer_params = max(psi - w.vocab * w.d_model, 0) / w.layers
+        in_params = layer_params / 2
+        notes.append("Ψ_l estimated as (Ψ − vocab·d_model)/layers (no model config)")
+    wire, wire_notes = tsp_wire_bytes(
+        psi=psi, layer_params=layer_params, in_params=in_params or 0.0, layers=w.layers,
+        b=b, s=w.seq, h=w.d_model, d=d, data=data, nbytes=nb, schedule=par.tsp_kind,
+        recompute=remat == "full",
+    )  # fmt: skip
+    notes += [f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
+              "(Korthikanti et al. 2022), + logits b·s·V·B; a guide, not a bound",
+              *wire_notes]  # fmt: skip
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=tuple(notes))
+
+
+def layer_params(config: Any) -> tuple[float, float]:
+    """(ringed weights of one layer Ψ_l, their input-side part) of a reference model.
+
+    The attention and MLP kernels (TSP's rings): GPT q/k/v/out + up/down, Llama
+    q/k/v/o + gate/up/down; input side: q/k/v and up (and gate).
+
+    Example:
+      >>> from shardkit.models import CONFIGS
+      >>> layer_params(CONFIGS["gpt-tiny"])
+      (49152, 28672)
+    """
+    h, ff, hd = config.d_model, config.d_ff, config.head_dim
+    q, kv = config.n_heads * hd, config.n_kv_heads * hd
+    qkv = h * (q + 2 * kv)
+    if config.family == "gpt":
+        return qkv + q * h + 2 * h * ff, qkv + h * ff
+    return qkv + q * h + 3 * h * ff, qkv + 2 * h * ff
 
 
 def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *, batch: int,
@@ -426,10 +491,12 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
     """
     psi = config.param_count()
     workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat)
+    ringed, ringed_in = layer_params(config)
     model = analytic_costs(recipe, mesh, workload=workload, psi=psi,
                            param_bytes=bytes_per_value * psi,
                            optimizer_bytes=2 * bytes_per_value * psi,
-                           bytes_per_value=bytes_per_value)  # fmt: skip
+                           bytes_per_value=bytes_per_value, layer_params=ringed,
+                           in_params=ringed_in)  # fmt: skip
     return with_phases(model, config, recipe, mesh, workload)
 
 

@@ -1,0 +1,111 @@
+"""The analytic model of TSP (tensor and sequence parallelism on one axis).
+
+Derived here, per device and training step, for a TSP axis of size D with f = (D − 1)/D,
+B bytes per value, L layers, per-layer ringed weights Ψ_l (the attention and MLP
+kernels), the other weights Ψ_r = Ψ − L·Ψ_l (embeddings, norms, biases), one data
+replica's b sequences of S tokens, width h (the K/V that travels: the models repeat
+GQA's K/V heads before attention, so it is n_heads·head_dim = h):
+
+Paper's schedules (``layer_schedule="tsp"``, :mod:`shardkit.parallel.tsp`):
+
+- weight rings, collective-permute: forward, each device receives the D − 1 other
+  shards of every ringed kernel, f·Ψ_l·B per layer; backward, the shards again and a
+  gradient accumulator for D − 1 hops, 2f·Ψ_l·B. Full remat re-runs the forward of
+  the input-side projections (q/k/v, up, gate: Ψ_in of Ψ_l; the output projections'
+  results are not needed again), + f·Ψ_in·B.
+- K/V ring (zigzag ring attention), collective-permute: D − 1 blocks of K and V,
+  f·2·b·S·h·B forward and the same for dK/dV backward (+ one forward again under
+  full remat). The zigzag reorder of q, k, v and of the output adds 4 partial permutes
+  each way of half a local block: 8·b·S·h·B/D per pass (forward, backward, recompute).
+- the other weights Ψ_r are left to XLA as FSDP: all-gather 2f·Ψ_r·B, reduce-scatter
+  f·Ψ_r·B.
+
+Rules only (``tsp_gspmd``): FSDP over the axis for every weight (all-gather 2f·Ψ·B,
+reduce-scatter f·Ψ·B) and the same K/V ring.
+
+Both: gradients of the Ψ/D shard all-reduced over ``data`` (d replicas),
+2(Ψ/D)·B·(d − 1)/d. State: params, grads and the optimizer divided by D.
+Activations: Megatron's per-layer count (Korthikanti et al. 2022) at S/D tokens.
+
+Against TP (+SP), whose layer moves 4 all-reduces' worth, 8f·b·S·h·B with backward,
+TSP moves less once f·(3Ψ_l + 4bSh) + 16bSh/D < 8f·bSh, i.e. for
+b·S > 3Ψ_l / (h·(4 − 16/(D − 1))) tokens (zigzag included; the paper's 3Ψ_l/(4h)
+without it). :func:`tsp_crossover_tokens` gives it.
+
+Example:
+  >>> round(tsp_crossover_tokens(layer_params=12 * 2048**2, d_model=2048, d=8))
+  43008
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["tsp_crossover_tokens", "tsp_wire_bytes"]
+
+
+def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers: int,
+                   b: float, s: float, h: float, d: int, data: int = 1, nbytes: float = 4,
+                   schedule: str = "tsp", recompute: bool = False) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+    """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
+
+    Args:
+      psi: all parameters Ψ; layer_params: ringed weights of one layer Ψ_l;
+      in_params: the input-side part of Ψ_l (recomputed under full remat).
+      layers: L; b: sequences per data replica; s: sequence length; h: K/V width.
+      d: TSP axis size D; data: data-parallel replicas; nbytes: B.
+      schedule: ``"tsp"`` (the paper's rings) or ``"gspmd"`` (rules only).
+      recompute: full activation recomputation.
+
+    Returns:
+      ``({kind: bytes}, notes)``.
+
+    Example:
+      >>> wire, _ = tsp_wire_bytes(psi=100, layer_params=40, in_params=20, layers=2,
+      ...                          b=1, s=8, h=2, d=4)
+      >>> wire["collective-permute"]  # 3f·L·Ψ_l·B + (2f·2bSh + 2·8bSh/D)·L·B
+      1616.0
+    """
+    f = (d - 1) / d
+    out: dict[str, float] = {}
+    notes: list[str] = []
+
+    def add(kind: str, value: float, note: str) -> None:
+        if value > 0:
+            out[kind] = out.get(kind, 0.0) + value
+            notes.append(f"{kind}: {note} = {value:,.0f} B")
+
+    passes = 3 if recompute else 2
+    add("collective-permute", layers * passes * f * 2 * b * s * h * nbytes,
+        f"K/V ring, {passes} passes × L·f·2·b·S·h·B")  # fmt: skip
+    add("collective-permute", layers * passes * 8 * b * s * h * nbytes / d,
+        f"zigzag reorder, {passes} passes × L·8·b·S·h·B/D")  # fmt: skip
+    if schedule == "tsp":
+        ring = 3 * layer_params + (in_params if recompute else 0)
+        add("collective-permute", layers * f * ring * nbytes,
+            "weight rings, L·f·(3Ψ_l" + (" + Ψ_in" if recompute else "") + ")·B")  # fmt: skip
+        rest = max(psi - layers * layer_params, 0.0)
+    else:
+        rest = psi
+    add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B")
+    add("reduce-scatter", f * rest * nbytes, "FSDP gradients, f·Ψ_r·B")
+    if data > 1:
+        add("all-reduce", 2 * psi / d * nbytes * (data - 1) / data,
+            "gradient shard over data, 2(Ψ/D)·B·(d−1)/d")  # fmt: skip
+    return out, notes
+
+
+def tsp_crossover_tokens(*, layer_params: float, d_model: float, d: int,
+                         zigzag: bool = True) -> float:  # fmt: skip
+    """Tokens b·S per replica above which a TSP layer moves fewer bytes than TP+SP's.
+
+    Training (forward + backward, no remat): TSP f·(3Ψ_l + 4bSh) (+16bSh/D zigzag)
+    against TP's 8f·bSh. Infinite when the zigzag overhead outweighs the saving.
+
+    Example:
+      >>> tsp_crossover_tokens(layer_params=3 * 4, d_model=1, d=8, zigzag=False)
+      9.0
+    """
+    f = (d - 1) / d
+    per_token = 4 * f * d_model - (16 * d_model / d if zigzag else 0)
+    return math.inf if per_token <= 0 else 3 * f * layer_params / per_token
