@@ -28,7 +28,6 @@ from flax import nnx
 
 from shardkit import errors
 from shardkit.annotate import activation_rules
-from shardkit.loss import cross_entropy
 from shardkit.models.config import CONFIGS, ModelConfig
 from shardkit.models.gpt import GPT
 from shardkit.models.llama import Llama
@@ -145,24 +144,6 @@ class Model:
         else:
             losses = nnx.merge(self._graphdef, params)(inputs, targets)
         return losses.mean()
-
-
-def vocab_parallel_cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Cross-entropy written so a vocabulary split over devices stays split.
-
-    The target logit is picked with a one-hot product and a sum over the vocabulary
-    (Megatron's vocab-parallel loss): with logits sharded on ``vocab``, XLA reduces
-    ``[batch, length]`` partial sums instead of gathering or resharding the logits, as
-    a ``take_along_axis`` would make it do.
-
-    Example:
-      >>> import jax.numpy as jnp, optax
-      >>> logits, t = jnp.array([[[0.5, 1.0, -1.0]]]), jnp.array([[1]])
-      >>> bool(jnp.allclose(vocab_parallel_cross_entropy(logits, t),
-      ...                   optax.softmax_cross_entropy_with_integer_labels(logits, t)))
-      True
-    """
-    return cross_entropy(logits, targets)
 
 
 def names() -> list[str]:
