@@ -105,6 +105,9 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
             else "FLOPs: not reported by this backend"
         )
     )
+    for e in report.explanations:
+        out.append(Text.from_markup(f"[cyan]why {e.term} is {e.ratio:.2f}× analytic:[/cyan] ")
+                   + Text(e.why))  # fmt: skip
     for warning in report.warnings:
         out.append(Text.from_markup("[yellow]warning:[/yellow] ") + Text(warning))
     return out

@@ -181,3 +181,26 @@ def test_reduced_more_than_once_counts_reductions_per_copy(collectives, flagged)
                    True, "param", shard_shape=(512, 64))  # fmt: skip
     warnings = reduced_more_than_once(collectives, [row], devices=8, min_bytes=0)
     assert bool(warnings) == flagged
+
+
+def test_a_total_off_its_analytic_phase_peak_is_explained():
+    from shardkit.report.analytic import AnalyticMemory, AnalyticModel
+    from shardkit.report.memory import MemoryStats
+    from shardkit.report.report import _explain_memory
+
+    phases = {"layers": 100.0, "head_loss": 80.0, "optimizer_step": 60.0}
+    analytic = AnalyticModel(AnalyticMemory(10, 10, 20, 30, phases=phases), {}, ())
+    over = _explain_memory(MemoryStats(arguments=116, output=0, temp=0, alias=0), analytic)
+    assert [(e.term, e.ratio) for e in over] == [("memory total", 1.16)]
+    assert "layers phase" in over[0].why and "recomputed" in over[0].why
+    assert _explain_memory(MemoryStats(109, 0, 0, 0), analytic) == []  # within 10 %
+    under = _explain_memory(MemoryStats(80, 0, 0, 0), analytic)
+    assert under[0].ratio == 0.8 and "reuses buffers" in under[0].why
+    no_phases = AnalyticModel(AnalyticMemory(10, 10, 20, 30), {}, ())
+    assert _explain_memory(MemoryStats(500, 0, 0, 0), no_phases) == []
+
+
+def test_explanations_are_in_the_json(fsdp_report):
+    d = fsdp_report.to_json()
+    ratio = fsdp_report.memory.total / fsdp_report.analytic.memory.total
+    assert len(d["explanations"]) == (abs(ratio - 1) > 0.10)
