@@ -246,7 +246,10 @@ def _specs_like(tree: Any, specs: Any, default: PartitionSpec) -> Any:
         return jax.tree.map(lambda _: default, tree)
     if isinstance(specs, PartitionSpec):
         return jax.tree.map(lambda _: specs, tree)
-    return specs
+    # Same leaves in the tree's own containers (an nnx.State and a dict flatten alike).
+    flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+    flat = [PartitionSpec() if x is None else x for x in flat]
+    return jax.tree.unflatten(jax.tree.structure(tree), flat)
 
 
 class _Body:

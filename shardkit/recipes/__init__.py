@@ -3,7 +3,7 @@
 Example:
   >>> import shardkit as sk
   >>> sk.recipes.names()
-  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp']
+  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp', 'pp', 'dp_pp', 'zeropp']
 """
 
 from __future__ import annotations
@@ -27,6 +27,9 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp_tp_sp": catalogue.dp_tp_sp,
     "cp": catalogue.cp,
     "fsdp_cp": catalogue.fsdp_cp,
+    "pp": catalogue.pp,
+    "dp_pp": catalogue.dp_pp,
+    "zeropp": catalogue.zeropp,
 }
 
 

@@ -53,6 +53,8 @@ class Parallelism:
     sequence: int = 1
     data_kind: Literal["dp", "zero1"] = "dp"
     tensor_kind: Literal["tp", "tp_sp"] = "tp"
+    #: pipeline stages: a mesh axis that shards only the ``layers`` axis of the stack.
+    stage: int = 1
 
     def sizes(self) -> dict[str, int]:
         """``{"data": d, "fsdp": f, "tensor": t, "sequence": c}``."""
@@ -117,7 +119,7 @@ class Recipe:
         Example:
           >>> from shardkit import recipes
           >>> recipes.get("dp_tp_sp").parallelism({"data": 2, "tensor": 4})
-          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp')
+          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp', stage=1)
           >>> recipes.get("zero1").parallelism({"data": 8}).data_kind
           'zero1'
         """
@@ -128,7 +130,7 @@ class Recipe:
                 f"Recipe {self.name!r} uses mesh axes {tuple(declared)}; mesh {dict(mesh)} also "
                 f"sizes {extra}.\nFix: drop those axes or set them to 1."
             )
-        degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1}
+        degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "stage": 1}
         kinds = {"data_kind": "dp", "tensor_kind": "tp"}
         for axis, size in mesh.items():
             params = _names_on(self.rules, axis)
@@ -137,6 +139,8 @@ class Recipe:
                 role = "tensor"
                 if "length" in acts:
                     kinds["tensor_kind"] = "tp_sp"
+            elif params == {"layers"}:
+                role = "stage"
             elif params:
                 role = "fsdp"
             elif "batch" in acts:
