@@ -6,7 +6,7 @@ Example:
   P('data', None)
 """
 
-from shardkit import recipes, report
+from shardkit import parallel, recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -42,6 +42,7 @@ __all__ = [
     "emulate_devices",
     "logical_axes",
     "make_mesh",
+    "parallel",
     "per_replica",
     "recipes",
     "report",

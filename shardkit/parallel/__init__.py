@@ -6,7 +6,7 @@ Example:
   0.15789473684210525
 """
 
-from shardkit.parallel import pipeline, schedules
+from shardkit.parallel import pipeline, schedules, stages
 from shardkit.parallel.pipeline import STAGE, value_and_grad
 from shardkit.parallel.schedules import (
     SCHEDULES,
@@ -17,9 +17,19 @@ from shardkit.parallel.schedules import (
     UnknownScheduleError,
     bubble_fraction,
 )
+from shardkit.parallel.stages import (
+    NotPipelinableError,
+    Stages,
+    linen_layer,
+    nnx_layer,
+    reference_stages,
+    train_step,
+)
 
 __all__ = [
+    "NotPipelinableError",
     "SCHEDULES",
+    "Stages",
     "STAGE",
     "MicrobatchError",
     "PipelineError",
@@ -27,7 +37,12 @@ __all__ = [
     "StageDivisibilityError",
     "UnknownScheduleError",
     "bubble_fraction",
+    "linen_layer",
+    "nnx_layer",
     "pipeline",
+    "reference_stages",
     "schedules",
+    "stages",
+    "train_step",
     "value_and_grad",
 ]
