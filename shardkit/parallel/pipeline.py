@@ -346,7 +346,13 @@ class _Body:
             if t in windows:  # a new scheduling unit: gather its weights once
                 if d_acc is not None:
                     flush(d_acc)
-                w_g = [chunked(_gather(x, sp, stage)) for x, sp in zip(s_flat, s_spec, strict=True)]
+                # Each unit's shards as a distinct value (+ 0 that XLA cannot prove is 0): XLA
+                # would otherwise merge the units' identical all-gathers into one (an
+                # optimization barrier does not survive the CPU pipeline) and keep the
+                # stage's weights gathered for the whole step.
+                zero = (s == -1 - t).astype(s_flat[0].dtype) if t else None
+                shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
+                w_g = [chunked(_gather(x, sp, stage)) for x, sp in zip(shards, s_spec, strict=True)]
                 d_acc = [jnp.zeros_like(x) for x in w_g]
             has_f = bool(np_tables["f_valid"][t].any())
             has_b = bool(np_tables["b_valid"][t].any())

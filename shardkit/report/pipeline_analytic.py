@@ -8,8 +8,9 @@ Per device and step, for the engine in :mod:`shardkit.parallel.pipeline` (ring m
   compiled FLOPs per device are the useful ``6·Ψ_stack·tokens/p`` divided by
   ``1 − bubble``.
 - **collective-permute**: one activation ``b·s·h·B`` (``b``: a micro-batch's rows on one
-  device) forward in each tick with forward work, one gradient of the same size backward
-  in each tick with backward work: ``(T_f + T_b)·b·s·h·B`` with ``T_f = T_b = m + p − 1``
+  device) forward after each tick with forward work, one gradient of the same size
+  backward after each tick with backward work, but the last of each (nobody receives it:
+  XLA drops it): ``2·(T − 1)·b·s·h·B`` with ``T = m + p − 1`` ticks of each kind
   (``v·m + p − 1`` interleaved). Only between neighbouring stages (and ``p − 1 → 0`` when
   interleaved).
 - **ZeroPP** (``F`` = fsdp size, ``U`` micro-batches per scheduling unit): a stage's
@@ -31,7 +32,7 @@ Example:
   >>> c = pipeline_costs("1f1b", stages=4, microbatches=16, stack_param_bytes=4e8,
   ...                    rest_param_bytes=0, activation_bytes=1e6)
   >>> round(c.bubble, 4), c.wire_bytes_by_kind["collective-permute"]
-  (0.1579, 38000000.0)
+  (0.1579, 36000000.0)
   >>> zeropp_beats_tp(seq=4096, unit=8, micro_batch=1, d_model=4096)
   True
 """
@@ -96,7 +97,7 @@ def pipeline_costs(
     f_share = (fsdp - 1) / fsdp
     wire: dict[str, float] = {}
     if p > 1:
-        wire["collective-permute"] = 2.0 * ticks * activation_bytes
+        wire["collective-permute"] = 2.0 * (ticks - 1) * activation_bytes
     if fsdp > 1:
         gather = units * stage_bytes * f_share + rest_param_bytes * f_share
         wire["all-gather"] = gather
@@ -112,7 +113,7 @@ def pipeline_costs(
     state = (2.0 + optimizer_factor) * (stage_bytes + rest_param_bytes) / fsdp
     notes = (
         f"{schedule}: p={p}, m={m}, v={v}, bubble (p-1)/({v}m+p-1) = {bubble:.4f}",
-        f"collective-permute: 2·{ticks} ticks × {activation_bytes:,.0f} B",
+        f"collective-permute: 2·({ticks} - 1) ticks × {activation_bytes:,.0f} B",
         f"ZeroPP units: ceil({m}/{unit}) = {units}" if fsdp > 1 else "no fsdp axis",
     )
     return PipelineCosts(schedule, p, m, v, unit, bubble, 1.0 / (1.0 - bubble), wire, state, notes)
