@@ -267,7 +267,7 @@ class _Body:
         def one(h, layer):
             return self.layer_fn(layer, h), None
 
-        return jax.lax.scan(one, x, w)[0]
+        return jax.lax.scan(one, x, w, unroll=True)[0]
 
     def _windows(self) -> list[int]:
         """The tick at which each scheduling unit starts (weights gathered anew)."""
@@ -328,9 +328,14 @@ class _Body:
         d_rest = zeros_rest
         loss = jnp.zeros((), jnp.float32)
         recv_f, recv_b = zeros_x, zeros_x
-        buffers: list[jax.Array] | None = None
         res_def, is_w = None, None
-        slots = sched.slots + 1  # the last one takes idle writes
+        ring = sched.ring
+        read_slots = jnp.asarray(sched.read_slots())
+        # Residuals (and d loss / d y) of the last ``ring`` forwards, one array per slot: the
+        # forward at tick t writes slot t mod ring (static, no in-place update to order),
+        # a backward selects the slot its item was written to.
+        store: list[list[jax.Array | None]] | None = None
+        after_b = None  # a 0 computed from the last backward's result
 
         def flush(d_acc):
             for n, (g, sp) in enumerate(zip(d_acc, s_spec, strict=True)):
@@ -357,12 +362,17 @@ class _Body:
             has_f = bool(np_tables["f_valid"][t].any())
             has_b = bool(np_tables["b_valid"][t].any())
             if has_f:
-                i, k, slot = at("f_mb", t), at("f_k", t), at("f_slot", t)
+                i, k = at("f_mb", t), at("f_k", t)
                 mb = mb_at(i)
                 x_in = recv_f
                 if np_tables["f_first"][t].any():
                     x_in = jax.lax.cond(at("f_first", t), lambda mb=mb: self.pre_fn(rest_g, mb),
                                         lambda r=recv_f: r)  # fmt: skip
+                if after_b is not None:
+                    # This forward waits for the last backward: XLA's scheduler would otherwise
+                    # run the forwards ahead of the backwards (they depend on each other only
+                    # through the stored residuals) and hold every micro-batch, as GPipe.
+                    x_in = x_in + after_b.astype(x_in.dtype)
                 w_k = select(w_g, k)
                 y, vjp = jax.vjp(lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x),
                                  w_k, x_in)  # fmt: skip
@@ -371,14 +381,12 @@ class _Body:
                 flags = [next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves]
                 if res_def is None:
                     res_def, is_w = tdef, flags
-                    buffers = [None if f is not None else jnp.zeros((slots, *leaf.shape), leaf.dtype)
-                               for leaf, f in zip(leaves, flags, strict=True)]  # fmt: skip
-                    buffers.append(jnp.zeros((slots, *y.shape), y.dtype))  # d loss / d y
+                    store = [[None] * ring for _ in range(len(leaves) + 1)]  # + d loss / d y
                 if flags != is_w or len(leaves) != len(is_w):
                     raise PipelineError("The layer's vjp residuals differ between ticks.")
                 for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
                     if f is None:
-                        buffers[n] = jax.lax.dynamic_update_index_in_dim(buffers[n], leaf, slot, 0)
+                        store[n][t % ring] = leaf
                 if np_tables["f_last"][t].any():
                     last = at("f_last", t)
 
@@ -392,24 +400,28 @@ class _Body:
                     val, dr, dy = jax.lax.cond(last, loss_and_grads, none)
                     loss = loss + val.astype(jnp.float32)
                     d_rest = jax.tree.map(jnp.add, d_rest, dr)
-                    buffers[-1] = jax.lax.dynamic_update_index_in_dim(buffers[-1], dy, slot, 0)
+                    store[-1][t % ring] = dy
                 if p > 1:
                     recv_f = jax.lax.ppermute(y, stage, fwd_perm)
             if has_b:
-                j, k, slot = at("b_mb", t), at("b_k", t), at("b_slot", t)
+                j, k = at("b_mb", t), at("b_k", t)
+                slot = read_slots[t][s]
                 valid = at("b_valid", t)
+
+                def read(slots, slot=slot):
+                    filled = [x for x in slots if x is not None]
+                    zero = jnp.zeros_like(filled[0])
+                    return jax.lax.select_n(slot, *[zero if x is None else x for x in slots])
+
                 g_in = recv_b
                 if np_tables["b_last"][t].any():
-                    dy = jax.lax.dynamic_index_in_dim(buffers[-1], slot, 0, False)
-                    g_in = jnp.where(at("b_last", t), dy, recv_b)
+                    g_in = jnp.where(at("b_last", t), read(store[-1]), recv_b)
                 w_k = select(w_g, k)
-                leaves = [
-                    w_k[f] if f is not None
-                    else jax.lax.dynamic_index_in_dim(buffers[n], slot, 0, False)
-                    for n, f in enumerate(is_w)
-                ]  # fmt: skip
+                leaves = [w_k[f] if f is not None else read(store[n])
+                          for n, f in enumerate(is_w)]  # fmt: skip
                 vjp = jax.tree.unflatten(res_def, leaves)
                 d_w, d_x = vjp(g_in)
+                after_b = jnp.where(s == -1 - t, d_x.ravel()[0], 0)  # 0, not known to XLA as 0
                 for n, g in enumerate(d_w):
                     g = jnp.where(valid, g, jnp.zeros_like(g))
                     if v == 1:

@@ -105,7 +105,7 @@ class Schedule:
       forward, backward: per tick, per stage, the item ``(microbatch, virtual)`` or ``None``.
       slot_f, slot_b: per tick, per stage, the activation buffer slot the item writes
         (forward) or reads and frees (backward); ``slots`` (the trash slot) when idle.
-      slots: buffer slots a stage needs: the most micro-batch activations it holds.
+      slots: the most micro-batches a stage holds at once (``2p − 1`` at most for 1f1b).
     """
 
     name: str
@@ -117,6 +117,31 @@ class Schedule:
     slot_f: np.ndarray
     slot_b: np.ndarray
     slots: int
+
+    @property
+    def ring(self) -> int:
+        """Residual slots the engine keeps: a forward at tick ``t`` writes slot ``t mod ring``
+        (the same slot on every stage, so the write is static), and every item is read back
+        before that slot comes round again: ``ring`` = the longest forward-to-backward wait + 1
+        (``2p − 1`` for 1f1b, ``m + 2p − 1`` for gpipe)."""
+        return int(max(self.ages().values())) + 1
+
+    def ages(self) -> dict[tuple[int, int], int]:
+        """``{(tick of the backward, stage): ticks since its forward}`` for every item."""
+        f_tick = {}
+        for t, row in enumerate(self.forward):
+            for s, item in enumerate(row):
+                if item is not None:
+                    f_tick[item, s] = t
+        return {(t, s): t - f_tick[item, s] for t, row in enumerate(self.backward)
+                for s, item in enumerate(row) if item is not None}  # fmt: skip
+
+    def read_slots(self) -> np.ndarray:
+        """``int32[ticks, stages]``: the ring slot each backward reads (0 when idle)."""
+        out = np.zeros((self.ticks, self.stages), np.int32)
+        for (t, s), age in self.ages().items():
+            out[t, s] = (t - age) % self.ring
+        return out
 
     @property
     def ticks(self) -> int:

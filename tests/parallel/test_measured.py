@@ -33,11 +33,11 @@ def post(rest, y, mb):
 
 
 def compile_pipeline(axes, schedule, m, *, rows, unit=None, v=2, specs=None, batch_axes=None,
-                     layers=LAYERS):  # fmt: skip
+                     layers=LAYERS, h=H):  # fmt: skip
     devices = jax.devices()[: int(np.prod(list(axes.values())))]
     mesh = sk.make_mesh(axes, devices=devices)
-    stack = {"k": jax.ShapeDtypeStruct((layers, H, H), jnp.float32)}
-    batch = {"x": jax.ShapeDtypeStruct((rows, H), jnp.float32)}
+    stack = {"k": jax.ShapeDtypeStruct((layers, h, h), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((rows, h), jnp.float32)}
     fn = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=m, schedule=schedule,
                                  virtual_stages=v, unit=unit, stack_specs=specs,
                                  batch_axes=batch_axes)  # fmt: skip
@@ -52,11 +52,12 @@ def flops(compiled):
 
 @pytest.mark.parametrize("schedule,m,v", [("gpipe", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2)])
 def test_compiled_flops_match_the_bubble(schedule, m, v):
-    # One layer per chunk: XLA's cost analysis counts a loop's body once, whatever its
-    # trip count, so a scan over a stage's layers would hide all but one of them.
-    p, rows = 4, 256
-    compiled, _ = compile_pipeline({"stage": p}, schedule, m, rows=rows, v=v, layers=p * v)
-    useful = 6 * (p * v * H * H) * rows / p  # 6·Ψ·tokens/p
+    # Wide layers: the engine's elementwise work (selecting a stored micro-batch, masks)
+    # grows as h, the matmuls as h².
+    p, rows, h = 4, 256, 512
+    compiled, _ = compile_pipeline({"stage": p}, schedule, m, rows=rows, v=v, layers=2 * p * v,
+                                   h=h)  # fmt: skip
+    useful = 6 * (2 * p * v * h * h) * rows / p  # 6·Ψ·tokens/p
     want = pipeline_costs(schedule, stages=p, microbatches=m, virtual=v, stack_param_bytes=0,
                           rest_param_bytes=0, activation_bytes=0).flops_ratio  # fmt: skip
     assert flops(compiled) / useful == pytest.approx(want, rel=0.05)
@@ -68,12 +69,10 @@ def test_one_f_one_b_activation_memory_below_gpipe():
         compiled, _ = compile_pipeline({"stage": 4}, schedule, m, rows=256 * m)
         temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
     assert temp["gpipe", 32] >= 1.5 * temp["gpipe", 16]  # all m micro-batches
-    # 1f1b's residual buffers hold 2p - 1 micro-batches whatever m, but its temp still grows
-    # (14.0 -> 21.9 MB here): not yet the flat line the schedule promises (README).
-    assert temp["1f1b", 32] - temp["1f1b", 16] < temp["gpipe", 32] - temp["gpipe", 16]
-    # Measured 0.73 (not the 0.5 the schedule's slots alone would give: XLA copies each
-    # residual buffer when the next forward updates it in place, see the README).
-    assert temp["1f1b", 16] <= 0.8 * temp["gpipe", 16]
+    # 1f1b holds 2p - 1 micro-batches whatever m; its temp still grows by 28% here (4.4 ->
+    # 5.7 MB) against GPipe's 87% (10.9 -> 20.3 MB): see the README's known limits.
+    assert temp["1f1b", 32] <= 1.3 * temp["1f1b", 16]
+    assert temp["1f1b", 16] <= 0.5 * temp["gpipe", 16]  # measured 0.41
 
 
 def permute_pairs(text):

@@ -92,7 +92,9 @@ def test_one_f_one_b_holds_bounded_microbatches():
     assert schedules.make("1f1b", 4, 4).slots == 4  # m < 2p - 1: all of them
     for m in (8, 16, 64):
         assert schedules.make("1f1b", 4, m).slots == 7  # 2p - 1, whatever m
+        assert schedules.make("1f1b", 4, m).ring == 7  # what the engine stores
         assert schedules.make("gpipe", 4, m).slots == m
+        assert schedules.make("gpipe", 4, m).ring == m + 7
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
