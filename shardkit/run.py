@@ -64,6 +64,7 @@ def run(
     learning_rate: float = 1e-2,
     seed: int = 0,
     on_step: StepCallback | None = None,
+    pipeline: dict | None = None,
 ) -> RunResult:
     """Train ``model`` with ``recipe`` on synthetic Markov tokens.
 
@@ -74,6 +75,8 @@ def run(
       devices: devices for the mesh when ``recipe`` is a name (default: all).
       steps, batch, seq: training length, global batch size and sequence length.
       on_step: called as ``on_step(step, loss, tokens_per_s)`` after each step.
+      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit"}`` for a recipe with
+        a ``stage`` axis (``shardkit.parallel.cli``); such recipes pipeline by default.
 
     Returns:
       A ``RunResult`` with the loss curve, the entropy-rate lower bound on the
@@ -100,7 +103,12 @@ def run(
     state = plan.init(abstract)
     first = plan.shard_batch(_local_batch(source, batch, seq, 0))
     # Compile once; the same executable trains and is reported on.
-    compiled = plan.jit(train.train_step(spec, tx), state=abstract).lower(state, first).compile()
+    step = train.train_step(spec, tx)
+    if "stage" in plan.mesh.shape or pipeline is not None:  # sk.parallel: micro-batches, schedule
+        from shardkit.parallel.cli import step_for
+
+        step = step_for(spec, tx, plan, abstract, pipeline) or step
+    compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     if hasattr(spec, "config"):
         workload = Workload.from_config(spec.config, batch=batch, seq=seq, model=spec.name)
     else:

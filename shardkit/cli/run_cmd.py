@@ -29,6 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help="also write the result as JSON to PATH")
     p.add_argument("--no-report", action="store_true",
                    help="skip the layout report (memory, collectives vs analytic) after the run")  # fmt: skip
+    from shardkit.parallel.cli import add_arguments
+
+    add_arguments(p)  # --microbatches --schedule --virtual-stages --unit
     p.set_defaults(handler=main)
 
 
@@ -80,6 +83,7 @@ def main(args: argparse.Namespace) -> int:
             learning_rate=args.lr,
             seed=args.seed,
             on_step=on_step,
+            pipeline=_pipeline_options(args),
         )
     _print_summary(result)
     if not args.no_report:
@@ -111,3 +115,9 @@ def _print_summary(result) -> None:
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")
     table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s (after the compile step)")
     Console().print(table)
+
+
+def _pipeline_options(args: argparse.Namespace):
+    from shardkit.parallel.cli import options
+
+    return options(args)
