@@ -390,16 +390,17 @@ class _Body:
                 if np_tables["f_last"][t].any():
                     last = at("f_last", t)
 
-                    def loss_and_grads(y=y, mb=mb):
+                    # The accumulator goes through the cond: one running sum, updated in
+                    # place, never a full-size gradient (the head's) per tick.
+                    def loss_and_grads(d_rest, y=y, mb=mb):
                         val, (dr, dy) = jax.value_and_grad(head, argnums=(0, 1))(rest_g, y, mb)
-                        return val, dr, dy
+                        return val, jax.tree.map(jnp.add, d_rest, dr), dy
 
-                    def none(y=y):
-                        return jnp.zeros((), jnp.float32), zeros_rest, jnp.zeros_like(y)
+                    def none(d_rest, y=y):
+                        return jnp.zeros((), jnp.float32), d_rest, jnp.zeros_like(y)
 
-                    val, dr, dy = jax.lax.cond(last, loss_and_grads, none)
+                    val, d_rest, dy = jax.lax.cond(last, loss_and_grads, none, d_rest)
                     loss = loss + val.astype(jnp.float32)
-                    d_rest = jax.tree.map(jnp.add, d_rest, dr)
                     store[-1][t % ring] = dy
                 if p > 1:
                     recv_f = jax.lax.ppermute(y, stage, fwd_perm)
@@ -432,12 +433,11 @@ class _Body:
                 if np_tables["b_first"][t].any():
                     mb = mb_at(j)
 
-                    def pre_grad(mb=mb, d_x=d_x):
+                    def pre_grad(d_rest, mb=mb, d_x=d_x):
                         _, pull = jax.vjp(lambda r: self.pre_fn(r, mb), rest_g)
-                        return pull(d_x)[0]
+                        return jax.tree.map(jnp.add, d_rest, pull(d_x)[0])
 
-                    dr = jax.lax.cond(at("b_first", t), pre_grad, lambda: zeros_rest)
-                    d_rest = jax.tree.map(jnp.add, d_rest, dr)
+                    d_rest = jax.lax.cond(at("b_first", t), pre_grad, lambda d: d, d_rest)
                 if p > 1:
                     recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
         flush(d_acc)

@@ -83,3 +83,21 @@ def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, one_d
     bound = 0.01 * LR * STEPS
     for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=bound)
+
+
+def test_bad_pipelines_raise_sharding_errors_naming_the_fix():
+    model, tx = get("gpt-tiny"), train.adamw()
+    with pytest.raises(parallel.NotPipelinableError, match=r"scan=False(.|\n)*Fix: get"):
+        reference_stages(get("gpt-tiny", scan=False))
+    with pytest.raises(sk.ShardingError):  # a subclass: never a raw traceback
+        reference_stages(get("gpt-tiny", scan=False))
+    plan = sk.Plan("fsdp", devices=jax.devices()[:2])
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    with pytest.raises(parallel.NotPipelinableError, match=r"no .stage. axis(.|\n)*pp, dp_pp, zeropp"):
+        parallel.train_step(reference_stages(model), tx, plan, abstract, microbatches=2)
+    # a stage axis that the recipe's rules lay nothing over: it cannot pipeline
+    no_layers = sk.recipes.get("dp").with_mesh({"stage": 2})
+    plan = sk.Plan(no_layers, devices=jax.devices()[:8])
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    with pytest.raises(parallel.NotPipelinableError, match="not over 'stage' alone"):
+        parallel.train_step(reference_stages(model), tx, plan, abstract, microbatches=2)
