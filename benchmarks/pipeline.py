@@ -47,7 +47,9 @@ def worker(spec: dict) -> dict:
                 schedule=spec["schedule"], virtual_stages=spec.get("v", 1), unit=spec.get("unit"))  # fmt: skip
     p = plan.mesh.shape["stage"]
     weights = sum(m.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))
-    want_w = sum(m.analytic.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))
+    want_w = sum(
+        m.analytic.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter")
+    )
     fsdp = plan.mesh.shape.get("fsdp", 1)
     micro = b // (spec["m"] * fsdp * plan.mesh.shape.get("data", 1))
     unit = spec.get("unit") or spec["m"]

@@ -453,4 +453,3 @@ class _Body:
             d_rest_out.append(_psum_over(g, (*axes, stage) if p > 1 else axes))
         loss = _psum_over(loss, (*self.b_axes, stage) if p > 1 else self.b_axes)
         return loss, (jax.tree.unflatten(s_def, d_stack), jax.tree.unflatten(r_def, d_rest_out))
-

@@ -173,7 +173,10 @@ class Schedule:
         """``int32[ticks, stages]`` arrays for the engine: mb, virtual, valid, slot, ends."""
         p, v = self.stages, self.virtual
         out = {}
-        for kind, rows, slot in (("f", self.forward, self.slot_f), ("b", self.backward, self.slot_b)):
+        for kind, rows, slot in (
+            ("f", self.forward, self.slot_f),
+            ("b", self.backward, self.slot_b),
+        ):
             mb = np.zeros((self.ticks, p), np.int32)
             k = np.zeros((self.ticks, p), np.int32)
             valid = np.zeros((self.ticks, p), bool)
@@ -206,7 +209,9 @@ class Schedule:
             cells = []
             for s in range(self.stages):
                 text = " ".join(
-                    x for x in (label("F", self.forward[t][s]), label("B", self.backward[t][s])) if x
+                    x
+                    for x in (label("F", self.forward[t][s]), label("B", self.backward[t][s]))
+                    if x
                 )
                 cells.append((text or ".").ljust(7))
             lines.append(f"{t:<6} " + "  ".join(cells).rstrip())

@@ -93,7 +93,9 @@ def test_bad_pipelines_raise_sharding_errors_naming_the_fix():
         reference_stages(get("gpt-tiny", scan=False))
     plan = sk.Plan("fsdp", devices=jax.devices()[:2])
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-    with pytest.raises(parallel.NotPipelinableError, match=r"no .stage. axis(.|\n)*pp, dp_pp, zeropp"):
+    with pytest.raises(
+        parallel.NotPipelinableError, match=r"no .stage. axis(.|\n)*pp, dp_pp, zeropp"
+    ):
         parallel.train_step(reference_stages(model), tx, plan, abstract, microbatches=2)
     # a stage axis that the recipe's rules lay nothing over: it cannot pipeline
     no_layers = sk.recipes.get("dp").with_mesh({"stage": 2})
