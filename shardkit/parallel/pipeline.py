@@ -335,7 +335,6 @@ class _Body:
         # forward at tick t writes slot t mod ring (static, no in-place update to order),
         # a backward selects the slot its item was written to.
         store: list[list[jax.Array | None]] | None = None
-        after_b = None  # a 0 computed from the last backward's result
 
         def flush(d_acc):
             for n, (g, sp) in enumerate(zip(d_acc, s_spec, strict=True)):
@@ -368,11 +367,6 @@ class _Body:
                 if np_tables["f_first"][t].any():
                     x_in = jax.lax.cond(at("f_first", t), lambda mb=mb: self.pre_fn(rest_g, mb),
                                         lambda r=recv_f: r)  # fmt: skip
-                if after_b is not None:
-                    # This forward waits for the last backward: XLA's scheduler would otherwise
-                    # run the forwards ahead of the backwards (they depend on each other only
-                    # through the stored residuals) and hold every micro-batch, as GPipe.
-                    x_in = x_in + after_b.astype(x_in.dtype)
                 w_k = select(w_g, k)
                 y, vjp = jax.vjp(lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x),
                                  w_k, x_in)  # fmt: skip
@@ -422,7 +416,6 @@ class _Body:
                           for n, f in enumerate(is_w)]  # fmt: skip
                 vjp = jax.tree.unflatten(res_def, leaves)
                 d_w, d_x = vjp(g_in)
-                after_b = jnp.where(s == -1 - t, d_x.ravel()[0], 0)  # 0, not known to XLA as 0
                 for n, g in enumerate(d_w):
                     g = jnp.where(valid, g, jnp.zeros_like(g))
                     if v == 1:
