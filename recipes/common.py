@@ -43,3 +43,48 @@ def train_and_report(
             console.print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
     console.print(f"entropy bound {source.entropy_rate():.4f} nats/token\n")
     console.print(models.report(plan, net, tx, batch=args.batch, seq=args.seq))
+
+
+def train_pipelined_and_report(
+    recipe: str, *, model: str = "gpt-tiny", devices: int = 8, seq: int = 64, **overrides
+):
+    """As ``train_and_report``, with the pipelined step (``sk.parallel``): the layer stack
+    cut into stages, the batch into micro-batches, run by a schedule."""
+    parser = argparse.ArgumentParser(description=f"Train {model} under the {recipe!r} recipe.")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=seq)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    parser.add_argument("--virtual-stages", type=int, default=2)
+    parser.add_argument("--unit", type=int, default=None)
+    args = parser.parse_args()
+
+    sk.emulate_devices(8)  # before anything touches JAX; on GPUs/TPUs drop this line
+    import jax
+    from rich.console import Console
+
+    from shardkit import parallel, train
+    from shardkit.data import MarkovSource
+    from shardkit.models import get
+
+    net, tx = get(model, **overrides), train.adamw(1e-2)
+    plan = sk.Plan(recipe, devices=jax.devices()[:devices])
+    abstract = plan.abstract_init(train.init_fn(net, tx), jax.random.key(0))
+    state = plan.init(abstract)
+    pipelined = parallel.stages.train_step(
+        parallel.stages.reference_stages(net), tx, plan, abstract,
+        microbatches=args.microbatches, schedule=args.schedule,
+        virtual_stages=args.virtual_stages, unit=args.unit,
+    )  # fmt: skip
+    step = plan.jit(pipelined, state=abstract)
+    source = MarkovSource(vocab=net.config.vocab)
+    console = Console()
+    console.print(pipelined.schedule.timeline())
+    for i in range(args.steps):
+        batch = plan.shard_batch(source.batch(args.batch, args.seq, i))
+        state, metrics = step(state, batch)
+        if i % 5 == 0 or i == args.steps - 1:
+            console.print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
+    console.print(f"entropy bound {source.entropy_rate():.4f} nats/token\n")
+    console.print(plan.report(pipelined, abstract, batch))

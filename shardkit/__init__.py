@@ -6,7 +6,7 @@ Example:
   P('data', None)
 """
 
-from shardkit import checkpoint, distributed, recipes, report
+from shardkit import checkpoint, distributed, parallel, recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -46,6 +46,7 @@ __all__ = [
     "emulate_devices",
     "logical_axes",
     "make_mesh",
+    "parallel",
     "per_replica",
     "recipes",
     "report",

@@ -67,6 +67,7 @@ def run(
     checkpoint_dir: str | None = None,
     resume: bool = False,
     save_every: int | None = None,
+    pipeline: dict | None = None,
 ) -> RunResult:
     """Train ``model`` with ``recipe`` on synthetic Markov tokens.
 
@@ -81,6 +82,8 @@ def run(
         and every ``save_every`` steps (``shardkit.checkpoint``).
       resume: continue from the latest checkpoint in ``checkpoint_dir`` (if any) up to
         ``steps`` in all; the losses are those of the steps this call runs.
+      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit"}`` for a recipe with
+        a ``stage`` axis (``shardkit.parallel.cli``); such recipes pipeline by default.
 
     Returns:
       A ``RunResult`` with the loss curve, the entropy-rate lower bound on the
@@ -110,7 +113,12 @@ def run(
         state = plan.init(abstract)
     first = plan.shard_batch(_local_batch(source, batch, seq, first_step))
     # Compile once; the same executable trains and is reported on.
-    compiled = plan.jit(train.train_step(spec, tx), state=abstract).lower(state, first).compile()
+    step = train.train_step(spec, tx)
+    if "stage" in plan.mesh.shape or pipeline is not None:  # sk.parallel: micro-batches, schedule
+        from shardkit.parallel.cli import step_for
+
+        step = step_for(spec, tx, plan, abstract, pipeline) or step
+    compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq)
     report = plan.report(
         compiled, abstract, workload=workload, model_config=getattr(spec, "config", None)

@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     _common(p)
     p.add_argument("--recipe", default="fsdp")
     p.add_argument("--plot", metavar="PNG", help="also draw memory and wire bytes to PNG")
+    from shardkit.parallel.cli import add_arguments
+
+    add_arguments(p)  # --microbatches --schedule --virtual-stages --unit
     p.set_defaults(handler=main_report)
 
     c = sub.add_parser("compare", help="compile several recipes and compare them side by side")
@@ -65,6 +68,10 @@ def _report(model, recipe: str, devices, args):
     plan = Plan(
         recipe_for(recipe, args), devices=devices, annotations=getattr(model, "annotations", None)
     )
+    if "stage" in plan.mesh.shape or getattr(args, "microbatches", None) is not None:
+        from shardkit.parallel.report import pipeline_report  # micro-batches, schedule
+
+        return pipeline_report(plan, model, train.adamw(), args)
     return models.report(plan, model, train.adamw(), batch=args.batch, seq=args.seq)
 
 

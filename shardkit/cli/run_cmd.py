@@ -42,6 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="continue from the latest checkpoint in --checkpoint-dir (--steps counts all steps)")  # fmt: skip
     p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[],
                    help="multi-process runs: lay N processes along mesh axis AXIS (repeatable)")  # fmt: skip
+    from shardkit.parallel.cli import add_arguments
+
+    add_arguments(p)  # --microbatches --schedule --virtual-stages --unit
     p.set_defaults(handler=main)
 
 
@@ -112,6 +115,7 @@ def main(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             resume=args.resume,
             save_every=args.save_every,
+            pipeline=_pipeline_options(args),
         )
     if not main_process:
         return 0
@@ -174,3 +178,9 @@ def _print_summary(result) -> None:
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")
     table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s (after the compile step)")
     Console().print(table)
+
+
+def _pipeline_options(args: argparse.Namespace):
+    from shardkit.parallel.cli import options
+
+    return options(args)

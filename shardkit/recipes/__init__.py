@@ -4,7 +4,7 @@ Example:
   >>> import shardkit as sk
   >>> sk.recipes.names()
   ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp', 'tsp', 'dp_tsp',
-   'tsp_gspmd', 'dp_tsp_gspmd']
+   'tsp_gspmd', 'dp_tsp_gspmd', 'pp', 'dp_pp', 'zeropp']
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp_tsp": catalogue.dp_tsp,
     "tsp_gspmd": catalogue.tsp_gspmd,
     "dp_tsp_gspmd": catalogue.dp_tsp_gspmd,
+    "pp": catalogue.pp,
+    "dp_pp": catalogue.dp_pp,
+    "zeropp": catalogue.zeropp,
 }
 
 

@@ -13,17 +13,20 @@ __all__ = [
     "cp",
     "dp",
     "dp_fsdp",
+    "dp_pp",
     "dp_tp_sp",
     "dp_tsp",
     "dp_tsp_gspmd",
     "fsdp",
     "fsdp_cp",
     "fsdp_tp",
+    "pp",
     "tp",
     "tp_sp",
     "tsp",
     "tsp_gspmd",
     "zero1",
+    "zeropp",
 ]
 
 #: Names the reference models use for activations (see shardkit/models).
@@ -357,4 +360,70 @@ def dp_tsp_gspmd() -> Recipe:
         activation_rules=Rules([("batch", "data"), *_TSP_ACTIVATIONS]),
         attention="ring",
         attention_axis="tsp",
+    )
+
+
+# -- pipeline recipes (shardkit.parallel) ---------------------------------------------------
+#: The scanned layer stack's leading ``layers`` axis cut into stages.
+_STAGE = [("layers", "stage")]
+
+
+def pp() -> Recipe:
+    """Pipeline parallel: the layer stack cut into ``p`` stages over ``stage``.
+
+    Each stage holds ``L/p`` layers' parameters, gradients and Adam state; the embedding,
+    head and final norm are replicated. Train with ``sk.parallel.train_step`` (micro-batches
+    and a schedule: ``gpipe``, ``1f1b``, ``interleaved``). Wire per step: one activation
+    ``b_micro·s·h`` forward and one gradient backward between neighbouring stages per
+    micro-batch and tick (collective-permutes), plus an all-reduce over ``stage`` of the
+    non-layer parameters' gradient. Bubble ``(p − 1)/(m + p − 1)``.
+    """
+    return Recipe(
+        name="pp",
+        optional_names=_REFERENCE_NAMES | {"layers"},
+        collectives=frozenset({"collective-permute", "all-reduce"}),
+        summary="pipeline: the layer stack cut into stages over 'stage'",
+        mesh_axes=(("stage", -1),),
+        rules=Rules(_STAGE),
+        activation_rules=Rules([("batch", None), *_REPLICATED_ACTIVATIONS]),
+    )
+
+
+def dp_pp() -> Recipe:
+    """Data parallel over ``data`` × pipeline over ``stage`` (stage 2 × data 4 on 8 devices).
+
+    As ``pp``, each stage replicated over ``data``; the batch split over ``data``, each
+    stage's gradient all-reduced over ``data``: 2·(Ψ/p)·4·(D − 1)/D bytes.
+    """
+    return Recipe(
+        name="dp_pp",
+        optional_names=_REFERENCE_NAMES | {"layers"},
+        collectives=frozenset({"collective-permute", "all-reduce"}),
+        summary="data parallel × pipeline (stage 2 × data 4 on 8 devices)",
+        mesh_axes=(("stage", 2), ("data", -1)),
+        rules=Rules(_STAGE),
+        activation_rules=Rules([("batch", "data"), *_REPLICATED_ACTIVATIONS]),
+    )
+
+
+def zeropp() -> Recipe:
+    """ZeroPP (Tang et al. 2024): pipeline over ``stage`` × ZeRO-3 over ``fsdp``, no tensor axis.
+
+    Each stage's parameters, gradients and Adam state are sharded over ``fsdp`` (16Ψ/(p·F)
+    bytes per device); the batch is split over ``fsdp`` (and ``data`` if the mesh has
+    ``recipe.with_mesh({"data": 2})``). A stage's weights are all-gathered once per
+    scheduling unit of ``U`` micro-batches and their gradients reduce-scattered once:
+    2·(Ψ/p)·4·(F − 1)/F·⌈m/U⌉ bytes per device per step
+    (:mod:`shardkit.report.pipeline_analytic`). Stage 2 × fsdp 4 on 8 devices.
+    """
+    return Recipe(
+        name="zeropp",
+        optional_names=_REFERENCE_NAMES | {"layers"},
+        collectives=frozenset({"collective-permute", "all-gather", "reduce-scatter", "all-reduce"}),
+        summary="ZeroPP: pipeline × ZeRO-3 within each stage (stage 2 × fsdp 4 on 8 devices)",
+        mesh_axes=(("data", 1), ("stage", 2), ("fsdp", -1)),
+        rules=Rules([*_STAGE, ("vocab", "fsdp"), ("embed", "fsdp")]),
+        activation_rules=Rules(
+            [("batch", ("data", "fsdp")), ("vocab", None), *_REPLICATED_ACTIVATIONS]
+        ),
     )

@@ -60,6 +60,8 @@ class Parallelism:
     tensor_kind: Literal["tp", "tp_sp"] = "tp"
     tsp: int = 1
     tsp_kind: Literal["gspmd", "tsp"] = "gspmd"
+    #: pipeline stages: a mesh axis that shards only the ``layers`` axis of the stack.
+    stage: int = 1
 
     def sizes(self) -> dict[str, int]:
         """``{"data": d, "fsdp": f, "tensor": t, "sequence": c}``."""
@@ -130,7 +132,7 @@ class Recipe:
         Example:
           >>> from shardkit import recipes
           >>> recipes.get("dp_tp_sp").parallelism({"data": 2, "tensor": 4})
-          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp', tsp=1, tsp_kind='gspmd')
+          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp', tsp=1, tsp_kind='gspmd', stage=1)
           >>> recipes.get("zero1").parallelism({"data": 8}).data_kind
           'zero1'
         """
@@ -141,7 +143,7 @@ class Recipe:
                 f"Recipe {self.name!r} uses mesh axes {tuple(declared)}; mesh {dict(mesh)} also "
                 f"sizes {extra}.\nFix: drop those axes or set them to 1."
             )
-        degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "tsp": 1}
+        degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "tsp": 1, "stage": 1}
         kinds = {"data_kind": "dp", "tensor_kind": "tp", "tsp_kind": self.layer_schedule}
         for axis, size in mesh.items():
             params = _names_on(self.rules, axis)
@@ -150,6 +152,8 @@ class Recipe:
                 role = "tensor"  # and heads/MLP units is FSDP that also shards those
                 if "length" in acts:
                     kinds["tensor_kind"] = "tp_sp"
+            elif params == {"layers"}:
+                role = "stage"
             elif params and "length" in acts:
                 role = "tsp"
             elif params:

@@ -223,7 +223,9 @@ def test_parallelism_is_read_from_the_recipe_rules(name):
 
 
 def test_every_builtin_recipe_is_covered():
-    assert set(MESHES) == set(recipes.names())
+    # Pipeline recipes (a 'stage' axis) have their own model: tests/parallel.
+    plain = {n for n in recipes.names() if "stage" not in dict(recipes.get(n).mesh_axes)}
+    assert set(MESHES) == plain
 
 
 def test_a_custom_recipe_gets_the_analytic_model_of_what_it_does():

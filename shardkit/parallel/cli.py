@@ -1,0 +1,73 @@
+"""The pipeline flags of ``shardkit run`` and ``shardkit report``, and the step they build.
+
+``--microbatches M --schedule gpipe|1f1b|interleaved [--virtual-stages V] [--unit U]``.
+A recipe with a ``stage`` axis trains with the pipelined step (``M`` defaults to the
+number of stages); the flags with any other recipe are an error that names the fix.
+
+Example:
+  >>> import argparse
+  >>> p = argparse.ArgumentParser()
+  >>> add_arguments(p)
+  >>> options(p.parse_args(["--microbatches", "8", "--schedule", "gpipe"]))
+  {'microbatches': 8, 'schedule': 'gpipe', 'virtual_stages': 1, 'unit': None}
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from shardkit.parallel.schedules import SCHEDULES
+from shardkit.parallel.stages import NotPipelinableError, reference_stages, train_step
+
+__all__ = ["add_arguments", "options", "step_for"]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Add ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--unit`` to ``p``."""
+    g = p.add_argument_group("pipeline (recipes with a 'stage' axis: pp, dp_pp, zeropp)")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step (default: the number of stages)")  # fmt: skip
+    g.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    g.add_argument("--virtual-stages", type=int, default=None,
+                   help="model chunks per stage (interleaved; default 2)")  # fmt: skip
+    g.add_argument("--unit", type=int, default=None,
+                   help="ZeroPP: micro-batches per weight gather (default: one per step)")  # fmt: skip
+
+
+def options(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The pipeline options the flags ask for, or ``None`` when no flag is given."""
+    keys = ("microbatches", "schedule", "virtual_stages", "unit")
+    if all(getattr(args, k, None) is None for k in keys):
+        return None
+    schedule = args.schedule or "1f1b"
+    default_v = 2 if schedule == "interleaved" else 1
+    return {"microbatches": args.microbatches, "schedule": schedule,
+            "virtual_stages": args.virtual_stages or default_v, "unit": args.unit}  # fmt: skip
+
+
+def step_for(model: Any, tx: Any, plan: Any, abstract: Any, opts: dict[str, Any] | None):
+    """The pipelined train step for a plan with a ``stage`` axis, else ``None``.
+
+    Raises:
+      NotPipelinableError: pipeline flags with a recipe that has no ``stage`` axis, or a
+        model that is not a scanned reference model.
+    """
+    stages = dict(plan.mesh.shape).get("stage")
+    if stages is None:
+        if opts is not None:
+            raise NotPipelinableError(
+                f"--microbatches/--schedule/--unit need a recipe with a 'stage' axis; "
+                f"{plan.recipe.name!r} has {dict(plan.mesh.shape)}.\nFix: --recipe pp, dp_pp "
+                "or zeropp, or drop the pipeline flags."
+            )
+        return None
+    if not hasattr(model, "config"):
+        raise NotPipelinableError(
+            f"Recipe {plan.recipe.name!r} pipelines the reference models from the command line;"
+            " a model of your own needs its cut (pre, layer, post).\nFix: "
+            "sk.parallel.Stages(pre, layer, post) and sk.parallel.train_step in Python."
+        )
+    opts = dict(opts or {"schedule": "1f1b", "virtual_stages": 1, "unit": None})
+    opts["microbatches"] = opts.get("microbatches") or int(stages)
+    return train_step(reference_stages(model), tx, plan, abstract, **opts)

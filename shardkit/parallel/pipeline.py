@@ -1,0 +1,448 @@
+"""Pipeline parallelism over a ``stage`` mesh axis: loss and exact gradients of a layer stack.
+
+A model is cut into three functions: ``pre(rest, mb) -> x`` (the embedding, on the first
+stage), ``layer(layer_params, x) -> x`` (one of ``L`` identical layers whose parameters are
+stacked along a leading axis) and ``post(rest, y, mb) -> loss`` (the head and the mean
+loss of one micro-batch, on the last stage). :func:`value_and_grad` runs them as a
+pipeline: the stack is cut into ``p`` stages of ``L/p`` layers (the stack's leading axis
+sharded over ``stage``), the batch into ``m`` micro-batches, and a schedule
+(:mod:`shardkit.parallel.schedules`: ``gpipe``, ``1f1b``, ``interleaved``) says which stage
+runs which micro-batch's forward and backward at each tick.
+
+The whole step is one ``jax.shard_map`` with every mesh axis manual. Per tick, a stage
+runs ``jax.vjp`` of its layers on one micro-batch and keeps the residuals in a buffer slot
+(the schedule allocates slots, so ``1f1b`` keeps at most ``2p − 1`` micro-batches, whatever
+``m``); activations go to the next stage and gradients to the previous one by
+``jax.lax.ppermute`` (collective-permutes between neighbouring stages only). The loss is
+computed on the last stage as each micro-batch leaves it. Gradients are exact: the same
+per-micro-batch vjps a single device would run, summed.
+
+Other mesh axes are handled explicitly, so their traffic is what the formula says:
+
+- the batch axes (those the batch spec shards its first dimension over, e.g. ``data`` and
+  ``fsdp``) split every micro-batch; gradients are summed over them;
+- parameter dimensions sharded over other axes (ZeRO-3 / FSDP, e.g. ``embed`` over
+  ``fsdp``) are all-gathered once per *scheduling unit* of ``unit`` micro-batches, and the
+  unit's gradients reduce-scattered once (ZeroPP, Tang et al. 2024). Per step and device:
+  ``2·(Ψ_stage)·(F − 1)/F·⌈m/U⌉`` bytes-worth of all-gather plus reduce-scatter, where
+  ``Ψ_stage`` is the stage's parameter bytes (one gathered copy serves the unit's
+  forwards and backwards).
+
+The parameters that are not layers (``rest``: embedding, head, final norm) are replicated
+over ``stage``; their gradient is summed over ``stage`` (the embedding's on the first stage,
+the head's on the last), one all-reduce of their size per step.
+
+Example:
+  >>> import jax, jax.numpy as jnp, numpy as np
+  >>> from jax.sharding import PartitionSpec as P
+  >>> import shardkit as sk
+  >>> mesh = sk.make_mesh({"stage": 4}, devices=jax.devices()[:4])
+  >>> layer = lambda w, x: jnp.tanh(x @ w)
+  >>> pre = lambda rest, mb: mb["x"]
+  >>> post = lambda rest, y, mb: jnp.mean((y - mb["y"]) ** 2)
+  >>> ws = jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4   # 8 layers
+  >>> batch = {"x": jnp.ones((8, 16)), "y": jnp.zeros((8, 16))}
+  >>> step = value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="1f1b")
+  >>> loss, (g_stack, g_rest) = jax.jit(step)(ws, {}, batch)
+  >>> def ref(ws):
+  ...     x = batch["x"]
+  ...     for w in ws:
+  ...         x = layer(w, x)
+  ...     return post({}, x, batch)
+  >>> want, g_want = jax.value_and_grad(ref)(ws)
+  >>> bool(np.isclose(loss, want, rtol=1e-6)), bool(np.allclose(g_stack, g_want, atol=1e-6))
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from shardkit.annotate.constrain import activation_rules, param_rules
+from shardkit.attention import use_attention
+from shardkit.parallel.schedules import (
+    MicrobatchError,
+    PipelineError,
+    Schedule,
+    StageDivisibilityError,
+    make,
+)
+
+__all__ = ["value_and_grad", "spec_axes", "STAGE"]
+
+#: The mesh axis pipeline stages are laid along.
+STAGE = "stage"
+
+
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """Mesh axes of one ``PartitionSpec`` entry (``None``, a name or a tuple of names).
+
+    Example:
+      >>> spec_axes(None), spec_axes("fsdp"), spec_axes(("data", "fsdp"))
+      ((), ('fsdp',), ('data', 'fsdp'))
+    """
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _full_spec(spec: PartitionSpec | None, ndim: int) -> tuple:
+    entries = tuple(spec or ())
+    return (entries + (None,) * ndim)[:ndim]
+
+
+def _gather(x: jax.Array, spec: PartitionSpec, skip: str) -> jax.Array:
+    """All-gather ``x`` over every mesh axis (but ``skip``) its spec shards it on."""
+    for d, entry in enumerate(_full_spec(spec, x.ndim)):
+        axes = tuple(a for a in spec_axes(entry) if a != skip)
+        if axes:
+            x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+    return x
+
+
+def _scatter(g: jax.Array, spec: PartitionSpec, skip: str) -> jax.Array:
+    """Reduce-scatter ``g`` back to the shards ``spec`` gives (the transpose of ``_gather``)."""
+    for d, entry in enumerate(_full_spec(spec, g.ndim)):
+        axes = tuple(a for a in spec_axes(entry) if a != skip)
+        if axes:
+            g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
+    return g
+
+
+def _used_axes(spec: PartitionSpec | None) -> set[str]:
+    return {a for e in tuple(spec or ()) for a in spec_axes(e)}
+
+
+def _psum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return jax.lax.psum(x, axes) if axes else x
+
+
+def value_and_grad(
+    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    pre_fn: Callable[[Any, Any], jax.Array],
+    post_fn: Callable[[Any, jax.Array, Any], jax.Array],
+    *,
+    mesh: Mesh,
+    microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    unit: int | None = None,
+    stack_specs: Any = None,
+    rest_specs: Any = None,
+    batch_axes: tuple[str, ...] | None = None,
+    stage_axis: str = STAGE,
+) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
+    """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
+
+    Args:
+      layer_fn: ``(layer_params, x) -> x`` for one layer (``layer_params``: one slice of
+        the stack along its leading axis).
+      pre_fn: ``(rest, microbatch) -> x``, the first stage's input (e.g. the embedding).
+      post_fn: ``(rest, y, microbatch) -> loss``, the mean loss of one micro-batch's rows
+        (e.g. final norm, head, cross-entropy).
+      mesh: a mesh with a ``stage_axis`` (any other axes too).
+      microbatches: ``m``; the batch's leading dimension must divide into ``m`` equal
+        micro-batches on every device of the batch axes.
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+      virtual_stages: ``v`` model chunks per stage (``interleaved`` only).
+      unit: ZeroPP's scheduling unit, in micro-batches: weights sharded over non-stage
+        axes are gathered once per unit (default: once per step).
+      stack_specs: ``PartitionSpec`` tree of the stack (default: leading axis over
+        ``stage``); other sharded dimensions are gathered per unit.
+      rest_specs: ``PartitionSpec`` tree of ``rest`` (default replicated).
+      batch_axes: mesh axes the batch's first dimension is split over (default: every
+        mesh axis but ``stage`` that no stack spec uses, e.g. ``data``; pass
+        ``("data", "fsdp")`` for ZeroPP).
+      stage_axis: the pipeline's mesh axis.
+
+    Returns:
+      the loss (the mean over the whole batch) and the gradients of ``stack`` and ``rest``,
+      in their specs.
+
+    Raises:
+      StageDivisibilityError: the layers do not divide into ``p·v`` chunks.
+      MicrobatchError: the batch does not divide into micro-batches per device.
+      UnknownScheduleError: an unknown schedule name.
+    """
+    if stage_axis not in mesh.shape:
+        raise PipelineError(
+            f"Pipeline over mesh axis {stage_axis!r}, but the mesh has axes {dict(mesh.shape)}."
+            f"\nFix: a recipe with a stage axis (pp, dp_pp, zeropp), or "
+            f"sk.make_mesh({{'{stage_axis}': p, ...}})."
+        )
+    p = int(mesh.shape[stage_axis])
+    sched = make(schedule, p, microbatches, virtual_stages)
+    v = sched.virtual
+
+    def run(stack: Any, rest: Any, batch: Any):
+        layers = {int(np.shape(x)[0]) for x in jax.tree.leaves(stack)}
+        if len(layers) != 1:
+            raise PipelineError(
+                f"The stack's leaves have different leading (layer) sizes {sorted(layers)}."
+                "\nFix: stack identical layers along axis 0 (nn.scan / nnx.vmap do)."
+            )
+        n_layers = layers.pop()
+        if n_layers % (p * v):
+            raise StageDivisibilityError(
+                f"{n_layers} layers do not split into {p} stages × {v} virtual stages "
+                f"({p * v} chunks).\nFix: a layer count that is a multiple of {p * v}, or "
+                f"stages dividing {n_layers} (e.g. {_divisors(n_layers)})."
+            )
+        s_specs = _specs_like(stack, stack_specs, PartitionSpec(stage_axis))
+        r_specs = _specs_like(rest, rest_specs, PartitionSpec())
+        b_axes = batch_axes
+        if b_axes is None:
+            used = set().union(*(_used_axes(s) for s in jax.tree.leaves(
+                s_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))  # fmt: skip
+            b_axes = tuple(a for a in mesh.axis_names if a != stage_axis and a not in used)
+        b_axes = tuple(a for a in b_axes if mesh.shape[a] > 1)
+        n_shards = math.prod(mesh.shape[a] for a in b_axes)
+        rows = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}
+        for b in rows:
+            if b % (n_shards * microbatches):
+                raise MicrobatchError(
+                    f"Batch of {b} rows: {microbatches} micro-batches on {n_shards} device(s) "
+                    f"of the batch axes {b_axes or '()'} need a multiple of "
+                    f"{microbatches * n_shards}.\nFix: a batch of "
+                    f"{max(1, b // (microbatches * n_shards)) * microbatches * n_shards}, or "
+                    f"micro-batches dividing {b // n_shards} (e.g. {_divisors(b // n_shards)})."
+                )
+        perm = None
+        if v > 1:  # chunk k·p + s on stage s: reorder the stack so stage s holds its chunks
+            chunk = n_layers // (p * v)
+            perm = np.array([(k * p + s) * chunk + i for s in range(p) for k in range(v)
+                             for i in range(chunk)])  # fmt: skip
+            stack = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), stack)
+        b_spec = PartitionSpec(b_axes or None)
+        body = _Body(layer_fn, pre_fn, post_fn, sched, mesh, stage_axis, s_specs, r_specs,
+                     b_axes, n_shards, unit)  # fmt: skip
+        out_specs = (PartitionSpec(), (s_specs, r_specs))
+        in_specs = (s_specs, r_specs, jax.tree.map(lambda _: b_spec, batch))
+        fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                           check_vma=False)  # fmt: skip
+        loss, (d_stack, d_rest) = fn(stack, rest, batch)
+        if perm is not None:
+            inverse = np.argsort(perm)
+            d_stack = jax.tree.map(lambda x: jnp.take(x, inverse, axis=0), d_stack)
+        return loss, (d_stack, d_rest)
+
+    run.schedule = sched  # type: ignore[attr-defined]
+    return run
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0][:6]
+
+
+def _specs_like(tree: Any, specs: Any, default: PartitionSpec) -> Any:
+    if specs is None:
+        return jax.tree.map(lambda _: default, tree)
+    if isinstance(specs, PartitionSpec):
+        return jax.tree.map(lambda _: specs, tree)
+    # Same leaves in the tree's own containers (an nnx.State and a dict flatten alike).
+    flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec) or x is None)
+    flat = [PartitionSpec() if x is None else x for x in flat]
+    return jax.tree.unflatten(jax.tree.structure(tree), flat)
+
+
+class _Body:
+    """The per-device program: the schedule's ticks unrolled."""
+
+    def __init__(self, layer_fn, pre_fn, post_fn, sched: Schedule, mesh, stage_axis,
+                 s_specs, r_specs, b_axes, n_shards, unit):  # fmt: skip
+        self.layer_fn, self.pre_fn, self.post_fn = layer_fn, pre_fn, post_fn
+        self.sched, self.mesh, self.stage = sched, mesh, stage_axis
+        self.s_specs, self.r_specs = s_specs, r_specs
+        self.b_axes, self.n_shards, self.unit = b_axes, n_shards, unit
+
+    # -- helpers ---------------------------------------------------------------------
+    def _stage_fn(self, w: Any, x: jax.Array) -> jax.Array:
+        def one(h, layer):
+            return self.layer_fn(layer, h), None
+
+        return jax.lax.scan(one, x, w, unroll=True)[0]
+
+    def _windows(self) -> list[int]:
+        """The tick at which each scheduling unit starts (weights gathered anew)."""
+        m, ticks = self.sched.microbatches, self.sched.ticks
+        units = 1 if self.unit is None else max(1, math.ceil(m / int(self.unit)))
+        return sorted({round(i * ticks / units) for i in range(units)})
+
+    def __call__(self, stack: Any, rest: Any, batch: Any):
+        with activation_rules(None), param_rules(None), use_attention("dense"):
+            return self._run(stack, rest, batch)
+
+    def _run(self, stack: Any, rest: Any, batch: Any):
+        sched, stage = self.sched, self.stage
+        p, m, v = sched.stages, sched.microbatches, sched.virtual
+        s = jax.lax.axis_index(stage)
+        tables = {k: jnp.asarray(a) for k, a in sched.tables().items()}
+        np_tables = sched.tables()
+
+        def at(name: str, t: int) -> jax.Array:
+            return tables[name][t][s]
+
+        flat_specs = lambda specs: jax.tree.leaves(  # noqa: E731
+            specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
+        s_flat, s_def = jax.tree.flatten(stack)
+        s_spec = flat_specs(self.s_specs)
+        r_flat, r_def = jax.tree.flatten(rest)
+        r_spec = flat_specs(self.r_specs)
+
+        # Rest (embedding, head): gathered once per step.
+        rest_g = jax.tree.unflatten(
+            r_def, [_gather(x, sp, stage) for x, sp in zip(r_flat, r_spec, strict=True)]
+        )
+        micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
+
+        def mb_at(i):
+            return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False), micro)
+
+        scale = 1.0 / (m * self.n_shards)
+
+        def head(rest_g, y, mb):
+            return self.post_fn(rest_g, y, mb) * scale
+
+        x_shape = jax.eval_shape(self.pre_fn, rest_g, mb_at(0))
+        zeros_x = jnp.zeros(x_shape.shape, x_shape.dtype)
+        zeros_rest = jax.tree.map(jnp.zeros_like, rest_g)
+
+        fwd_perm = [(i, (i + 1) % p) for i in range(p if v > 1 else p - 1)]
+        bwd_perm = [(b, a) for a, b in fwd_perm]
+
+        def chunked(w):  # local [L/p, ...] -> [v, L/(p·v), ...]
+            return w.reshape(v, w.shape[0] // v, *w.shape[1:])
+
+        windows = set(self._windows())
+        d_stack_sharded = [jnp.zeros_like(x) for x in s_flat]
+        d_acc = None
+        w_g = None
+        d_rest = zeros_rest
+        loss = jnp.zeros((), jnp.float32)
+        recv_f, recv_b = zeros_x, zeros_x
+        res_def, is_w = None, None
+        ring = sched.ring
+        read_slots = jnp.asarray(sched.read_slots())
+        # Residuals (and d loss / d y) of the last ``ring`` forwards, one array per slot: the
+        # forward at tick t writes slot t mod ring (static, no in-place update to order),
+        # a backward selects the slot its item was written to.
+        store: list[list[jax.Array | None]] | None = None
+
+        def flush(d_acc):
+            for n, (g, sp) in enumerate(zip(d_acc, s_spec, strict=True)):
+                g = g.reshape(-1, *g.shape[2:])
+                d_stack_sharded[n] = d_stack_sharded[n] + _scatter(g, sp, stage)
+
+        def select(tree_flat, k):
+            if v == 1:
+                return [x[0] for x in tree_flat]
+            return [jax.lax.dynamic_index_in_dim(x, k, 0, False) for x in tree_flat]
+
+        for t in range(sched.ticks):
+            if t in windows:  # a new scheduling unit: gather its weights once
+                if d_acc is not None:
+                    flush(d_acc)
+                # Each unit's shards as a distinct value (+ 0 that XLA cannot prove is 0): XLA
+                # would otherwise merge the units' identical all-gathers into one (an
+                # optimization barrier does not survive the CPU pipeline) and keep the
+                # stage's weights gathered for the whole step.
+                zero = (s == -1 - t).astype(s_flat[0].dtype) if t else None
+                shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
+                w_g = [chunked(_gather(x, sp, stage)) for x, sp in zip(shards, s_spec, strict=True)]
+                d_acc = [jnp.zeros_like(x) for x in w_g]
+            has_f = bool(np_tables["f_valid"][t].any())
+            has_b = bool(np_tables["b_valid"][t].any())
+            if has_f:
+                i, k = at("f_mb", t), at("f_k", t)
+                mb = mb_at(i)
+                x_in = recv_f
+                if np_tables["f_first"][t].any():
+                    x_in = jax.lax.cond(at("f_first", t), lambda mb=mb: self.pre_fn(rest_g, mb),
+                                        lambda r=recv_f: r)  # fmt: skip
+                w_k = select(w_g, k)
+                y, vjp = jax.vjp(lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x),
+                                 w_k, x_in)  # fmt: skip
+                leaves, tdef = jax.tree.flatten(vjp)
+                # Residuals that *are* the weights are not stored: the backward passes them again.
+                flags = [next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves]
+                if res_def is None:
+                    res_def, is_w = tdef, flags
+                    store = [[None] * ring for _ in range(len(leaves) + 1)]  # + d loss / d y
+                if flags != is_w or len(leaves) != len(is_w):
+                    raise PipelineError("The layer's vjp residuals differ between ticks.")
+                for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
+                    if f is None:
+                        store[n][t % ring] = leaf
+                if np_tables["f_last"][t].any():
+                    last = at("f_last", t)
+
+                    # The accumulator goes through the cond: one running sum, updated in
+                    # place, never a full-size gradient (the head's) per tick.
+                    def loss_and_grads(d_rest, y=y, mb=mb):
+                        val, (dr, dy) = jax.value_and_grad(head, argnums=(0, 1))(rest_g, y, mb)
+                        return val, jax.tree.map(jnp.add, d_rest, dr), dy
+
+                    def none(d_rest, y=y):
+                        return jnp.zeros((), jnp.float32), d_rest, jnp.zeros_like(y)
+
+                    val, d_rest, dy = jax.lax.cond(last, loss_and_grads, none, d_rest)
+                    loss = loss + val.astype(jnp.float32)
+                    store[-1][t % ring] = dy
+                if p > 1:
+                    recv_f = jax.lax.ppermute(y, stage, fwd_perm)
+            if has_b:
+                j, k = at("b_mb", t), at("b_k", t)
+                slot = read_slots[t][s]
+                valid = at("b_valid", t)
+
+                def read(slots, slot=slot):
+                    filled = [x for x in slots if x is not None]
+                    zero = jnp.zeros_like(filled[0])
+                    return jax.lax.select_n(slot, *[zero if x is None else x for x in slots])
+
+                g_in = recv_b
+                if np_tables["b_last"][t].any():
+                    g_in = jnp.where(at("b_last", t), read(store[-1]), recv_b)
+                w_k = select(w_g, k)
+                leaves = [w_k[f] if f is not None else read(store[n])
+                          for n, f in enumerate(is_w)]  # fmt: skip
+                vjp = jax.tree.unflatten(res_def, leaves)
+                d_w, d_x = vjp(g_in)
+                for n, g in enumerate(d_w):
+                    g = jnp.where(valid, g, jnp.zeros_like(g))
+                    if v == 1:
+                        d_acc[n] = d_acc[n] + g[None]
+                    else:
+                        cur = jax.lax.dynamic_index_in_dim(d_acc[n], k, 0, False)
+                        d_acc[n] = jax.lax.dynamic_update_index_in_dim(d_acc[n], cur + g, k, 0)
+                if np_tables["b_first"][t].any():
+                    mb = mb_at(j)
+
+                    def pre_grad(d_rest, mb=mb, d_x=d_x):
+                        _, pull = jax.vjp(lambda r: self.pre_fn(r, mb), rest_g)
+                        return jax.tree.map(jnp.add, d_rest, pull(d_x)[0])
+
+                    d_rest = jax.lax.cond(at("b_first", t), pre_grad, lambda d: d, d_rest)
+                if p > 1:
+                    recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
+        flush(d_acc)
+
+        # Sum over the batch axes (and, for rest, over stages); shards stay shards.
+        d_stack = []
+        for g, sp in zip(d_stack_sharded, s_spec, strict=True):
+            d_stack.append(_psum_over(g, tuple(a for a in self.b_axes if a not in _used_axes(sp))))
+        d_rest_out = []
+        for g, sp in zip(jax.tree.leaves(d_rest), r_spec, strict=True):
+            g = _scatter(g, sp, stage)
+            axes = tuple(a for a in self.b_axes if a not in _used_axes(sp))
+            d_rest_out.append(_psum_over(g, (*axes, stage) if p > 1 else axes))
+        loss = _psum_over(loss, (*self.b_axes, stage) if p > 1 else self.b_axes)
+        return loss, (jax.tree.unflatten(s_def, d_stack), jax.tree.unflatten(r_def, d_rest_out))

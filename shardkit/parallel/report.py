@@ -1,0 +1,111 @@
+"""Measure a pipelined step of a reference model against :mod:`shardkit.report.pipeline_analytic`.
+
+Compile only (abstract state and batch): memory per device from ``memory_analysis()``
+(arguments + output + temp − alias), wire bytes by kind from
+:func:`shardkit.report.hlo.parse_collectives`, FLOPs from XLA's cost analysis, next to the
+analytic bubble, collective-permute and ZeroPP bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+from shardkit.report.pipeline_analytic import PipelineCosts, pipeline_costs
+
+__all__ = ["PipelineMeasurement", "measure", "pipeline_report"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineMeasurement:
+    """A compiled pipelined step's costs per device, and the analytic ones."""
+
+    memory: dict[str, int]
+    wire_bytes_by_kind: dict[str, float]
+    flops: float
+    analytic: PipelineCosts
+
+    def ratio(self, kind: str) -> float:
+        """Measured / analytic wire bytes of one collective kind (``nan`` if none expected)."""
+        want = self.analytic.wire_bytes_by_kind.get(kind, 0.0)
+        return self.wire_bytes_by_kind.get(kind, 0.0) / want if want else float("nan")
+
+
+def _step_and_abstract(plan: Any, model: Any, tx: Any, *, seed: int = 0, **opts: Any):
+    from shardkit import train
+    from shardkit.parallel.stages import reference_stages, train_step
+
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
+    return train_step(reference_stages(model), tx, plan, abstract, **opts), abstract
+
+
+def pipeline_report(plan: Any, model: Any, tx: Any, args: Any):
+    """``plan.report`` of the pipelined step the CLI flags ask for (``shardkit report``)."""
+    from shardkit import train
+    from shardkit.models.reporting import token_batch
+    from shardkit.parallel.cli import options, step_for
+    from shardkit.workload import Workload
+
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    step = step_for(model, tx, plan, abstract, options(args))
+    workload = Workload.from_config(model.config, batch=args.batch, seq=args.seq, model=model.name)
+    return plan.report(step, abstract, token_batch(args.batch, args.seq), workload=workload)
+
+
+def measure(
+    plan: Any,
+    model: Any,
+    tx: Any,
+    *,
+    batch: int,
+    seq: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
+    unit: int | None = None,
+) -> PipelineMeasurement:
+    """Compile the pipelined step of ``model`` under ``plan`` and read its costs."""
+    from shardkit.models.reporting import token_batch
+    from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
+
+    step, abstract = _step_and_abstract(plan, model, tx, microbatches=microbatches,
+                                        schedule=schedule, virtual_stages=virtual_stages,
+                                        unit=unit)  # fmt: skip
+    compiled = plan.jit(step, state=abstract).lower(abstract, token_batch(batch, seq)).compile()
+    ma = compiled.memory_analysis()
+    memory = {"arguments": ma.argument_size_in_bytes, "output": ma.output_size_in_bytes,
+              "temp": ma.temp_size_in_bytes, "alias": ma.alias_size_in_bytes}  # fmt: skip
+    memory["total"] = memory["arguments"] + memory["output"] + memory["temp"] - memory["alias"]
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    wire = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
+    return PipelineMeasurement(memory, wire, float(cost.get("flops", 0.0)),
+                               analytic_for(plan, model, batch=batch, seq=seq,
+                                            microbatches=microbatches, schedule=schedule,
+                                            virtual_stages=virtual_stages, unit=unit))  # fmt: skip
+
+
+def analytic_for(plan: Any, model: Any, *, batch: int, seq: int, microbatches: int,
+                 schedule: str, virtual_stages: int = 1, unit: int | None = None,
+                 bytes_per_value: int = 4) -> PipelineCosts:  # fmt: skip
+    """:func:`pipeline_costs` for a reference model's config under ``plan``'s mesh."""
+    cfg = model.config
+    shape = dict(plan.mesh.shape)
+    p, fsdp, data = shape.get("stage", 1), shape.get("fsdp", 1), shape.get("data", 1)
+    stack = cfg.n_layers * cfg._layer_params() * bytes_per_value
+    rest = cfg.param_count() * bytes_per_value - stack
+    rows = batch // (microbatches * fsdp * data)
+    return pipeline_costs(
+        schedule, stages=p, microbatches=microbatches, virtual=virtual_stages, unit=unit,
+        fsdp=fsdp, data=data, stack_param_bytes=stack, rest_param_bytes=rest,
+        activation_bytes=rows * seq * cfg.d_model * bytes_per_value,
+    )  # fmt: skip
+
+
+def useful_flops(model: Any, *, batch: int, seq: int, stages: int, devices: int) -> float:
+    """``6·Ψ_stack·tokens/p`` per device of the layer stack (``tokens`` split over replicas)."""
+    cfg = model.config
+    replicas = devices // stages
+    return 6.0 * cfg.n_layers * cfg._layer_params() * batch * seq / replicas / stages

@@ -1,0 +1,119 @@
+"""What the compiled pipeline costs, against the analytic model (formulas, hand counts).
+
+Compile only, on a small stack of matmul layers: memory from ``memory_analysis()``, wire
+from ``parse_collectives``, FLOPs from XLA's cost analysis.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shardkit as sk
+from shardkit.parallel import pipeline
+from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
+from shardkit.report.pipeline_analytic import pipeline_costs
+
+H, LAYERS = 64, 8
+
+
+def layer(w, x):
+    return jnp.tanh(x @ w["k"])
+
+
+def pre(rest, mb):
+    return mb["x"]
+
+
+def post(rest, y, mb):
+    return jnp.mean((y - mb["x"]) ** 2)
+
+
+def compile_pipeline(axes, schedule, m, *, rows, unit=None, v=2, specs=None, batch_axes=None,
+                     layers=LAYERS, h=H):  # fmt: skip
+    devices = jax.devices()[: int(np.prod(list(axes.values())))]
+    mesh = sk.make_mesh(axes, devices=devices)
+    stack = {"k": jax.ShapeDtypeStruct((layers, h, h), jnp.float32)}
+    batch = {"x": jax.ShapeDtypeStruct((rows, h), jnp.float32)}
+    fn = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=m, schedule=schedule,
+                                 virtual_stages=v, unit=unit, stack_specs=specs,
+                                 batch_axes=batch_axes)  # fmt: skip
+    return jax.jit(fn).lower(stack, {}, batch).compile(), mesh
+
+
+def flops(compiled):
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return cost["flops"]
+
+
+@pytest.mark.parametrize("schedule,m,v", [("gpipe", 4, 1), ("1f1b", 8, 1), ("interleaved", 4, 2)])
+def test_compiled_flops_match_the_bubble(schedule, m, v):
+    # Wide layers: the engine's elementwise work (selecting a stored micro-batch, masks)
+    # grows as h, the matmuls as h².
+    p, rows, h = 4, 256, 512
+    compiled, _ = compile_pipeline({"stage": p}, schedule, m, rows=rows, v=v, layers=2 * p * v,
+                                   h=h)  # fmt: skip
+    useful = 6 * (2 * p * v * h * h) * rows / p  # 6·Ψ·tokens/p
+    want = pipeline_costs(schedule, stages=p, microbatches=m, virtual=v, stack_param_bytes=0,
+                          rest_param_bytes=0, activation_bytes=0).flops_ratio  # fmt: skip
+    assert flops(compiled) / useful == pytest.approx(want, rel=0.05)
+
+
+def test_one_f_one_b_activation_memory_below_gpipe():
+    temp = {}
+    for schedule, m in (("gpipe", 16), ("gpipe", 32), ("1f1b", 16), ("1f1b", 32)):
+        compiled, _ = compile_pipeline({"stage": 4}, schedule, m, rows=256 * m)
+        temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
+    assert temp["gpipe", 32] >= 1.5 * temp["gpipe", 16]  # all m micro-batches
+    # 1f1b holds 2p - 1 micro-batches whatever m; its temp still grows by 28% here (4.4 ->
+    # 5.7 MB) against GPipe's 87% (10.9 -> 20.3 MB): see the README's known limits.
+    assert temp["1f1b", 32] <= 1.3 * temp["1f1b", 16]
+    assert temp["1f1b", 16] <= 0.5 * temp["gpipe", 16]  # measured 0.41
+
+
+def permute_pairs(text):
+    pairs = []
+    for line in text.splitlines():
+        if "collective-permute" in line and "source_target_pairs" in line:
+            block = line.split("source_target_pairs={")[1].split("}}")[0]
+            pairs += [tuple(map(int, x)) for x in re.findall(r"(\d+),(\d+)", block)]
+    return pairs
+
+
+def test_pp_wire_is_neighbour_permutes_and_the_data_all_reduce():
+    axes, m, rows = {"stage": 4, "data": 2}, 8, 64
+    compiled, mesh = compile_pipeline(axes, "1f1b", m, rows=rows)
+    text = compiled.as_text()
+    wire = wire_bytes_by_kind(parse_collectives(text))
+    assert set(wire) == {"collective-permute", "all-reduce"}
+    stage_of = {d.id: int(i) for (i, _), d in np.ndenumerate(mesh.devices)}
+    data_of = {d.id: int(j) for (_, j), d in np.ndenumerate(mesh.devices)}
+    pairs = permute_pairs(text)
+    assert pairs and all(abs(stage_of[a] - stage_of[b]) == 1 for a, b in pairs)
+    assert all(data_of[a] == data_of[b] for a, b in pairs)
+    want = pipeline_costs("1f1b", stages=4, microbatches=m, data=2,
+                          stack_param_bytes=LAYERS * H * H * 4, rest_param_bytes=0,
+                          activation_bytes=rows // (2 * m) * H * 4).wire_bytes_by_kind  # fmt: skip
+    for kind, value in want.items():
+        assert wire[kind] / value == pytest.approx(1.0, abs=0.1), kind  # within 1.1x
+
+
+def test_zeropp_wire_falls_as_the_unit_grows():
+    axes, m, rows = {"stage": 2, "fsdp": 4}, 8, 64
+    got = {}
+    for unit in (1, 2, 4, 8):
+        compiled, _ = compile_pipeline(axes, "1f1b", m, rows=rows, unit=unit,
+                                       specs={"k": P("stage", "fsdp")}, batch_axes=("fsdp",))  # fmt: skip
+        got[unit] = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
+        want = pipeline_costs("1f1b", stages=2, microbatches=m, unit=unit, fsdp=4,
+                              stack_param_bytes=LAYERS * H * H * 4, rest_param_bytes=0,
+                              activation_bytes=rows // (4 * m) * H * 4).wire_bytes_by_kind  # fmt: skip
+        for kind in ("all-gather", "reduce-scatter", "collective-permute"):
+            assert got[unit][kind] / want[kind] == pytest.approx(1.0, abs=0.15), (unit, kind)
+    weights = [got[u]["all-gather"] + got[u]["reduce-scatter"] for u in (1, 2, 4, 8)]
+    assert weights == sorted(weights, reverse=True)
+    assert weights[0] / weights[3] == pytest.approx(8, rel=0.1)  # ceil(m/U): 8 units vs 1
