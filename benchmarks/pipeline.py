@@ -85,10 +85,10 @@ def main(argv=None) -> None:
         print(json.dumps(worker(json.loads(argv[1]))))
         return
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    small = {"model": "gpt-tiny", "overrides": {"n_layers": 8}, "seq": 32} if args.tiny else \
+    small = {"model": "gpt-tiny", "overrides": {"n_layers": 8}, "seq": 16} if args.tiny else \
         {"model": "gpt-small", "seq": 256}  # fmt: skip
     v = 2 if args.tiny else 3  # 12 layers: 4 stages × 3 chunks
-    m = 8 if args.tiny else 16
+    m = 4 if args.tiny else 16
     rows = []
     specs = [  # (label, spec)
         ("pp gpipe", {**small, "recipe": "pp", "devices": 4, "schedule": "gpipe", "m": m,
@@ -100,7 +100,7 @@ def main(argv=None) -> None:
         (f"pp interleaved v={v}", {**small, "recipe": "pp", "devices": 4,
                                    "schedule": "interleaved", "v": v, "m": m, "batch": m}),
     ]  # fmt: skip
-    for unit in (m, m // 2, m // 4, 1):
+    for unit in (m, 1) if args.tiny else (m, m // 2, m // 4, 1):  # --tiny: a smoke run
         specs.append((f"zeropp U={unit}", {**small, "recipe": "zeropp", "devices": 8,
                       "schedule": "1f1b", "m": m // 2, "unit": min(unit, m // 2),
                       "batch": 4 * (m // 2)}))  # fmt: skip

@@ -277,7 +277,7 @@ def reference_stages(model: Any) -> Stages:
     Raises:
       NotPipelinableError: the model's layers are not scanned (``scan=False``).
     """
-    from shardkit.models.model import vocab_parallel_cross_entropy
+    from shardkit.loss import cross_entropy
 
     cfg = model.config
     if not cfg.scan:
@@ -288,7 +288,7 @@ def reference_stages(model: Any) -> Stages:
         )
 
     def loss_of(logits: jax.Array, mb: Any) -> jax.Array:
-        return vocab_parallel_cross_entropy(logits.astype(jnp.float32), mb["targets"]).mean()
+        return cross_entropy(logits.astype(jnp.float32), mb["targets"]).mean()
 
     def remat(fn: Callable) -> Callable:
         if cfg.remat == "none":
