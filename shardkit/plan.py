@@ -424,8 +424,9 @@ class Plan:
         reads an already compiled one. Keywords go to
         :func:`shardkit.report.build_report`; ``workload=`` (a ``sk.report.Workload``)
         sets the step's sizes for the analytic model, and by default they are read from
-        the batch (its leading dimension, and the second as the sequence).
+        the batch (its leading dimension; the sequence from 2-D integer token arrays).
         """
+        self._check_axes_known(state)  # before any compile: a lost layout fails fast
         if _is_compiled(step):
             if batch is not None or args:
                 raise ShardingError(
@@ -438,11 +439,9 @@ class Plan:
                     "plan.report(step, state, batch): a step needs a batch to compile.\n"
                     "Fix: pass the batch (arrays or jax.ShapeDtypeStructs)."
                 )
-            self._check_axes_known(state)
             compiled = self.compile(step, state, batch, *args)
             if kwargs.get("workload") is None and kwargs.get("model_config") is None:
                 kwargs["workload"] = _workload_of(batch)
-        self._check_axes_known(state)
         return build_report(self, compiled, state, **kwargs)
 
     def _check_axes_known(self, state: Any) -> None:
