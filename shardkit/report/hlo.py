@@ -81,6 +81,8 @@ class Collective:
     ``known_trip_count`` and was counted once. ``lowered_as`` says how the program really
     implements a collective reported as another kind (``"all-reduce+dynamic-slice"`` for a
     reduce-scatter the CPU pipeline left unformed); empty when reported as emitted.
+    ``group`` holds the device ids of the first replica group (for a collective-permute,
+    every device that sends or receives); empty when the program does not say.
     """
 
     kind: Kind
@@ -98,6 +100,7 @@ class Collective:
     pass_: str = ""
     source: str = ""
     function: str = ""
+    group: tuple[int, ...] = ()
 
     @property
     def where(self) -> str:
@@ -212,6 +215,36 @@ def _group_size(attrs: str, kind: str, default: int) -> int:
             n *= int(sub.partition(")")[2]) if sub else sizes.get(name.strip(" '\""), 1)
         return n
     return default
+
+
+def first_group(attrs: str, kind: str) -> tuple[int, ...]:
+    """Device ids of an op's first replica group (explicit or iota form); for a
+    collective-permute, every device of its source/target pairs. ``()`` if unknown.
+
+    Example:
+      >>> first_group("replica_groups=[2,4]<=[4,2]T(1,0)", "all-gather")
+      (0, 2, 4, 6)
+    """
+    if kind == "collective-permute":
+        m = _PAIRS.search(attrs)
+        ids = {int(x) for x in re.findall(r"\d+", m.group(1))} if m else set()
+        return tuple(sorted(ids))
+    i = attrs.find("replica_groups=")
+    if i < 0:
+        return ()
+    s = attrs[i + len("replica_groups=") :]
+    if s.startswith("{{"):
+        return tuple(int(x) for x in s[2 : s.index("}")].split(","))
+    m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", s)
+    if m is None:
+        return ()
+    import numpy as np
+
+    dims = [int(x) for x in m.group(3).split(",")]
+    ids = np.arange(int(np.prod(dims))).reshape(dims)
+    if m.group(4):
+        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
+    return tuple(int(x) for x in ids.reshape(int(m.group(1)), int(m.group(2)))[0])
 
 
 def _wire(kind: str, nbytes: int, n: int) -> float:
@@ -471,7 +504,7 @@ def parse_collectives(
                 op_name=name, computation=shown, dtype=dtype, shape=shape_str,
                 count_exact=known[comp], lowered_as=lowered, module_path=module_path_of(name),
                 pass_=pass_of(name), source=origin.where if origin else "",
-                function=origin.function if origin else "",
+                function=origin.function if origin else "", group=first_group(attrs, kind),
             ))  # fmt: skip
     return out
 
