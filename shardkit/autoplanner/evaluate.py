@@ -6,7 +6,7 @@ process with that many emulated CPU devices when this one has fewer).
 - :func:`prune` rejects a candidate without compiling: a parameter, optimizer-state or
   batch dimension its mesh does not divide (the same ``ShardingError`` the plan would
   raise, first line), a pipeline that cannot split the batch into micro-batches, or
-  state (parameters + optimizer) over the memory budget. It returns the analytic
+  state (parameters, gradients and optimizer state) over the memory budget. It returns the analytic
   memory and wire bytes otherwise.
 - :func:`compile_candidate` compiles the candidate's train step (abstract state, no
   allocation) and returns what XLA's program says: memory per device, FLOPs and every
@@ -32,6 +32,7 @@ import jax
 from shardkit import recipes, train
 from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
+from shardkit.report.lint import human_bytes
 from shardkit.workload import Workload
 
 __all__ = ["Subject", "Pruned", "Analytic", "Evidence", "prune", "compile_candidate"]
@@ -94,7 +95,7 @@ class Analytic:
     """The analytic model's memory per device and wire bytes per step."""
 
     memory: float
-    state: float
+    state: float  # parameters + gradients + optimizer state
     wire: float
 
 
@@ -156,10 +157,10 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             analytic = with_phases(analytic, config, recipe, mesh, subject.workload(candidate))
     except ShardingError as e:
         return Pruned(_first_line(e))
-    state = analytic.memory.params + analytic.memory.optimizer
+    state = analytic.memory.params + analytic.memory.grads + analytic.memory.optimizer
     if state > budget:
-        return Pruned(f"state alone is {state / 2**30:.2f} GiB per device (analytic), over the "
-                      f"{budget / 2**30:.2f} GiB budget")  # fmt: skip
+        return Pruned(f"parameters, gradients and optimizer state alone are {human_bytes(state)} "
+                      f"per device (analytic), over the {human_bytes(budget)} budget")  # fmt: skip
     return Analytic(memory=float(analytic.memory.total), state=float(state),
                     wire=float(sum(analytic.wire_bytes_by_kind.values())))  # fmt: skip
 
@@ -177,28 +178,38 @@ def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
 
 
 def compile_candidate(subject: Subject, candidate: Candidate, devices: list | None = None):
-    """:class:`Evidence` from the compiled step, or :class:`Pruned` if the plan refuses it."""
-    from shardkit.models.reporting import report as model_report
+    """:class:`Evidence` from the compiled step, or :class:`Pruned` if the plan refuses it.
+
+    Compile only, on abstract state; the memory and collectives are read as
+    ``plan.report`` reads them (without its per-op source provenance, which a ranking
+    does not need).
+    """
+    from shardkit.models.reporting import token_batch
+    from shardkit.report.hlo import parse_collectives
+    from shardkit.report.memory import memory_per_device
+    from shardkit.report.report import _flops
 
     devices = devices if devices is not None else jax.devices()
     model = subject.model_for(candidate)
+    tx = train.adamw()
     try:
         plan = _plan(candidate, subject, devices)
+        abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
         if candidate.microbatches is not None:
-            from types import SimpleNamespace
+            from shardkit.parallel.cli import step_for
 
-            from shardkit.parallel.report import pipeline_report
-
-            args = SimpleNamespace(microbatches=candidate.microbatches, schedule="1f1b",
-                                   virtual_stages=1, unit=None, batch=subject.batch,
-                                   seq=subject.seq)  # fmt: skip
-            report = pipeline_report(plan, model, train.adamw(), args)
+            opts = {"microbatches": candidate.microbatches, "schedule": "1f1b",
+                    "virtual_stages": 1, "unit": None}  # fmt: skip
+            step = step_for(model, tx, plan, abstract, opts)
         else:
-            report = model_report(plan, model, batch=subject.batch, seq=subject.seq)
+            step = train.train_step(model, tx)
+        batch = token_batch(subject.batch, subject.seq)
+        compiled = plan.jit(step, state=abstract).lower(abstract, batch).compile()
     except ShardingError as e:
         return Pruned(_first_line(e))
+    collectives = parse_collectives(compiled.as_text())
     return Evidence(
-        memory=report.memory.to_dict(),
-        flops=report.flops,
-        collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in report.collectives),
+        memory=memory_per_device(compiled).to_dict(),
+        flops=_flops(compiled),
+        collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in collectives),
     )

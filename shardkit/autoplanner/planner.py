@@ -237,7 +237,7 @@ def _explain(r: Ranked, best: Ranked, budget: float) -> str:
 def _smallest_fit(subject: Subject, devices: int, remats, precisions, names) -> str:
     """Device counts near ``devices`` where some candidate passes the analytic checks."""
     works = []
-    for n in sorted(({2**k for k in range(1, 13)} | {devices // 2, devices * 2}) - {devices}):
+    for n in sorted({2**k for k in range(1, 13)} | {devices // 2, devices * 2}):
         if n < 1:
             continue
         for c in enumerate_candidates(n, subject.batch, recipe_names=names, remats=remats,
@@ -330,13 +330,14 @@ def autoplan(
             rejected.append(Rejected(c, got.reason, "compile"))
             continue
         if got.memory["total"] > budget:
-            rejected.append(Rejected(c, f"compiled: {got.memory['total'] / GIB:.2f} GiB per device, "
-                                        f"over the {budget / GIB:.2f} GiB budget", "memory"))  # fmt: skip
+            rejected.append(Rejected(c, f"compiled: {human_bytes(got.memory['total'])} per device, "
+                                        f"over the {human_bytes(budget)} budget", "memory"))  # fmt: skip
             continue
         stages = c.mesh_sizes.get("stage", 1)
         est = estimate(flops=got.flops or 0.0, collectives=got.collectives, hardware=hw,
                        precision=c.precision, useful_flops=_useful_flops(subject, c, devices),
-                       devices=devices, stages=stages, microbatches=c.microbatches)  # fmt: skip
+                       devices=devices, stages=stages, microbatches=c.microbatches,
+                       remat=c.remat)  # fmt: skip
         ranked.append(Ranked(c, got, analytic[c], est))
     if not ranked:
         _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names)
@@ -431,21 +432,24 @@ def _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names)
         if isinstance(got, Analytic):
             mems.append((got.memory, c))
     compiled = [r for r in rejected if r.stage == "memory"]
+    failed = sorted({r.reason for r in rejected if r.stage == "compile"})
     lines = [f"No layout of {len(rejected)} candidates fits {devices} devices with "
-             f"{budget / GIB:.2f} GiB each."]  # fmt: skip
+             f"{human_bytes(budget)} each."]  # fmt: skip
     if mems:
         mem, c = min(mems, key=lambda m: m[0])
-        lines.append(f"The smallest memory that would fit: about {mem / GIB:.2f} GiB per device "
+        lines.append(f"The smallest memory that would fit: about {human_bytes(mem)} per device "
                      f"(analytic, {c.label}).")  # fmt: skip
     else:
         reasons = sorted({r.reason for r in rejected})[:3]
         lines.append(f"No mesh of {devices} devices divides the model: " + "; ".join(reasons))
+    if failed:
+        lines.append("Compiling refused: " + "; ".join(failed[:3]))
     if compiled:
         lines.append(
             "Compiled but over budget: "
             + "; ".join(f"{r.candidate.label} ({r.reason})" for r in compiled[:3])
         )
-    lines.append(f"Device counts that would divide the model: "
+    lines.append(f"Device counts whose meshes divide the model and batch: "
                  f"{_smallest_fit(subject, devices, remats, precisions, names)}.")  # fmt: skip
     lines.append("Fix: raise memory_per_device (--memory-gb), change the device count, or "
                  "shrink the batch or sequence.")  # fmt: skip

@@ -224,6 +224,8 @@ def first_group(attrs: str, kind: str) -> tuple[int, ...]:
     Example:
       >>> first_group("replica_groups=[2,4]<=[4,2]T(1,0)", "all-gather")
       (0, 2, 4, 6)
+      >>> first_group("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}", "")
+      (0, 1)
     """
     if kind == "collective-permute":
         m = _PAIRS.search(attrs)
@@ -235,16 +237,55 @@ def first_group(attrs: str, kind: str) -> tuple[int, ...]:
     s = attrs[i + len("replica_groups=") :]
     if s.startswith("{{"):
         return tuple(int(x) for x in s[2 : s.index("}")].split(","))
+    if s.startswith("mesh["):
+        return _mesh_first_group(s)
     m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", s)
     if m is None:
         return ()
+    ids = _iota(m.group(3), m.group(4))
+    return tuple(int(x) for x in ids.reshape(int(m.group(1)), int(m.group(2)))[0])
+
+
+def _iota(dims: str, perm: str | None):
+    """``arange`` reshaped to ``dims`` and transposed by ``perm`` (HLO's iota lists)."""
     import numpy as np
 
-    dims = [int(x) for x in m.group(3).split(",")]
-    ids = np.arange(int(np.prod(dims))).reshape(dims)
-    if m.group(4):
-        ids = ids.transpose([int(x) for x in m.group(4).split(",")])
-    return tuple(int(x) for x in ids.reshape(int(m.group(1)), int(m.group(2)))[0])
+    shape = [int(x) for x in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
+
+
+def _mesh_first_group(s: str) -> tuple[int, ...]:
+    """First group of ``mesh['a'=2,'b'=4](, device_ids=(...))? {'b', 'a':(1)2}``."""
+    import numpy as np
+
+    end = _skip_balanced(s, 4)
+    axes = [(n.strip(" '\""), int(v)) for n, _, v in
+            (item.rpartition("=") for item in s[5 : end - 1].split(","))]  # fmt: skip
+    ids = np.arange(int(np.prod([v for _, v in axes])))
+    if s.startswith(", device_ids=", end):
+        close = _skip_balanced(s, s.index("(", end))
+        inner = s[s.index("(", end) + 1 : close - 1]
+        m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", inner.strip())
+        ids = _iota(m.group(1), m.group(2)).ravel() if m else np.array(
+            [int(x) for x in re.findall(r"\d+", inner)])  # fmt: skip
+        end = close
+    lo = s.index("{", end)
+    wanted: dict[str, tuple[int, int] | None] = {}
+    for item in s[lo + 1 : s.index("}", lo)].split(","):
+        name, _, sub = item.partition(":(")
+        pre, _, size = sub.partition(")")
+        wanted[name.strip(" '\"")] = (int(pre), int(size)) if sub else None
+    shape, index = [], []
+    for name, size in axes:
+        if name in wanted and wanted[name] is not None:
+            pre, sub = wanted[name]
+            shape += [pre, sub, size // (pre * sub)]
+            index += [0, slice(None), 0]
+        else:
+            shape.append(size)
+            index.append(slice(None) if name in wanted else 0)
+    return tuple(int(x) for x in ids.reshape(shape)[tuple(index)].ravel())
 
 
 def _wire(kind: str, nbytes: int, n: int) -> float:
