@@ -135,6 +135,12 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         return Pruned(f"batch {subject.batch} does not split into {stages}, {2 * stages} or "
                       f"{4 * stages} micro-batches per data replica")  # fmt: skip
     config = getattr(subject.model, "config", None)
+    ring = mesh.get(recipe.attention_axis, 1)
+    zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
+    if zigzag and ring > 1 and subject.seq % (2 * ring):
+        return Pruned(f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
+                      f"into 2·{ring} = {2 * ring} zigzag chunks; sequence {subject.seq} does "
+                      "not divide")  # fmt: skip
     if stages and config is not None and config.n_layers % stages:
         return Pruned(f"{config.n_layers} layers do not split into {stages} stages")
     try:

@@ -230,7 +230,7 @@ def _explain(r: Ranked, best: Ranked, budget: float) -> str:
         "inter-node communication": "sends more of its traffic over the slower inter-node link",
     }[what]  # fmt: skip
     if slower < 1.005:
-        return f"as fast as #1 within 0.5%; ranked after it as the less simple layout (more mesh axes, or later in the registry); {mem}"
+        return f"as fast as #1 within 0.5%; ranked after it as the less simple layout (more mesh axes, later in the registry, or more memory); {mem}"
     return f"{slower:.2f}x slower, {what}-bound (+{human_seconds(extra)}): {why}; {mem}"
 
 
@@ -348,12 +348,12 @@ def autoplan(
     return AutoplanResult(tuple(ranked), tuple(rejected), hw, devices, budget, name, batch, seq)
 
 
-def _simplicity(r: Ranked) -> tuple[int, int]:
-    """Fewer mesh axes, then earlier in the registry (``dp`` before ``zero1``)."""
+def _simplicity(r: Ranked) -> tuple[int, int, int]:
+    """Fewer mesh axes, then earlier in the registry (``dp`` before ``zero1``), then less
+    memory."""
     names = recipe_registry.names()
-    return len(r.candidate.mesh), names.index(
-        r.candidate.recipe
-    ) if r.candidate.recipe in names else len(names)
+    index = names.index(r.candidate.recipe) if r.candidate.recipe in names else len(names)
+    return len(r.candidate.mesh), index, r.evidence.memory["total"]
 
 
 def _ties_by_simplicity(ranked: list[Ranked]) -> list[Ranked]:

@@ -28,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated precisions to try: f32, bf16 (default: f32)")  # fmt: skip
     p.add_argument("--max-compiles", type=int, default=16,
                    help="survivors of the analytic pruning to compile (default: 16)")  # fmt: skip
+    p.add_argument("--plot", metavar="PNG", help="draw memory against step time to PNG")
     add_json(p)
     p.set_defaults(handler=main)
 
@@ -55,6 +56,10 @@ def main(args: argparse.Namespace) -> int:
         progress=wants_tables(args),
     )
     emit_json(args, result.to_json())
+    if args.plot:
+        from shardkit.autoplanner.plot import plot_autoplan
+
+        plot_autoplan(result, args.plot)
     if wants_tables(args):
         Console().print(result)
     return 0
