@@ -17,6 +17,7 @@ from shardkit.annotate import (
     unbox,
 )
 from shardkit.attention import use_attention
+from shardkit.context import compute_dtype
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError, ShardingWarning
 from shardkit.loss import chunked_cross_entropy
@@ -41,6 +42,7 @@ __all__ = [
     "axes",
     "checkpoint",
     "chunked_cross_entropy",
+    "compute_dtype",
     "constrain",
     "distributed",
     "emulate_devices",

@@ -304,17 +304,17 @@ def reference_stages(model: Any) -> Stages:
 
         def pre(rest: Any, mb: Any) -> jax.Array:
             tokens = mb["inputs"]
-            table = rest["wte"]["embedding"].astype(cfg.dtype)
+            table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
             x = jnp.take(table, tokens, axis=0)
             x = x + jnp.take(rest["wpe"]["embedding"], jnp.arange(tokens.shape[-1])[None], axis=0)
-            return x.astype(cfg.dtype)
+            return x.astype(cfg.compute_dtype)
 
         layer = remat(linen_layer(Block(cfg)))
-        norm = nn.LayerNorm(epsilon=LN_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        norm = nn.LayerNorm(epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype)
 
         def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
             y = norm.apply({"params": rest["ln_f"]}, y)
-            table = rest["wte"]["embedding"].astype(cfg.dtype)
+            table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
             return loss_of(jnp.einsum("...d,vd->...v", y, table), mb)
 
         return Stages(pre, layer, post)
@@ -328,7 +328,7 @@ def reference_stages(model: Any) -> Stages:
     head_gd, _ = nnx.split(module.head)
 
     def pre(rest: Any, mb: Any) -> jax.Array:
-        return nnx.merge(embed_gd, rest["embed"])(mb["inputs"]).astype(cfg.dtype)
+        return nnx.merge(embed_gd, rest["embed"])(mb["inputs"]).astype(cfg.compute_dtype)
 
     def block(state: Any, x: jax.Array) -> jax.Array:
         cos, sin = rope_tables(x.shape[1], cfg.head_dim)

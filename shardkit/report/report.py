@@ -279,7 +279,8 @@ def build_report(
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     if workload is None and model_config is not None and batch and seq:
-        workload = Workload.from_config(model_config, batch=batch, seq=seq)
+        workload = Workload.from_config(model_config, batch=batch, seq=seq,
+                                        precision=plan.precision)
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
@@ -299,6 +300,7 @@ def build_report(
         *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
         *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]
+    warnings += lint.grows_with_devices(recipe, mesh, workload, collectives)
     warnings += lint.reduced_more_than_once(
         collectives, rows, devices=math.prod(mesh.values()), min_bytes=replicated_threshold_bytes
     )
