@@ -18,7 +18,7 @@ from typing import Any
 
 from shardkit.errors import ShardingError
 
-__all__ = ["add_json", "add_mesh", "add_precision", "check_outputs", "emit_json", "parse_mesh", "recipe_for",
+__all__ = ["add_json", "add_logits", "add_mesh", "add_precision", "check_outputs", "emit_json", "parse_mesh", "recipe_for",
            "wants_tables"]  # fmt: skip
 
 
@@ -68,11 +68,22 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
+def add_logits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--logits", choices=["auto", "vocab", "tokens"], default=None,
+        help="the logits' layout where the recipe splits the vocabulary over an axis that "
+        "also splits the tokens (fsdp): auto (default) picks vocab while the step has fewer "
+        "tokens than the vocabulary, else tokens",
+    )  # fmt: skip
+
+
 def recipe_for(name: str, args: argparse.Namespace):
-    """The recipe ``name`` with ``--mesh`` sizes applied."""
+    """The recipe ``name`` with ``--mesh`` sizes (and ``--logits``) applied."""
     from shardkit import recipes
 
     recipe = recipes.get(name)
+    if getattr(args, "logits", None):
+        recipe = recipe.with_logits(args.logits)
     return recipe.with_mesh(args.mesh) if getattr(args, "mesh", None) else recipe
 
 

@@ -12,6 +12,7 @@ from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
 from shardkit.cli.options import (
     add_json,
+    add_logits,
     add_mesh,
     add_precision,
     check_outputs,
@@ -34,6 +35,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remat", choices=["none", "full", "save_dots"], default=None,
                    help="override the model's rematerialization policy")  # fmt: skip
     add_precision(p)
+    add_logits(p)
     add_json(p)
 
 

@@ -105,7 +105,7 @@ def _axes_of(rules: Rules | None, name: str) -> list[str]:
 
 class VocabRules(Rules):
     """Activation rules whose vocabulary-splitting rules apply to an array only while its
-    ``vocab`` dimension is larger than ``gathered``, the tokens each device would gather
+    ``vocab`` dimension is at least ``gathered``, the tokens each device would gather
     for it; other arrays are resolved by ``without`` (the rules less those).
 
     See :meth:`Recipe.step_activation_rules`.
@@ -130,7 +130,7 @@ class VocabRules(Rules):
         axes = tuple(logical_axes) if not isinstance(logical_axes, str) else (logical_axes,)
         if shape is not None and "vocab" in axes and len(tuple(shape)) == len(axes):
             vocab = max(int(n) for n, name in zip(shape, axes, strict=True) if name == "vocab")
-            if self.gathered >= vocab:
+            if self.gathered > vocab:
                 return self.without.spec(logical_axes, shape, mesh, path)
         return super().spec(logical_axes, shape, mesh, path)
 
@@ -271,7 +271,7 @@ class Recipe:
         - ``logits="vocab"``: the rules as written;
         - ``logits="tokens"``: without those vocabulary rules (the logits split over
           the tokens, the head's weight gathered once per step, as the layers' are);
-        - ``logits="auto"``: ``"vocab"`` while ``T_g < vocab``, else ``"tokens"``;
+        - ``logits="auto"``: ``"vocab"`` while ``T_g ≤ vocab``, else ``"tokens"``;
           the rules as written when ``tokens`` is unknown; with ``vocab`` unknown,
           a :class:`VocabRules` that decides for each array from its own ``vocab``
           dimension (what ``plan.jit`` uses: it knows the batch, not the model).
@@ -296,7 +296,7 @@ class Recipe:
         gathered = self.gathered_tokens(mesh, tokens)
         if vocab is None:  # decided per array, by its own vocabulary dimension
             return VocabRules(self.activation_rules, without, gathered)
-        return self.activation_rules if gathered < vocab else without
+        return self.activation_rules if gathered <= vocab else without
 
     def gathered_tokens(self, mesh: Mapping[str, int], tokens: int) -> float:
         """Tokens whose hidden states each device holds for a vocabulary-split head:

@@ -164,7 +164,7 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
     ``T_g`` = tokens per device × the axis's size (``Recipe.gathered_tokens``). At a fixed
     batch per device, doubling the devices doubles ``T_g``: those bytes grow with N where
     every other activation stays put. Flagged when the step uses that layout and
-    ``T_g`` is at least the vocabulary (the head's weight, ``vocab·d_model``, is then
+    ``T_g`` exceeds the vocabulary (the head's weight, ``vocab·d_model``, is then
     the smaller thing to gather). The all-gather of the compiled program that moves them
     is named when one matches ``T_g·d_model`` elements.
 
@@ -189,7 +189,7 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
     if not gather:
         return []
     gathered = recipe.gathered_tokens(mesh, tokens)
-    if gathered < vocab:
+    if gathered <= vocab:
         return []
     nb = 2 if getattr(workload, "precision", "f32") == "bf16" else 4
     hidden, weight = gathered * d * nb, vocab * d * nb
@@ -209,7 +209,7 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
         f"{human_bytes(2 * hidden)} on {2 * n} devices at the same batch per device) where "
         f"the head's weight ({vocab:,} × {d:,}) is {human_bytes(weight)}.{where} Cause: "
         f"the activation rule ('vocab', {gather[0]!r}) with {gathered:,.0f} tokens gathered "
-        f">= vocabulary {vocab:,}. Fix: recipe.with_logits('auto') (the default: split "
+        f"> vocabulary {vocab:,}. Fix: recipe.with_logits('auto') (the default: split "
         "the logits over the tokens past that point) or 'tokens'."
     ]
 
