@@ -101,7 +101,8 @@ class ShardingContext:
 
 
 _CURRENT: contextvars.ContextVar[ShardingContext] = contextvars.ContextVar(
-    "shardkit_context", default=ShardingContext()  # noqa: B039 (frozen: immutable)
+    "shardkit_context",
+    default=ShardingContext(),  # noqa: B039 (frozen: immutable)
 )
 
 

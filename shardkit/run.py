@@ -136,7 +136,9 @@ def run(
     tokens_per_s = 0.0
     timed_tokens, timed_seconds = 0, 0.0
     for i in range(first_step, steps):
-        batch_i = first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
+        batch_i = (
+            first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
+        )
         start = time.perf_counter()
         state, metrics = step_fn(state, batch_i)
         loss = float(metrics["loss"])  # blocks until the step is done

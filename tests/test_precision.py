@@ -116,7 +116,10 @@ def test_analytic_activations_halve_state_unchanged():
 
 
 def test_precision_is_recorded_and_checked(capsys):
-    assert Workload.of_model(models.get("gpt-tiny"), batch=8, seq=16, precision="bf16").precision == "bf16"
+    assert (
+        Workload.of_model(models.get("gpt-tiny"), batch=8, seq=16, precision="bf16").precision
+        == "bf16"
+    )
     explicit = models.get("gpt-tiny", dtype=jnp.bfloat16)
     assert Workload.of_model(explicit, batch=8, seq=16).precision == "bf16"
     assert repr(sk.Plan("dp", precision="bf16")).endswith("precision='bf16')")
@@ -124,5 +127,7 @@ def test_precision_is_recorded_and_checked(capsys):
         sk.Plan("dp", precision="fp16")
     with pytest.raises(sk.ShardingError, match="precision is one of"):
         Workload(batch=8, precision="float16")
-    assert main(["report", "--model", "gpt-tiny", "--seq", "16", "--precision", "bf16", "--json"]) == 0
+    assert (
+        main(["report", "--model", "gpt-tiny", "--seq", "16", "--precision", "bf16", "--json"]) == 0
+    )
     assert json.loads(capsys.readouterr().out)["workload"]["precision"] == "bf16"

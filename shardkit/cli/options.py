@@ -89,7 +89,10 @@ def recipe_for(name: str, args: argparse.Namespace):
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail before any work if ``--json PATH`` or ``--plot PNG`` cannot be written."""
-    for flag, path in (("--json", getattr(args, "json", None)), ("--plot", getattr(args, "plot", None))):
+    for flag, path in (
+        ("--json", getattr(args, "json", None)),
+        ("--plot", getattr(args, "plot", None)),
+    ):
         if path is None or path == "-":
             continue
         target = Path(path)

@@ -175,7 +175,10 @@ def _print_summary(result) -> None:
     )
     first, last = result.losses[0], result.losses[-1]
     if result.first_step:
-        table.add_row("resumed", f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})")
+        table.add_row(
+            "resumed",
+            f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})",
+        )
     table.add_row("loss", f"{first:.4f} → {last:.4f} nats/token")
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")

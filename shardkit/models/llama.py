@@ -160,7 +160,11 @@ class Mlp(nnx.Module):
 
 def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
     return nnx.RMSNorm(
-        cfg.d_model, epsilon=NORM_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype, rngs=rngs
+        cfg.d_model,
+        epsilon=NORM_EPS,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.param_dtype,
+        rngs=rngs,
     )
 
 

@@ -153,9 +153,15 @@ class Report:
             key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source)
             groups.setdefault(key, []).append(c)
         rows = [
-            CollectiveGroup(kind=k[0], pass_=k[1], where=k[2], source=k[3],
-                            ops=len(cs), executions=sum(c.count for c in cs),
-                            wire_bytes=sum(c.wire_bytes for c in cs))  # fmt: skip
+            CollectiveGroup(
+                kind=k[0],
+                pass_=k[1],
+                where=k[2],
+                source=k[3],
+                ops=len(cs),
+                executions=sum(c.count for c in cs),
+                wire_bytes=sum(c.wire_bytes for c in cs),
+            )  # fmt: skip
             for k, cs in groups.items()
         ]
         return sorted(rows, key=lambda g: -g.wire_bytes)
@@ -279,8 +285,9 @@ def build_report(
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     if workload is None and model_config is not None and batch and seq:
-        workload = Workload.from_config(model_config, batch=batch, seq=seq,
-                                        precision=plan.precision)
+        workload = Workload.from_config(
+            model_config, batch=batch, seq=seq, precision=plan.precision
+        )
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
