@@ -130,4 +130,5 @@ def test_precision_is_recorded_and_checked(capsys):
     assert (
         main(["report", "--model", "gpt-tiny", "--seq", "16", "--precision", "bf16", "--json"]) == 0
     )
-    assert json.loads(capsys.readouterr().out)["workload"]["precision"] == "bf16"
+    out = json.loads(capsys.readouterr().out)
+    assert out["workload"]["precision"] == "bf16" and out["logits"] == "auto"

@@ -119,6 +119,9 @@ class Report:
     warnings: tuple[str, ...]
     workload: Workload | None = None
     explanations: tuple[Explanation, ...] = ()
+    #: the recipe's logits layout (``Recipe.logits``): with ``recipe``, mesh and workload,
+    #: what reproduces the layout.
+    logits: str = "auto"
 
     @property
     def replicated_fraction(self) -> float:
@@ -171,6 +174,7 @@ class Report:
         analytic = self.analytic
         return {
             "recipe": self.recipe,
+            "logits": self.logits,
             "mesh": self.mesh,
             "devices": math.prod(self.mesh.values()),
             "workload": self.workload.to_json() if self.workload else None,
@@ -326,6 +330,7 @@ def build_report(
         warnings=tuple(warnings),
         workload=workload,
         explanations=tuple(_explain_memory(memory_per_device(compiled), analytic)),
+        logits=recipe.logits,
     )
 
 
