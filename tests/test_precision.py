@@ -127,8 +127,7 @@ def test_precision_is_recorded_and_checked(capsys):
         sk.Plan("dp", precision="fp16")
     with pytest.raises(sk.ShardingError, match="precision is one of"):
         Workload(batch=8, precision="float16")
-    assert (
-        main(["report", "--model", "gpt-tiny", "--seq", "16", "--precision", "bf16", "--json"]) == 0
-    )
+    args = ["--model", "gpt-tiny", "--recipe", "dp", "--devices", "1", "--seq", "8"]
+    assert main(["report", *args, "--precision", "bf16", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["workload"]["precision"] == "bf16" and out["logits"] == "auto"
