@@ -19,6 +19,8 @@ from bench_util import parser
 
 HERE = Path(__file__).resolve().parent
 SCRIPTS = ("layout", "overhead", "compile_scaling", "planning", "pipeline", "tsp", "autoplan", "gpu")
+#: Further tables a script writes, after its own.
+EXTRA_RESULTS = {"planning": ("planning_logits",)}
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 
 
@@ -33,9 +35,10 @@ def main(argv=None) -> int:
         subprocess.run(cmd + (["--tiny"] if args.tiny else []), check=True, cwd=HERE)
     sections = []
     for name in SCRIPTS:
-        result = args.out / f"{name}.json"
-        if result.exists():
-            sections.append(json.loads(result.read_text())["markdown"])
+        for part in (name, *EXTRA_RESULTS.get(name, ())):
+            result = args.out / f"{part}.json"
+            if result.exists():
+                sections.append(json.loads(result.read_text())["markdown"])
     text = "\n".join(sections)
     (args.out / "RESULTS.md").write_text(text)
     if args.readme:

@@ -18,6 +18,7 @@ from shardkit.annotate import (
 )
 from shardkit.attention import use_attention
 from shardkit.autoplanner import autoplan
+from shardkit.context import compute_dtype
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError, ShardingWarning
 from shardkit.loss import chunked_cross_entropy
@@ -44,6 +45,7 @@ __all__ = [
     "axes",
     "checkpoint",
     "chunked_cross_entropy",
+    "compute_dtype",
     "constrain",
     "distributed",
     "emulate_devices",
