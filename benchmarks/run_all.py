@@ -4,7 +4,8 @@ Each benchmark runs in its own process (emulated device counts are per process).
 tables go to ``benchmarks/results/*.json`` and ``benchmarks/RESULTS.md``; with
 ``--readme`` they also replace the section between the BENCHMARKS markers in README.md.
 
-Run: python benchmarks/run_all.py [--tiny] [--readme]
+Run: python benchmarks/run_all.py [--tiny] [--readme] [--assemble]
+(``--assemble`` skips running and rebuilds RESULTS.md and the README from the JSON on disk.)
 """
 
 from __future__ import annotations
@@ -17,23 +18,27 @@ from pathlib import Path
 from bench_util import parser
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("layout", "overhead", "compile_scaling", "planning", "pipeline", "tsp", "gpu")
+SCRIPTS = ("layout", "overhead", "compile_scaling", "planning", "pipeline", "tsp", "autoplan", "gpu")
+#: Further tables a script writes, after its own.
+EXTRA_RESULTS = {"planning": ("planning_logits",)}
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 
 
 def main(argv=None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--readme", action="store_true", help="update README.md's benchmark section")
+    p.add_argument("--assemble", action="store_true", help="only rebuild from results/*.json")
     args = p.parse_args(argv)
-    for name in SCRIPTS:
+    for name in () if args.assemble else SCRIPTS:
         cmd = [sys.executable, str(HERE / f"{name}.py"), "--out", str(args.out)]
         print(f"+ {' '.join(cmd[1:])}{' --tiny' if args.tiny else ''}", flush=True)
         subprocess.run(cmd + (["--tiny"] if args.tiny else []), check=True, cwd=HERE)
     sections = []
     for name in SCRIPTS:
-        result = args.out / f"{name}.json"
-        if result.exists():
-            sections.append(json.loads(result.read_text())["markdown"])
+        for part in (name, *EXTRA_RESULTS.get(name, ())):
+            result = args.out / f"{part}.json"
+            if result.exists():
+                sections.append(json.loads(result.read_text())["markdown"])
     text = "\n".join(sections)
     (args.out / "RESULTS.md").write_text(text)
     if args.readme:

@@ -6,7 +6,7 @@ Example:
   P('data', None)
 """
 
-from shardkit import checkpoint, distributed, parallel, recipes, report
+from shardkit import autoplanner, checkpoint, distributed, parallel, recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -17,6 +17,8 @@ from shardkit.annotate import (
     unbox,
 )
 from shardkit.attention import use_attention
+from shardkit.autoplanner import autoplan
+from shardkit.context import compute_dtype
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError, ShardingWarning
 from shardkit.loss import chunked_cross_entropy
@@ -38,9 +40,12 @@ __all__ = [
     "ShardingError",
     "ShardingWarning",
     "activation_rules",
+    "autoplan",
+    "autoplanner",
     "axes",
     "checkpoint",
     "chunked_cross_entropy",
+    "compute_dtype",
     "constrain",
     "distributed",
     "emulate_devices",

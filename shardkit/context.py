@@ -4,7 +4,9 @@
 pins each weight where it is read), the activation rules (``sk.constrain``, the
 batch) and the attention strategy (``causal_attention``). Model code
 reads it through :func:`current` and never names a rule or a mesh axis; the mesh is
-JAX's own (``jax.set_mesh``), read by :func:`active_mesh`.
+JAX's own (``jax.set_mesh``), read by :func:`active_mesh`. It also carries the plan's
+precision: :func:`compute_dtype` is the dtype a model computes its activations in
+(``bfloat16`` under ``sk.Plan(..., precision="bf16")``; parameters stay as stored).
 
 The context is immutable; :func:`using` replaces fields for the duration of a
 ``with`` block and restores the previous context on exit (a ``contextvars``
@@ -32,18 +34,35 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal, get_args
 
 import jax
+import jax.numpy as jnp
 
 from shardkit.errors import ShardingError
 from shardkit.rules import Rules
 
 __all__ = [
-    "AttentionStrategy", "LayerSchedule", "ShardingContext", "active_mesh", "current", "using",
+    "AttentionStrategy", "LayerSchedule", "PRECISIONS", "Precision", "ShardingContext",
+    "active_mesh", "check_precision", "compute_dtype", "current", "using",
 ]  # fmt: skip
 
 AttentionStrategy = Literal["dense", "allgather", "ring"]
 #: How the layers' matmuls treat weights sharded over ``attention_axis``: ``"gspmd"``
 #: leaves them to XLA; ``"tsp"`` runs shardkit.parallel.tsp's weight-shard ring.
 LayerSchedule = Literal["gspmd", "tsp"]
+#: ``"f32"``: everything in float32. ``"bf16"``: mixed precision, activations and matrix
+#: products in bfloat16, parameters, gradients and optimizer state in float32.
+Precision = Literal["f32", "bf16"]
+PRECISIONS: tuple[str, ...] = get_args(Precision)
+_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16}
+
+
+def check_precision(precision: Any, where: str = "precision") -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else a ``ShardingError``."""
+    if precision not in PRECISIONS:
+        raise ShardingError(
+            f"{where}={precision!r}: precision is one of {list(PRECISIONS)}.\nFix: "
+            "precision='bf16' for bfloat16 activations with float32 weights and Adam state."
+        )
+    return precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +76,7 @@ class ShardingContext:
       attention_axis: the mesh axis that splits the sequence for attention.
       layer_schedule: how the models' projections run (``"tsp"``: weight shards
         circulate over ``attention_axis``, see ``shardkit.parallel.tsp``).
+      precision: ``"f32"`` or ``"bf16"`` (see :func:`compute_dtype`).
     """
 
     param_rules: Rules | None = None
@@ -64,8 +84,10 @@ class ShardingContext:
     attention: AttentionStrategy = "dense"
     attention_axis: str = "sequence"
     layer_schedule: LayerSchedule = "gspmd"
+    precision: Precision = "f32"
 
     def __post_init__(self):
+        check_precision(self.precision)
         if self.attention not in get_args(AttentionStrategy):
             raise ShardingError(
                 f"Unknown attention strategy {self.attention!r}.\nFix: use one of "
@@ -79,7 +101,8 @@ class ShardingContext:
 
 
 _CURRENT: contextvars.ContextVar[ShardingContext] = contextvars.ContextVar(
-    "shardkit_context", default=ShardingContext()  # noqa: B039 (frozen: immutable)
+    "shardkit_context",
+    default=ShardingContext(),  # noqa: B039 (frozen: immutable)
 )
 
 
@@ -89,7 +112,9 @@ def current() -> ShardingContext:
 
 
 def _as_rules(rules: Rules | Sequence[Any] | None) -> Rules | None:
-    return None if rules is None else Rules(rules)
+    if rules is None or isinstance(rules, Rules):
+        return rules  # a Rules subclass (recipes.VocabRules) keeps its own resolution
+    return Rules(rules)
 
 
 @contextlib.contextmanager
@@ -107,6 +132,26 @@ def using(**changes: Any) -> Iterator[ShardingContext]:
         yield ctx
     finally:
         _CURRENT.reset(token)
+
+
+def compute_dtype() -> Any:
+    """The dtype the active plan computes activations in: ``jnp.bfloat16`` under
+    ``precision="bf16"``, else ``jnp.float32``.
+
+    The reference models read it; a model of your own reads it too to follow the plan
+    (``nn.Dense(..., dtype=sk.compute_dtype())``, ``x.astype(sk.compute_dtype())``):
+    a plan casts nothing by itself. Keep parameters in float32 (``param_dtype``) and
+    compute the loss in float32.
+
+    Example:
+      >>> from shardkit import context
+      >>> with context.using(precision="bf16"):
+      ...     context.compute_dtype()
+      <class 'jax.numpy.bfloat16'>
+      >>> context.compute_dtype()
+      <class 'jax.numpy.float32'>
+    """
+    return _DTYPES[current().precision]
 
 
 def active_mesh() -> Any:

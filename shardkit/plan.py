@@ -73,6 +73,11 @@ class Plan:
         for leaves Flax did not annotate.
       on_unmatched: policy for non-scalar leaves with no logical axes (default: the
         ``annotations``' own policy, else ``"replicate"``).
+      precision: ``"f32"`` (default) or ``"bf16"``: mixed precision, activations and
+        matrix products in bfloat16; parameters, gradients and optimizer state stay as
+        stored (float32). It is part of the sharding context ``plan.jit`` enters
+        (``sk.compute_dtype()``): the reference models follow it; a model of your own
+        follows it only where it reads ``sk.compute_dtype()`` (a plan casts nothing).
     """
 
     def __init__(
@@ -83,7 +88,9 @@ class Plan:
         devices: Sequence[jax.Device] | None = None,
         annotations: PathAxes | Sequence[tuple[str, Sequence[str | None]]] | None = None,
         on_unmatched: Literal["replicate", "error"] | None = None,
+        precision: context.Precision = "f32",
     ):
+        self.precision = context.check_precision(precision, "Plan(..., precision)")
         if not isinstance(recipe, (str, Recipe, Rules, list, tuple)):
             raise ArgumentTypeError(
                 f"Plan takes a recipe name, a Recipe or Rules, got {type(recipe).__name__} "
@@ -142,17 +149,32 @@ class Plan:
         return self.recipe.activation_rules
 
     def __repr__(self) -> str:
-        return f"Plan({self.recipe.name!r}, mesh={dict(self.mesh.shape)})"
+        extra = "" if self.precision == "f32" else f", precision={self.precision!r}"
+        return f"Plan({self.recipe.name!r}, mesh={dict(self.mesh.shape)}{extra})"
 
-    def context(self):
-        """The sharding context a step is traced under (``plan.jit`` enters it)."""
+    def context(self, *, tokens: int | None = None, vocab: int | None = None):
+        """The sharding context a step is traced under (``plan.jit`` enters it).
+
+        ``tokens`` (of the step) and ``vocab`` (the model's) choose the logits' layout
+        where the recipe splits the vocabulary over an axis that also splits the tokens
+        (``Recipe.step_activation_rules``); ``plan.jit`` reads the tokens from the
+        step's batch (its 2-D integer arrays) and leaves ``vocab`` to each array's own
+        ``vocab`` dimension.
+        """
         return context.using(
             param_rules=self.rules,
-            activation_rules=self.activation_rules,
+            activation_rules=self.step_activation_rules(tokens=tokens, vocab=vocab),
             attention=self.recipe.attention,
             attention_axis=self.recipe.attention_axis,
             layer_schedule=self.recipe.layer_schedule,
+            precision=self.precision,
         )
+
+    def step_activation_rules(self, *, tokens: int | None = None,
+                              vocab: int | None = None) -> Rules:  # fmt: skip
+        """The activation rules of a step of ``tokens`` tokens over a ``vocab`` vocabulary."""
+        sizes = {str(k): int(v) for k, v in self.mesh.shape.items()}
+        return self.recipe.step_activation_rules(sizes, tokens=tokens, vocab=vocab)
 
     # -- specs and shardings --------------------------------------------------------------
     def _rules_for(self, info: LeafInfo) -> Rules:
@@ -424,7 +446,8 @@ class Plan:
         reads an already compiled one. Keywords go to
         :func:`shardkit.report.build_report`; ``workload=`` (a ``sk.report.Workload``)
         sets the step's sizes for the analytic model, and by default they are read from
-        the batch (its leading dimension; the sequence from 2-D integer token arrays).
+        the batch (its leading dimension; the sequence from 2-D integer token arrays),
+        with the plan's precision.
         """
         self._check_axes_known(state)  # before any compile: a lost layout fails fast
         if _is_compiled(step):
@@ -441,7 +464,7 @@ class Plan:
                 )
             compiled = self.compile(step, state, batch, *args)
             if kwargs.get("workload") is None and kwargs.get("model_config") is None:
-                kwargs["workload"] = _workload_of(batch)
+                kwargs["workload"] = _workload_of(batch, self.precision)
         return build_report(self, compiled, state, **kwargs)
 
     def _check_axes_known(self, state: Any) -> None:
@@ -514,11 +537,12 @@ class PlannedStep:
             plan = self.plan
             state_sh = self._state_shardings(state, abstract)
             batch_sh = plan.batch_shardings(batch)
+            sizes = _step_sizes(batch)
 
             def traced(state, batch, *extra):
                 # NNX would otherwise read logical names as mesh axes when it rebuilds
                 # Variables inside the step; shardings here come from the plan.
-                with plan.context(), nnx.use_eager_sharding(False):
+                with plan.context(**sizes), nnx.use_eager_sharding(False):
                     out = self.step_fn(state, batch, *extra)
                 if not isinstance(out, tuple):
                     out = (out,)
@@ -596,7 +620,13 @@ def _user_stacklevel() -> int:
     return level
 
 
-def _workload_of(batch: Any) -> Workload | None:
+def _step_sizes(batch: Any) -> dict[str, int | None]:
+    """``{"tokens": ...}`` of a step: its batch's token count (2-D integer arrays)."""
+    workload = _workload_of(batch)
+    return {"tokens": workload.batch * workload.seq if workload and workload.seq else None}
+
+
+def _workload_of(batch: Any, precision: str = "f32") -> Workload | None:
     """The batch size a batch tree implies (its leaves' leading dimension), and the
     sequence length when the batch holds token ids (2-D integer arrays)."""
     leaves = [x for x in jax.tree.leaves(batch) if np.shape(x)]
@@ -605,7 +635,7 @@ def _workload_of(batch: Any) -> Workload | None:
     tokens = [x for x in leaves if len(np.shape(x)) == 2
               and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)]  # fmt: skip
     seq = int(np.shape(tokens[0])[1]) if tokens else None
-    return Workload(batch=int(np.shape(leaves[0])[0]), seq=seq)
+    return Workload(batch=int(np.shape(leaves[0])[0]), seq=seq, precision=precision)
 
 
 def _is_compiled(x: Any) -> bool:

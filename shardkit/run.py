@@ -68,6 +68,7 @@ def run(
     resume: bool = False,
     save_every: int | None = None,
     pipeline: dict | None = None,
+    precision: str = "f32",
 ) -> RunResult:
     """Train ``model`` with ``recipe`` on synthetic Markov tokens.
 
@@ -82,6 +83,8 @@ def run(
         and every ``save_every`` steps (``shardkit.checkpoint``).
       resume: continue from the latest checkpoint in ``checkpoint_dir`` (if any) up to
         ``steps`` in all; the losses are those of the steps this call runs.
+      precision: ``"f32"`` or ``"bf16"`` (mixed precision) when ``recipe`` is a name
+        (a ``Plan`` has its own).
       pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit"}`` for a recipe with
         a ``stage`` axis (``shardkit.parallel.cli``); such recipes pipeline by default.
 
@@ -97,7 +100,8 @@ def run(
     if isinstance(recipe, Plan):
         plan = recipe
     else:
-        plan = Plan(get_recipe(recipe), devices=devices, annotations=annotations)
+        plan = Plan(get_recipe(recipe), devices=devices, annotations=annotations,
+                    precision=precision)  # fmt: skip
     vocab = spec.config.vocab if hasattr(spec, "config") else spec.vocab
     if vocab is None:
         raise ShardingError(
@@ -119,7 +123,7 @@ def run(
 
         step = step_for(spec, tx, plan, abstract, pipeline) or step
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
-    workload = Workload.of_model(spec, batch=batch, seq=seq)
+    workload = Workload.of_model(spec, batch=batch, seq=seq, precision=plan.precision)
     report = plan.report(
         compiled, abstract, workload=workload, model_config=getattr(spec, "config", None)
     )
@@ -132,7 +136,9 @@ def run(
     tokens_per_s = 0.0
     timed_tokens, timed_seconds = 0, 0.0
     for i in range(first_step, steps):
-        batch_i = first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
+        batch_i = (
+            first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
+        )
         start = time.perf_counter()
         state, metrics = step_fn(state, batch_i)
         loss = float(metrics["loss"])  # blocks until the step is done

@@ -35,7 +35,8 @@ class Workload:
         sequence-parallel collectives, the logits); ``None`` where unknown.
       remat: ``"none"``, ``"full"`` or ``"save_dots"``; ``None`` where the model's own
         code decides (a user's model).
-      precision: ``"f32"`` (every value 4 bytes).
+      precision: ``"f32"`` (every value 4 bytes) or ``"bf16"`` (mixed precision:
+        activations 2 bytes; parameters, gradients and Adam's moments 4).
       model: a label for reports (a reference model's name, or ``module:factory``).
     """
 
@@ -50,6 +51,11 @@ class Workload:
     precision: str = "f32"
     model: str | None = None
 
+    def __post_init__(self) -> None:
+        from shardkit.context import check_precision
+
+        check_precision(self.precision, "Workload(precision)")
+
     @property
     def has_dims(self) -> bool:
         """True when the activation terms can be computed."""
@@ -57,9 +63,13 @@ class Workload:
 
     @classmethod
     def from_config(
-        cls, config: Any, *, batch: int, seq: int, model: str | None = None, remat: str | None = None
-    ) -> Workload:
-        """A reference model's workload (``config`` is a ``ModelConfig`` or alike)."""
+        cls, config: Any, *, batch: int, seq: int, model: str | None = None,
+        remat: str | None = None, precision: str | None = None,
+    ) -> Workload:  # fmt: skip
+        """A reference model's workload (``config`` is a ``ModelConfig`` or alike).
+
+        ``precision`` is the plan's (default ``"f32"``); a config whose ``dtype`` is set
+        explicitly overrides it (bfloat16: ``"bf16"``, else ``"f32"``)."""
         return cls(
             batch=batch,
             seq=seq,
@@ -69,18 +79,32 @@ class Workload:
             n_kv_heads=getattr(config, "n_kv_heads", config.n_heads),
             vocab=config.vocab,
             remat=remat or getattr(config, "remat", "none") or "none",
+            precision=_precision_of(getattr(config, "dtype", None), precision),
             model=model,
         )
 
     @classmethod
-    def of_model(cls, model: Any, *, batch: int, seq: int) -> Workload:
+    def of_model(cls, model: Any, *, batch: int, seq: int, precision: str = "f32") -> Workload:
         """The workload of a reference ``Model`` (from its config) or a user's model
-        (``dims`` it declares; its own code decides remat, so ``remat`` is ``None``)."""
+        (``dims`` it declares; its own code decides remat, so ``remat`` is ``None``).
+
+        ``precision`` is the plan's; a user's model is assumed to follow it (it reads
+        ``sk.compute_dtype()``)."""
         name = getattr(model, "name", None)
         config = getattr(model, "config", None)
         if config is not None:
-            return cls.from_config(config, batch=batch, seq=seq, model=name)
-        return cls(batch=batch, seq=seq, model=name, remat=None, **getattr(model, "dims", {}))
+            return cls.from_config(config, batch=batch, seq=seq, model=name, precision=precision)
+        return cls(batch=batch, seq=seq, model=name, remat=None, precision=precision,
+                   **getattr(model, "dims", {}))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _precision_of(dtype: Any, default: str | None) -> str:
+    """``"bf16"``/``"f32"`` of a config's explicit ``dtype``; ``default`` when it has none."""
+    if dtype is None:
+        return default or "f32"
+    import numpy as np
+
+    return "bf16" if np.dtype(dtype).name == "bfloat16" else "f32"

@@ -1,5 +1,5 @@
-"""The ``shardkit`` command line: ``run``, ``report``, ``compare``, ``plan``, ``recipes``,
-``launch``, ``reshard-plan``.
+"""The ``shardkit`` command line: ``run``, ``report``, ``compare``, ``plan``, ``autoplan``,
+``recipes``, ``launch``, ``reshard-plan``.
 
 Each subcommand lives in its own module and exposes ``add_parser(subparsers)``
 and ``main(args) -> int``. User mistakes exit with status 2 and one line.
@@ -11,12 +11,20 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from shardkit.cli import launch_cmd, plan_cmd, recipes_cmd, report_cmd, reshard_cmd, run_cmd
+from shardkit.cli import (
+    autoplan_cmd,
+    launch_cmd,
+    plan_cmd,
+    recipes_cmd,
+    report_cmd,
+    reshard_cmd,
+    run_cmd,
+)
 from shardkit.errors import ShardingError
 
 __all__ = ["main"]
 
-_COMMANDS = (run_cmd, report_cmd, plan_cmd, recipes_cmd, launch_cmd, reshard_cmd)
+_COMMANDS = (run_cmd, report_cmd, plan_cmd, autoplan_cmd, recipes_cmd, launch_cmd, reshard_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

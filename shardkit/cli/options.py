@@ -2,6 +2,8 @@
 
 - ``--json`` prints JSON on stdout instead of the tables; ``--json PATH`` writes it to
   PATH and keeps the tables on the terminal.
+- ``--precision f32|bf16``: ``bf16`` is mixed precision (bfloat16 activations and matrix
+  products, float32 weights, gradients and Adam state), ``sk.Plan(..., precision=...)``.
 - ``--mesh data=2,tensor=4`` sets mesh axis sizes (one may be -1) on top of the recipe's.
 - Output paths (``--json PATH``, ``--plot PNG``) are checked before any work starts.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 from shardkit.errors import ShardingError
 
-__all__ = ["add_json", "add_mesh", "check_outputs", "emit_json", "parse_mesh", "recipe_for",
+__all__ = ["add_json", "add_logits", "add_mesh", "add_precision", "check_outputs", "emit_json", "parse_mesh", "recipe_for",
            "wants_tables"]  # fmt: skip
 
 
@@ -31,6 +33,14 @@ def add_mesh(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh", type=parse_mesh, default=None, metavar="AXIS=SIZE,...",
         help="mesh axis sizes on top of the recipe's, e.g. data=2,tensor=4 (one may be -1)",
+    )  # fmt: skip
+
+
+def add_precision(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--precision", choices=["f32", "bf16"], default="f32",
+        help="f32, or bf16 mixed precision: bfloat16 activations, float32 weights and Adam "
+        "state (default: f32)",
     )  # fmt: skip
 
 
@@ -58,17 +68,31 @@ def parse_mesh(text: str) -> dict[str, int]:
     return axes
 
 
+def add_logits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--logits", choices=["auto", "vocab", "tokens"], default=None,
+        help="the logits' layout where the recipe splits the vocabulary over an axis that "
+        "also splits the tokens (fsdp): auto (default) picks vocab while the step has fewer "
+        "tokens than the vocabulary, else tokens",
+    )  # fmt: skip
+
+
 def recipe_for(name: str, args: argparse.Namespace):
-    """The recipe ``name`` with ``--mesh`` sizes applied."""
+    """The recipe ``name`` with ``--mesh`` sizes (and ``--logits``) applied."""
     from shardkit import recipes
 
     recipe = recipes.get(name)
+    if getattr(args, "logits", None):
+        recipe = recipe.with_logits(args.logits)
     return recipe.with_mesh(args.mesh) if getattr(args, "mesh", None) else recipe
 
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail before any work if ``--json PATH`` or ``--plot PNG`` cannot be written."""
-    for flag, path in (("--json", getattr(args, "json", None)), ("--plot", getattr(args, "plot", None))):
+    for flag, path in (
+        ("--json", getattr(args, "json", None)),
+        ("--plot", getattr(args, "plot", None)),
+    ):
         if path is None or path == "-":
             continue
         target = Path(path)

@@ -12,7 +12,9 @@ from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
 from shardkit.cli.options import (
     add_json,
+    add_logits,
     add_mesh,
+    add_precision,
     check_outputs,
     emit_json,
     recipe_for,
@@ -32,6 +34,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--remat", choices=["none", "full", "save_dots"], default=None,
                    help="override the model's rematerialization policy")  # fmt: skip
+    add_precision(p)
+    add_logits(p)
     add_json(p)
 
 
@@ -65,9 +69,8 @@ def _report(model, recipe: str, devices, args):
     from shardkit import train
     from shardkit.plan import Plan
 
-    plan = Plan(
-        recipe_for(recipe, args), devices=devices, annotations=getattr(model, "annotations", None)
-    )
+    plan = Plan(recipe_for(recipe, args), devices=devices,
+                annotations=getattr(model, "annotations", None), precision=args.precision)  # fmt: skip
     if "stage" in plan.mesh.shape or getattr(args, "microbatches", None) is not None:
         from shardkit.parallel.report import pipeline_report  # micro-batches, schedule
 

@@ -13,6 +13,7 @@ from shardkit.cli.model_arg import MODEL_HELP, resolve_model
 from shardkit.cli.options import (
     add_json,
     add_mesh,
+    add_precision,
     check_outputs,
     emit_json,
     recipe_for,
@@ -32,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0)
+    add_precision(p)
     add_json(p)
     p.add_argument("--no-report", action="store_true",
                    help="skip the layout report (memory, collectives vs analytic) after the run")  # fmt: skip
@@ -72,9 +74,10 @@ def main(args: argparse.Namespace) -> int:
 
     recipe, annotations = recipe_for(args.recipe, args), getattr(model, "annotations", None)
     if args.dcn:
-        plan = Plan(recipe, mesh=_mesh(args, recipe, devices), annotations=annotations)
+        plan = Plan(recipe, mesh=_mesh(args, recipe, devices), annotations=annotations,
+                    precision=args.precision)  # fmt: skip
     else:
-        plan = Plan(recipe, devices=devices, annotations=annotations)
+        plan = Plan(recipe, devices=devices, annotations=annotations, precision=args.precision)
     plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
 
     import jax
@@ -172,7 +175,10 @@ def _print_summary(result) -> None:
     )
     first, last = result.losses[0], result.losses[-1]
     if result.first_step:
-        table.add_row("resumed", f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})")
+        table.add_row(
+            "resumed",
+            f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})",
+        )
     table.add_row("loss", f"{first:.4f} → {last:.4f} nats/token")
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")

@@ -41,8 +41,10 @@ class ModelConfig:
       remat: ``"none"``, ``"full"`` (recompute each block in the backward pass) or
         ``"save_dots"`` (keep matmul outputs without batch dims, recompute the rest).
       scan: stack the layers under a scan, with a leading ``"layers"`` logical axis.
-      dtype: activation / compute dtype.
-      param_dtype: parameter dtype.
+      dtype: activation / compute dtype; ``None`` (the default) follows the plan's
+        precision (``sk.Plan(..., precision="bf16")``: bfloat16), float32 outside a plan.
+        See :attr:`compute_dtype`.
+      param_dtype: parameter dtype (float32: the master weights, whatever the precision).
       loss_chunks: chunks of the sequence the vocabulary head and the loss run in
         (``sk.chunked_cross_entropy``); ``None`` picks them from the step's size
         (``shardkit.loss.auto_chunks``), 1 projects all the tokens at once.
@@ -64,7 +66,7 @@ class ModelConfig:
     max_seq: int
     remat: Literal["none", "full", "save_dots"] = "none"
     scan: bool = True
-    dtype: Any = jnp.float32
+    dtype: Any = None
     param_dtype: Any = jnp.float32
     loss_chunks: int | None = None
 
@@ -106,6 +108,21 @@ class ModelConfig:
                 f"{where}: GPT uses multi-head attention; n_kv_heads must equal n_heads, "
                 f"got {self.n_kv_heads}.\nFix: pass n_kv_heads={self.n_heads}."
             )
+
+    @property
+    def compute_dtype(self) -> Any:
+        """``dtype`` when set, else the active plan's (``sk.compute_dtype()``).
+
+        Example:
+          >>> from shardkit import context
+          >>> cfg = CONFIGS["gpt-tiny"]
+          >>> with context.using(precision="bf16"):
+          ...     cfg.compute_dtype, dataclasses.replace(cfg, dtype=jnp.float32).compute_dtype
+          (<class 'jax.numpy.bfloat16'>, <class 'jax.numpy.float32'>)
+        """
+        from shardkit import context
+
+        return context.compute_dtype() if self.dtype is None else self.dtype
 
     @property
     def head_dim(self) -> int:

@@ -95,7 +95,7 @@ class CausalSelfAttention(nn.Module):
         qkv = nn.DenseGeneral(
             (3, cfg.n_heads, cfg.head_dim),
             axis=-1,
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD),
             dot_general=TspDot(("embed", None, "heads", "kv")),  # a ring under tsp
@@ -107,7 +107,7 @@ class CausalSelfAttention(nn.Module):
         return nn.DenseGeneral(
             cfg.d_model,
             axis=(-2, -1),
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
             dot_general=TspDot(("heads", "kv", "embed")),
@@ -140,7 +140,7 @@ class Mlp(nn.Module):
         cfg = self.config
         h = nn.Dense(
             cfg.d_ff,
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD),
             dot_general=TspDot(("embed", "mlp")),
@@ -149,7 +149,7 @@ class Mlp(nn.Module):
         h = sk.constrain(nn.gelu(h), HIDDEN)
         return nn.Dense(
             cfg.d_model,
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=nn.initializers.normal(INIT_STD / math.sqrt(2 * cfg.n_layers)),
             dot_general=TspDot(("mlp", "embed")),
@@ -175,7 +175,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
         cfg = self.config
-        norm = dict(epsilon=LN_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        norm = dict(epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype)
         x = sk.constrain(x, RESIDUAL)
         x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(**norm, name="ln_1")(x))
         x = sk.constrain(x, RESIDUAL)
@@ -216,7 +216,7 @@ class GPT(nn.Module):
                 f"GPT: sequence length {seq} exceeds max_seq {cfg.max_seq} (rows of the "
                 f"position table).\nFix: get(..., max_seq={seq}) or shorter sequences."
             )
-        embed = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+        embed = dict(dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype)
         wte = nn.Embed(
             cfg.vocab,
             cfg.d_model,
@@ -233,7 +233,7 @@ class GPT(nn.Module):
         )
         # The embedding is tied: read by the lookup and by the logits. One replica view
         # for both uses makes data parallelism all-reduce its gradient once, not twice.
-        weight = wte.embedding.astype(cfg.dtype)
+        weight = wte.embedding.astype(cfg.compute_dtype)
         table = sk.per_replica(weight, TABLE, data=tokens, data_axes=("batch", "length"))
         if targets is not None and table.n > 1:
             # The chunked head reads the table in its own layout (see head_view). Where
@@ -242,7 +242,7 @@ class GPT(nn.Module):
             table = head_view(weight, TABLE, data=targets, reuse=table)
         x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
         x = x + wpe(jnp.arange(seq)[None, :])
-        x = sk.constrain(x.astype(cfg.dtype), RESIDUAL)
+        x = sk.constrain(x.astype(cfg.compute_dtype), RESIDUAL)
 
         block: Any = Block
         if cfg.remat != "none":

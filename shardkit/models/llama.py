@@ -102,7 +102,7 @@ class Attention(nnx.Module):
         d, hd = cfg.d_model, cfg.head_dim
         proj = functools.partial(
             nnx.Einsum,
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=_normal(),
             rngs=rngs,
@@ -143,7 +143,7 @@ class Mlp(nnx.Module):
         linear = functools.partial(
             nnx.Linear,
             use_bias=False,
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=_normal(),
             rngs=rngs,
@@ -160,7 +160,11 @@ class Mlp(nnx.Module):
 
 def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
     return nnx.RMSNorm(
-        cfg.d_model, epsilon=NORM_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype, rngs=rngs
+        cfg.d_model,
+        epsilon=NORM_EPS,
+        dtype=cfg.compute_dtype,
+        param_dtype=cfg.param_dtype,
+        rngs=rngs,
     )
 
 
@@ -213,7 +217,7 @@ class Llama(nnx.Module):
         self.embed = nnx.Embed(
             cfg.vocab,
             cfg.d_model,
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             embedding_init=_normal(),
             rngs=rngs,
@@ -233,7 +237,7 @@ class Llama(nnx.Module):
             cfg.d_model,
             cfg.vocab,
             use_bias=False,
-            dtype=cfg.dtype,
+            dtype=cfg.compute_dtype,
             param_dtype=cfg.param_dtype,
             kernel_init=_normal(),
             rngs=rngs,
@@ -255,7 +259,7 @@ class Llama(nnx.Module):
         token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
         are never held whole)."""
         cfg = self.config
-        x = sk.constrain(self.embed(tokens).astype(cfg.dtype), RESIDUAL)
+        x = sk.constrain(self.embed(tokens).astype(cfg.compute_dtype), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
         if cfg.scan:
             graphdef, state = nnx.split(self.layers)
@@ -267,7 +271,7 @@ class Llama(nnx.Module):
                 x = self._block_fn(graphdef, cos, sin)(state, x)
         x = self.norm(x)
         if targets is not None:
-            kernel = self.head.kernel[...].astype(cfg.dtype)
+            kernel = self.head.kernel[...].astype(cfg.compute_dtype)
             return sk.chunked_cross_entropy(
                 x,
                 targets,

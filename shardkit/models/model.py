@@ -67,18 +67,27 @@ class Model:
     def __hash__(self) -> int:
         return hash((self.name, self.config))
 
-    @functools.cached_property
+    @property
     def module(self) -> Any:
-        """The linen ``GPT`` module, or an abstract NNX ``Llama`` (shapes only)."""
+        """The linen ``GPT`` module, or an abstract NNX ``Llama`` (shapes only).
+
+        An NNX module fixes its compute dtype when built, so the Llama is built once per
+        dtype: the config's, or the active plan's precision (``config.compute_dtype``).
+        """
         if self.config.family == "gpt":
-            return GPT(self.config)
+            return GPT(self.config)  # reads config.compute_dtype when traced
+        return self._llama(self.config.compute_dtype)
+
+    @functools.cache  # noqa: B019 (one abstract module per dtype, for the model's life)
+    def _llama(self, dtype: Any) -> Any:
+        config = dataclasses.replace(self.config, dtype=dtype)
         # Shapes only, and outside any active mesh: NNX would otherwise read the logical
         # names in ``out_sharding`` as mesh axes of that mesh.
         no_mesh = jax.sharding.AbstractMesh((), ())
         with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(no_mesh):
-            return nnx.eval_shape(lambda: Llama(self.config, rngs=nnx.Rngs(0)))
+            return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
 
-    @functools.cached_property
+    @property
     def _graphdef(self) -> nnx.GraphDef:
         graphdef, _ = nnx.split(self.module)
         return graphdef

@@ -47,7 +47,7 @@ def report(
     """
     tx = train.adamw() if tx is None else tx
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
-    workload = Workload.of_model(model, batch=batch, seq=seq)
+    workload = Workload.of_model(model, batch=batch, seq=seq, precision=plan.precision)
     config = getattr(model, "config", None)
     return plan.report(train.train_step(model, tx), abstract, token_batch(batch, seq),
                        workload=workload, model_config=config, **kwargs)  # fmt: skip

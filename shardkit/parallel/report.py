@@ -50,7 +50,9 @@ def pipeline_report(plan: Any, model: Any, tx: Any, args: Any):
 
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     step = step_for(model, tx, plan, abstract, options(args))
-    workload = Workload.from_config(model.config, batch=args.batch, seq=args.seq, model=model.name)
+    workload = Workload.from_config(
+        model.config, batch=args.batch, seq=args.seq, model=model.name, precision=plan.precision
+    )
     return plan.report(step, abstract, token_batch(args.batch, args.seq), workload=workload)
 
 

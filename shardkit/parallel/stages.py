@@ -304,38 +304,40 @@ def reference_stages(model: Any) -> Stages:
 
         def pre(rest: Any, mb: Any) -> jax.Array:
             tokens = mb["inputs"]
-            table = rest["wte"]["embedding"].astype(cfg.dtype)
+            table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
             x = jnp.take(table, tokens, axis=0)
             x = x + jnp.take(rest["wpe"]["embedding"], jnp.arange(tokens.shape[-1])[None], axis=0)
-            return x.astype(cfg.dtype)
+            return x.astype(cfg.compute_dtype)
 
         layer = remat(linen_layer(Block(cfg)))
-        norm = nn.LayerNorm(epsilon=LN_EPS, dtype=cfg.dtype, param_dtype=cfg.param_dtype)
 
         def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
+            # Built when traced: the compute dtype is the plan's (sk.compute_dtype()).
+            norm = nn.LayerNorm(
+                epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype
+            )
             y = norm.apply({"params": rest["ln_f"]}, y)
-            table = rest["wte"]["embedding"].astype(cfg.dtype)
+            table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
             return loss_of(jnp.einsum("...d,vd->...v", y, table), mb)
 
         return Stages(pre, layer, post)
 
     from shardkit.models.llama import rope_tables
 
-    module = model.module
-    embed_gd, _ = nnx.split(module.embed)
-    layers_gd, _ = nnx.split(module.layers)
-    norm_gd, _ = nnx.split(module.norm)
-    head_gd, _ = nnx.split(module.head)
+    def graphdef(part: str) -> Any:
+        # An NNX module fixes its compute dtype when built: read it when traced, under the
+        # plan's precision (``model.module`` is built once per dtype).
+        return nnx.split(getattr(model.module, part))[0]
 
     def pre(rest: Any, mb: Any) -> jax.Array:
-        return nnx.merge(embed_gd, rest["embed"])(mb["inputs"]).astype(cfg.dtype)
+        return nnx.merge(graphdef("embed"), rest["embed"])(mb["inputs"]).astype(cfg.compute_dtype)
 
     def block(state: Any, x: jax.Array) -> jax.Array:
         cos, sin = rope_tables(x.shape[1], cfg.head_dim)
-        return nnx.merge(layers_gd, state)(x, cos, sin)
+        return nnx.merge(graphdef("layers"), state)(x, cos, sin)
 
     def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
-        y = nnx.merge(norm_gd, rest["norm"])(y)
-        return loss_of(nnx.merge(head_gd, rest["head"])(y), mb)
+        y = nnx.merge(graphdef("norm"), rest["norm"])(y)
+        return loss_of(nnx.merge(graphdef("head"), rest["head"])(y), mb)
 
     return Stages(pre, remat(block), post)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 from shardkit.errors import ShardingError
 from shardkit.recipes import catalogue
-from shardkit.recipes.recipe import Recipe
+from shardkit.recipes.recipe import LogitsLayout, Recipe, VocabRules
 
-__all__ = ["Recipe", "get", "names", "register"]
+__all__ = ["LogitsLayout", "Recipe", "VocabRules", "get", "names", "register"]
 
 _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp": catalogue.dp,

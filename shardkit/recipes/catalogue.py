@@ -74,6 +74,21 @@ def fsdp() -> Recipe:
     plus activations of B/N examples. Wire: 3Ψ·4·(N−1)/N bytes per device per
     step (two all-gathers of the weights, forward and backward, and one
     reduce-scatter of the gradients).
+
+    The logits are laid out per step (``logits="auto"``,
+    :meth:`~shardkit.recipes.Recipe.step_activation_rules`). Split over the vocabulary,
+    like the stored embedding, each device gathers the hidden states of all the step's
+    T tokens (T·d values) and the head's weight stays split; split over the tokens, each
+    device gathers the head's weight (V·d) once, as it does every layer's. The first
+    is cheaper while T ≤ V (GPT-2-small, 8 × 512 tokens against 50,304) and grows with
+    the device count at a fixed batch per device beyond (gpt-7b, one sequence of 2,048
+    per device, full remat: 7,615 MiB per device on 64 devices, 34,909 on 512); so the
+    recipe splits the logits over the vocabulary while the step has at most as many
+    tokens as the vocabulary, and over the tokens past that (7,842 and 6,463 MiB). The
+    rule compares what is gathered (T·d against V·d, and as many wire bytes); it does
+    not promise the lower total: on 64 devices the token split holds 3 % more (7,842
+    against 7,615 MiB, the head not being the peak) for 4 % fewer wire bytes.
+    ``fsdp().with_logits("vocab")`` or ``"tokens"`` fixes either layout.
     """
     return Recipe(
         name="fsdp",
@@ -82,13 +97,8 @@ def fsdp() -> Recipe:
         summary="ZeRO-3: params, grads and optimizer state sharded over 'fsdp'",
         mesh_axes=(("fsdp", -1),),
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),
-        # Logits are split over the vocabulary, like the (tied) embedding: the hidden
-        # states are gathered over the batch instead of the embedding over the vocab, and
-        # the embedding's gradient stays local. That wins while the tokens of a step are
-        # fewer than the vocabulary (GPT-2-small, 8 x 512 tokens: 4x less memory than DP)
-        # and loses beyond (7B on 512 devices x 2048 tokens: 512·2048·4096·4 B = 17 GB of
-        # hidden states to gather);
-        # there, drop the ("vocab", "fsdp") activation rule.
+        # The vocabulary rule applies to the logits only while a step's tokens are at most
+        # the vocabulary (logits="auto", see the docstring).
         activation_rules=Rules([("vocab", "fsdp"), ("batch", "fsdp"), *_REPLICATED_ACTIVATIONS]),
     )
 

@@ -17,14 +17,24 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 from shardkit.errors import ShardingError
 from shardkit.mesh import resolve_axis_sizes
 from shardkit.rules import Rules
 
-__all__ = ["Parallelism", "Recipe"]
+__all__ = ["LogitsLayout", "Parallelism", "Recipe", "VocabRules"]
+
+#: How a recipe lays out the logits when its activation rules split the vocabulary over
+#: a mesh axis that also splits the tokens (``fsdp``): ``"vocab"`` as the rules say,
+#: ``"tokens"`` without those vocabulary rules, ``"auto"`` picks per step (see
+#: :meth:`Recipe.step_activation_rules`).
+LogitsLayout = Literal["auto", "vocab", "tokens"]
+
+#: Logical names of an activation's token dimensions.
+TOKEN_NAMES = ("batch", "length")
 
 #: Logical names whose weights Megatron splits: a mesh axis that shards them is a
 #: tensor-parallel axis.
@@ -78,6 +88,56 @@ def _names_on(rules: Rules | None, axis: str) -> set[str]:
     return out
 
 
+def _as_tuple(axes: object) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def _axes_of(rules: Rules | None, name: str) -> list[str]:
+    """Mesh axes that any rule for logical ``name`` maps it to, in order."""
+    out: list[str] = []
+    for rule_name, axes in rules or ():
+        if rule_name == name:
+            out += [a for a in _as_tuple(axes) if a not in out]
+    return out
+
+
+class VocabRules(Rules):
+    """Activation rules whose vocabulary-splitting rules apply to an array only while its
+    ``vocab`` dimension is at least ``gathered``, the tokens each device would gather
+    for it; other arrays are resolved by ``without`` (the rules less those).
+
+    See :meth:`Recipe.step_activation_rules`.
+
+    Example:
+      >>> rules = VocabRules(Rules([("vocab", "fsdp"), ("batch", "fsdp")]),
+      ...                    Rules([("batch", "fsdp")]), gathered=4096)
+      >>> rules.spec(("batch", "vocab"), shape=(4096, 50304))
+      P(None, 'fsdp')
+      >>> rules.spec(("batch", "vocab"), shape=(4096, 256))
+      P('fsdp', None)
+    """
+
+    __slots__ = ("gathered", "without")
+
+    def __init__(self, rules: Rules, without: Rules, gathered: float):
+        super().__init__(rules, strict=rules.strict)
+        self.without = without
+        self.gathered = gathered
+
+    def spec(self, logical_axes, shape=None, mesh=None, path=None):
+        axes = tuple(logical_axes) if not isinstance(logical_axes, str) else (logical_axes,)
+        if shape is not None and "vocab" in axes and len(tuple(shape)) == len(axes):
+            vocab = max(int(n) for n, name in zip(shape, axes, strict=True) if name == "vocab")
+            if self.gathered > vocab:
+                return self.without.spec(logical_axes, shape, mesh, path)
+        return super().spec(logical_axes, shape, mesh, path)
+
+    def __repr__(self) -> str:
+        return f"VocabRules({list(self.pairs())!r}, vocab split while vocab > {self.gathered:g})"
+
+
 @dataclasses.dataclass(frozen=True)
 class Recipe:
     """A named sharding layout.
@@ -101,6 +161,9 @@ class Recipe:
       layer_schedule: ``"gspmd"`` (XLA places the layers' collectives) or ``"tsp"``
         (the projections circulate weight shards over ``attention_axis``; see
         ``shardkit.parallel.tsp``).
+      logits: the logits' layout where an activation rule splits the vocabulary over a
+        mesh axis that also splits the tokens (``"auto"``, ``"vocab"``, ``"tokens"``;
+        see :meth:`step_activation_rules`). Recipes without such a rule ignore it.
     """
 
     name: str
@@ -114,6 +177,14 @@ class Recipe:
     optional_names: frozenset[str] = frozenset()
     attention_axis: str = "sequence"
     layer_schedule: Literal["gspmd", "tsp"] = "gspmd"
+    logits: LogitsLayout = "auto"
+
+    def __post_init__(self) -> None:
+        if self.logits not in get_args(LogitsLayout):
+            raise ShardingError(
+                f"Recipe {self.name!r}: logits is one of {list(get_args(LogitsLayout))}, got "
+                f"{self.logits!r}.\nFix: logits='auto' (the default) picks it per step."
+            )
 
     def axis_sizes(self, device_count: int) -> dict[str, int]:
         """Mesh axis sizes for ``device_count`` devices.
@@ -168,6 +239,88 @@ class Recipe:
                 continue
             degrees[role] *= int(size)
         return Parallelism(**degrees, **kinds)
+
+    def vocab_gather_axes(self, mesh: Mapping[str, int]) -> tuple[str, ...]:
+        """Mesh axes (size > 1) that the activation rules put the vocabulary *and* the
+        tokens on: a logits layout split there gathers every token of those devices.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("fsdp").vocab_gather_axes({"fsdp": 8})
+          ('fsdp',)
+          >>> recipes.get("tp").vocab_gather_axes({"tensor": 4})   # tp does not split tokens
+          ()
+        """
+        token_axes = {a for name in TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
+        return tuple(a for a in _axes_of(self.activation_rules, "vocab")
+                     if a in token_axes and mesh.get(a, 1) > 1)  # fmt: skip
+
+    def step_activation_rules(self, mesh: Mapping[str, int], *, tokens: int | None = None,
+                              vocab: int | None = None) -> Rules:  # fmt: skip
+        """The activation rules a step of ``tokens`` tokens over a ``vocab`` vocabulary uses.
+
+        A rule that splits the logits' vocabulary over a mesh axis that also splits the
+        tokens (``fsdp``'s ``("vocab", "fsdp")``) makes each device gather the hidden
+        states of every token of that axis's devices, ``T_g = tokens / (devices that
+        split the tokens) × (those that also split the vocabulary)``, instead of the
+        head's weight, ``vocab × d_model``: the hidden states and their gradient then
+        cost ``T_g·d_model`` per device in memory and on the wire where the weight would
+        cost ``vocab·d_model``. Under pure FSDP ``T_g`` is the step's global tokens,
+        which grow with the device count at a fixed batch per device. So:
+
+        - ``logits="vocab"``: the rules as written;
+        - ``logits="tokens"``: without those vocabulary rules (the logits split over
+          the tokens, the head's weight gathered once per step, as the layers' are);
+        - ``logits="auto"``: ``"vocab"`` while ``T_g ≤ vocab``, else ``"tokens"``;
+          the rules as written when ``tokens`` is unknown; with ``vocab`` unknown,
+          a :class:`VocabRules` that decides for each array from its own ``vocab``
+          dimension (what ``plan.jit`` uses: it knows the batch, not the model).
+
+        Example:
+          >>> from shardkit import recipes
+          >>> fsdp = recipes.get("fsdp")
+          >>> logits = ("batch", "length", "vocab")
+          >>> fsdp.step_activation_rules({"fsdp": 8}, tokens=8 * 512, vocab=50304).spec(logits)
+          P(None, None, 'fsdp')
+          >>> fsdp.step_activation_rules({"fsdp": 64}, tokens=64 * 2048, vocab=50688).spec(logits)
+          P('fsdp', None, None)
+        """
+        gather = self.vocab_gather_axes(mesh)
+        if not gather or self.logits == "vocab" or (self.logits == "auto" and tokens is None):
+            return self.activation_rules
+        keep = [(name, axes) for name, axes in self.activation_rules
+                if name != "vocab" or not set(_as_tuple(axes)) & set(gather)]  # fmt: skip
+        without = Rules(keep, strict=self.activation_rules.strict)
+        if self.logits == "tokens":
+            return without
+        gathered = self.gathered_tokens(mesh, tokens)
+        if vocab is None:  # decided per array, by its own vocabulary dimension
+            return VocabRules(self.activation_rules, without, gathered)
+        return self.activation_rules if gathered <= vocab else without
+
+    def gathered_tokens(self, mesh: Mapping[str, int], tokens: int) -> float:
+        """Tokens whose hidden states each device holds for a vocabulary-split head:
+        ``tokens`` / (devices splitting the tokens) × (of those, the ones splitting the
+        vocabulary too). See :meth:`step_activation_rules`.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("fsdp").gathered_tokens({"fsdp": 512}, 512 * 2048)
+          1048576.0
+        """
+        token_axes = {a for name in TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
+        split = math.prod(mesh.get(a, 1) for a in token_axes)
+        return tokens / split * math.prod(mesh.get(a, 1) for a in self.vocab_gather_axes(mesh))
+
+    def with_logits(self, layout: LogitsLayout) -> Recipe:
+        """The same recipe with another logits layout (``"auto"``, ``"vocab"``, ``"tokens"``).
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("fsdp").with_logits("vocab").logits
+          'vocab'
+        """
+        return dataclasses.replace(self, logits=layout)
 
     def with_mesh(self, axes: Mapping[str, int]) -> Recipe:
         """The same recipe on other mesh sizes (new axes go last).

@@ -27,7 +27,7 @@ from shardkit.recipes import get as get_recipe
 from shardkit.workload import Workload
 
 __all__ = [
-    "AnalyticMemory", "AnalyticModel", "analytic_costs", "analytic_model", "with_phases",
+    "AnalyticMemory", "AnalyticModel", "activation_bytes", "analytic_costs", "analytic_model", "with_phases",
     "megatron_activations_per_layer", "wire_bytes", "wire_bytes_hybrid", "zero_memory",
 ]  # fmt: skip
 
@@ -358,6 +358,7 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         return _tsp_costs(recipe, par, workload, param_bytes, optimizer_bytes, psi,
                           bytes_per_value, layer_params, in_params)  # fmt: skip
     w, nb = workload, bytes_per_value
+    act = activation_bytes(w.precision, nb)
     psi = param_bytes / nb if psi is None else psi
     opt_degree = t * f * (d if par.data_kind == "zero1" else 1)
     remat = w.remat or "none"
@@ -367,11 +368,11 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     if w.has_dims:
         s = w.seq / c
         per_layer = megatron_activations_per_layer(s, b, w.d_model, w.n_heads, t=t, mode=mode,
-                                                   bytes_per_value=nb)  # fmt: skip
+                                                   bytes_per_value=act)  # fmt: skip
         activations = w.layers * per_layer + b * s * w.vocab * nb / t
         act_note = (f"activations: {w.layers} layers × Megatron '{mode}' (Korthikanti et al. "
-                    f"2022) at b={b:g}, s={s:g}, t={t}, + logits b·s·V·B/{t}; a guide, not a "
-                    "bound")  # fmt: skip
+                    f"2022) at b={b:g}, s={s:g}, t={t}, {act} bytes per value ({w.precision}), "
+                    f"+ logits b·s·V·{nb}/{t} (scored in f32); a guide, not a bound")  # fmt: skip
     else:
         act_note = ("activations: not modelled (the workload gives no layers, d_model, n_heads, "
                     "seq, vocab)")  # fmt: skip
@@ -393,6 +394,20 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         *wire_notes,
     )
     return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes)
+
+
+def activation_bytes(precision: str, bytes_per_value: float = 4) -> float:
+    """Bytes of one activation value: 2 under ``"bf16"`` (mixed precision), else
+    ``bytes_per_value``. Parameters, gradients and Adam's moments keep theirs (float32),
+    and the logits are scored in float32 whatever the precision.
+
+    Example:
+      >>> activation_bytes("bf16"), activation_bytes("f32")
+      (2, 4)
+    """
+    if precision not in ("f32", "bf16"):
+        raise ShardingError(f"precision is 'f32' or 'bf16', got {precision!r}.")
+    return 2 if precision == "bf16" else bytes_per_value
 
 
 def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_params,
@@ -417,7 +432,7 @@ def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_para
     b, s = w.batch / data, w.seq / d
     mode = "full_recompute" if remat == "full" else "none"
     per_layer = megatron_activations_per_layer(s, b, w.d_model, w.n_heads, mode=mode,
-                                               bytes_per_value=nb)  # fmt: skip
+                                               bytes_per_value=activation_bytes(w.precision, nb))  # fmt: skip
     memory = dataclasses.replace(memory, activations=w.layers * per_layer + b * s * w.vocab * nb)
     if layer_params is None:
         layer_params = max(psi - w.vocab * w.d_model, 0) / w.layers
@@ -454,7 +469,8 @@ def layer_params(config: Any) -> tuple[float, float]:
 
 
 def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *, batch: int,
-                   seq: int, bytes_per_value: int = 4, remat: str | None = None) -> AnalyticModel:  # fmt: skip
+                   seq: int, bytes_per_value: int = 4, remat: str | None = None,
+                   precision: str = "f32") -> AnalyticModel:  # fmt: skip
     """The analytic memory per device and wire bytes per step of a reference model.
 
     :func:`analytic_costs` with the state counted from ``config`` for f32 Adam: params
@@ -476,6 +492,8 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
       batch: global batch; seq: sequence length.
       bytes_per_value: bytes B of a parameter, gradient and activation value.
       remat: overrides ``config.remat`` when given.
+      precision: ``"f32"`` or ``"bf16"`` (activations at 2 bytes per value, the state
+        and the logits as ``bytes_per_value``; :func:`activation_bytes`).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -490,7 +508,8 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
       True
     """
     psi = config.param_count()
-    workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat)
+    workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat,
+                                    precision=precision)  # fmt: skip
     ringed, ringed_in = layer_params(config)
     model = analytic_costs(recipe, mesh, workload=workload, psi=psi,
                            param_bytes=bytes_per_value * psi,
@@ -513,7 +532,7 @@ def with_phases(model: AnalyticModel, config: Any, recipe: Recipe | str,
 
     phases = phase_peaks(config, recipe, mesh, batch=workload.batch, seq=workload.seq,
                          bytes_per_value=4, remat=workload.remat or "none",
-                         base=model.memory)  # fmt: skip
+                         base=model.memory, precision=workload.precision)  # fmt: skip
     memory = dataclasses.replace(model.memory, phases=phases)
     notes = (*model.notes[:3], _phase_note(phases), *model.notes[3:])
     return AnalyticModel(memory=memory, wire_bytes_by_kind=model.wire_bytes_by_kind, notes=notes)

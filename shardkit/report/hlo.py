@@ -81,6 +81,8 @@ class Collective:
     ``known_trip_count`` and was counted once. ``lowered_as`` says how the program really
     implements a collective reported as another kind (``"all-reduce+dynamic-slice"`` for a
     reduce-scatter the CPU pipeline left unformed); empty when reported as emitted.
+    ``group`` holds the device ids of the first replica group (for a collective-permute,
+    every device that sends or receives); empty when the program does not say.
     """
 
     kind: Kind
@@ -98,6 +100,7 @@ class Collective:
     pass_: str = ""
     source: str = ""
     function: str = ""
+    group: tuple[int, ...] = ()
 
     @property
     def where(self) -> str:
@@ -212,6 +215,77 @@ def _group_size(attrs: str, kind: str, default: int) -> int:
             n *= int(sub.partition(")")[2]) if sub else sizes.get(name.strip(" '\""), 1)
         return n
     return default
+
+
+def first_group(attrs: str, kind: str) -> tuple[int, ...]:
+    """Device ids of an op's first replica group (explicit or iota form); for a
+    collective-permute, every device of its source/target pairs. ``()`` if unknown.
+
+    Example:
+      >>> first_group("replica_groups=[2,4]<=[4,2]T(1,0)", "all-gather")
+      (0, 2, 4, 6)
+      >>> first_group("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}", "")
+      (0, 1)
+    """
+    if kind == "collective-permute":
+        m = _PAIRS.search(attrs)
+        ids = {int(x) for x in re.findall(r"\d+", m.group(1))} if m else set()
+        return tuple(sorted(ids))
+    i = attrs.find("replica_groups=")
+    if i < 0:
+        return ()
+    s = attrs[i + len("replica_groups=") :]
+    if s.startswith("{{"):
+        return tuple(int(x) for x in s[2 : s.index("}")].split(","))
+    if s.startswith("mesh["):
+        return _mesh_first_group(s)
+    m = re.match(r"\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", s)
+    if m is None:
+        return ()
+    ids = _iota(m.group(3), m.group(4))
+    return tuple(int(x) for x in ids.reshape(int(m.group(1)), int(m.group(2)))[0])
+
+
+def _iota(dims: str, perm: str | None):
+    """``arange`` reshaped to ``dims`` and transposed by ``perm`` (HLO's iota lists)."""
+    import numpy as np
+
+    shape = [int(x) for x in dims.split(",")]
+    ids = np.arange(int(np.prod(shape))).reshape(shape)
+    return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
+
+
+def _mesh_first_group(s: str) -> tuple[int, ...]:
+    """First group of ``mesh['a'=2,'b'=4](, device_ids=(...))? {'b', 'a':(1)2}``."""
+    import numpy as np
+
+    end = _skip_balanced(s, 4)
+    axes = [(n.strip(" '\""), int(v)) for n, _, v in
+            (item.rpartition("=") for item in s[5 : end - 1].split(","))]  # fmt: skip
+    ids = np.arange(int(np.prod([v for _, v in axes])))
+    if s.startswith(", device_ids=", end):
+        close = _skip_balanced(s, s.index("(", end))
+        inner = s[s.index("(", end) + 1 : close - 1]
+        m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", inner.strip())
+        ids = _iota(m.group(1), m.group(2)).ravel() if m else np.array(
+            [int(x) for x in re.findall(r"\d+", inner)])  # fmt: skip
+        end = close
+    lo = s.index("{", end)
+    wanted: dict[str, tuple[int, int] | None] = {}
+    for item in s[lo + 1 : s.index("}", lo)].split(","):
+        name, _, sub = item.partition(":(")
+        pre, _, size = sub.partition(")")
+        wanted[name.strip(" '\"")] = (int(pre), int(size)) if sub else None
+    shape, index = [], []
+    for name, size in axes:
+        if name in wanted and wanted[name] is not None:
+            pre, sub = wanted[name]
+            shape += [pre, sub, size // (pre * sub)]
+            index += [0, slice(None), 0]
+        else:
+            shape.append(size)
+            index.append(slice(None) if name in wanted else 0)
+    return tuple(int(x) for x in ids.reshape(shape)[tuple(index)].ravel())
 
 
 def _wire(kind: str, nbytes: int, n: int) -> float:
@@ -471,7 +545,7 @@ def parse_collectives(
                 op_name=name, computation=shown, dtype=dtype, shape=shape_str,
                 count_exact=known[comp], lowered_as=lowered, module_path=module_path_of(name),
                 pass_=pass_of(name), source=origin.where if origin else "",
-                function=origin.function if origin else "",
+                function=origin.function if origin else "", group=first_group(attrs, kind),
             ))  # fmt: skip
     return out
 

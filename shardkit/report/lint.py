@@ -1,5 +1,6 @@
 """Lint a compiled layout: collectives the recipe did not predict, big replicated
-parameters, gradients all-reduced more than once, rules that matched nothing.
+parameters, gradients all-reduced more than once, rules that matched nothing, and
+activations whose per-device size grows with the device count.
 
 Each warning is one line: what, how many bytes, which op (its ``op_name``, i.e.
 the module/layer that caused it) and the likely cause.
@@ -22,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from shardkit.report.hlo import Collective
 
 __all__ = [
+    "grows_with_devices",
     "human_bytes",
     "reduced_more_than_once",
     "replicated_params",
@@ -149,3 +151,70 @@ def reduced_more_than_once(
 def _key(shape: Iterable[int]) -> tuple[int, ...]:
     """A shape up to transposition (XLA may reduce a gradient in either layout)."""
     return tuple(sorted(shape))
+
+
+def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
+                       collectives: Sequence[Collective] = ()) -> list[str]:  # fmt: skip
+    """Activations gathered over an axis that splits the tokens: per-device memory that
+    grows with the device count.
+
+    An activation rule that splits the logits' vocabulary over a mesh axis that also
+    splits the tokens (``fsdp``'s ``("vocab", "fsdp")``) makes each device gather the
+    hidden states of every token on that axis: ``T_g·d_model`` values per device, with
+    ``T_g`` = tokens per device × the axis's size (``Recipe.gathered_tokens``). At a fixed
+    batch per device, doubling the devices doubles ``T_g``: those bytes grow with N where
+    every other activation stays put. Flagged when the step uses that layout and
+    ``T_g`` exceeds the vocabulary (the head's weight, ``vocab·d_model``, is then
+    the smaller thing to gather). The all-gather of the compiled program that moves them
+    is named when one matches ``T_g·d_model`` elements.
+
+    Example:
+      >>> from shardkit import recipes
+      >>> from shardkit.workload import Workload
+      >>> w = Workload(batch=64, seq=2048, layers=32, d_model=4096, n_heads=32, vocab=50688)
+      >>> print(grows_with_devices(recipes.get("fsdp").with_logits("vocab"), {"fsdp": 64}, w)[0][:60])
+      activation grows with the device count under fsdp: the logit
+      >>> grows_with_devices(recipes.get("fsdp"), {"fsdp": 64}, w)   # auto: split over tokens
+      []
+    """
+    seq, vocab, d = getattr(workload, "seq", None), getattr(workload, "vocab", None), None
+    d = getattr(workload, "d_model", None)
+    if not seq or not vocab or not d:
+        return []
+    tokens = workload.batch * seq
+    rules = recipe.step_activation_rules(mesh, tokens=tokens, vocab=vocab)
+    gather = [a for a in recipe.vocab_gather_axes(mesh)
+              if any(name == "vocab" and a in ((axes,) if isinstance(axes, str) else axes or ())
+                     for name, axes in rules)]  # fmt: skip
+    if not gather:
+        return []
+    gathered = recipe.gathered_tokens(mesh, tokens)
+    if gathered <= vocab:
+        return []
+    nb = 2 if getattr(workload, "precision", "f32") == "bf16" else 4
+    hidden, weight = gathered * d * nb, vocab * d * nb
+    n = math.prod(mesh.get(a, 1) for a in gather)
+    where = ""
+    matches = [c for c in collectives if c.kind == "all-gather"
+               and _elements(c.shape) == gathered * d]  # fmt: skip
+    if matches:
+        top = max(matches, key=lambda c: c.bytes)
+        where = f" The compiled program gathers them: {top.dtype}{top.shape} from {top.op_name!r}."
+    axes = ", ".join(repr(a) for a in gather)
+    return [
+        f"activation grows with the device count under {recipe.name}: the logits (batch, "
+        f"length, vocab) are split over the vocabulary on {axes}, which also splits the "
+        f"tokens, so each device gathers the hidden states of {gathered:,.0f} tokens "
+        f"({human_bytes(hidden)} per device, and as much again for their gradient; "
+        f"{human_bytes(2 * hidden)} on {2 * n} devices at the same batch per device) where "
+        f"the head's weight ({vocab:,} × {d:,}) is {human_bytes(weight)}.{where} Cause: "
+        f"the activation rule ('vocab', {gather[0]!r}) with {gathered:,.0f} tokens gathered "
+        f"> vocabulary {vocab:,}. Fix: recipe.with_logits('auto') (the default: split "
+        "the logits over the tokens past that point) or 'tokens'."
+    ]
+
+
+def _elements(shape: str) -> int:
+    """Elements of the first array in an HLO shape string (``"[64,128,64]"``)."""
+    dims = re.findall(r"\[([\d,]*)\]", shape)
+    return math.prod(int(x) for x in dims[0].split(",") if x) if dims else 0

@@ -147,7 +147,8 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
 
 def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int, seq: int,
                 bytes_per_value: int = 4, remat: str | None = None,
-                clip: Literal["scale", "select"] = "scale", base: Any = None) -> dict[str, float]:  # fmt: skip
+                clip: Literal["scale", "select"] = "scale", base: Any = None,
+                precision: str = "f32") -> dict[str, float]:  # fmt: skip
     """Bytes per device at the peak of each phase of a reference model's training step.
 
     Args:
@@ -162,6 +163,12 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
       clip: the optimizer's clip (``"scale"``: ``shardkit.train.adamw``).
       base: the ``AnalyticMemory`` of ``analytic_model`` for these arguments (computed
         when not given).
+      precision: ``"bf16"``: activations, the recomputed layer, the hidden states and
+        the head's weight copy at 2 bytes per value (the logits are scored in f32).
+
+    The head's layout is the recipe's for this step
+    (:meth:`~shardkit.recipes.Recipe.step_activation_rules`: under ``fsdp`` the logits
+    split over the vocabulary only while the step has fewer tokens than the vocabulary).
 
     Returns:
       ``{"layers": ..., "head_loss": ..., "optimizer_step": ...}``.
@@ -175,41 +182,44 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
     """
     from shardkit import recipes
     from shardkit.loss import LOGITS, auto_chunks
-    from shardkit.report.analytic import analytic_model
+    from shardkit.report.analytic import activation_bytes, analytic_model
 
     recipe = recipes.get(recipe)
     if base is None:
         base = analytic_model(config, recipe, mesh, batch=batch, seq=seq,
-                              bytes_per_value=bytes_per_value, remat=remat).memory  # fmt: skip
+                              bytes_per_value=bytes_per_value, remat=remat,
+                              precision=precision).memory  # fmt: skip
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
     data_kind, tensor_kind = par.data_kind, par.tensor_kind
     sizes = {a: int(v) for a, v in mesh.items()}
     nb, vocab, h = bytes_per_value, config.vocab, config.d_model
+    act = activation_bytes(precision, nb)
     remat = config.remat if remat is None else remat
     state = base.params + base.grads + base.optimizer
     logits_term = batch / (d * f) * seq / c * vocab * nb / t  # analytic_model's logits
     saved = base.activations - logits_term
 
     # The head: its layout is the activation rules' for the logits and for the weight.
-    logits_spec = recipe.activation_rules.spec(LOGITS, mesh=sizes)
+    rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=vocab)
+    logits_spec = rules.spec(LOGITS, mesh=sizes)
     token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
     table = ("vocab", "embed")
-    head_split = _split(recipe.activation_rules.spec(table, mesh=sizes), sizes, (0, 1))
+    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
     stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
     weight = vocab * h * nb
-    copy = max(0.0, weight / head_split - weight / stored_split)
+    copy = max(0.0, weight / head_split - weight / stored_split) * act / nb
     quantum = _split(logits_spec, sizes, (1,))
     chunks = config.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
     head = head_loss_peak_bytes(tokens=batch * seq, vocab=vocab, d_model=h, chunks=chunks,
                                 token_split=token_split, vocab_split=vocab_split,
-                                bytes_per_value=nb, weight_copy_bytes=copy)  # fmt: skip
+                                bytes_per_value=act, weight_copy_bytes=copy)  # fmt: skip
 
     # One layer recomputed (full remat), its weights gathered under FSDP.
     mode = tensor_kind if t > 1 else "none"
     layer_params = config._layer_params()
     layer = layer_peak_bytes(s=seq / c, b=batch / (d * f), h=h, a=config.n_heads, t=t,
-                             mode=mode, bytes_per_value=nb, recompute=remat == "full",
+                             mode=mode, bytes_per_value=act, recompute=remat == "full",
                              gathered_layer_bytes=layer_params * nb / t if f > 1 else 0.0)  # fmt: skip
 
     # The largest gradient (a vocab × d_model table) all-reduced across replicas.

@@ -119,6 +119,9 @@ class Report:
     warnings: tuple[str, ...]
     workload: Workload | None = None
     explanations: tuple[Explanation, ...] = ()
+    #: the recipe's logits layout (``Recipe.logits``): with ``recipe``, mesh and workload,
+    #: what reproduces the layout.
+    logits: str = "auto"
 
     @property
     def replicated_fraction(self) -> float:
@@ -153,9 +156,15 @@ class Report:
             key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source)
             groups.setdefault(key, []).append(c)
         rows = [
-            CollectiveGroup(kind=k[0], pass_=k[1], where=k[2], source=k[3],
-                            ops=len(cs), executions=sum(c.count for c in cs),
-                            wire_bytes=sum(c.wire_bytes for c in cs))  # fmt: skip
+            CollectiveGroup(
+                kind=k[0],
+                pass_=k[1],
+                where=k[2],
+                source=k[3],
+                ops=len(cs),
+                executions=sum(c.count for c in cs),
+                wire_bytes=sum(c.wire_bytes for c in cs),
+            )  # fmt: skip
             for k, cs in groups.items()
         ]
         return sorted(rows, key=lambda g: -g.wire_bytes)
@@ -165,6 +174,7 @@ class Report:
         analytic = self.analytic
         return {
             "recipe": self.recipe,
+            "logits": self.logits,
             "mesh": self.mesh,
             "devices": math.prod(self.mesh.values()),
             "workload": self.workload.to_json() if self.workload else None,
@@ -279,7 +289,9 @@ def build_report(
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     if workload is None and model_config is not None and batch and seq:
-        workload = Workload.from_config(model_config, batch=batch, seq=seq)
+        workload = Workload.from_config(
+            model_config, batch=batch, seq=seq, precision=plan.precision
+        )
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
@@ -299,6 +311,7 @@ def build_report(
         *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
         *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]
+    warnings += lint.grows_with_devices(recipe, mesh, workload, collectives)
     warnings += lint.reduced_more_than_once(
         collectives, rows, devices=math.prod(mesh.values()), min_bytes=replicated_threshold_bytes
     )
@@ -317,6 +330,7 @@ def build_report(
         warnings=tuple(warnings),
         workload=workload,
         explanations=tuple(_explain_memory(memory_per_device(compiled), analytic)),
+        logits=recipe.logits,
     )
 
 

@@ -1,0 +1,117 @@
+"""The planner's search space: registered recipes × mesh factorisations × remat ×
+micro-batches × precision.
+
+Candidates come from the recipe registry (``sk.recipes.names()``), so a recipe
+registered by a user joins the search without touching the planner. Every mesh axis
+of a candidate has size at least 2: a size-1 axis is another recipe (``dp_fsdp`` with
+``data=1`` is ``fsdp``), already in the space.
+
+Example:
+  >>> from shardkit.autoplanner.candidates import factorisations
+  >>> factorisations(8, 2)
+  [(2, 4), (4, 2)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+
+from shardkit import recipes
+
+__all__ = ["Candidate", "factorisations", "enumerate_candidates"]
+
+REMATS = ("none", "save_dots", "full")
+PRECISIONS = ("f32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Candidate:
+    """One layout to try: a recipe on a mesh, with remat, micro-batches and precision.
+
+    ``remat`` is ``None`` for a user's model (its own code decides); ``microbatches`` is
+    ``None`` unless the recipe pipelines (has a ``stage`` axis).
+    """
+
+    recipe: str
+    mesh: tuple[tuple[str, int], ...]
+    remat: str | None = "none"
+    microbatches: int | None = None
+    precision: str = "f32"
+
+    @property
+    def mesh_sizes(self) -> dict[str, int]:
+        return dict(self.mesh)
+
+    @property
+    def mesh_label(self) -> str:
+        return "×".join(f"{a}={s}" for a, s in self.mesh)
+
+    @property
+    def label(self) -> str:
+        """``fsdp_tp fsdp=16×tensor=4 remat=full bf16`` (what a table row names)."""
+        parts = [self.recipe, self.mesh_label]
+        if self.remat is not None:
+            parts.append(f"remat={self.remat}")
+        if self.microbatches is not None:
+            parts.append(f"m={self.microbatches}")
+        parts.append(self.precision)
+        return " ".join(parts)
+
+    def to_json(self) -> dict:
+        return {"recipe": self.recipe, "mesh": self.mesh_sizes, "remat": self.remat,
+                "microbatches": self.microbatches, "precision": self.precision}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict) -> Candidate:
+        return cls(d["recipe"], tuple(d["mesh"].items()), d["remat"], d["microbatches"],
+                   d["precision"])  # fmt: skip
+
+
+def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
+    """Ordered ``k``-tuples of integers ≥ 2 whose product is ``n`` (``[(1,)]`` for n=k=1)."""
+    if k == 1:
+        return [(n,)] if n >= 2 or n == 1 else []
+    out = []
+    for d in range(2, n // 2 + 1):
+        if n % d == 0:
+            out.extend((d, *rest) for rest in factorisations(n // d, k - 1) if rest[0] >= 2)
+    return out
+
+
+def _microbatch_counts(stages: int, batch: int, replicas: int) -> list[int]:
+    """``m ∈ {p, 2p, 4p}`` that split the per-replica batch evenly."""
+    return [m for m in (stages, 2 * stages, 4 * stages) if batch % (m * replicas) == 0]
+
+
+def enumerate_candidates(
+    devices: int,
+    batch: int,
+    *,
+    recipe_names: Sequence[str] | None = None,
+    remats: Iterable[str | None] = REMATS,
+    precisions: Iterable[str] = ("f32",),
+) -> list[Candidate]:
+    """Every candidate for ``devices`` devices, in registry order.
+
+    A pipelining recipe gets ``m ∈ {p, 2p, 4p}`` micro-batches (those that divide the
+    batch evenly over its data replicas); a batch that allows none leaves it out here
+    and the planner says so.
+    """
+    out = []
+    remats, precisions = tuple(remats), tuple(precisions)
+    for name in recipe_names or recipes.names():
+        axes = [a for a, _ in recipes.get(name).mesh_axes]
+        for sizes in factorisations(devices, len(axes)) if axes else [()]:
+            mesh = tuple(zip(axes, sizes, strict=True))
+            stages = dict(mesh).get("stage")
+            if stages:
+                counts = _microbatch_counts(stages, batch, math.prod(sizes) // stages) or [None]
+            else:
+                counts = [None]
+            for m in counts:
+                for remat in remats:
+                    for precision in precisions:
+                        out.append(Candidate(name, mesh, remat, m, precision))
+    return out

@@ -1,0 +1,221 @@
+"""Judge one candidate: analytic pruning, then compiled evidence.
+
+Runs in a process that has the candidate's devices (the planner starts a worker
+process with that many emulated CPU devices when this one has fewer).
+
+- :func:`prune` rejects a candidate without compiling: a parameter, optimizer-state or
+  batch dimension its mesh does not divide (the same ``ShardingError`` the plan would
+  raise, first line), a pipeline that cannot split the batch into micro-batches, or
+  state (parameters, gradients and optimizer state) over the memory budget. It returns the analytic
+  memory and wire bytes otherwise.
+- :func:`compile_candidate` compiles the candidate's train step (abstract state, no
+  allocation) and returns what XLA's program says: memory per device, FLOPs and every
+  collective with its wire bytes and first replica group.
+
+Example:
+  >>> from shardkit import models
+  >>> from shardkit.autoplanner.candidates import Candidate
+  >>> from shardkit.autoplanner.evaluate import Subject, prune
+  >>> subject = Subject.of(models.get("gpt-tiny"), batch=8, seq=32)
+  >>> prune(subject, Candidate("tp", (("tensor", 8),)), budget=2**30).reason.split(":")[0]
+  'params/layers/attn/out/kernel'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+
+from shardkit import recipes, train
+from shardkit.autoplanner.candidates import Candidate
+from shardkit.errors import ShardingError
+from shardkit.report.lint import human_bytes
+from shardkit.workload import Workload
+
+__all__ = ["Subject", "Pruned", "Analytic", "Evidence", "prune", "compile_candidate"]
+
+
+@dataclasses.dataclass
+class Subject:
+    """The model and step being planned, with its unsharded state counted once."""
+
+    model: Any
+    batch: int
+    seq: int
+    leaves: tuple  # PlannedLeaf of a one-device plan: paths, shapes, kinds, logical axes
+    param_bytes: int
+    optimizer_bytes: int
+
+    @classmethod
+    def of(cls, model: Any, *, batch: int, seq: int) -> Subject:
+        from shardkit.plan import Plan
+
+        plan = Plan(
+            "dp", devices=jax.devices()[:1], annotations=getattr(model, "annotations", None)
+        )
+        abstract = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
+        size = {"param": 0, "optimizer": 0}
+        for leaf in abstract.leaves:
+            if leaf.kind in size:
+                size[leaf.kind] += math.prod(leaf.shape) * leaf.info.dtype.itemsize
+        return cls(model, batch, seq, abstract.leaves, size["param"], size["optimizer"])
+
+    @property
+    def param_count(self) -> float:
+        return self.param_bytes / 4
+
+    def model_for(self, candidate: Candidate) -> Any:
+        """The model with the candidate's remat (reference models only)."""
+        config = getattr(self.model, "config", None)
+        if candidate.remat is None or config is None or config.remat == candidate.remat:
+            return self.model
+        from shardkit.models.model import Model
+
+        return Model(dataclasses.replace(config, remat=candidate.remat), name=self.model.name)
+
+    def workload(self, candidate: Candidate) -> Workload:
+        w = Workload.of_model(self.model_for(candidate), batch=self.batch, seq=self.seq)
+        if candidate.precision != w.precision:
+            w = dataclasses.replace(w, precision=candidate.precision)
+        return w
+
+
+@dataclasses.dataclass(frozen=True)
+class Pruned:
+    """Why a candidate was dropped before compiling."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Analytic:
+    """The analytic model's memory per device and wire bytes per step."""
+
+    memory: float
+    state: float  # parameters + gradients + optimizer state
+    wire: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What the compiled program of one candidate says (per device, per step)."""
+
+    memory: dict[str, int]
+    flops: float | None
+    collectives: tuple[tuple[str, float, tuple[int, ...]], ...]  # kind, wire bytes, group
+
+    @property
+    def wire_bytes(self) -> float:
+        return float(sum(w for _, w, _ in self.collectives))
+
+    def to_json(self) -> dict:
+        return {"memory": self.memory, "flops": self.flops,
+                "collectives": [list(c[:2]) + [list(c[2])] for c in self.collectives]}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, d: dict) -> Evidence:
+        return cls(d["memory"], d["flops"], tuple((k, w, tuple(g)) for k, w, g in d["collectives"]))
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0]
+
+
+def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | Analytic:
+    """:class:`Pruned` with the reason, or the candidate's :class:`Analytic` costs."""
+    from shardkit.report.analytic import analytic_costs, with_phases
+
+    recipe = recipes.get(candidate.recipe)
+    mesh = candidate.mesh_sizes
+    stages = mesh.get("stage")
+    if stages and candidate.microbatches is None:
+        return Pruned(f"batch {subject.batch} does not split into {stages}, {2 * stages} or "
+                      f"{4 * stages} micro-batches per data replica")  # fmt: skip
+    config = getattr(subject.model, "config", None)
+    ring = mesh.get(recipe.attention_axis, 1)
+    zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
+    if zigzag and ring > 1 and subject.seq % (2 * ring):
+        return Pruned(f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
+                      f"into 2·{ring} = {2 * ring} zigzag chunks; sequence {subject.seq} does "
+                      "not divide")  # fmt: skip
+    if stages and config is not None and config.n_layers % stages:
+        return Pruned(f"{config.n_layers} layers do not split into {stages} stages")
+    try:
+        for leaf in subject.leaves:
+            rules = recipe.rules
+            if leaf.kind == "optimizer" and recipe.optimizer_rules is not None:
+                rules = recipe.optimizer_rules
+            if leaf.axes is not None and leaf.kind != "scalar":
+                rules.spec(leaf.axes, leaf.shape, mesh, path=leaf.path)
+        recipe.activation_rules.spec(("batch", "length"), (subject.batch, subject.seq), mesh,
+                                     path="batch")  # fmt: skip
+        if config is not None:  # heads are activations' dimensions too
+            recipe.activation_rules.spec(("batch", "length", "heads"),
+                                         (subject.batch, subject.seq, config.n_heads), mesh,
+                                         path="attention")  # fmt: skip
+        analytic = analytic_costs(recipe, mesh, workload=subject.workload(candidate),
+                                  param_bytes=subject.param_bytes,
+                                  optimizer_bytes=subject.optimizer_bytes)  # fmt: skip
+        if config is not None:
+            analytic = with_phases(analytic, config, recipe, mesh, subject.workload(candidate))
+    except ShardingError as e:
+        return Pruned(_first_line(e))
+    state = analytic.memory.params + analytic.memory.grads + analytic.memory.optimizer
+    if state > budget:
+        return Pruned(f"parameters, gradients and optimizer state alone are {human_bytes(state)} "
+                      f"per device (analytic), over the {human_bytes(budget)} budget")  # fmt: skip
+    return Analytic(memory=float(analytic.memory.total), state=float(state),
+                    wire=float(sum(analytic.wire_bytes_by_kind.values())))  # fmt: skip
+
+
+def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
+    from shardkit.mesh import make_mesh
+    from shardkit.plan import Plan
+
+    mesh = make_mesh(
+        candidate.mesh_sizes, devices=devices[: math.prod(candidate.mesh_sizes.values())]
+    )
+    kwargs = {"precision": candidate.precision} if candidate.precision != "f32" else {}
+    return Plan(candidate.recipe, mesh, annotations=getattr(subject.model, "annotations", None),
+                **kwargs)  # fmt: skip
+
+
+def compile_candidate(subject: Subject, candidate: Candidate, devices: list | None = None):
+    """:class:`Evidence` from the compiled step, or :class:`Pruned` if the plan refuses it.
+
+    Compile only, on abstract state; the memory and collectives are read as
+    ``plan.report`` reads them (without its per-op source provenance, which a ranking
+    does not need).
+    """
+    from shardkit.models.reporting import token_batch
+    from shardkit.report.hlo import parse_collectives
+    from shardkit.report.memory import memory_per_device
+    from shardkit.report.report import _flops
+
+    devices = devices if devices is not None else jax.devices()
+    model = subject.model_for(candidate)
+    tx = train.adamw()
+    try:
+        plan = _plan(candidate, subject, devices)
+        abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+        if candidate.microbatches is not None:
+            from shardkit.parallel.cli import step_for
+
+            opts = {"microbatches": candidate.microbatches, "schedule": "1f1b",
+                    "virtual_stages": 1, "unit": None}  # fmt: skip
+            step = step_for(model, tx, plan, abstract, opts)
+        else:
+            step = train.train_step(model, tx)
+        batch = token_batch(subject.batch, subject.seq)
+        compiled = plan.jit(step, state=abstract).lower(abstract, batch).compile()
+    except ShardingError as e:
+        return Pruned(_first_line(e))
+    collectives = parse_collectives(compiled.as_text())
+    return Evidence(
+        memory=memory_per_device(compiled).to_dict(),
+        flops=_flops(compiled),
+        collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in collectives),
+    )

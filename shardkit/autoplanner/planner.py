@@ -1,0 +1,456 @@
+"""``sk.autoplan``: choose recipe, mesh, remat, micro-batches and precision from
+compiled evidence.
+
+1. Enumerate candidates from the recipe registry × every factorisation of the device
+   count into the recipe's mesh axes × remat × micro-batches (pipelines) × precision
+   (:mod:`shardkit.autoplanner.candidates`).
+2. Prune with the analytic model: dimensions a mesh does not divide, state over the
+   budget (:func:`shardkit.autoplanner.evaluate.prune`); each pruned candidate keeps its
+   reason.
+3. Compile the most promising survivors (abstract state, emulated devices): the best
+   of each recipe by the analytic estimate, then the best overall, up to
+   ``max_compiles``. Results are cached on disk (:mod:`shardkit.autoplanner.cache`).
+4. Estimate each compiled candidate's step time with a roofline
+   (:mod:`shardkit.autoplanner.roofline`) on the chosen hardware
+   (:mod:`shardkit.autoplanner.hardware`).
+5. Rank what fits the memory budget, fastest first, with one sentence each on why it
+   wins or loses.
+
+Example:
+  >>> import shardkit as sk
+  >>> result = sk.autoplan("gpt-tiny", batch=8, seq=32, devices=8,
+  ...                      memory_per_device=2**30, hardware="h100",
+  ...                      recipes=["dp", "fsdp"], remats=["none"], progress=False)
+  >>> result.best.candidate.recipe
+  'dp'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from shardkit import recipes as recipe_registry
+from shardkit.autoplanner import hardware as hardware_table
+from shardkit.autoplanner.cache import Cache, versions
+from shardkit.autoplanner.candidates import PRECISIONS, REMATS, Candidate, enumerate_candidates
+from shardkit.autoplanner.evaluate import (
+    Analytic,
+    Evidence,
+    Pruned,
+    Subject,
+    compile_candidate,
+    prune,
+)
+from shardkit.autoplanner.roofline import Estimate, estimate, model_flops
+from shardkit.errors import ShardingError
+from shardkit.report.lint import human_bytes
+
+__all__ = ["autoplan", "AutoplanResult", "Ranked", "Rejected", "NoLayoutFitsError"]
+
+GIB = 2**30
+
+
+def human_seconds(s: float) -> str:
+    """``1.2 s``, ``35 ms``, ``4.1 µs``."""
+    for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if s >= size:
+            return f"{s / size:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+class NoLayoutFitsError(ShardingError):
+    """No candidate fits: the message names the smallest memory that would, and the
+    device counts that would work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    """A compiled candidate that fits, with its evidence and estimate."""
+
+    candidate: Candidate
+    evidence: Evidence
+    analytic: Analytic
+    estimate: Estimate
+    reason: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            **self.candidate.to_json(),
+            "memory_per_device_bytes": self.evidence.memory,
+            "analytic_memory_per_device_bytes": self.analytic.memory,
+            "wire_bytes": self.evidence.wire_bytes,
+            "analytic_wire_bytes": self.analytic.wire,
+            "flops": self.evidence.flops,
+            "step_time_s": self.estimate.step_time_s,
+            "step_time_no_overlap_s": self.estimate.no_overlap_s,
+            "compute_s": self.estimate.compute_s,
+            "intra_node_comm_s": self.estimate.intra_node_s,
+            "inter_node_comm_s": self.estimate.inter_node_s,
+            "mfu": self.estimate.mfu,
+            "reason": self.reason,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """A candidate that was dropped, and why."""
+
+    candidate: Candidate
+    reason: str
+    stage: str  # "analytic", "compile", "memory" or "not compiled"
+
+    def to_json(self) -> dict:
+        return {**self.candidate.to_json(), "stage": self.stage, "reason": self.reason}
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoplanResult:
+    """The ranked candidates (best first) and the rejected ones."""
+
+    candidates: tuple[Ranked, ...]
+    rejected: tuple[Rejected, ...]
+    hardware: hardware_table.Hardware
+    devices: int
+    memory_per_device: float
+    model: str
+    batch: int
+    seq: int
+
+    @property
+    def best(self) -> Ranked:
+        return self.candidates[0]
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model, "batch": self.batch, "seq": self.seq, "devices": self.devices,
+            "memory_per_device_bytes": self.memory_per_device,
+            "hardware": dataclasses.asdict(self.hardware),
+            "candidates": [c.to_json() for c in self.candidates],
+            "rejected": [r.to_json() for r in self.rejected],
+        }  # fmt: skip
+
+    def table(self, limit: int = 15):
+        """A rich table of the ranked candidates (80 columns; full text in ``to_json``)."""
+        from rich.table import Table
+
+        t = Table(title=f"{self.model} on {self.devices} {self.hardware.name} devices, batch "
+                        f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB "
+                        "each", title_justify="left")  # fmt: skip
+        for col in ("#", "layout", "memory", "wire", "step", "MFU"):
+            t.add_column(col, justify="left" if col == "layout" else "right")
+        for i, r in enumerate(self.candidates[:limit], 1):
+            t.add_row(str(i), r.candidate.label, human_bytes(r.evidence.memory["total"]),
+                      human_bytes(r.evidence.wire_bytes), human_seconds(r.estimate.step_time_s),
+                      f"{r.estimate.mfu:.0%}")  # fmt: skip
+        return t
+
+    def __rich_console__(self, console: Any, options: Any):
+        yield self.table()
+        for i, r in enumerate(self.candidates[:5], 1):
+            yield f"{i}. {r.candidate.label}: {r.reason}"
+        stages: dict[str, int] = {}
+        for r in self.rejected:
+            stages[r.stage] = stages.get(r.stage, 0) + 1
+        if stages:
+            yield (
+                "rejected: "
+                + ", ".join(f"{n} {s}" for s, n in stages.items())
+                + " (--json lists each with its reason)"
+            )
+
+
+def _model_key(model: Any, name: str) -> dict:
+    config = getattr(model, "config", None)
+    if config is not None:
+        return {"name": name, "config": repr(config)}
+    return {"name": name, "dims": getattr(model, "dims", {})}
+
+
+def _analytic_time(subject: Subject, c: Candidate, a: Analytic, hw, devices: int) -> float:
+    """Pre-compile estimate: useful FLOPs (+ a recomputed forward under full remat) and
+    the analytic wire bytes, over the inter-node link once the mesh spans nodes."""
+    useful = _useful_flops(subject, c, devices)
+    flops = useful * (4 / 3 if c.remat == "full" else 1)
+    link = hw.bandwidth(devices > hw.devices_per_node)
+    return max(flops / hw.peak_flops(c.precision), a.wire / link)
+
+
+def _useful_flops(subject: Subject, c: Candidate, devices: int) -> float:
+    cfg = getattr(subject.model, "config", None)
+    tokens = subject.batch * subject.seq
+    if cfg is None:
+        return model_flops(params=subject.param_count, tokens=tokens) / devices
+    return model_flops(params=cfg.param_count(), tokens=tokens, layers=cfg.n_layers,
+                       d_model=cfg.d_model, seq=subject.seq) / devices  # fmt: skip
+
+
+def _compile_set(order: list[tuple[Candidate, Analytic, float]], max_compiles: int):
+    """The best candidate of each recipe, then the best overall, up to ``max_compiles``."""
+    chosen, seen = [], set()
+    for c, _, _ in order:
+        if c.recipe not in seen and len(chosen) < max_compiles:
+            seen.add(c.recipe)
+            chosen.append(c)
+    for c, _, _ in order:
+        if len(chosen) >= max_compiles:
+            break
+        if c not in chosen:
+            chosen.append(c)
+    return chosen
+
+
+def _explain(r: Ranked, best: Ranked, budget: float) -> str:
+    e, b = r.estimate, best.estimate
+    mem = f"{human_bytes(r.evidence.memory['total'])} of {human_bytes(budget)}"
+    if r is best:
+        bound = "compute" if e.compute_s >= e.comm_s else "communication"
+        parts = [f"fastest: {human_seconds(e.step_time_s)}/step, {bound}-bound "
+                 f"({human_seconds(e.compute_s)} compute, {human_seconds(e.comm_s)} "
+                 "communication)", mem]  # fmt: skip
+        if e.inter_node_s:
+            parts.append(f"{human_seconds(e.inter_node_s)} of communication across nodes")
+        return "; ".join(parts)
+    slower = e.step_time_s / b.step_time_s
+    if e.compute_s >= e.comm_s:
+        what, extra = "compute", e.compute_s - b.step_time_s
+    elif e.inter_node_s >= e.intra_node_s:
+        what, extra = "inter-node communication", e.comm_s - b.step_time_s
+    else:
+        what, extra = "intra-node communication", e.comm_s - b.step_time_s
+    why = {
+        "compute": "recomputes the forward (remat)" if r.candidate.remat == "full" else
+                   "more FLOPs per device (replicated work, a pipeline bubble or a slower precision)",
+        "intra-node communication": f"moves {human_bytes(r.evidence.wire_bytes)} per device "
+                                    f"vs {human_bytes(best.evidence.wire_bytes)}",
+        "inter-node communication": "sends more of its traffic over the slower inter-node link",
+    }[what]  # fmt: skip
+    if slower < 1.005:
+        return f"as fast as #1 within 0.5%; ranked after it as the less simple layout (more mesh axes, later in the registry, or more memory); {mem}"
+    return f"{slower:.2f}x slower, {what}-bound (+{human_seconds(extra)}): {why}; {mem}"
+
+
+def _smallest_fit(subject: Subject, devices: int, remats, precisions, names) -> str:
+    """Device counts near ``devices`` where some candidate passes the analytic checks."""
+    works = []
+    for n in sorted({2**k for k in range(1, 13)} | {devices // 2, devices * 2}):
+        if n < 1:
+            continue
+        for c in enumerate_candidates(n, subject.batch, recipe_names=names, remats=remats,
+                                      precisions=precisions):  # fmt: skip
+            if not isinstance(prune(subject, c, budget=math.inf), Pruned):
+                works.append(n)
+                break
+    return ", ".join(map(str, works)) or "none up to 4096"
+
+
+def autoplan(
+    model: Any,
+    *,
+    batch: int,
+    seq: int,
+    devices: int,
+    memory_per_device: float | None = None,
+    hardware: str | hardware_table.Hardware = "h100",
+    recipes: Sequence[str] | None = None,
+    remats: Sequence[str] | None = None,
+    precisions: Sequence[str] = ("f32",),
+    max_compiles: int = 16,
+    cache: Cache | None = None,
+    progress: bool = True,
+) -> AutoplanResult:
+    """Rank layouts of ``model``'s AdamW train step on ``devices`` devices.
+
+    Args:
+      model: a reference model's name (``"gpt-7b"``), a user's ``"module:factory"``, or a
+        model object (``models.get(...)``; compiling then needs ``devices`` devices in
+        this process, or use a name).
+      batch, seq: global batch and sequence length of a step.
+      devices: the device count to plan for.
+      memory_per_device: bytes each device may hold (default: the hardware's memory).
+      hardware: a name in :func:`shardkit.autoplanner.hardware.names` or a ``Hardware``.
+      recipes: recipe names to consider (default: every registered recipe).
+      remats: remat policies to try for a reference model (default: none, save_dots,
+        full); a user's model keeps its own.
+      precisions: ``"f32"`` and/or ``"bf16"``.
+      max_compiles: how many survivors of the analytic pruning to compile.
+      cache: where compiled evidence is kept (default: :class:`Cache`).
+      progress: show a progress bar while compiling.
+
+    Raises:
+      NoLayoutFitsError: nothing fits; the message names the smallest memory that
+        would fit and the device counts that would work.
+    """
+    from shardkit.models import resolve
+
+    if not isinstance(devices, int) or devices < 1:
+        raise ShardingError(f"autoplan(devices=...) is a positive int, got {devices!r}.")
+    for p in precisions:
+        if p not in PRECISIONS:
+            raise ShardingError(f"autoplan precision {p!r}: use one of {PRECISIONS}.")
+    hw = hardware_table.get(hardware)
+    budget = float(memory_per_device or hw.memory_bytes)
+    name = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
+    model_obj = resolve(model) if isinstance(model, str) else model
+    subject = Subject.of(model_obj, batch=batch, seq=seq)
+    reference = getattr(model_obj, "config", None) is not None
+    remats = tuple(remats or REMATS) if reference else (None,)
+    names = list(recipes or recipe_registry.names())
+    for n in names:
+        recipe_registry.get(n)  # unknown names fail here, with the list
+
+    rejected: list[Rejected] = []
+    survivors: list[tuple[Candidate, Analytic, float]] = []
+    for c in enumerate_candidates(devices, batch, recipe_names=names, remats=remats,
+                                  precisions=precisions):  # fmt: skip
+        got = prune(subject, c, budget=budget)
+        if isinstance(got, Pruned):
+            rejected.append(Rejected(c, got.reason, "analytic"))
+        else:
+            survivors.append((c, got, _analytic_time(subject, c, got, hw, devices)))
+    if not survivors:
+        _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names)
+    survivors.sort(key=lambda s: (s[1].memory > budget, s[2]))
+    chosen = _compile_set(survivors, max_compiles)
+    analytic = {c: a for c, a, _ in survivors}
+    for c, _, t in survivors:
+        if c not in chosen:
+            rejected.append(Rejected(c, f"not compiled: its analytic estimate ({t:.3g} s/step) "
+                                        f"is not among the {max_compiles} best", "not compiled"))  # fmt: skip
+
+    evidence = _compile_all(subject, name, model, chosen, devices, cache or Cache(), progress)
+    ranked = []
+    for c in chosen:
+        got = evidence[c]
+        if isinstance(got, Pruned):
+            rejected.append(Rejected(c, got.reason, "compile"))
+            continue
+        if got.memory["total"] > budget:
+            rejected.append(Rejected(c, f"compiled: {human_bytes(got.memory['total'])} per device, "
+                                        f"over the {human_bytes(budget)} budget", "memory"))  # fmt: skip
+            continue
+        stages = c.mesh_sizes.get("stage", 1)
+        est = estimate(flops=got.flops or 0.0, collectives=got.collectives, hardware=hw,
+                       precision=c.precision, useful_flops=_useful_flops(subject, c, devices),
+                       devices=devices, stages=stages, microbatches=c.microbatches,
+                       remat=c.remat)  # fmt: skip
+        ranked.append(Ranked(c, got, analytic[c], est))
+    if not ranked:
+        _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names)
+    ranked.sort(key=lambda r: (r.estimate.step_time_s, _simplicity(r)))
+    ranked = _ties_by_simplicity(ranked)
+    best = ranked[0]
+    ranked = [dataclasses.replace(r, reason=_explain(r, best, budget)) for r in ranked]
+    return AutoplanResult(tuple(ranked), tuple(rejected), hw, devices, budget, name, batch, seq)
+
+
+def _simplicity(r: Ranked) -> tuple[int, int, int]:
+    """Fewer mesh axes, then earlier in the registry (``dp`` before ``zero1``), then less
+    memory."""
+    names = recipe_registry.names()
+    index = names.index(r.candidate.recipe) if r.candidate.recipe in names else len(names)
+    return len(r.candidate.mesh), index, r.evidence.memory["total"]
+
+
+def _ties_by_simplicity(ranked: list[Ranked]) -> list[Ranked]:
+    """Within 0.5 % of step time, the simpler layout (:func:`_simplicity`) goes first."""
+    out: list[Ranked] = []
+    for r in ranked:
+        out.append(r)
+        i = len(out) - 1
+        while i > 0:
+            a, b = out[i - 1], out[i]
+            close = b.estimate.step_time_s <= a.estimate.step_time_s * 1.005
+            simpler = _simplicity(b) < _simplicity(a)
+            if not (close and simpler):
+                break
+            out[i - 1], out[i] = b, a
+            i -= 1
+    return out
+
+
+def _compile_all(subject, name, model, chosen, devices, cache, progress) -> dict:
+    base = {"model": _model_key(subject.model, name), "batch": subject.batch, "seq": subject.seq,
+            "devices": devices, **versions()}  # fmt: skip
+    out: dict[Candidate, Evidence | Pruned] = {}
+    todo = []
+    for c in chosen:
+        hit = cache.get({**base, "candidate": c.to_json()})
+        if hit is None:
+            todo.append(c)
+        else:
+            out[c] = (
+                Evidence.from_json(hit["evidence"]) if "evidence" in hit else Pruned(hit["pruned"])
+            )
+    if not todo:
+        return out
+    from rich.progress import Progress
+
+    with Progress(transient=True, disable=not progress) as bar:
+        task = bar.add_task(f"compiling {len(todo)} layouts on {devices} devices", total=len(todo))
+        if len(jax.devices()) >= devices:
+            results = ({"index": i, **_in_process(subject, c, devices)} for i, c in enumerate(todo))
+        else:
+            if not isinstance(model, str):
+                raise ShardingError(
+                    f"autoplan: compiling for {devices} devices needs {devices} devices in this "
+                    f"process (it has {len(jax.devices())}) or a model given by name.\nFix: pass "
+                    "the model's name (e.g. 'gpt-7b' or 'package.module:factory').")  # fmt: skip
+            from shardkit.autoplanner.worker import compile_elsewhere
+
+            results = compile_elsewhere({"model": model, "batch": subject.batch, "seq": subject.seq,
+                                         "devices": devices,
+                                         "candidates": [c.to_json() for c in todo]})  # fmt: skip
+        for line in results:
+            c = todo[line["index"]]
+            out[c] = (
+                Evidence.from_json(line["evidence"])
+                if "evidence" in line
+                else Pruned(line["pruned"])
+            )
+            cache.put(
+                {**base, "candidate": c.to_json()}, {k: v for k, v in line.items() if k != "index"}
+            )
+            bar.update(task, advance=1, description=f"compiled {c.label}")
+    return out
+
+
+def _in_process(subject: Subject, c: Candidate, devices: int) -> dict:
+    got = compile_candidate(subject, c, jax.devices()[:devices])
+    return {"evidence": got.to_json()} if isinstance(got, Evidence) else {"pruned": got.reason}
+
+
+def _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names):
+    mems = []
+    for c in enumerate_candidates(devices, subject.batch, recipe_names=names, remats=remats,
+                                  precisions=precisions):  # fmt: skip
+        got = prune(subject, c, budget=math.inf)
+        if isinstance(got, Analytic):
+            mems.append((got.memory, c))
+    compiled = [r for r in rejected if r.stage == "memory"]
+    failed = sorted({r.reason for r in rejected if r.stage == "compile"})
+    lines = [f"No layout of {len(rejected)} candidates fits {devices} devices with "
+             f"{human_bytes(budget)} each."]  # fmt: skip
+    if mems:
+        mem, c = min(mems, key=lambda m: m[0])
+        lines.append(f"The smallest memory that would fit: about {human_bytes(mem)} per device "
+                     f"(analytic, {c.label}).")  # fmt: skip
+    else:
+        reasons = sorted({r.reason for r in rejected})[:3]
+        lines.append(f"No mesh of {devices} devices divides the model: " + "; ".join(reasons))
+    if failed:
+        lines.append("Compiling refused: " + "; ".join(failed[:3]))
+    if compiled:
+        lines.append(
+            "Compiled but over budget: "
+            + "; ".join(f"{r.candidate.label} ({r.reason})" for r in compiled[:3])
+        )
+    lines.append(f"Device counts whose meshes divide the model and batch: "
+                 f"{_smallest_fit(subject, devices, remats, precisions, names)}.")  # fmt: skip
+    lines.append("Fix: raise memory_per_device (--memory-gb), change the device count, or "
+                 "shrink the batch or sequence.")  # fmt: skip
+    raise NoLayoutFitsError("\n".join(lines))

@@ -1,0 +1,65 @@
+"""``shardkit autoplan``: rank layouts for a model, a device count and a memory budget."""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+from shardkit.autoplanner import hardware
+from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
+from shardkit.cli.options import add_json, check_outputs, emit_json, wants_tables
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("autoplan", help="rank recipe × mesh × remat × precision by compiled "
+                                        "memory and a roofline step time")  # fmt: skip
+    p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
+    p.add_argument("--devices", type=int, required=True, help="device count to plan for")
+    p.add_argument("--memory-gb", type=float, default=None,
+                   help="GiB per device (default: the hardware's memory)")  # fmt: skip
+    p.add_argument("--hardware", default="h100", choices=hardware.names())
+    p.add_argument("--batch", type=int, default=None, help="global batch (default: --devices)")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    p.add_argument("--recipes", default=None, help="comma-separated recipes (default: all)")
+    p.add_argument("--remat", default=None,
+                   help="comma-separated remat policies to try (default: none,save_dots,full)")  # fmt: skip
+    p.add_argument("--precision", default="f32",
+                   help="comma-separated precisions to try: f32, bf16 (default: f32)")  # fmt: skip
+    p.add_argument("--max-compiles", type=int, default=16,
+                   help="survivors of the analytic pruning to compile (default: 16)")  # fmt: skip
+    p.add_argument("--plot", metavar="PNG", help="draw memory against step time to PNG")
+    add_json(p)
+    p.set_defaults(handler=main)
+
+
+def _list(text: str | None) -> list[str] | None:
+    return [x.strip() for x in text.split(",") if x.strip()] if text else None
+
+
+def main(args: argparse.Namespace) -> int:
+    from shardkit.autoplanner import autoplan
+
+    check_outputs(args)
+    model = resolve_model(args.model)
+    result = autoplan(
+        args.model,
+        batch=args.batch or args.devices,
+        seq=args.seq or default_seq(model),
+        devices=args.devices,
+        memory_per_device=args.memory_gb * 2**30 if args.memory_gb else None,
+        hardware=args.hardware,
+        recipes=_list(args.recipes),
+        remats=_list(args.remat),
+        precisions=_list(args.precision) or ["f32"],
+        max_compiles=args.max_compiles,
+        progress=wants_tables(args),
+    )
+    emit_json(args, result.to_json())
+    if args.plot:
+        from shardkit.autoplanner.plot import plot_autoplan
+
+        plot_autoplan(result, args.plot)
+    if wants_tables(args):
+        Console().print(result)
+    return 0

@@ -1,0 +1,45 @@
+"""The search space: factorisations, the registry, micro-batches."""
+
+import itertools
+import math
+
+import pytest
+
+from shardkit import recipes
+from shardkit.autoplanner.candidates import Candidate, enumerate_candidates, factorisations
+
+
+@pytest.mark.parametrize("n,k", [(8, 1), (8, 2), (8, 3), (12, 2), (64, 3), (7, 2), (1, 1)])
+def test_factorisations_are_every_ordered_split_with_axes_of_at_least_two(n, k):
+    brute = [t for t in itertools.product(range(1, n + 1), repeat=k)
+             if math.prod(t) == n and (min(t) >= 2 or n == 1)]  # fmt: skip
+    assert sorted(factorisations(n, k)) == sorted(brute)
+
+
+def test_a_registered_recipe_joins_the_search(monkeypatch):
+    import dataclasses
+
+    mine = dataclasses.replace(recipes.get("fsdp"), name="mine", mesh_axes=(("shard", -1),))
+    monkeypatch.setitem(recipes._REGISTRY, "mine", lambda: mine)
+    found = [c for c in enumerate_candidates(8, 8, remats=["none"]) if c.recipe == "mine"]
+    assert found == [Candidate("mine", (("shard", 8),), "none", None, "f32")]
+
+
+def test_pipelines_get_p_2p_4p_microbatches_that_split_the_batch():
+    got = {(c.mesh, c.microbatches)
+           for c in enumerate_candidates(8, 16, recipe_names=["dp_pp"], remats=["none"])}  # fmt: skip
+    # stage=2 x data=4: 4 rows per replica -> m in {2, 4} (8 does not divide 4 rows);
+    # stage=4 x data=2: 8 rows -> m in {4, 8} (16 does not divide 8 rows).
+    assert got == {((("stage", 2), ("data", 4)), 2), ((("stage", 2), ("data", 4)), 4),
+                   ((("stage", 4), ("data", 2)), 4), ((("stage", 4), ("data", 2)), 8)}  # fmt: skip
+
+
+def test_a_batch_too_small_to_pipeline_leaves_one_candidate_to_reject():
+    got = enumerate_candidates(8, 2, recipe_names=["pp"], remats=["none"])
+    assert [c.microbatches for c in got] == [None]
+
+
+def test_candidates_round_trip_through_json():
+    c = Candidate("zeropp", (("data", 2), ("stage", 2), ("fsdp", 2)), "full", 4, "bf16")
+    assert Candidate.from_json(c.to_json()) == c
+    assert c.label == "zeropp data=2×stage=2×fsdp=2 remat=full m=4 bf16"

@@ -1,0 +1,45 @@
+"""Analytic pruning: the reasons, and the state it counts (by hand)."""
+
+import pytest
+
+from shardkit import models
+from shardkit.autoplanner.candidates import Candidate
+from shardkit.autoplanner.evaluate import Analytic, Pruned, Subject, prune
+
+PSI = 124_672  # gpt-tiny's parameters
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return Subject.of(models.get("gpt-tiny"), batch=8, seq=32)
+
+
+def test_the_subject_counts_parameters_and_adam_state(tiny):
+    assert tiny.param_bytes == 4 * PSI
+    assert tiny.optimizer_bytes == pytest.approx(8 * PSI, abs=64)  # m, v (+ step counters)
+
+
+@pytest.mark.parametrize(
+    "recipe, mesh, divisor", [("dp", {"data": 8}, 1), ("fsdp", {"fsdp": 8}, 8)]
+)
+def test_state_is_params_grads_and_adam_divided_by_the_sharding(tiny, recipe, mesh, divisor):
+    got = prune(tiny, Candidate(recipe, tuple(mesh.items())), budget=2**30)
+    assert isinstance(got, Analytic)
+    assert got.state == pytest.approx(16 * PSI / divisor, rel=1e-3)
+
+
+def test_state_over_budget_is_pruned_with_the_numbers(tiny):
+    got = prune(tiny, Candidate("dp", (("data", 8),)), budget=16 * PSI / 2)
+    assert isinstance(got, Pruned) and "1.9 MiB per device" in got.reason
+
+
+def test_indivisible_heads_and_zigzag_sequences_are_pruned(tiny):
+    four_heads = Subject.of(models.get("gpt-tiny", n_heads=4, n_kv_heads=4), batch=8, seq=32)
+    got = prune(four_heads, Candidate("tp", (("tensor", 8),)), budget=2**30)
+    assert isinstance(got, Pruned) and "'heads'" in got.reason and "tensor=8" in got.reason
+    got = prune(tiny, Candidate("cp", (("sequence", 32),)), budget=2**30)
+    assert isinstance(got, Pruned) and "64 zigzag chunks" in got.reason
+    got = prune(tiny, Candidate("dp", (("data", 16),)), budget=2**30)
+    assert isinstance(got, Pruned) and got.reason.startswith("batch")
+    got = prune(tiny, Candidate("pp", (("stage", 8),), microbatches=8), budget=2**30)
+    assert isinstance(got, Pruned) and "2 layers do not split into 8 stages" in got.reason

@@ -1,0 +1,124 @@
+"""The planner's sanity cases, each with the reason it must come out that way."""
+
+import json
+
+import pytest
+
+from shardkit import models, recipes
+from shardkit.autoplanner import NoLayoutFitsError, autoplan
+from shardkit.autoplanner.cache import Cache
+from shardkit.autoplanner.hardware import get
+from shardkit.autoplanner.roofline import crosses_nodes
+
+MIB = 2**20
+
+
+@pytest.fixture
+def cache(tmp_path):
+    return Cache(tmp_path)
+
+
+def plan(model, cache, **kw):
+    kw = {"batch": 8, "seq": 32, "devices": 8, "memory_per_device": 2**30, "hardware": "h100",
+          "remats": ["none"], "progress": False, **kw}  # fmt: skip
+    return autoplan(model, cache=cache, **kw)
+
+
+def test_a_small_model_on_8_devices_picks_pure_data_parallelism(cache):
+    # Every layout does the same useful FLOPs; with 16k tokens the step is compute-bound
+    # under DP, whose gradient all-reduce (2Ψ) is the least traffic. ZeRO-1 moves as much
+    # (it can only tie, and DP is the simpler layout); FSDP moves 3Ψ; a pipeline idles
+    # for its bubble.
+    r = plan("gpt-tiny", cache, batch=128, seq=128, recipes=["dp", "zero1", "fsdp", "dp_pp"],
+             max_compiles=4)  # fmt: skip
+    assert r.best.candidate.recipe == "dp"
+    assert r.best.estimate.compute_s >= r.best.estimate.comm_s
+    assert r.best.reason.startswith("fastest")
+    assert all(c.reason for c in r.candidates)
+
+
+def test_adam_state_over_one_device_under_dp_picks_an_fsdp_variant(cache):
+    # d_model 256: Ψ ≈ 1.6 M, so DP holds 16Ψ ≈ 26 MB of parameters, gradients and Adam
+    # state per device: a 10 MiB budget rules it out before compiling; FSDP holds 16Ψ/8.
+    model = models.get("gpt-tiny", d_model=256)
+    r = plan(model, cache, memory_per_device=10 * MIB, recipes=["dp", "fsdp", "dp_fsdp"],
+             max_compiles=3)  # fmt: skip
+    assert r.best.candidate.recipe in {"fsdp", "dp_fsdp"}
+    (dp,) = [x for x in r.rejected if x.candidate.recipe == "dp"]
+    assert dp.stage == "analytic" and "over the 10.0 MiB budget" in dp.reason
+    assert all(c.evidence.memory["total"] <= 10 * MIB for c in r.candidates)
+
+
+def test_a_long_sequence_with_a_small_batch_picks_a_sequence_parallel_variant(cache):
+    # One sequence cannot be split over a data axis; of what is left, tensor parallelism
+    # all-reduces activations of every token, while context/sequence layouts shard the
+    # tokens and move K/V or weights of a tiny model instead.
+    r = plan("llama-tiny", cache, batch=1, seq=1024, max_compiles=4,
+             recipes=["dp", "fsdp", "tp", "tp_sp", "cp", "fsdp_cp", "tsp"])  # fmt: skip
+    best = recipes.get(r.best.candidate.recipe)
+    spec = best.activation_rules.spec(("batch", "length"), (1, 1024), r.best.candidate.mesh_sizes)
+    assert spec[1] is not None, (r.best.candidate.label, spec)
+    splits_batch = {x.candidate.recipe for x in r.rejected if x.reason.startswith("batch")}
+    assert {"dp", "fsdp"} <= splits_batch
+
+
+def test_a_mesh_axis_that_does_not_divide_the_head_count_is_never_proposed(cache):
+    # 4 heads: tensor=8 cannot split them; tensor=2 and 4 can.
+    model = models.get("gpt-tiny", n_heads=4, n_kv_heads=4)
+    r = plan(model, cache, recipes=["tp", "fsdp_tp"])
+    assert r.candidates
+    for c in r.candidates:
+        assert 4 % c.candidate.mesh_sizes["tensor"] == 0, c.candidate.label
+    (tp8,) = [x for x in r.rejected if x.candidate.recipe == "tp"]
+    assert "heads" in tp8.reason and "tensor=8" in tp8.reason
+
+
+def test_a_slow_cross_node_link_keeps_the_heavy_traffic_inside_a_node(cache):
+    # 4 nodes of 2 devices and a 1 GB/s link between them. data=4 x fsdp=2 keeps FSDP's
+    # 3Ψ of gathers and scatters inside a node and sends only the data all-reduce of a
+    # half-sharded gradient (0.75Ψ) across; data=2 x fsdp=4 or pure DP/FSDP send more
+    # across nodes.
+    hw = get("h100").with_(devices_per_node=2, inter_node_bandwidth=1e9)
+    r = plan("gpt-tiny", cache, hardware=hw, recipes=["dp", "fsdp", "dp_fsdp"])
+    best = r.best
+    assert best.candidate.mesh_sizes == {"data": 4, "fsdp": 2}
+    inter = sum(w for _, w, g in best.evidence.collectives if crosses_nodes(g, 2))
+    intra = sum(w for _, w, g in best.evidence.collectives if not crosses_nodes(g, 2))
+    assert intra > inter > 0
+    for other in r.candidates[1:]:
+        assert (
+            sum(w for _, w, g in other.evidence.collectives if crosses_nodes(g or range(8), 2))
+            > inter
+        )
+
+
+def test_json_fields_and_the_cache_makes_a_second_call_compile_nothing(cache, monkeypatch):
+    from shardkit.autoplanner import planner
+
+    first = plan("gpt-tiny", cache, recipes=["dp", "fsdp"]).to_json()
+    for c in first["candidates"]:
+        for key in ("recipe", "mesh", "remat", "microbatches", "precision", "wire_bytes",
+                    "step_time_s", "mfu", "reason"):  # fmt: skip
+            assert key in c
+        assert c["memory_per_device_bytes"]["total"] > 0
+    assert all(r["reason"] for r in first["rejected"])
+
+    def no_compiling(*a, **k):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(planner, "compile_candidate", no_compiling)
+    again = plan("gpt-tiny", cache, recipes=["dp", "fsdp"]).to_json()
+    assert json.dumps(again["candidates"]) == json.dumps(first["candidates"])
+
+
+def test_nothing_fits_names_the_smallest_memory_that_would(cache):
+    with pytest.raises(
+        NoLayoutFitsError, match=r"smallest memory that would fit: about [\d.]+ MiB"
+    ):
+        plan("gpt-tiny", cache, memory_per_device=1000, recipes=["dp", "fsdp"])
+
+
+def test_a_device_count_nothing_divides_names_counts_that_would_work(cache):
+    # 7 devices: no recipe's axes split gpt-tiny's batch of 8, 64-wide matrices or 8 heads.
+    with pytest.raises(NoLayoutFitsError, match=r"divide the model and batch: 2, 4, 8\."):
+        plan("gpt-tiny", cache, devices=7, recipes=["dp", "fsdp", "tp"])
