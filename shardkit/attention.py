@@ -91,8 +91,30 @@ def current_attention() -> tuple[AttentionStrategy, str]:
 
 
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-    return s * (1.0 / math.sqrt(q.shape[-1]))
+    """Scaled scores ``[b, h, q, k]``; ``k`` may have fewer heads (GQA: g divides h)."""
+    b, sq, h, d = q.shape
+    g = k.shape[2]
+    if g == h:
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+        return s * (1.0 / math.sqrt(d))
+    qg = q.reshape(b, sq, g, h // g, d)  # query head i reads K/V head i // (h/g)
+    s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=jnp.float32)
+    return s.reshape(b, h, sq, k.shape[1]) * (1.0 / math.sqrt(d))
+
+
+def _weigh(p: jax.Array, v: jax.Array, out: str) -> jax.Array:
+    """``p [b, h, q, k]`` times ``v [b, k, g, d]`` (g divides h), f32, as ``out``."""
+    b, h, sq, sk_ = p.shape
+    g, d = v.shape[2], v.shape[3]
+    if g == h:
+        spec = "bhqk,bkhd->" + out
+        return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pg = p.astype(v.dtype).reshape(b, g, h // g, sq, sk_)
+    if out == "bqhd":
+        y = jnp.einsum("bgrqk,bkgd->bqgrd", pg, v, preferred_element_type=jnp.float32)
+        return y.reshape(b, sq, h, d)
+    y = jnp.einsum("bgrqk,bkgd->bgrqd", pg, v, preferred_element_type=jnp.float32)
+    return y.reshape(b, h, sq, d)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array, pin=None):
@@ -103,17 +125,26 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax
     scores = _scores(q, k) if pin is None else pin(_scores(q, k))
     s = jnp.where(qpos[:, None] >= kpos[None, :], scores, _NEG)
     p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return _weigh(p, v, "bqhd")
 
 
 def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """The reference; K/V sharded on length by an Explicit mesh are gathered first."""
+    """The reference; K/V sharded on length by an Explicit mesh are gathered first.
+
+    GQA's K/V are repeated to the query heads here (GSPMD lays out the dense einsum).
+    """
+    if k.shape != q.shape:
+        k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
     k, v = (_unshard_length(x) for x in (k, v))
     pos = jnp.arange(q.shape[1])
     # Scores keep the heads' layout; left free, XLA may reshard them between the forward
     # and backward passes (all-to-alls under tensor + sequence parallelism).
     pin = functools.partial(constrain, logical=("batch", "heads", "length", None))
     return _attend(q, k, v, pos, pos, pin).astype(q.dtype)
+
+
+def _repeat_heads(x: jax.Array, heads: int) -> jax.Array:
+    return constrain(jnp.repeat(x, heads // x.shape[2], axis=2), _LOGICAL)
 
 
 def _unshard_length(x: jax.Array) -> jax.Array:
@@ -133,7 +164,7 @@ def _online(carry: tuple, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any = 
     m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
-    pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = _weigh(p, v, "bhqd")
     return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
 
 
@@ -164,7 +195,10 @@ def _zigzag(x: jax.Array, axis: str, n: int, *, inverse: bool = False) -> jax.Ar
 
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
     """Per-device body of zigzag load-balanced ring attention (contiguous layout in/out)."""
-    q, k, v = _zigzag(jnp.stack([q, k, v]), axis, n)
+    if q.shape == k.shape:
+        q, k, v = _zigzag(jnp.stack([q, k, v]), axis, n)
+    else:  # GQA: K/V travel with their own (fewer) heads
+        q, (k, v) = _zigzag(q[None], axis, n)[0], _zigzag(jnp.stack([k, v]), axis, n)
     b, s, h, d = q.shape
     c = s // 2
     r = jax.lax.axis_index(axis)
@@ -221,8 +255,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention with the strategy of the active ``use_attention``.
 
     Args:
-      q, k, v: ``[batch, seq, heads, head_dim]``, the same heads (repeat K/V heads
-        for grouped-query attention first).
+      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``
+        with ``kv_heads`` dividing ``heads`` (grouped-query attention: query head i
+        reads K/V head ``i // (heads / kv_heads)``). Ring and all-gather attention move
+        K/V with their own heads and group the einsums, so GQA sends
+        ``kv_heads / heads`` of the bytes; dense attention repeats them first.
 
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``; scores scaled by
@@ -232,19 +269,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
       ShardingError: mismatched shapes, or a sequence the strategy cannot split
         (ring needs a multiple of 2N, allgather of N, N = size of the axis).
     """
-    if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
+    grouped = (q.ndim == 4 and k.shape == v.shape and k.ndim == 4 and k.shape[2] > 0
+               and k.shape[:2] + k.shape[3:] == q.shape[:2] + q.shape[3:]
+               and q.shape[2] % k.shape[2] == 0)  # fmt: skip
+    if not grouped:
         raise ShardingError(
-            f"causal_attention needs q, k, v of one shape [batch, seq, heads, head_dim], got "
-            f"{q.shape}, {k.shape}, {v.shape}.\nFix: repeat K/V heads to match q's heads."
+            f"causal_attention needs q [batch, seq, heads, head_dim] and k, v of one shape "
+            f"[batch, seq, kv_heads, head_dim] with kv_heads dividing heads, got {q.shape}, "
+            f"{k.shape}, {v.shape}.\nFix: give k and v the same shape, and as many heads as "
+            "q or a divisor of that."
         )
     strategy, axis = current_attention()
     mesh = context.active_mesh()
-    if (
-        strategy == "dense"
-        or mesh is None
-        or axis not in mesh.axis_names
-        or mesh.shape[axis] == 1
-    ):
+    if strategy == "dense" or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
         return _dense(q, k, v)
     n = mesh.shape[axis]
     chunks = 2 * n if strategy == "ring" else n
@@ -255,12 +292,22 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             f"{chunks}, or use another attention strategy."
         )
     spec = _spec(q.shape, mesh, axis)
+    kv_spec = spec
+    if k.shape != q.shape:
+        heads = spec[2] if len(spec) > 2 else None
+        split = math.prod(mesh.shape[a] for a in ((heads,) if isinstance(heads, str)
+                                                   else heads or ()))  # fmt: skip
+        if k.shape[2] % split:  # the heads' devices do not divide K/V's: repeat them
+            k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
+        else:
+            kv_spec = _spec(k.shape, mesh, axis)
     if is_explicit(mesh):
-        q, k, v = (jax.sharding.reshard(x, spec) for x in (q, k, v))
+        q = jax.sharding.reshard(q, spec)
+        k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
     body = _ring if strategy == "ring" else _allgather
     return jax.shard_map(
         lambda q, k, v: body(q, k, v, axis=axis, n=n),
         mesh=mesh,
-        in_specs=(spec, spec, spec),
+        in_specs=(spec, kv_spec, kv_spec),
         out_specs=spec,
     )(q, k, v)

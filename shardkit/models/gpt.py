@@ -33,7 +33,7 @@ from shardkit import errors
 from shardkit.attention import causal_attention
 from shardkit.loss import head_view
 from shardkit.models.config import ModelConfig
-from shardkit.parallel.tsp import TspDot
+from shardkit.parallel.tsp import TspDot, active_axis
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 
@@ -266,6 +266,9 @@ class GPT(nn.Module):
             return jnp.einsum("...d,vd->...v", y, t)
 
         if targets is not None:
+            if table.n == 1 and active_axis() is not None:  # TSP: a ring of vocab shards
+                return sk.chunked_cross_entropy(x, targets, head, weight=weight,
+                                                weight_axes=TABLE, chunks=cfg.loss_chunks)  # fmt: skip
             if table.n == 1:  # the head's layout, here, after the layers
                 table = head_view(weight, TABLE, data=targets, reuse=table)
             return sk.chunked_cross_entropy(x, targets, head, weight=table, chunks=cfg.loss_chunks)
