@@ -34,6 +34,7 @@ from shardkit.attention import causal_attention
 from shardkit.loss import head_view
 from shardkit.models.config import ModelConfig
 from shardkit.parallel.tsp import TspDot, active_axis
+from shardkit.parallel.tsp_head import vocab_ring_lookup
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 
@@ -240,7 +241,9 @@ class GPT(nn.Module):
             # the lookup has replicas, it reads that view too, so the two uses'
             # gradients add up on each replica before one reduction.
             table = head_view(weight, TABLE, data=targets, reuse=table)
-        x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
+        x = vocab_ring_lookup(weight, tokens, TABLE) if table.n == 1 else None  # TSP's ring
+        if x is None:
+            x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
         x = x + wpe(jnp.arange(seq)[None, :])
         x = sk.constrain(x.astype(cfg.dtype), RESIDUAL)
 

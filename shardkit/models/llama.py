@@ -38,6 +38,7 @@ from shardkit.attention import causal_attention
 from shardkit.models.config import ModelConfig
 from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, checkpoint_policy
 from shardkit.parallel.tsp import TspDot, TspEinsum
+from shardkit.parallel.tsp_head import vocab_ring_lookup
 
 __all__ = ["Llama", "Block", "Attention", "Mlp", "rope_tables", "apply_rope"]
 
@@ -254,7 +255,10 @@ class Llama(nnx.Module):
         token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
         are never held whole)."""
         cfg = self.config
-        x = sk.constrain(self.embed(tokens).astype(cfg.dtype), RESIDUAL)
+        # Under TSP's schedules the table's vocabulary shards serve a ring lookup.
+        x = vocab_ring_lookup(self.embed.embedding[...], tokens, ("vocab", "embed"))
+        x = self.embed(tokens) if x is None else x
+        x = sk.constrain(x.astype(cfg.dtype), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
         if cfg.scan:
             graphdef, state = nnx.split(self.layers)

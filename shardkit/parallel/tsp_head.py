@@ -44,7 +44,7 @@ from shardkit import context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.parallel.tsp import active_axis
 
-__all__ = ["vocab_ring_cross_entropy"]
+__all__ = ["vocab_ring_cross_entropy", "vocab_ring_lookup"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +56,10 @@ class _Head:
     size: int
 
 
-def _shift(v: jax.Array, head: _Head) -> jax.Array:
-    n = head.size
-    return lax.ppermute(v, head.axis, [(j, (j + 1) % n) for j in range(n)])
+def _shift(v: jax.Array, ring: Any) -> jax.Array:
+    """Send ``v`` to the next device of the ring (p → p + 1)."""
+    n = ring.size
+    return lax.ppermute(v, ring.axis, [(j, (j + 1) % n) for j in range(n)])
 
 
 def _is_target(t: jax.Array, r: Any, width: int) -> jax.Array:
@@ -147,6 +148,34 @@ def _names(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
+def _layout(weight: jax.Array, weight_axes: Sequence[str | None], vocab: str | None,
+            token_axes: Sequence[str | None], token_shape: tuple[int, ...]) -> tuple | None:  # fmt: skip
+    """``(mesh, axis, D, vocab dim, token spec)`` when the TSP vocabulary rings apply.
+
+    They do under ``layer_schedule="tsp"`` when the rules split the weight's ``vocab``
+    dimension, and no other, over the TSP axis, and the tokens over it too.
+    """
+    axis = active_axis()
+    if axis is None:
+        return None
+    ctx, mesh = context.current(), context.active_mesh()
+    weight_axes = tuple(weight_axes)
+    if vocab not in weight_axes or ctx.activation_rules is None:
+        return None
+    wspec = tuple(ctx.param_rules.spec(weight_axes, shape=weight.shape, mesh=mesh))
+    wspec += (None,) * (weight.ndim - len(wspec))
+    vdim = weight_axes.index(vocab)
+    split = [(i, a) for i, e in enumerate(wspec) for a in _names(e) if mesh.shape[a] > 1]
+    if split != [(vdim, axis)]:
+        return None
+    tspec = tuple(ctx.activation_rules.spec(tuple(token_axes), shape=tuple(token_shape),
+                                            mesh=mesh, path="tokens"))  # fmt: skip
+    tspec += (None,) * (len(token_shape) - len(tspec))
+    if axis not in {a for e in tspec for a in _names(e)}:
+        return None
+    return mesh, axis, mesh.shape[axis], vdim, PartitionSpec(*tspec)
+
+
 def vocab_ring_cross_entropy(hidden: jax.Array, targets: jax.Array,
                              project: Callable[..., jax.Array], weight: jax.Array,
                              weight_axes: Sequence[str | None],
@@ -167,27 +196,11 @@ def vocab_ring_cross_entropy(hidden: jax.Array, targets: jax.Array,
       active, or the rules do not split the weight's vocabulary, and only it, over the
       TSP axis, or the tokens over it).
     """
-    axis = active_axis()
-    if axis is None:
+    layout = _layout(weight, weight_axes, logits_axes[-1], logits_axes[:-1], targets.shape)
+    if layout is None:
         return None
-    ctx, mesh = context.current(), context.active_mesh()
-    n, weight_axes, vocab = mesh.shape[axis], tuple(weight_axes), logits_axes[-1]
-    if vocab not in weight_axes or ctx.activation_rules is None:
-        return None
-    wspec = tuple(ctx.param_rules.spec(weight_axes, shape=weight.shape, mesh=mesh))
-    wspec += (None,) * (weight.ndim - len(wspec))
-    vdim = weight_axes.index(vocab)
-    split = [(i, a) for i, e in enumerate(wspec) for a in _names(e) if mesh.shape[a] > 1]
-    if split != [(vdim, axis)]:
-        return None
-    token_axes = tuple(logits_axes[:-1])
-    tspec = tuple(ctx.activation_rules.spec(token_axes, shape=targets.shape, mesh=mesh,
-                                            path="targets"))  # fmt: skip
-    tspec += (None,) * (targets.ndim - len(tspec))
-    if axis not in {a for e in tspec for a in _names(e)}:
-        return None
+    mesh, axis, n, vdim, tspec = layout
     head = _Head(project, axis, n)
-    tspec = PartitionSpec(*tspec)
     hspec = PartitionSpec(*tspec, None)
     wspec = PartitionSpec(*(axis if i == vdim else None for i in range(weight.ndim)))
     if is_explicit(mesh):
@@ -200,3 +213,128 @@ def vocab_ring_cross_entropy(hidden: jax.Array, targets: jax.Array,
         out_specs=tspec,
         check_vma=False,
     )(hidden, targets, weight)
+
+
+# ------------------------------------------------------------------ the lookup
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lookup:
+    axis: str
+    size: int
+    dims: tuple[int, ...]  # the token dimensions split over the axis
+    shard: tuple[int, int]  # this device's rows of the table: (V/D, d)
+    dtype: Any
+
+
+def _block(ids: jax.Array, j: Any, lookup: _Lookup, local: tuple[int, ...]) -> jax.Array:
+    """Device ``j``'s tokens out of all of them (``ids`` gathered over the axis)."""
+    for dim in lookup.dims:
+        ids = lax.dynamic_slice_in_dim(ids, j * local[dim], local[dim], axis=dim)
+    return ids
+
+
+def _rows(table: jax.Array, ids: jax.Array, p: Any) -> jax.Array:
+    """Embeddings of ``ids`` from this device's rows of the table (zero elsewhere)."""
+    rows = table.shape[0]
+    local = ids - p * rows
+    inside = (local >= 0) & (local < rows)
+    x = jnp.take(table, jnp.clip(local, 0, rows - 1), axis=0)
+    return jnp.where(inside[..., None], x, jnp.zeros((), table.dtype))
+
+
+def _gather_ids(ids: jax.Array, lookup: _Lookup) -> jax.Array:
+    for dim in lookup.dims:
+        ids = lax.all_gather(ids, lookup.axis, axis=dim, tiled=True)
+    return ids
+
+
+def _lookup_forward(table: jax.Array, ids: jax.Array, lookup: _Lookup) -> jax.Array:
+    p, n = lax.axis_index(lookup.axis), lookup.size
+    every = _gather_ids(ids, lookup)  # token ids: 4 bytes a token
+
+    def rows_for(j: Any) -> jax.Array:
+        return _rows(table, _block(every, j, lookup, ids.shape), p)
+
+    # A ring reduce-scatter: the sum for device j's tokens starts at j + 1 and gains
+    # each device's rows on its way round to j.
+    def step(t: jax.Array, acc: jax.Array) -> jax.Array:
+        return _shift(acc, lookup) + rows_for((p - t - 1) % n)
+
+    acc = lax.fori_loop(1, n - 1, step, rows_for((p - 1) % n))
+    return _shift(acc, lookup) + rows_for(p)
+
+
+def _lookup_backward(lookup: _Lookup, res: tuple, g: jax.Array) -> tuple:
+    (every,) = res
+    p, n = lax.axis_index(lookup.axis), lookup.size
+    rows = lookup.shard[0]
+
+    def scatter(grad: jax.Array, gc: jax.Array, j: Any) -> jax.Array:
+        local = _block(every, j, lookup, gc.shape[:-1]) - p * rows
+        inside = (local >= 0) & (local < rows)
+        vals = jnp.where(inside[..., None], gc, jnp.zeros((), gc.dtype)).reshape(-1, gc.shape[-1])
+        return grad.at[jnp.clip(local, 0, rows - 1).reshape(-1)].add(vals.astype(grad.dtype))
+
+    # A ring all-gather of the embeddings' gradient: each device adds the rows it owns.
+    def step(t: jax.Array, state: tuple) -> tuple:
+        grad, gc = state
+        gc = _shift(gc, lookup)
+        return scatter(grad, gc, (p - t) % n), gc
+
+    grad = scatter(jnp.zeros(lookup.shard, jnp.float32), g, p)
+    grad, _ = lax.fori_loop(1, n, step, (grad, g))
+    return grad.astype(lookup.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _ring_lookup(table: jax.Array, ids: jax.Array, lookup: _Lookup) -> jax.Array:
+    return _lookup_forward(table, ids, lookup)
+
+
+def _ring_lookup_fwd(table, ids, lookup):
+    every = _gather_ids(ids, lookup)
+    return _lookup_forward(table, ids, lookup), (every,)
+
+
+_ring_lookup.defvjp(_ring_lookup_fwd, _lookup_backward)
+
+
+def vocab_ring_lookup(table: jax.Array, tokens: jax.Array, table_axes: Sequence[str | None],
+                      token_axes: Sequence[str | None] = ("batch", "length"),
+                      ) -> jax.Array | None:  # fmt: skip
+    """``table[tokens]`` as a TSP ring over the vocabulary shards of a ``(vocab, d)`` table.
+
+    Each device looks up, in its own rows, the tokens of every device (the token ids
+    are all-gathered: 4 bytes a token), and the partial embeddings travel a ring
+    reduce-scatter, block by block, to the device that holds those tokens: f·b·S·d
+    values per device, and never a ``[b, S, d]`` buffer (XLA's lookup builds one).
+    Backward, the embeddings' gradient travels a ring all-gather and each device adds
+    the rows it owns into its shard of the table's gradient.
+
+    Returns:
+      ``[*tokens.shape, d]``, or ``None`` where the ring does not apply (as for
+      :func:`vocab_ring_cross_entropy`; the table's first axis must be the vocabulary).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> vocab_ring_lookup(jnp.ones((16, 4)), jnp.zeros((1, 8), jnp.int32),
+      ...                   ("vocab", "embed")) is None   # no TSP context
+      True
+    """
+    layout = _layout(table, table_axes, "vocab", token_axes, tokens.shape)
+    if layout is None or layout[3] != 0 or table.ndim != 2:
+        return None
+    mesh, axis, n, _, tspec = layout
+    dims = tuple(i for i, e in enumerate(tspec) if axis in _names(e))
+    lookup = _Lookup(axis, n, dims, (table.shape[0] // n, table.shape[1]), table.dtype)
+    wspec = PartitionSpec(axis, None)
+    if is_explicit(mesh):
+        tokens, table = jax.sharding.reshard(tokens, tspec), jax.sharding.reshard(table, wspec)
+    return jax.shard_map(
+        lambda w, t: _ring_lookup(w, t, lookup),
+        mesh=mesh,
+        in_specs=(wspec, tspec),
+        out_specs=PartitionSpec(*tspec, None),
+        check_vma=False,
+    )(table, tokens)

@@ -20,16 +20,18 @@ Paper's schedules (``layer_schedule="tsp"``, :mod:`shardkit.parallel.tsp`):
   full remat). The zigzag reorder of q, k, v and of the output moves at most one local
   block of each per device: 4·(h + h_kv)·b·S·B/D per pass (forward, backward,
   recompute; 8·b·S·h·B/D without GQA).
-- the embedding lookup is XLA's vocab-parallel one: each device looks its vocabulary
-  rows up for all tokens (token ids gathered, 4 bytes each) and the partial
-  embeddings are reduce-scattered over the sequence, f·b·S·h·B; backward, their
-  gradient is all-gathered, f·b·S·h·B. No device gathers the table.
+- the embedding lookup (:func:`shardkit.parallel.tsp_head.vocab_ring_lookup`): each
+  device looks its vocabulary rows up for every token (the token ids all-gathered,
+  f·b·S·4 bytes) and the partial embeddings travel a ring reduce-scatter,
+  f·b·S·h·B, collective-permute; backward, their gradient a ring all-gather, f·b·S·h·B.
 - Ψ_r is left to XLA as FSDP: all-gather 2f·Ψ_r·B, reduce-scatter f·Ψ_r·B.
 
 Rules only (``tsp_gspmd``): FSDP over the axis for the layers' weights and Ψ_r
 (all-gather 2f·(LΨ_l + Ψ_r)·B, reduce-scatter f·(LΨ_l + Ψ_r)·B), the head's weight
 gathered once for the chunked loss (f·V·h·B) and its gradient reduce-scattered
-(f·V·h·B), the same lookup and the same K/V ring.
+(f·V·h·B), the same K/V ring, and XLA's vocab-parallel lookup: the same bytes as the
+ring lookup, as a reduce-scatter of the partial embeddings and an all-gather of their
+gradient. No device gathers the embedding table in either.
 
 Both: gradients of the Ψ/D shard all-reduced over ``data`` (d replicas),
 2(Ψ/D)·B·(d − 1)/d. State: params, grads and the optimizer divided by D.
@@ -95,9 +97,11 @@ def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers:
         f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D")  # fmt: skip
     rest = psi - (tables * vocab * h if vocab else 0)
     if vocab:
-        add("reduce-scatter", f * b * s * h * nbytes, "embedding lookup forward, f·b·S·h·B")
-        add("all-gather", f * b * s * (h * nbytes + 4),
-            "embedding gradient back (and the token ids), f·b·S·(h·B + 4)")  # fmt: skip
+        add("all-gather", f * b * s * 4, "token ids for the lookup, f·b·S·4")
+        lookup = "collective-permute" if schedule == "tsp" else "reduce-scatter"
+        add(lookup, f * b * s * h * nbytes, "embedding lookup forward, f·b·S·h·B")
+        lookup = "collective-permute" if schedule == "tsp" else "all-gather"
+        add(lookup, f * b * s * h * nbytes, "embedding gradient back, f·b·S·h·B")
         if schedule == "tsp":
             add("collective-permute", 3 * f * vocab * h * nbytes, "head ring, 3f·V·h·B")
         else:
