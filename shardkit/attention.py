@@ -91,30 +91,17 @@ def current_attention() -> tuple[AttentionStrategy, str]:
 
 
 def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
-    """Scaled scores ``[b, h, q, k]``; ``k`` may have fewer heads (GQA: g divides h)."""
-    b, sq, h, d = q.shape
-    g = k.shape[2]
-    if g == h:
-        s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
-        return s * (1.0 / math.sqrt(d))
-    qg = q.reshape(b, sq, g, h // g, d)  # query head i reads K/V head i // (h/g)
-    s = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k, preferred_element_type=jnp.float32)
-    return s.reshape(b, h, sq, k.shape[1]) * (1.0 / math.sqrt(d))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32)
+    return s * (1.0 / math.sqrt(q.shape[-1]))
 
 
-def _weigh(p: jax.Array, v: jax.Array, out: str) -> jax.Array:
-    """``p [b, h, q, k]`` times ``v [b, k, g, d]`` (g divides h), f32, as ``out``."""
-    b, h, sq, sk_ = p.shape
-    g, d = v.shape[2], v.shape[3]
-    if g == h:
-        spec = "bhqk,bkhd->" + out
-        return jnp.einsum(spec, p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    pg = p.astype(v.dtype).reshape(b, g, h // g, sq, sk_)
-    if out == "bqhd":
-        y = jnp.einsum("bgrqk,bkgd->bqgrd", pg, v, preferred_element_type=jnp.float32)
-        return y.reshape(b, sq, h, d)
-    y = jnp.einsum("bgrqk,bkgd->bgrqd", pg, v, preferred_element_type=jnp.float32)
-    return y.reshape(b, h, sq, d)
+def _heads(x: jax.Array, heads: int) -> jax.Array:
+    """GQA: K/V heads repeated to the query heads (head i reads K/V head i // (h/g)).
+
+    Inside ring and all-gather attention this runs after the exchange, on the block a
+    device uses, so the K/V cross the wire with their own heads.
+    """
+    return x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2)
 
 
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array, pin=None):
@@ -122,10 +109,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax
 
     ``pin`` constrains the [b, h, q, k] scores (outside ``shard_map`` only).
     """
+    k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     scores = _scores(q, k) if pin is None else pin(_scores(q, k))
     s = jnp.where(qpos[:, None] >= kpos[None, :], scores, _NEG)
     p = jax.nn.softmax(s, axis=-1)
-    return _weigh(p, v, "bqhd")
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
 def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -144,7 +132,7 @@ def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
 
 def _repeat_heads(x: jax.Array, heads: int) -> jax.Array:
-    return constrain(jnp.repeat(x, heads // x.shape[2], axis=2), _LOGICAL)
+    return constrain(_heads(x, heads), _LOGICAL)
 
 
 def _unshard_length(x: jax.Array) -> jax.Array:
@@ -158,13 +146,14 @@ def _unshard_length(x: jax.Array) -> jax.Array:
 def _online(carry: tuple, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any = None) -> tuple:
     """Fold one K/V block into the running (max, sum, acc) of an online softmax."""
     m, denom, acc = carry
+    k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     s = _scores(q, k)
     if mask is not None:
         s = jnp.where(mask, s, _NEG)
     m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
     p = jnp.exp(s - m_new[..., None])
     corr = jnp.exp(m - m_new)
-    pv = _weigh(p, v, "bhqd")
+    pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
 
 
@@ -258,7 +247,7 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
       q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``
         with ``kv_heads`` dividing ``heads`` (grouped-query attention: query head i
         reads K/V head ``i // (heads / kv_heads)``). Ring and all-gather attention move
-        K/V with their own heads and group the einsums, so GQA sends
+        K/V with their own heads and repeat them on arrival, so GQA sends
         ``kv_heads / heads`` of the bytes; dense attention repeats them first.
 
     Returns:
