@@ -1,27 +1,34 @@
-"""TSP's vocabulary head and cross-entropy: the head's vocabulary shards travel a ring.
+"""TSP's vocabulary rings: the head and its cross-entropy, and the embedding lookup.
 
-Under the ``tsp`` recipe every device holds S/D of each sequence and 1/D of the head's
-weight, split along the vocabulary (``V/D`` rows of a ``(vocab, embed)`` table or
-columns of an ``(embed, vocab)`` kernel). Gathering the weight for the logits would put
-the whole ``V × d`` matrix on every device (252 MiB for llama-1b in f32), and its
-gradient too. Here the head runs like TSP's projections (:mod:`shardkit.parallel.tsp`):
-at step t device p scores its own tokens against shard ``r = p − t`` (logits
-``[b, S/D, V/D]``) while it passes the shard on to p + 1, and folds them into an online
-log-sum-exp (running max and sum), picking the target's logit from the shard that holds
-it. No device ever holds more than two vocabulary shards, and every token stays home.
+Under the ``tsp`` recipe every device holds S/D of each sequence and 1/D of every
+vocabulary table, split along the vocabulary (``V/D`` rows of a ``(vocab, embed)``
+table or columns of an ``(embed, vocab)`` kernel). Gathering a table would put the
+whole ``V × d`` matrix on every device (252 MiB for llama-1b in f32), and its gradient
+too. Here both uses run like TSP's projections (:mod:`shardkit.parallel.tsp`), over the
+same axis:
 
-The backward pass (``jax.custom_vjp``) keeps the tokens, their log-partition function
-and the device's own shard. It sends the shards round once more, recomputes each
-shard's logits, and adds that shard's weight gradient into an accumulator that travels
-with it, so every gradient shard arrives at its owner complete. Wire per device, with
-Ψ_V = V·d head weights and f = (D − 1)/D: forward f·Ψ_V, backward 2f·Ψ_V values.
+- the head and loss (:func:`vocab_ring_cross_entropy`): at step t device p scores its
+  own tokens against shard ``r = p − t`` (logits ``[b, S/D, V/D]``, one step's worth:
+  the ``chunks`` of the chunked loss are not needed) while it passes the shard on to
+  p + 1, and folds them into an online log-sum-exp (running max and sum), picking the
+  target's logit from the shard that holds it. At most two vocabulary shards are live
+  and every token stays home. The backward pass (``jax.custom_vjp``) keeps the tokens,
+  their log-partition function and the device's own shard; it sends the shards round
+  once more, recomputes each shard's logits and adds that shard's weight gradient into
+  an accumulator that travels with it, so every gradient shard arrives at its owner
+  complete. Wire per device, Ψ_V = V·d and f = (D − 1)/D: forward f·Ψ_V, backward
+  2f·Ψ_V values (XLA shares the first hop between the two: one shard less).
+- the lookup (:func:`vocab_ring_lookup`): each device looks its own rows up for every
+  device's tokens and the partial embeddings travel a ring reduce-scatter home
+  (f·b·S·d values); the gradient comes back as a ring all-gather.
 
 :func:`shardkit.chunked_cross_entropy` calls :func:`vocab_ring_cross_entropy` first:
 under ``layer_schedule="tsp"``, with the weight given as an array with its logical
 axes and its vocabulary split over the TSP axis, the loss is this ring; otherwise it
-returns ``None`` and the chunked loss runs as usual.
+returns ``None`` and the chunked loss runs as usual. The reference models call
+:func:`vocab_ring_lookup` for their embedding the same way.
 
-Example:
+Example (outside a TSP context neither applies)::
   >>> import jax.numpy as jnp
   >>> h, w, t = jnp.ones((1, 8, 4)), jnp.zeros((4, 16)), jnp.zeros((1, 8), jnp.int32)
   >>> vocab_ring_cross_entropy(h, t, lambda w, x: x @ w, w, ("embed", "vocab")) is None
