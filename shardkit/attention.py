@@ -14,7 +14,9 @@ three strategies, chosen with ``use_attention`` (a recipe's ``attention`` names 
   sum). Per device, forward: (N−1) collective-permutes of the local K/V block,
   2·b·(s/N)·h·d·bytes each; scores of one block at a time: [b, h, s/N, s/N] for
   the device's own block, [b, h, s/N, s/(2N)] for the others, never [s/N, s].
-  Use it when the sequence is too long for allgather.
+  Use it when the sequence is too long for allgather. Under grouped-query attention
+  (K/V with fewer heads than q) h is the K/V heads: blocks travel with their own heads
+  and are repeated to the query heads on arrival.
 
 Ring load balancing (zigzag): the sequence is cut into 2N chunks and device i
 attends for chunks i and 2N−1−i, so under causal masking every device does the
