@@ -14,7 +14,9 @@ three strategies, chosen with ``use_attention`` (a recipe's ``attention`` names 
   sum). Per device, forward: (N−1) collective-permutes of the local K/V block,
   2·b·(s/N)·h·d·bytes each; scores of one block at a time: [b, h, s/N, s/N] for
   the device's own block, [b, h, s/N, s/(2N)] for the others, never [s/N, s].
-  Use it when the sequence is too long for allgather.
+  Use it when the sequence is too long for allgather. Under grouped-query attention
+  (K/V with fewer heads than q) h is the K/V heads: blocks travel with their own heads
+  and are repeated to the query heads on arrival.
 
 Ring load balancing (zigzag): the sequence is cut into 2N chunks and device i
 attends for chunks i and 2N−1−i, so under causal masking every device does the
@@ -95,11 +97,21 @@ def _scores(q: jax.Array, k: jax.Array) -> jax.Array:
     return s * (1.0 / math.sqrt(q.shape[-1]))
 
 
+def _heads(x: jax.Array, heads: int) -> jax.Array:
+    """GQA: K/V heads repeated to the query heads (head i reads K/V head i // (h/g)).
+
+    Inside ring and all-gather attention this runs after the exchange, on the block a
+    device uses, so the K/V cross the wire with their own heads.
+    """
+    return x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2)
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array, pin=None):
     """Softmax attention of ``q`` to ``k``/``v``, masked to ``kpos <= qpos``, f32 [b,q,h,d].
 
     ``pin`` constrains the [b, h, q, k] scores (outside ``shard_map`` only).
     """
+    k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     scores = _scores(q, k) if pin is None else pin(_scores(q, k))
     s = jnp.where(qpos[:, None] >= kpos[None, :], scores, _NEG)
     p = jax.nn.softmax(s, axis=-1)
@@ -107,13 +119,22 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax
 
 
 def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """The reference; K/V sharded on length by an Explicit mesh are gathered first."""
+    """The reference; K/V sharded on length by an Explicit mesh are gathered first.
+
+    GQA's K/V are repeated to the query heads here (GSPMD lays out the dense einsum).
+    """
+    if k.shape != q.shape:
+        k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
     k, v = (_unshard_length(x) for x in (k, v))
     pos = jnp.arange(q.shape[1])
     # Scores keep the heads' layout; left free, XLA may reshard them between the forward
     # and backward passes (all-to-alls under tensor + sequence parallelism).
     pin = functools.partial(constrain, logical=("batch", "heads", "length", None))
     return _attend(q, k, v, pos, pos, pin).astype(q.dtype)
+
+
+def _repeat_heads(x: jax.Array, heads: int) -> jax.Array:
+    return constrain(_heads(x, heads), _LOGICAL)
 
 
 def _unshard_length(x: jax.Array) -> jax.Array:
@@ -127,6 +148,7 @@ def _unshard_length(x: jax.Array) -> jax.Array:
 def _online(carry: tuple, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any = None) -> tuple:
     """Fold one K/V block into the running (max, sum, acc) of an online softmax."""
     m, denom, acc = carry
+    k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     s = _scores(q, k)
     if mask is not None:
         s = jnp.where(mask, s, _NEG)
@@ -164,7 +186,10 @@ def _zigzag(x: jax.Array, axis: str, n: int, *, inverse: bool = False) -> jax.Ar
 
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
     """Per-device body of zigzag load-balanced ring attention (contiguous layout in/out)."""
-    q, k, v = _zigzag(jnp.stack([q, k, v]), axis, n)
+    if q.shape == k.shape:
+        q, k, v = _zigzag(jnp.stack([q, k, v]), axis, n)
+    else:  # GQA: K/V travel with their own (fewer) heads
+        q, (k, v) = _zigzag(q[None], axis, n)[0], _zigzag(jnp.stack([k, v]), axis, n)
     b, s, h, d = q.shape
     c = s // 2
     r = jax.lax.axis_index(axis)
@@ -221,8 +246,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention with the strategy of the active ``use_attention``.
 
     Args:
-      q, k, v: ``[batch, seq, heads, head_dim]``, the same heads (repeat K/V heads
-        for grouped-query attention first).
+      q: ``[batch, seq, heads, head_dim]``; k, v: ``[batch, seq, kv_heads, head_dim]``
+        with ``kv_heads`` dividing ``heads`` (grouped-query attention: query head i
+        reads K/V head ``i // (heads / kv_heads)``). Ring and all-gather attention move
+        K/V with their own heads and repeat them on arrival, so GQA sends
+        ``kv_heads / heads`` of the bytes; dense attention repeats them first.
 
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``; scores scaled by
@@ -232,19 +260,19 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
       ShardingError: mismatched shapes, or a sequence the strategy cannot split
         (ring needs a multiple of 2N, allgather of N, N = size of the axis).
     """
-    if q.ndim != 4 or q.shape != k.shape or k.shape != v.shape:
+    grouped = (q.ndim == 4 and k.shape == v.shape and k.ndim == 4 and k.shape[2] > 0
+               and k.shape[:2] + k.shape[3:] == q.shape[:2] + q.shape[3:]
+               and q.shape[2] % k.shape[2] == 0)  # fmt: skip
+    if not grouped:
         raise ShardingError(
-            f"causal_attention needs q, k, v of one shape [batch, seq, heads, head_dim], got "
-            f"{q.shape}, {k.shape}, {v.shape}.\nFix: repeat K/V heads to match q's heads."
+            f"causal_attention needs q [batch, seq, heads, head_dim] and k, v of one shape "
+            f"[batch, seq, kv_heads, head_dim] with kv_heads dividing heads, got {q.shape}, "
+            f"{k.shape}, {v.shape}.\nFix: give k and v the same shape, and as many heads as "
+            "q or a divisor of that."
         )
     strategy, axis = current_attention()
     mesh = context.active_mesh()
-    if (
-        strategy == "dense"
-        or mesh is None
-        or axis not in mesh.axis_names
-        or mesh.shape[axis] == 1
-    ):
+    if strategy == "dense" or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
         return _dense(q, k, v)
     n = mesh.shape[axis]
     chunks = 2 * n if strategy == "ring" else n
@@ -255,12 +283,22 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             f"{chunks}, or use another attention strategy."
         )
     spec = _spec(q.shape, mesh, axis)
+    kv_spec = spec
+    if k.shape != q.shape:
+        heads = spec[2] if len(spec) > 2 else None
+        split = math.prod(mesh.shape[a] for a in ((heads,) if isinstance(heads, str)
+                                                   else heads or ()))  # fmt: skip
+        if k.shape[2] % split:  # the heads' devices do not divide K/V's: repeat them
+            k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
+        else:
+            kv_spec = _spec(k.shape, mesh, axis)
     if is_explicit(mesh):
-        q, k, v = (jax.sharding.reshard(x, spec) for x in (q, k, v))
+        q = jax.sharding.reshard(q, spec)
+        k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
     body = _ring if strategy == "ring" else _allgather
     return jax.shard_map(
         lambda q, k, v: body(q, k, v, axis=axis, n=n),
         mesh=mesh,
-        in_specs=(spec, spec, spec),
+        in_specs=(spec, kv_spec, kv_spec),
         out_specs=spec,
     )(q, k, v)

@@ -288,7 +288,10 @@ def chunked_cross_entropy(
     before the loop, as the activation rules lay out the logits (vocabulary split as
     theirs, hidden dimension whole), with one copy per replica of the devices that
     split the tokens (``sk.per_replica``), so its gradient is reduced once after the
-    loop, not once per chunk. A ``sk.ReplicaView`` (a tied embedding already read
+    loop, not once per chunk. Under TSP's schedules (``layer_schedule="tsp"``) with
+    the weight's vocabulary split over the TSP axis, the loss is instead a ring over the
+    vocabulary shards (:mod:`shardkit.parallel.tsp_head`; ``chunks`` unused), so no
+    device holds the whole weight. A ``sk.ReplicaView`` (a tied embedding already read
     through ``sk.per_replica``) is used as it is. Each chunk's logits are constrained to
     ``logits_axes``; the hidden states are gathered to the layout the logits need once,
     before the loop, and their gradient is reduce-scattered back chunk by chunk.
@@ -339,6 +342,14 @@ def chunked_cross_entropy(
             f"{len(logits_axes)} dimension(s); the logits have {hidden.ndim}.\n"
             "Fix: one logical name (or None) per token dimension, then the vocabulary's."
         )
+    if weight is not None and weight_axes is not None and not isinstance(weight, ReplicaView):
+        # Under TSP's schedules the head's vocabulary shards travel a ring instead.
+        from shardkit.parallel.tsp_head import vocab_ring_cross_entropy
+
+        losses = vocab_ring_cross_entropy(hidden, targets, project, weight, weight_axes,
+                                          logits_axes)  # fmt: skip
+        if losses is not None:
+            return losses
     *lead, length = targets.shape
     k, d = len(lead), hidden.shape[-1]
     token_axes = tuple(logits_axes[:-1])

@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 import shardkit as sk
 from shardkit.annotate import activation_rules
 from shardkit.attention import causal_attention, current_attention, use_attention
+from shardkit.report.hlo import parse_collectives
 
 MESHES = {
     "seq8": ({"sequence": 8}, [("length", "sequence")], P(None, "sequence")),
@@ -140,3 +141,38 @@ def test_ring_temp_memory_is_a_fraction_of_dense_on_long_sequences():
     # dense: [1, 2, 512, 4096] f32 scores per device (16 MiB, several live); ring: one block pair.
     assert temp["dense"] >= 16 * 2**20
     assert temp["ring"] < temp["dense"] / 4, temp
+
+
+@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+def test_grouped_kv_heads_match_repeated_and_cross_as_kv_heads(strategy):
+    # GQA: 4 query heads read 2 K/V heads (head i reads K/V head i // 2). The reference
+    # repeats K/V to 4 heads and runs dense attention on one device.
+    keys = jax.random.split(jax.random.key(7), 3)
+    b, s, hq, g, d, n = 2, 64, 4, 2, 8, 8
+    q = jax.random.normal(keys[0], (b, s, hq, d))
+    k, v = (jax.random.normal(key, (b, s, g, d)) for key in keys[1:])
+    want_out, want_grads = _reference(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2))
+    mesh = sk.make_mesh({"sequence": n})
+    args = [jax.device_put(x, NamedSharding(mesh, P(None, "sequence"))) for x in (q, k, v)]
+    with jax.set_mesh(mesh), activation_rules(sk.Rules([("length", "sequence")])):
+        with use_attention(strategy):
+            compiled = jax.jit(lambda *a: _out_and_grads(*a)).lower(*args).compile()
+    out, (dq, dk, dv) = compiled(*args)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dq, want_grads[0], rtol=1e-5, atol=1e-6)
+    # the repeated heads' gradients sum into their K/V head
+    for got, want in ((dk, want_grads[1]), (dv, want_grads[2])):
+        np.testing.assert_allclose(got, want.reshape(b, s, g, 2, d).sum(3), rtol=1e-5, atol=1e-5)
+    if strategy == "ring":
+        # Hand count of the K/V ring (forward, backward of autodiff, no remat): the
+        # stacked K and V block [2, b, s/n, g, d] crosses n - 1 hops each way, f32.
+        fwd = jax.jit(lambda *a: causal_attention(*a))
+        with jax.set_mesh(mesh), activation_rules(sk.Rules([("length", "sequence")])):
+            with use_attention(strategy):
+                hlo = fwd.lower(*args).compile().as_text()
+        block = f"[2,{b},{s // n},{g},{d}]"
+        ring = [c for c in parse_collectives(hlo) if c.shape == block and c.group_size == n]
+        assert sum(c.wire_bytes for c in ring) == (n - 1) * 2 * b * (s // n) * g * d * 4
+        # no block of the query heads' width travels the ring
+        assert not [c for c in parse_collectives(hlo)
+                    if c.group_size == n and f",{hq},{d}]" in c.shape]  # fmt: skip

@@ -33,7 +33,8 @@ from shardkit import errors
 from shardkit.attention import causal_attention
 from shardkit.loss import head_view
 from shardkit.models.config import ModelConfig
-from shardkit.parallel.tsp import TspDot
+from shardkit.parallel.tsp import TspDot, active_axis
+from shardkit.parallel.tsp_head import vocab_ring_lookup
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 
@@ -240,7 +241,9 @@ class GPT(nn.Module):
             # the lookup has replicas, it reads that view too, so the two uses'
             # gradients add up on each replica before one reduction.
             table = head_view(weight, TABLE, data=targets, reuse=table)
-        x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
+        x = vocab_ring_lookup(weight, tokens, TABLE) if table.n == 1 else None  # TSP's ring
+        if x is None:
+            x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
         x = x + wpe(jnp.arange(seq)[None, :])
         x = sk.constrain(x.astype(cfg.compute_dtype), RESIDUAL)
 
@@ -266,6 +269,9 @@ class GPT(nn.Module):
             return jnp.einsum("...d,vd->...v", y, t)
 
         if targets is not None:
+            if table.n == 1 and active_axis() is not None:  # TSP: a ring of vocab shards
+                return sk.chunked_cross_entropy(x, targets, head, weight=weight,
+                                                weight_axes=TABLE, chunks=cfg.loss_chunks)  # fmt: skip
             if table.n == 1:  # the head's layout, here, after the layers
                 table = head_view(weight, TABLE, data=targets, reuse=table)
             return sk.chunked_cross_entropy(x, targets, head, weight=table, chunks=cfg.loss_chunks)

@@ -1,7 +1,8 @@
 """Llama in flax.nnx, every parameter annotated with ``@sk.axes``.
 
 RMSNorm, rotary position embeddings (half-split form), SwiGLU MLP, grouped-query
-attention (``n_kv_heads`` key/value heads, repeated to ``n_heads``), untied
+attention (``n_kv_heads`` key/value heads, each read by ``n_heads / n_kv_heads``
+query heads), untied
 output head, no biases. With ``config.scan`` the blocks are built once under
 ``nnx.vmap`` (parameters get a leading ``"layers"`` logical axis) and run with
 ``jax.lax.scan`` over their stacked state; otherwise they are an ``nnx.List``.
@@ -37,6 +38,7 @@ from shardkit.attention import causal_attention
 from shardkit.models.config import ModelConfig
 from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, checkpoint_policy
 from shardkit.parallel.tsp import TspDot, TspEinsum
+from shardkit.parallel.tsp_head import vocab_ring_lookup
 
 __all__ = ["Llama", "Block", "Attention", "Mlp", "rope_tables", "apply_rope"]
 
@@ -114,15 +116,13 @@ class Attention(nnx.Module):
         self.wv = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd), einsum_op=kv_op)
         self.wo = proj("bshk,hkd->bsd", (cfg.n_heads, hd, d),
                        einsum_op=TspEinsum(("heads", "kv", "embed")))  # fmt: skip
-        self.n_rep = cfg.n_heads // cfg.n_kv_heads
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         q = apply_rope(sk.constrain(self.wq(x), HEADS), cos, sin)
         k = apply_rope(sk.constrain(self.wk(x), KV_HEADS), cos, sin)
         v = sk.constrain(self.wv(x), KV_HEADS)
-        if self.n_rep > 1:
-            k = sk.constrain(jnp.repeat(k, self.n_rep, axis=2), HEADS)
-            v = sk.constrain(jnp.repeat(v, self.n_rep, axis=2), HEADS)
+        # GQA: K/V keep their n_kv_heads; causal_attention groups the query heads (ring
+        # attention moves n_kv_heads/n_heads of the bytes) or repeats them (dense).
         return self.wo(sk.constrain(causal_attention(q, k, v), HEADS))
 
 
@@ -259,7 +259,10 @@ class Llama(nnx.Module):
         token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
         are never held whole)."""
         cfg = self.config
-        x = sk.constrain(self.embed(tokens).astype(cfg.compute_dtype), RESIDUAL)
+        # Under TSP's schedules the table's vocabulary shards serve a ring lookup.
+        x = vocab_ring_lookup(self.embed.embedding[...], tokens, ("vocab", "embed"))
+        x = self.embed(tokens) if x is None else x
+        x = sk.constrain(x.astype(cfg.compute_dtype), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
         if cfg.scan:
             graphdef, state = nnx.split(self.layers)

@@ -443,8 +443,8 @@ def attention(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, wo: jax
               rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:  # fmt: skip
     """TSP's causal attention block: q/k/v rings, zigzag ring attention, out ring.
 
-    Kernels: ``wq (embed, heads, kv)``, ``wk``/``wv (embed, kv_heads, kv)`` (GQA: K/V
-    heads are repeated to the query heads), ``wo (heads, kv, embed)``; ``rope`` the
+    Kernels: ``wq (embed, heads, kv)``, ``wk``/``wv (embed, kv_heads, kv)`` (GQA: the
+    ring moves the K/V heads, each read by heads/kv_heads query heads), ``wo (heads, kv, embed)``; ``rope`` the
     ``(cos, sin)`` tables of :func:`shardkit.models.llama.rope_tables`. Attention uses
     the context's strategy (``ring`` over the TSP axis in the ``tsp`` recipe).
 
@@ -463,8 +463,7 @@ def attention(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, wo: jax
         from shardkit.models.llama import apply_rope
 
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    y = causal_attention(q, k, v)
-    return tsp_dot_general(y, wo, (((2, 3), (0, 1)), ((), ())), kernel_axes=("heads", "kv", "embed"))
+    y = causal_attention(q, k, v)  # GQA: K/V travel with their own heads
+    return tsp_dot_general(
+        y, wo, (((2, 3), (0, 1)), ((), ())), kernel_axes=("heads", "kv", "embed")
+    )

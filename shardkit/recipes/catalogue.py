@@ -285,20 +285,26 @@ def tsp() -> Recipe:
 
     Analytic model (derived in :mod:`shardkit.report.analytic_tsp`; f = (D−1)/D, B bytes
     per value, Ψ_l a layer's attention and MLP kernels, b·S the tokens of one replica,
-    h the K/V width that travels (Llama repeats its K/V heads first, so d_model)), per
-    layer and device:
+    h the model width, h_kv the K/V width that travels (n_kv_heads·head_dim: GQA's
+    K/V cross the ring with their own heads), V the vocabulary), per layer and device:
 
     - state: (params + grads + 2 Adam moments) / D; activations: Megatron's per-layer
       count at S/D tokens (under full remat: one layer input, b·(S/D)·h·B).
-    - wire, paper's schedule: forward f·Ψ_l·B (weight shards) + f·2·b·S·h·B (K/V
-      blocks); backward 2f·Ψ_l·B (the shards again, gradient shards home) + f·2·b·S·h·B
-      (dK/dV home): f·(3Ψ_l + 4·b·S·h)·B in all, + f·Ψ_in·B and one more K/V pass under
-      full remat (Ψ_in: q/k/v, up, gate). The zigzag layout adds 8·b·S·h·B/D a pass.
+    - wire, paper's schedule: forward f·Ψ_l·B (weight shards) + f·2·b·S·h_kv·B (K/V
+      blocks); backward 2f·Ψ_l·B (the shards again, gradient shards home) +
+      f·2·b·S·h_kv·B (dK/dV home): f·(3Ψ_l + 4·b·S·h_kv)·B in all, + f·Ψ_in·B and one
+      more K/V pass under full remat (Ψ_in: q/k/v, up, gate). The zigzag layout adds
+      4·(h + h_kv)·b·S·B/D a pass. Once per step, the head's vocabulary shards travel
+      a ring too (3f·V·h·B, :mod:`shardkit.parallel.tsp_head`) and the lookup's
+      partial embeddings a ring reduce-scatter (f·b·S·h·B each way): no device holds
+      a whole vocabulary table.
     - wire, ``tsp_gspmd``: FSDP's 3f·Ψ·B (all-gather forward and backward,
-      reduce-scatter) plus the same K/V ring.
+      reduce-scatter) for the layers, the head gathered once (2f·V·h·B with its
+      gradient), XLA's vocab-parallel lookup and the same K/V ring.
     - TP+SP moves 8f·b·S·h·B a layer (4 all-reduces' worth), so the paper's schedule
-      moves fewer bytes for b·S > 3Ψ_l/(h·(4 − 16/(D−1))) tokens
-      (``analytic_tsp.tsp_crossover_tokens``; the paper's 3Ψ_l/(4h) without zigzag).
+      moves fewer bytes for b·S > 3fΨ_l/(8f·h − 4f·h_kv − 8(h + h_kv)/D) tokens
+      (``analytic_tsp.tsp_crossover_tokens``; the paper's 3Ψ_l/(4h) with h_kv = h,
+      without zigzag).
 
     Use for long sequences on models whose weights do not fit one device, when the
     interconnect is a ring (or all-to-all) among D devices.

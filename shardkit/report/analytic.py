@@ -318,7 +318,7 @@ def _phase_note(phases: Mapping[str, float]) -> str:
 def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: Workload,
                    param_bytes: float, optimizer_bytes: float, psi: float | None = None,
                    bytes_per_value: int = 4, layer_params: float | None = None,
-                   in_params: float | None = None) -> AnalyticModel:  # fmt: skip
+                   in_params: float | None = None, vocab_tables: int = 2) -> AnalyticModel:  # fmt: skip
     """The analytic memory per device and wire bytes per step of any model under a recipe.
 
     What the layout runs is read from the recipe's rules (:meth:`Recipe.parallelism`),
@@ -340,6 +340,7 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
       layer_params, in_params: a layer's ringed weights and their input-side part, for a
         TSP axis (default: estimated as (Ψ − vocab·d_model)/layers and half of it;
         :mod:`shardkit.report.analytic_tsp`).
+      vocab_tables: vocabulary tables in Ψ under a TSP axis: 1 tied (GPT), 2 untied.
 
     Returns:
       An :class:`AnalyticModel`.
@@ -356,7 +357,7 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
     if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
         return _tsp_costs(recipe, par, workload, param_bytes, optimizer_bytes, psi,
-                          bytes_per_value, layer_params, in_params)  # fmt: skip
+                          bytes_per_value, layer_params, in_params, vocab_tables)  # fmt: skip
     w, nb = workload, bytes_per_value
     act = activation_bytes(w.precision, nb)
     psi = param_bytes / nb if psi is None else psi
@@ -411,7 +412,7 @@ def activation_bytes(precision: str, bytes_per_value: float = 4) -> float:
 
 
 def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_params,
-               in_params) -> AnalyticModel:  # fmt: skip
+               in_params, vocab_tables=2) -> AnalyticModel:  # fmt: skip
     """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``)."""
     from shardkit.report.analytic_tsp import tsp_wire_bytes
 
@@ -438,10 +439,13 @@ def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_para
         layer_params = max(psi - w.vocab * w.d_model, 0) / w.layers
         in_params = layer_params / 2
         notes.append("Ψ_l estimated as (Ψ − vocab·d_model)/layers (no model config)")
+    h_kv = None
+    if w.n_kv_heads is not None:
+        h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
     wire, wire_notes = tsp_wire_bytes(
         psi=psi, layer_params=layer_params, in_params=in_params or 0.0, layers=w.layers,
         b=b, s=w.seq, h=w.d_model, d=d, data=data, nbytes=nb, schedule=par.tsp_kind,
-        recompute=remat == "full",
+        recompute=remat == "full", h_kv=h_kv, vocab=w.vocab, tables=vocab_tables,
     )  # fmt: skip
     notes += [f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
               "(Korthikanti et al. 2022), + logits b·s·V·B; a guide, not a bound",
@@ -515,7 +519,8 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
                            param_bytes=bytes_per_value * psi,
                            optimizer_bytes=2 * bytes_per_value * psi,
                            bytes_per_value=bytes_per_value, layer_params=ringed,
-                           in_params=ringed_in)  # fmt: skip
+                           in_params=ringed_in,
+                           vocab_tables=1 if getattr(config, "family", "") == "gpt" else 2)  # fmt: skip
     return with_phases(model, config, recipe, mesh, workload)
 
 

@@ -2,9 +2,9 @@
 
 Derived here, per device and training step, for a TSP axis of size D with f = (D − 1)/D,
 B bytes per value, L layers, per-layer ringed weights Ψ_l (the attention and MLP
-kernels), the other weights Ψ_r = Ψ − L·Ψ_l (embeddings, norms, biases), one data
-replica's b sequences of S tokens, width h (the K/V that travels: the models repeat
-GQA's K/V heads before attention, so it is n_heads·head_dim = h):
+kernels), one data replica's b sequences of S tokens, width h, K/V width h_kv
+(n_kv_heads·head_dim: GQA's K/V travel with their own heads), vocabulary V, and
+Ψ_r the weights left over (norms, biases, position table):
 
 Paper's schedules (``layer_schedule="tsp"``, :mod:`shardkit.parallel.tsp`):
 
@@ -13,24 +13,34 @@ Paper's schedules (``layer_schedule="tsp"``, :mod:`shardkit.parallel.tsp`):
   gradient accumulator for D − 1 hops, 2f·Ψ_l·B. Full remat re-runs the forward of
   the input-side projections (q/k/v, up, gate: Ψ_in of Ψ_l; the output projections'
   results are not needed again), + f·Ψ_in·B.
+- the vocabulary head's ring (:mod:`shardkit.parallel.tsp_head`), collective-permute:
+  f·V·h·B forward, 2f·V·h·B backward.
 - K/V ring (zigzag ring attention), collective-permute: D − 1 blocks of K and V,
-  f·2·b·S·h·B forward and the same for dK/dV backward (+ one forward again under
-  full remat). The zigzag reorder of q, k, v and of the output adds 4 partial permutes
-  each way of half a local block: 8·b·S·h·B/D per pass (forward, backward, recompute).
-- the other weights Ψ_r are left to XLA as FSDP: all-gather 2f·Ψ_r·B, reduce-scatter
-  f·Ψ_r·B.
+  f·2·b·S·h_kv·B forward and the same for dK/dV backward (+ one forward again under
+  full remat). The zigzag reorder of q, k, v and of the output moves at most one local
+  block of each per device: 4·(h + h_kv)·b·S·B/D per pass (forward, backward,
+  recompute; 8·b·S·h·B/D without GQA).
+- the embedding lookup (:func:`shardkit.parallel.tsp_head.vocab_ring_lookup`): each
+  device looks its vocabulary rows up for every token (the token ids all-gathered,
+  f·b·S·4 bytes) and the partial embeddings travel a ring reduce-scatter,
+  f·b·S·h·B, collective-permute; backward, their gradient a ring all-gather, f·b·S·h·B.
+- Ψ_r is left to XLA as FSDP: all-gather 2f·Ψ_r·B, reduce-scatter f·Ψ_r·B.
 
-Rules only (``tsp_gspmd``): FSDP over the axis for every weight (all-gather 2f·Ψ·B,
-reduce-scatter f·Ψ·B) and the same K/V ring.
+Rules only (``tsp_gspmd``): FSDP over the axis for the layers' weights and Ψ_r
+(all-gather 2f·(LΨ_l + Ψ_r)·B, reduce-scatter f·(LΨ_l + Ψ_r)·B), the head's weight
+gathered once for the chunked loss (f·V·h·B) and its gradient reduce-scattered
+(f·V·h·B), the same K/V ring, and XLA's vocab-parallel lookup: the same bytes as the
+ring lookup, as a reduce-scatter of the partial embeddings and an all-gather of their
+gradient. No device gathers the embedding table in either.
 
 Both: gradients of the Ψ/D shard all-reduced over ``data`` (d replicas),
 2(Ψ/D)·B·(d − 1)/d. State: params, grads and the optimizer divided by D.
 Activations: Megatron's per-layer count (Korthikanti et al. 2022) at S/D tokens.
 
 Against TP (+SP), whose layer moves 4 all-reduces' worth, 8f·b·S·h·B with backward,
-TSP moves less once f·(3Ψ_l + 4bSh) + 16bSh/D < 8f·bSh, i.e. for
-b·S > 3Ψ_l / (h·(4 − 16/(D − 1))) tokens (zigzag included; the paper's 3Ψ_l/(4h)
-without it). :func:`tsp_crossover_tokens` gives it.
+a TSP layer moves less once f·(3Ψ_l + 4bS·h_kv) + 8bS(h + h_kv)/D < 8f·bSh, i.e. for
+b·S > 3fΨ_l / (8f·h − 4f·h_kv − 8(h + h_kv)/D) tokens (the paper's 3Ψ_l/(4h) with
+h_kv = h and no zigzag). :func:`tsp_crossover_tokens` gives it.
 
 Example:
   >>> round(tsp_crossover_tokens(layer_params=12 * 2048**2, d_model=2048, d=8))
@@ -46,16 +56,20 @@ __all__ = ["tsp_crossover_tokens", "tsp_wire_bytes"]
 
 def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers: int,
                    b: float, s: float, h: float, d: int, data: int = 1, nbytes: float = 4,
-                   schedule: str = "tsp", recompute: bool = False) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+                   schedule: str = "tsp", recompute: bool = False, h_kv: float | None = None,
+                   vocab: int = 0, tables: int = 2) -> tuple[dict[str, float], list[str]]:  # fmt: skip
     """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
 
     Args:
       psi: all parameters Ψ; layer_params: ringed weights of one layer Ψ_l;
       in_params: the input-side part of Ψ_l (recomputed under full remat).
-      layers: L; b: sequences per data replica; s: sequence length; h: K/V width.
+      layers: L; b: sequences per data replica; s: sequence length; h: model width.
       d: TSP axis size D; data: data-parallel replicas; nbytes: B.
       schedule: ``"tsp"`` (the paper's rings) or ``"gspmd"`` (rules only).
       recompute: full activation recomputation.
+      h_kv: K/V width (default ``h``).
+      vocab: V, for the embedding lookup and the head (0: counted in Ψ_r as FSDP).
+      tables: vocabulary tables in Ψ, 1 tied (GPT) or 2 (Llama's embedding and head).
 
     Returns:
       ``({kind: bytes}, notes)``.
@@ -75,18 +89,30 @@ def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers:
             out[kind] = out.get(kind, 0.0) + value
             notes.append(f"{kind}: {note} = {value:,.0f} B")
 
+    h_kv = h if h_kv is None else h_kv
     passes = 3 if recompute else 2
-    add("collective-permute", layers * passes * f * 2 * b * s * h * nbytes,
-        f"K/V ring, {passes} passes × L·f·2·b·S·h·B")  # fmt: skip
-    add("collective-permute", layers * passes * 8 * b * s * h * nbytes / d,
-        f"zigzag reorder, {passes} passes × L·8·b·S·h·B/D")  # fmt: skip
+    add("collective-permute", layers * passes * f * 2 * b * s * h_kv * nbytes,
+        f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B")  # fmt: skip
+    add("collective-permute", layers * passes * 4 * (h + h_kv) * b * s * nbytes / d,
+        f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D")  # fmt: skip
+    rest = psi - (tables * vocab * h if vocab else 0)
+    if vocab:
+        add("all-gather", f * b * s * 4, "token ids for the lookup, f·b·S·4")
+        lookup = "collective-permute" if schedule == "tsp" else "reduce-scatter"
+        add(lookup, f * b * s * h * nbytes, "embedding lookup forward, f·b·S·h·B")
+        lookup = "collective-permute" if schedule == "tsp" else "all-gather"
+        add(lookup, f * b * s * h * nbytes, "embedding gradient back, f·b·S·h·B")
+        if schedule == "tsp":
+            add("collective-permute", 3 * f * vocab * h * nbytes, "head ring, 3f·V·h·B")
+        else:
+            add("all-gather", f * vocab * h * nbytes, "head weight gathered once, f·V·h·B")
+            add("reduce-scatter", f * vocab * h * nbytes, "head gradient, f·V·h·B")
     if schedule == "tsp":
         ring = 3 * layer_params + (in_params if recompute else 0)
         add("collective-permute", layers * f * ring * nbytes,
             "weight rings, L·f·(3Ψ_l" + (" + Ψ_in" if recompute else "") + ")·B")  # fmt: skip
-        rest = max(psi - layers * layer_params, 0.0)
-    else:
-        rest = psi
+        rest -= layers * layer_params
+    rest = max(rest, 0.0)
     add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B")
     add("reduce-scatter", f * rest * nbytes, "FSDP gradients, f·Ψ_r·B")
     if data > 1:
@@ -96,16 +122,17 @@ def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers:
 
 
 def tsp_crossover_tokens(*, layer_params: float, d_model: float, d: int,
-                         zigzag: bool = True) -> float:  # fmt: skip
+                         zigzag: bool = True, h_kv: float | None = None) -> float:  # fmt: skip
     """Tokens b·S per replica above which a TSP layer moves fewer bytes than TP+SP's.
 
-    Training (forward + backward, no remat): TSP f·(3Ψ_l + 4bSh) (+16bSh/D zigzag)
-    against TP's 8f·bSh. Infinite when the zigzag overhead outweighs the saving.
+    Training (forward + backward, no remat): TSP f·(3Ψ_l + 4bS·h_kv) (+8bS(h + h_kv)/D
+    zigzag) against TP's 8f·bSh; ``h_kv`` (K/V width) defaults to ``d_model``. Infinite
+    when the zigzag overhead outweighs the saving.
 
     Example:
       >>> tsp_crossover_tokens(layer_params=3 * 4, d_model=1, d=8, zigzag=False)
       9.0
     """
-    f = (d - 1) / d
-    per_token = 4 * f * d_model - (16 * d_model / d if zigzag else 0)
+    f, h_kv = (d - 1) / d, d_model if h_kv is None else h_kv
+    per_token = 8 * f * d_model - 4 * f * h_kv - (8 * (d_model + h_kv) / d if zigzag else 0)
     return math.inf if per_token <= 0 else 3 * f * layer_params / per_token

@@ -58,7 +58,19 @@ def test_measured_wire_within_15_percent_of_analytic(recipe):
     assert 1 / 1.15 < measured / expected < 1.15, (dict(by_kind), analytic.wire_bytes_by_kind)
     # the weights travel as the schedule says: rings (permutes) or XLA's all-gathers
     ring = 3 * (7 / 8) * layer_params(model.config)[0] * 2 * 4
+    # No device gathers a whole vocabulary table (vocab·d_model f32) under the paper's
+    # schedules: the head's shards travel a ring (shardkit.parallel.tsp_head), forward
+    # 7 hops, backward 14, one of them shared. The rules-only layout gathers the head
+    # for the chunked loss, which shows the check sees such a gather.
+    cfg = model.config
+    whole = cfg.vocab * cfg.d_model * 4
+    gathered = [c for c in report.collectives if c.kind == "all-gather" and c.bytes >= whole]
+    head_shard = f"[{cfg.d_model},{cfg.vocab // 8}]"  # the (embed, vocab) kernel's
+    shards = sum(c.count for c in report.collectives
+                 if c.kind == "collective-permute" and c.shape == head_shard)  # fmt: skip
     if recipe == "tsp":
         assert by_kind["all-gather"] < 0.2 * ring < by_kind["collective-permute"]
+        assert not gathered and shards == 3 * 7 - 1, (gathered, shards)
     else:
         assert by_kind["all-gather"] > 0.5 * ring
+        assert gathered and shards == 0
