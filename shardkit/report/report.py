@@ -153,9 +153,15 @@ class Report:
             key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source)
             groups.setdefault(key, []).append(c)
         rows = [
-            CollectiveGroup(kind=k[0], pass_=k[1], where=k[2], source=k[3],
-                            ops=len(cs), executions=sum(c.count for c in cs),
-                            wire_bytes=sum(c.wire_bytes for c in cs))  # fmt: skip
+            CollectiveGroup(
+                kind=k[0],
+                pass_=k[1],
+                where=k[2],
+                source=k[3],
+                ops=len(cs),
+                executions=sum(c.count for c in cs),
+                wire_bytes=sum(c.wire_bytes for c in cs),
+            )  # fmt: skip
             for k, cs in groups.items()
         ]
         return sorted(rows, key=lambda g: -g.wire_bytes)
@@ -256,6 +262,7 @@ def build_report(
     seq: int | None = None,
     replicated_threshold_bytes: int = 1 << 20,
     replicated_threshold_share: float = 1e-3,
+    pipeline: Any = None,
 ) -> Report:
     """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``.
 
@@ -273,6 +280,9 @@ def build_report(
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
         ``replicated_threshold_bytes``.
+      pipeline: a pipelined step's options (``{"microbatches": m, "schedule": ...}``, what
+        ``sk.parallel.train_step`` attaches as ``step.pipeline``; ``plan.report`` reads it):
+        the analytic model of a recipe with a ``stage`` axis counts the stage's share.
     """
     rows = param_rows(plan, state)
     collectives = tuple(collectives_of(compiled))
@@ -283,10 +293,13 @@ def build_report(
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
+        stack = {k: sum(_full_bytes(r) for r in rows if r.kind == k and r.logical[:1] == ("layers",))
+                 for k in ("param", "optimizer")}  # fmt: skip
         try:
             analytic = analytic_costs(
                 recipe, mesh, workload=workload,
-                param_bytes=full["param"], optimizer_bytes=full["optimizer"],
+                param_bytes=full["param"], optimizer_bytes=full["optimizer"], pipeline=pipeline,
+                stack_param_bytes=stack["param"], stack_optimizer_bytes=stack["optimizer"],
             )  # fmt: skip
             if model_config is not None:  # a reference model: its phases set the total
                 analytic = with_phases(analytic, model_config, recipe, mesh, workload)
