@@ -121,8 +121,9 @@ def run(
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq)
     report = plan.report(
-        compiled, abstract, workload=workload, model_config=getattr(spec, "config", None)
-    )
+        compiled, abstract, workload=workload, model_config=getattr(spec, "config", None),
+        pipeline=getattr(step, "pipeline", None),
+    )  # fmt: skip
 
     def step_fn(state, batch):
         with jax.set_mesh(plan.mesh):
@@ -132,7 +133,9 @@ def run(
     tokens_per_s = 0.0
     timed_tokens, timed_seconds = 0, 0.0
     for i in range(first_step, steps):
-        batch_i = first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
+        batch_i = (
+            first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
+        )
         start = time.perf_counter()
         state, metrics = step_fn(state, batch_i)
         loss = float(metrics["loss"])  # blocks until the step is done
