@@ -362,10 +362,11 @@ class _Body:
             has_b = bool(np_tables["b_valid"][t].any())
             if has_f:
                 i, k = at("f_mb", t), at("f_k", t)
-                mb = mb_at(i)
                 x_in = recv_f
+                # A micro-batch is sliced inside the cond that reads it: sliced outside, XLA
+                # slices every micro-batch at the start of the step and keeps it until used.
                 if np_tables["f_first"][t].any():
-                    x_in = jax.lax.cond(at("f_first", t), lambda mb=mb: self.pre_fn(rest_g, mb),
+                    x_in = jax.lax.cond(at("f_first", t), lambda i=i: self.pre_fn(rest_g, mb_at(i)),
                                         lambda r=recv_f: r)  # fmt: skip
                 w_k = select(w_g, k)
                 y, vjp = jax.vjp(lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x),
@@ -386,8 +387,9 @@ class _Body:
 
                     # The accumulator goes through the cond: one running sum, updated in
                     # place, never a full-size gradient (the head's) per tick.
-                    def loss_and_grads(d_rest, y=y, mb=mb):
-                        val, (dr, dy) = jax.value_and_grad(head, argnums=(0, 1))(rest_g, y, mb)
+                    def loss_and_grads(d_rest, y=y, i=i):
+                        grad_fn = jax.value_and_grad(head, argnums=(0, 1))
+                        val, (dr, dy) = grad_fn(rest_g, y, mb_at(i))
                         return val, jax.tree.map(jnp.add, d_rest, dr), dy
 
                     def none(d_rest, y=y):
@@ -440,9 +442,9 @@ class _Body:
                 busy = valid & (s != -1 - t)
                 d_acc, d_x = jax.lax.cond(busy, backward, idle, d_acc, leaves, g_in)
                 if np_tables["b_first"][t].any():
-                    mb = mb_at(j)
 
-                    def pre_grad(d_rest, mb=mb, d_x=d_x):
+                    def pre_grad(d_rest, j=j, d_x=d_x):
+                        mb = mb_at(j)
                         _, pull = jax.vjp(lambda r: self.pre_fn(r, mb), rest_g)
                         return jax.tree.map(jnp.add, d_rest, pull(d_x)[0])
 
