@@ -117,18 +117,22 @@ def main(argv=None) -> None:
                 (f"7b fsdp ({n})", {**big, "recipe": "fsdp", "devices": n, "batch": n}),
                 (f"7b dp_tp_sp ({n})", {**big, "recipe": "dp_tp_sp", "devices": n, "batch": n}),
             ]  # fmt: skip
-    headers = ["row", "recipe", "mesh", "total MiB/device", "temp MiB", "wire MiB",
+    headers = ["row", "recipe", "mesh", "total MiB/device", "temp MiB", "temp/gpipe", "wire MiB",
                "analytic wire MiB", "wire/analytic", "AG+RS MiB", "analytic AG+RS MiB",
                "FLOPs/useful", "1/(1-bubble)", "2sUb > 9h"]  # fmt: skip
     title = "Pipelines (compile only): schedules, ZeroPP's unit, ZeroPP vs FSDP vs TP"
+    gpipe_temp = None  # 1f1b's activation memory against gpipe's (same p, m, no remat)
     for label, spec in specs:
         r = run(spec)
         print(label, r, flush=True)
         if "error" in r:
-            rows.append([label, spec["recipe"], "—", r["error"], *["—"] * 9])
+            rows.append([label, spec["recipe"], "—", r["error"], *["—"] * 10])
         else:
+            if label == "pp gpipe":
+                gpipe_temp = r["temp"]
+            vs_gpipe = r["temp"] / gpipe_temp if gpipe_temp and spec["recipe"] == "pp" else "—"
             rows.append([
-                label, spec["recipe"], r["mesh"], fmt(r["total"]), fmt(r["temp"]),
+                label, spec["recipe"], r["mesh"], fmt(r["total"]), fmt(r["temp"]), vs_gpipe,
                 fmt(r["wire"]), fmt(r.get("analytic_wire")),
                 r["wire"] / r["analytic_wire"] if r.get("analytic_wire") else "—",
                 fmt(r.get("weights")), fmt(r.get("analytic_weights")),

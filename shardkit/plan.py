@@ -465,6 +465,8 @@ class Plan:
             compiled = self.compile(step, state, batch, *args)
             if kwargs.get("workload") is None and kwargs.get("model_config") is None:
                 kwargs["workload"] = _workload_of(batch, self.precision)
+            if kwargs.get("pipeline") is None and getattr(step, "pipeline", None) is not None:
+                kwargs["pipeline"] = step.pipeline  # sk.parallel.train_step's options
         return build_report(self, compiled, state, **kwargs)
 
     def _check_axes_known(self, state: Any) -> None:

@@ -125,8 +125,9 @@ def run(
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq, precision=plan.precision)
     report = plan.report(
-        compiled, abstract, workload=workload, model_config=getattr(spec, "config", None)
-    )
+        compiled, abstract, workload=workload, model_config=getattr(spec, "config", None),
+        pipeline=getattr(step, "pipeline", None),
+    )  # fmt: skip
 
     def step_fn(state, batch):
         with jax.set_mesh(plan.mesh):

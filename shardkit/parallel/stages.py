@@ -266,6 +266,9 @@ def train_step(
         return TrainState(state.step + 1, params, opt_state), metrics
 
     step.schedule = grad_fn.schedule  # type: ignore[attr-defined]
+    # What plan.report's analytic model needs to count a pipelined step.
+    step.pipeline = {"microbatches": microbatches, "schedule": schedule,  # type: ignore[attr-defined]
+                     "virtual_stages": virtual_stages, "unit": unit}  # fmt: skip
     return step
 
 

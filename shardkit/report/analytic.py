@@ -318,7 +318,10 @@ def _phase_note(phases: Mapping[str, float]) -> str:
 def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: Workload,
                    param_bytes: float, optimizer_bytes: float, psi: float | None = None,
                    bytes_per_value: int = 4, layer_params: float | None = None,
-                   in_params: float | None = None, vocab_tables: int = 2) -> AnalyticModel:  # fmt: skip
+                   in_params: float | None = None, vocab_tables: int = 2,
+                   pipeline: Mapping[str, Any] | None = None,
+                   stack_param_bytes: float | None = None,
+                   stack_optimizer_bytes: float | None = None) -> AnalyticModel:  # fmt: skip
     """The analytic memory per device and wire bytes per step of any model under a recipe.
 
     What the layout runs is read from the recipe's rules (:meth:`Recipe.parallelism`),
@@ -341,6 +344,12 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         TSP axis (default: estimated as (Ψ − vocab·d_model)/layers and half of it;
         :mod:`shardkit.report.analytic_tsp`).
       vocab_tables: vocabulary tables in Ψ under a TSP axis: 1 tied (GPT), 2 untied.
+      pipeline, stack_param_bytes, stack_optimizer_bytes: for a recipe with a ``stage``
+        axis (required there): the pipeline's options (``{"microbatches": m, "schedule":
+        ..., "virtual_stages": v, "unit": U}``) and the layer stack's share of the
+        parameter and optimizer bytes; the model is
+        :func:`shardkit.report.pipeline_analytic.pipeline_model` (per-stage state, the
+        schedule's activations in flight, stage-to-stage and ZeroPP wire).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -355,6 +364,23 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     recipe = get_recipe(recipe)
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
+    if par.stage > 1:
+        from shardkit.report.pipeline_analytic import pipeline_model
+
+        if pipeline is None or stack_param_bytes is None:
+            raise ShardingError(
+                f"{recipe.name} pipelines over {par.stage} stages: its analytic model needs the "
+                "pipeline's options and the layer stack's bytes.\nFix: analytic_costs(..., "
+                "pipeline={'microbatches': m, 'schedule': '1f1b'}, stack_param_bytes=..., "
+                "stack_optimizer_bytes=...), or report a step built by "
+                "sk.parallel.train_step (it carries them)."
+            )
+        stack_opt = (stack_param_bytes / param_bytes * optimizer_bytes
+                     if stack_optimizer_bytes is None else stack_optimizer_bytes)  # fmt: skip
+        return pipeline_model(par, workload, pipeline=pipeline, param_bytes=param_bytes,
+                              optimizer_bytes=optimizer_bytes, stack_param_bytes=stack_param_bytes,
+                              stack_optimizer_bytes=stack_opt, bytes_per_value=bytes_per_value,
+                              label=recipe.name)  # fmt: skip
     if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
         return _tsp_costs(recipe, par, workload, param_bytes, optimizer_bytes, psi,
                           bytes_per_value, layer_params, in_params, vocab_tables)  # fmt: skip
@@ -474,7 +500,8 @@ def layer_params(config: Any) -> tuple[float, float]:
 
 def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *, batch: int,
                    seq: int, bytes_per_value: int = 4, remat: str | None = None,
-                   precision: str = "f32") -> AnalyticModel:  # fmt: skip
+                   precision: str = "f32",
+                   pipeline: Mapping[str, Any] | None = None) -> AnalyticModel:  # fmt: skip
     """The analytic memory per device and wire bytes per step of a reference model.
 
     :func:`analytic_costs` with the state counted from ``config`` for f32 Adam: params
@@ -498,6 +525,8 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
       remat: overrides ``config.remat`` when given.
       precision: ``"f32"`` or ``"bf16"`` (activations at 2 bytes per value, the state
         and the logits as ``bytes_per_value``; :func:`activation_bytes`).
+      pipeline: a pipelined step's options (recipes with a ``stage`` axis; see
+        :func:`analytic_costs`).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -520,7 +549,11 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
                            optimizer_bytes=2 * bytes_per_value * psi,
                            bytes_per_value=bytes_per_value, layer_params=ringed,
                            in_params=ringed_in,
-                           vocab_tables=1 if getattr(config, "family", "") == "gpt" else 2)  # fmt: skip
+                           vocab_tables=1 if getattr(config, "family", "") == "gpt" else 2,
+                           pipeline=pipeline,
+                           stack_param_bytes=bytes_per_value * config.n_layers * config._layer_params(),
+                           stack_optimizer_bytes=2 * bytes_per_value * config.n_layers
+                           * config._layer_params())  # fmt: skip
     return with_phases(model, config, recipe, mesh, workload)
 
 
@@ -532,6 +565,8 @@ def with_phases(model: AnalyticModel, config: Any, recipe: Recipe | str,
     workload has a sequence. See :func:`shardkit.report.phases.phase_peaks`.
     """
     if not hasattr(config, "loss_chunks") or not workload.seq:
+        return model
+    if get_recipe(recipe).parallelism(mesh).stage > 1:  # the phase model knows no pipelines
         return model
     from shardkit.report.phases import phase_peaks
 

@@ -41,10 +41,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from shardkit.parallel.schedules import bubble_fraction
 
-__all__ = ["PipelineCosts", "pipeline_costs", "zeropp_beats_tp", "crossover_unit"]
+__all__ = [
+    "PipelineCosts", "crossover_unit", "in_flight", "pipeline_costs", "pipeline_model",
+    "zeropp_beats_tp",
+]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,3 +149,107 @@ def crossover_unit(*, seq: int, micro_batch: int, d_model: int, gathers_per_unit
       5
     """
     return math.floor(12 * d_model * gathers_per_unit / (8 * seq * micro_batch)) + 1
+
+
+def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> int:
+    """The most work items (micro-batch × chunk of ``L/(p·v)`` layers) a stage holds the
+    activations of at once: ``m`` under gpipe, ``min(m, 2p − 1)`` under 1f1b (stage 0).
+
+    Example:
+      >>> in_flight("gpipe", 4, 16), in_flight("1f1b", 4, 16), in_flight("1f1b", 4, 2)
+      (16, 7, 2)
+    """
+    import warnings
+
+    from shardkit.parallel.schedules import make
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # m < p: the schedule's own warning, not ours
+        return make(schedule, stages, microbatches, virtual).slots
+
+
+def pipeline_model(
+    par: Any,
+    workload: Any,
+    *,
+    pipeline: Mapping[str, Any],
+    param_bytes: float,
+    optimizer_bytes: float,
+    stack_param_bytes: float,
+    stack_optimizer_bytes: float,
+    bytes_per_value: int = 4,
+    label: str = "pipeline",
+) -> Any:
+    """The analytic model (:class:`shardkit.report.analytic.AnalyticModel`) of a pipelined
+    step: what :func:`shardkit.report.analytic.analytic_costs` returns for a recipe with a
+    ``stage`` axis.
+
+    State per device: the stage's ``1/p`` of the layer stack and all the other parameters
+    (replicated over ``stage``), each divided by ``fsdp`` (the optimizer state also by
+    ``data`` under ZeRO-1). Activations (with the model's dimensions): Megatron's per layer
+    at the micro-batch ``b = batch/(m·data·fsdp)``, times the ``L/(p·v)`` layers of a work
+    item, times the items a stage holds at once (:func:`in_flight`), plus one micro-batch's
+    logits. Wire: :func:`pipeline_costs`.
+
+    Args:
+      par: the recipe's :class:`shardkit.recipes.recipe.Parallelism` (``stage > 1``).
+      workload: the step's :class:`shardkit.workload.Workload`.
+      pipeline: ``{"microbatches": m, "schedule": ..., "virtual_stages": v, "unit": U}``
+        (what ``shardkit.parallel.cli.options`` gives; a pipelined step's ``.pipeline``).
+      param_bytes, optimizer_bytes: all parameters / optimizer state, unsharded.
+      stack_param_bytes, stack_optimizer_bytes: the layer stack's part of them.
+
+    Raises:
+      ShardingError: a tensor, sequence or TSP axis next to ``stage`` (not modelled).
+    """
+    from shardkit.errors import ShardingError
+    from shardkit.report.analytic import (
+        AnalyticMemory,
+        AnalyticModel,
+        megatron_activations_per_layer,
+    )
+
+    if par.tensor > 1 or par.sequence > 1 or par.tsp > 1:
+        raise ShardingError(
+            f"{label}: the analytic pipeline model covers stage × data × fsdp, got {par}."
+        )
+    p, f, d = par.stage, par.fsdp, par.data
+    m = int(pipeline["microbatches"])
+    schedule = pipeline.get("schedule", "1f1b")
+    v = int(pipeline.get("virtual_stages") or 1) if schedule == "interleaved" else 1
+    unit = pipeline.get("unit")
+    nb = bytes_per_value
+    rest_p, rest_o = param_bytes - stack_param_bytes, optimizer_bytes - stack_optimizer_bytes
+    state = (stack_param_bytes / p + rest_p) / f
+    opt_degree = f * (d if par.data_kind == "zero1" else 1)
+    notes = [
+        f"{label} as {par}: {schedule}, m={m}, v={v}, U={unit}, B = {nb} bytes per value",
+        f"state: the stage's 1/{p} of the stack ({stack_param_bytes:,.0f} B) + the rest "
+        f"({rest_p:,.0f} B, replicated over stage), / fsdp {f}; optimizer likewise / {opt_degree}",
+    ]
+    b = workload.batch / (m * d * f)
+    activations, act_bytes = 0.0, 0.0
+    if workload.has_dims:
+        s, h = workload.seq, workload.d_model
+        mode = "full_recompute" if (workload.remat or "none") == "full" else "none"
+        per_layer = megatron_activations_per_layer(s, b, h, workload.n_heads, mode=mode,
+                                                   bytes_per_value=nb)  # fmt: skip
+        items = in_flight(schedule, p, m, v)
+        layers = workload.layers / (p * v)
+        activations = items * layers * per_layer + b * s * workload.vocab * nb
+        act_bytes = b * s * h * nb
+        notes.append(
+            f"activations: {items} items in flight × {layers:g} layers × Megatron '{mode}' at "
+            f"b={b:g}, s={s}, + one micro-batch's logits; a guide, not a bound"
+        )
+    else:
+        notes.append("activations and stage-to-stage bytes: not modelled (no model dimensions)")
+    costs = pipeline_costs(
+        schedule, stages=p, microbatches=m, virtual=v, unit=unit, fsdp=f, data=d,
+        stack_param_bytes=stack_param_bytes, rest_param_bytes=rest_p, activation_bytes=act_bytes,
+    )  # fmt: skip
+    memory = AnalyticMemory(params=state, grads=state,
+                            optimizer=(stack_optimizer_bytes / p + rest_o) / opt_degree,
+                            activations=activations)  # fmt: skip
+    wire = {k: x for k, x in costs.wire_bytes_by_kind.items() if x}
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=(*notes, *costs.notes))

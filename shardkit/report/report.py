@@ -266,6 +266,7 @@ def build_report(
     seq: int | None = None,
     replicated_threshold_bytes: int = 1 << 20,
     replicated_threshold_share: float = 1e-3,
+    pipeline: Any = None,
 ) -> Report:
     """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``.
 
@@ -283,6 +284,9 @@ def build_report(
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
         ``replicated_threshold_bytes``.
+      pipeline: a pipelined step's options (``{"microbatches": m, "schedule": ...}``, what
+        ``sk.parallel.train_step`` attaches as ``step.pipeline``; ``plan.report`` reads it):
+        the analytic model of a recipe with a ``stage`` axis counts the stage's share.
     """
     rows = param_rows(plan, state)
     collectives = tuple(collectives_of(compiled))
@@ -295,10 +299,13 @@ def build_report(
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
+        stack = {k: sum(_full_bytes(r) for r in rows if r.kind == k and r.logical[:1] == ("layers",))
+                 for k in ("param", "optimizer")}  # fmt: skip
         try:
             analytic = analytic_costs(
                 recipe, mesh, workload=workload,
-                param_bytes=full["param"], optimizer_bytes=full["optimizer"],
+                param_bytes=full["param"], optimizer_bytes=full["optimizer"], pipeline=pipeline,
+                stack_param_bytes=stack["param"], stack_optimizer_bytes=stack["optimizer"],
             )  # fmt: skip
             if model_config is not None:  # a reference model: its phases set the total
                 analytic = with_phases(analytic, model_config, recipe, mesh, workload)

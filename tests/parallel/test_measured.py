@@ -64,15 +64,17 @@ def test_compiled_flops_match_the_bubble(schedule, m, v):
 
 
 def test_one_f_one_b_activation_memory_below_gpipe():
+    # The criterion (p = 4, m = 16, no remat) on a matmul stack, which compiles in
+    # seconds; gpt-small (benchmarks/pipeline.py) takes minutes per schedule. Here the
+    # activations dominate the step's temporaries, as they do on a real model.
     temp = {}
     for schedule, m in (("gpipe", 16), ("gpipe", 32), ("1f1b", 16), ("1f1b", 32)):
         compiled, _ = compile_pipeline({"stage": 4}, schedule, m, rows=256 * m)
         temp[schedule, m] = compiled.memory_analysis().temp_size_in_bytes
-    assert temp["gpipe", 32] >= 1.5 * temp["gpipe", 16]  # all m micro-batches
-    # 1f1b holds 2p - 1 micro-batches whatever m; its temp still grows by 28% here (4.4 ->
-    # 5.7 MB) against GPipe's 87% (10.9 -> 20.3 MB): see the README's known limits.
-    assert temp["1f1b", 32] <= 1.3 * temp["1f1b", 16]
-    assert temp["1f1b", 16] <= 0.5 * temp["gpipe", 16]  # measured 0.41
+    assert temp["gpipe", 32] >= 1.5 * temp["gpipe", 16]  # all m micro-batches (measured 1.9x)
+    # 1f1b holds 2p - 1 micro-batches whatever m (measured 3.73 -> 3.80 MiB when m doubles).
+    assert temp["1f1b", 32] <= 1.1 * temp["1f1b", 16]
+    assert temp["1f1b", 16] <= 0.5 * temp["gpipe", 16]  # measured 0.36
 
 
 def permute_pairs(text):
