@@ -156,10 +156,15 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             recipe.activation_rules.spec(("batch", "length", "heads"),
                                          (subject.batch, subject.seq, config.n_heads), mesh,
                                          path="attention")  # fmt: skip
+        extra = {}
+        if stages:  # a reference model's stack (sk.parallel pipelines only those)
+            stack = 4 * config.n_layers * config._layer_params() if config is not None else None
+            extra = {"pipeline": _pipeline_options(candidate), "stack_param_bytes": stack,
+                     "stack_optimizer_bytes": None if stack is None else 2 * stack}  # fmt: skip
         analytic = analytic_costs(recipe, mesh, workload=subject.workload(candidate),
                                   param_bytes=subject.param_bytes,
-                                  optimizer_bytes=subject.optimizer_bytes)  # fmt: skip
-        if config is not None:
+                                  optimizer_bytes=subject.optimizer_bytes, **extra)  # fmt: skip
+        if config is not None and not stages:
             analytic = with_phases(analytic, config, recipe, mesh, subject.workload(candidate))
     except ShardingError as e:
         return Pruned(_first_line(e))
@@ -169,6 +174,12 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
                       f"per device (analytic), over the {human_bytes(budget)} budget")  # fmt: skip
     return Analytic(memory=float(analytic.memory.total), state=float(state),
                     wire=float(sum(analytic.wire_bytes_by_kind.values())))  # fmt: skip
+
+
+def _pipeline_options(candidate: Candidate) -> dict:
+    """The pipeline a candidate with a ``stage`` axis runs: 1F1B, its micro-batches."""
+    return {"microbatches": candidate.microbatches, "schedule": "1f1b", "virtual_stages": 1,
+            "unit": None}  # fmt: skip
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
@@ -204,9 +215,7 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
         if candidate.microbatches is not None:
             from shardkit.parallel.cli import step_for
 
-            opts = {"microbatches": candidate.microbatches, "schedule": "1f1b",
-                    "virtual_stages": 1, "unit": None}  # fmt: skip
-            step = step_for(model, tx, plan, abstract, opts)
+            step = step_for(model, tx, plan, abstract, _pipeline_options(candidate))
         else:
             step = train.train_step(model, tx)
         batch = token_batch(subject.batch, subject.seq)
