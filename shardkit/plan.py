@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit import context
+from shardkit.annotate.constrain import is_explicit
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.path_axes import PathAxes
@@ -73,6 +74,9 @@ class Plan:
         for leaves Flax did not annotate.
       on_unmatched: policy for non-scalar leaves with no logical axes (default: the
         ``annotations``' own policy, else ``"replicate"``).
+      explicit: make the default mesh's axes ``AxisType.Explicit`` (JAX's
+        sharding-in-types) instead of ``Auto``; a ``mesh`` given brings its own types,
+        and ``explicit`` then only checks them.
     """
 
     def __init__(
@@ -83,6 +87,7 @@ class Plan:
         devices: Sequence[jax.Device] | None = None,
         annotations: PathAxes | Sequence[tuple[str, Sequence[str | None]]] | None = None,
         on_unmatched: Literal["replicate", "error"] | None = None,
+        explicit: bool | None = None,
     ):
         if not isinstance(recipe, (str, Recipe, Rules, list, tuple)):
             raise ArgumentTypeError(
@@ -104,6 +109,14 @@ class Plan:
             raise RuleError(
                 f"Plan(on_unmatched=...) is 'replicate' or 'error', got {on_unmatched!r}."
             )
+        if explicit is not None and not isinstance(explicit, bool):
+            raise ArgumentTypeError(f"Plan(explicit=...) is True or False, got {explicit!r}.")
+        if mesh is not None and explicit is not None and is_explicit(mesh) != explicit:
+            kinds = "/".join(sorted({t.name for t in mesh.axis_types}))
+            raise ShardingError(
+                f"Plan(..., mesh, explicit={explicit}): the mesh's axes are {kinds}.\n"
+                f"Fix: sk.make_mesh(..., explicit={explicit}), or leave explicit out."
+            )
         if isinstance(recipe, (Rules, list, tuple)):
             if mesh is None:
                 raise ShardingError(
@@ -117,7 +130,8 @@ class Plan:
         self.recipe: Recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         if mesh is None:
             devices = check_devices(jax.devices() if devices is None else devices)
-            mesh = make_mesh(self.recipe.axis_sizes(len(devices)), devices=devices)
+            sizes = self.recipe.axis_sizes(len(devices))
+            mesh = make_mesh(sizes, devices=devices, explicit=bool(explicit))
         self.mesh = mesh
         if annotations is not None and not isinstance(annotations, PatternAxes):
             annotations = PathAxes(annotations)  # a plain list of (regex, axes) pairs
@@ -141,8 +155,14 @@ class Plan:
     def activation_rules(self) -> Rules:
         return self.recipe.activation_rules
 
+    @property
+    def explicit(self) -> bool:
+        """True when the mesh's axes are ``Explicit`` (sharding-in-types)."""
+        return is_explicit(self.mesh)
+
     def __repr__(self) -> str:
-        return f"Plan({self.recipe.name!r}, mesh={dict(self.mesh.shape)})"
+        extra = ", explicit=True" if self.explicit else ""
+        return f"Plan({self.recipe.name!r}, mesh={dict(self.mesh.shape)}{extra})"
 
     def context(self):
         """The sharding context a step is traced under (``plan.jit`` enters it)."""
@@ -523,7 +543,10 @@ class PlannedStep:
                 if not isinstance(out, tuple):
                     out = (out,)
                 new_state, rest = out[0], out[1:]
-                new_state = jax.lax.with_sharding_constraint(new_state, state_sh)
+                # Explicit axes: the state's types may have drifted (zero1's update reads
+                # split moments), and a constraint would only assert; reshard them back.
+                pin = jax.sharding.reshard if plan.explicit else jax.lax.with_sharding_constraint
+                new_state = pin(new_state, state_sh)
                 return (new_state, *rest)
 
             kwargs = dict(self.jit_kwargs)

@@ -3,6 +3,7 @@
 - ``--json`` prints JSON on stdout instead of the tables; ``--json PATH`` writes it to
   PATH and keeps the tables on the terminal.
 - ``--mesh data=2,tensor=4`` sets mesh axis sizes (one may be -1) on top of the recipe's.
+- ``--explicit`` makes the mesh's axes Explicit (JAX's sharding-in-types), not Auto.
 - Output paths (``--json PATH``, ``--plot PNG``) are checked before any work starts.
 """
 
@@ -16,8 +17,8 @@ from typing import Any
 
 from shardkit.errors import ShardingError
 
-__all__ = ["add_json", "add_mesh", "check_outputs", "emit_json", "parse_mesh", "recipe_for",
-           "wants_tables"]  # fmt: skip
+__all__ = ["add_explicit", "add_json", "add_mesh", "check_outputs", "emit_json", "parse_mesh",
+           "recipe_for", "wants_tables"]  # fmt: skip
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +32,13 @@ def add_mesh(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh", type=parse_mesh, default=None, metavar="AXIS=SIZE,...",
         help="mesh axis sizes on top of the recipe's, e.g. data=2,tensor=4 (one may be -1)",
+    )  # fmt: skip
+
+
+def add_explicit(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--explicit", action="store_true",
+        help="Explicit mesh axes (JAX's sharding in types) instead of Auto",
     )  # fmt: skip
 
 
@@ -68,7 +76,10 @@ def recipe_for(name: str, args: argparse.Namespace):
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail before any work if ``--json PATH`` or ``--plot PNG`` cannot be written."""
-    for flag, path in (("--json", getattr(args, "json", None)), ("--plot", getattr(args, "plot", None))):
+    for flag, path in (
+        ("--json", getattr(args, "json", None)),
+        ("--plot", getattr(args, "plot", None)),
+    ):
         if path is None or path == "-":
             continue
         target = Path(path)

@@ -11,6 +11,7 @@ from rich.table import Table
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, resolve_model
 from shardkit.cli.options import (
+    add_explicit,
     add_json,
     add_mesh,
     check_outputs,
@@ -27,6 +28,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default="fsdp", help="sharding recipe (default: fsdp)")
     add_devices_argument(p)
     add_mesh(p)
+    add_explicit(p)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
@@ -74,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     if args.dcn:
         plan = Plan(recipe, mesh=_mesh(args, recipe, devices), annotations=annotations)
     else:
-        plan = Plan(recipe, devices=devices, annotations=annotations)
+        plan = Plan(recipe, devices=devices, annotations=annotations, explicit=args.explicit)
     plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
 
     import jax
@@ -153,7 +155,7 @@ def _mesh(args: argparse.Namespace, recipe, devices):
             raise ShardingError(f"--dcn {item!r}: expected AXIS=N, e.g. --dcn data=2.")
         dcn[axis] = int(size)
     sizes = recipe.axis_sizes(len(devices))
-    return make_mesh(sizes, devices=devices, dcn=dcn)
+    return make_mesh(sizes, devices=devices, dcn=dcn, explicit=args.explicit)
 
 
 def _print_summary(result) -> None:
@@ -172,7 +174,10 @@ def _print_summary(result) -> None:
     )
     first, last = result.losses[0], result.losses[-1]
     if result.first_step:
-        table.add_row("resumed", f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})")
+        table.add_row(
+            "resumed",
+            f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})",
+        )
     table.add_row("loss", f"{first:.4f} → {last:.4f} nats/token")
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")
