@@ -1,9 +1,10 @@
 """Every recipe trains the reference models under Explicit mesh axes like one device.
 
 The reference is the plain step on one device (an Auto mesh), never the Explicit run;
-tolerances are those of tests/test_train.py. One step per case (its loss and gradients)
-keeps the suite's time: 34 compiles.
+tolerances are those of tests/test_train.py; one step per case (its loss and gradients).
 """
+
+import os
 
 import jax
 import numpy as np
@@ -47,8 +48,17 @@ def one_device():
     return reference
 
 
-@pytest.mark.parametrize("recipe", sk.recipes.names())
-@pytest.mark.parametrize("model_name", MODELS)
+# CI runs one case per way a recipe meets Explicit axes, within the suite's time: the
+# layers under auto_axes (linen and NNX), the optimizer's split state resharded back
+# (zero1), TSP's shard_map inside the layers, a pipeline's own shard_map.
+# SHARDKIT_EXPLICIT_ALL=1 runs every recipe on both models (34 cases, about 15 minutes
+# on 2 CPU cores; all passed on the commit that added this test).
+CASES = [("gpt-tiny", "zero1"), ("llama-tiny", "tsp"), ("gpt-tiny", "pp")]
+if os.environ.get("SHARDKIT_EXPLICIT_ALL"):
+    CASES = [(model, recipe) for model in MODELS for recipe in sk.recipes.names()]
+
+
+@pytest.mark.parametrize("model_name,recipe", CASES)
 def test_recipe_under_explicit_axes_matches_one_device(model_name, recipe, one_device):
     ref_loss, ref_grads = one_device(model_name)
     devices = jax.devices()[: PIPELINE.get(recipe, (8,))[0]]
