@@ -1,14 +1,21 @@
-"""What model code gives JAX under Explicit axes: ``out_sharding``s from logical axes.
+"""Explicit mesh axes: run a model's layers with the axes Auto, its result typed.
 
-Under an Explicit mesh (``sk.Plan(recipe, explicit=True)``) every array's sharding is
-part of its type, and JAX refuses an op whose result's sharding it cannot infer without
-collectives — a lookup in an embedding table whose rows are split over devices, with
-token ids split over others, is one. :func:`out_spec` names that sharding the way the
-rest of shardkit does: logical axes resolved by the active activation rules, never a
-mesh axis name. :func:`take` is the embedding lookup with it: under Explicit axes it
-runs the gather with the mesh's axes Auto (``jax.sharding.auto_axes``: XLA lays it out
-as it does under an Auto mesh) and gives the result the sharding its logical axes map
-to; under Auto axes, or outside a plan, it is ``jnp.take``.
+Under an Explicit mesh (``sk.Plan(recipe, explicit=True)``, JAX's sharding in types)
+every array's sharding is part of its type, and JAX refuses an op whose result's
+sharding it cannot infer without collectives. Typed op by op, the reference models meet
+that at the embedding lookup (a table split over devices, ids split over others), at
+every weight an activation split differently meets (FSDP's norm scales and biases), at
+contractions over a split dimension (TP), at ``jnp.repeat`` (Llama's K/V heads) and
+where the sequence and the heads share a mesh axis (TP+SP). Only ``dp``, ``cp`` and the
+pipelines (``shard_map``) ran with the lookup typed alone.
+
+:func:`auto` is how the reference models (``shardkit.models.Model``'s ``loss`` and
+``apply``) run instead: the model with the mesh's axes Auto (``jax.sharding.auto_axes``:
+inside, ``sk.constrain``, ``@sk.axes`` and ``sk.per_replica`` lay it out as under an
+Auto mesh), and its result typed by its logical axes through the active activation
+rules (:func:`out_spec`), never a mesh axis name. The step around it — gradients, the
+optimizer, the new state — stays Explicit. Under Auto axes, or outside a plan, both
+functions step aside.
 
 Example:
   >>> import jax, jax.numpy as jnp, shardkit as sk
@@ -17,7 +24,7 @@ Example:
   >>> rules = sk.Rules([("batch", "data")])
   >>> with jax.set_mesh(mesh), context.using(activation_rules=rules):
   ...     explicit.out_spec(("batch", "length", "embed"), (4, 3, 8))
-  PartitionSpec('data', None, None)
+  P('data', None, None)
   >>> explicit.out_spec(("batch",), (4,)) is None   # no plan: nothing to say
   True
 """
@@ -55,6 +62,7 @@ def auto(fn: Callable[..., Any], logical: Sequence[str | None], shape: Sequence[
     (:func:`out_spec`). Under Auto axes, or outside a plan, ``fn`` itself.
 
     Example:
+      >>> import jax.numpy as jnp
       >>> auto(jnp.sum, (), ())(jnp.ones(3)).tolist()   # no plan: fn itself
       3.0
     """
