@@ -18,8 +18,9 @@ import sys
 from bench_util import MIB, emit, parser
 
 #: (devices, microbatches) where not (8, none): pp on 4 devices splits 12 layers in 4;
-#: tp and tp_sp on 4, as 12 heads do not split over 8 devices.
-DEVICES = {"pp": (4, 4), "dp_pp": (8, 4), "zeropp": (8, 4), "tp": (4, None), "tp_sp": (4, None)}
+#: dp_pp and zeropp have 4 devices on the batch (2 rows each: 2 micro-batches); tp and
+#: tp_sp on 4, as 12 heads do not split over 8 devices.
+DEVICES = {"pp": (4, 4), "dp_pp": (8, 2), "zeropp": (8, 2), "tp": (4, None), "tp_sp": (4, None)}
 
 
 def measure(recipe: str, model_name: str, explicit: bool, *, batch: int, seq: int,
@@ -135,10 +136,14 @@ def main(argv=None) -> None:
         emit("explicit_per_replica", title, ["axes", "read through", "all-reduce MiB",
              "all-gather MiB"], rows, args.out)  # fmt: skip
         return
+    # --tiny: a smoke run (gpt-tiny with 4 layers, for pp's 4 stages; two recipes).
     names = args.models.split(",") if args.models else (
-        ["gpt-tiny", "llama-tiny"] if args.tiny else ["gpt-small", "llama-small"])  # fmt: skip
+        ["gpt-tiny"] if args.tiny else ["gpt-small", "llama-small"])  # fmt: skip
     batch, seq = (8, 32) if args.tiny else (8, 256)
-    recipes = args.recipes.split(",") if args.recipes else sk.recipes.names()
+    recipes = args.recipes.split(",") if args.recipes else (
+        ["zero1", "pp"] if args.tiny else sk.recipes.names())  # fmt: skip
+    if args.tiny and args.layers is None:
+        args.layers = 4
     headers = ["model", "recipe", "mesh", "Auto MiB/device", "Explicit MiB/device",
                "memory E/A", "Auto wire MiB", "Explicit wire MiB", "wire E/A",
                "same in/out shardings"]  # fmt: skip

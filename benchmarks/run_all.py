@@ -17,7 +17,16 @@ from pathlib import Path
 from bench_util import parser
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("layout", "overhead", "compile_scaling", "planning", "pipeline", "tsp", "gpu")
+SCRIPTS = (
+    "layout",
+    "overhead",
+    "compile_scaling",
+    "planning",
+    "pipeline",
+    "tsp",
+    "explicit",
+    "gpu",
+)
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 
 

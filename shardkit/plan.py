@@ -595,7 +595,16 @@ class PlannedStep:
     def lower(self, state: Any, batch: Any, *extra: Any):
         with jax.set_mesh(self.plan.mesh):
             state, jitted = self._prepare(state, batch, len(extra))
+            # An abstract batch without shardings gets the plan's: under Explicit axes a
+            # ShapeDtypeStruct's sharding is its type inside the step (a shard_map checks it).
+            batch = jax.tree.map(_with_sharding, batch, self.plan.batch_shardings(batch))
             return jitted.lower(state, batch, *extra)
+
+
+def _with_sharding(x: Any, sharding: NamedSharding) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
 
 
 def _tree_of(tree: Any) -> Any:

@@ -10,7 +10,16 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = ["layout", "overhead", "compile_scaling", "planning", "pipeline", "tsp", "gpu"]
+SCRIPTS = [
+    "layout",
+    "overhead",
+    "compile_scaling",
+    "planning",
+    "pipeline",
+    "tsp",
+    "explicit",
+    "gpu",
+]
 
 
 def test_run_all_lists_every_script():

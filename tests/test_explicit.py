@@ -81,14 +81,17 @@ def _spec(sharding):
 
 def test_explicit_program_has_the_auto_programs_shardings_and_costs():
     # Compile only: the same step on the same devices, Auto then Explicit axes. The
-    # compiled step takes and returns the same specs, and plan.report reads both.
+    # compiled step takes and returns the same specs, and plan.report reads both. A
+    # pipeline (its shard_map checks the batch's type) from an abstract batch.
     model, tx = models.get("gpt-tiny"), train.adamw()
     reports, compiled = {}, {}
     for mode in (False, True):
-        plan = sk.Plan("fsdp", explicit=mode)
+        plan = sk.Plan("dp_pp", explicit=mode)
         abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+        step = parallel.train_step(parallel.reference_stages(model), tx, plan, abstract,
+                                   microbatches=2)  # fmt: skip
         batch = models.reporting.token_batch(BATCH, SEQ)
-        compiled[mode] = plan.compile(train.train_step(model, tx), abstract, batch)
+        compiled[mode] = plan.compile(step, abstract, batch)
         reports[mode] = plan.report(compiled[mode], abstract)
     for which in ("input_shardings", "output_shardings"):
         auto, expl = (jax.tree.leaves(getattr(compiled[m], which)) for m in (False, True))
