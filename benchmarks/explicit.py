@@ -136,14 +136,12 @@ def main(argv=None) -> None:
         emit("explicit_per_replica", title, ["axes", "read through", "all-reduce MiB",
              "all-gather MiB"], rows, args.out)  # fmt: skip
         return
-    # --tiny: a smoke run (gpt-tiny with 4 layers, for pp's 4 stages; two recipes).
+    # --tiny: a smoke run (gpt-tiny, one recipe).
     names = args.models.split(",") if args.models else (
         ["gpt-tiny"] if args.tiny else ["gpt-small", "llama-small"])  # fmt: skip
     batch, seq = (8, 32) if args.tiny else (8, 256)
     recipes = args.recipes.split(",") if args.recipes else (
-        ["zero1", "pp"] if args.tiny else sk.recipes.names())  # fmt: skip
-    if args.tiny and args.layers is None:
-        args.layers = 4
+        ["zero1"] if args.tiny else sk.recipes.names())  # fmt: skip
     headers = ["model", "recipe", "mesh", "Auto MiB/device", "Explicit MiB/device",
                "memory E/A", "Auto wire MiB", "Explicit wire MiB", "wire E/A",
                "same in/out shardings"]  # fmt: skip
@@ -167,7 +165,7 @@ def main(argv=None) -> None:
             print(rows[-1], flush=True)
             title = "Explicit axes against Auto axes (compile only), batch "
             title += f"{batch} × {seq} tokens" + (f", {args.layers} layers" if args.layers else "")
-            emit("explicit" + ("_tiny" if args.tiny else ""), title, headers, rows, args.out)
+            emit("explicit", title, headers, rows, args.out)
 
 
 if __name__ == "__main__":

@@ -50,10 +50,10 @@ def one_device():
 
 # CI runs one case per way a recipe meets Explicit axes, within the suite's time: the
 # layers under auto_axes (linen and NNX), the optimizer's split state resharded back
-# (zero1), TSP's shard_map inside the layers, a pipeline's own shard_map.
-# SHARDKIT_EXPLICIT_ALL=1 runs every recipe on both models (34 cases, about 15 minutes
+# (zero1), TSP's shard_map inside the layers; a pipeline's own shard_map is compiled
+# below. SHARDKIT_EXPLICIT_ALL=1 runs every recipe on both models (34 cases, 8 min 17 s
 # on 2 CPU cores; all passed on the commit that added this test).
-CASES = [("gpt-tiny", "zero1"), ("llama-tiny", "tsp"), ("gpt-tiny", "pp")]
+CASES = [("gpt-tiny", "tsp"), ("llama-tiny", "zero1")]
 if os.environ.get("SHARDKIT_EXPLICIT_ALL"):
     CASES = [(model, recipe) for model in MODELS for recipe in sk.recipes.names()]
 
