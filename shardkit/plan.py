@@ -35,6 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit import context
+from shardkit.annotate.constrain import is_explicit
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.path_axes import PathAxes
@@ -78,6 +79,9 @@ class Plan:
         stored (float32). It is part of the sharding context ``plan.jit`` enters
         (``sk.compute_dtype()``): the reference models follow it; a model of your own
         follows it only where it reads ``sk.compute_dtype()`` (a plan casts nothing).
+      explicit: make the default mesh's axes ``AxisType.Explicit`` (JAX's
+        sharding-in-types) instead of ``Auto``; a ``mesh`` given brings its own types,
+        and ``explicit`` then only checks them.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class Plan:
         annotations: PathAxes | Sequence[tuple[str, Sequence[str | None]]] | None = None,
         on_unmatched: Literal["replicate", "error"] | None = None,
         precision: context.Precision = "f32",
+        explicit: bool | None = None,
     ):
         self.precision = context.check_precision(precision, "Plan(..., precision)")
         if not isinstance(recipe, (str, Recipe, Rules, list, tuple)):
@@ -111,6 +116,14 @@ class Plan:
             raise RuleError(
                 f"Plan(on_unmatched=...) is 'replicate' or 'error', got {on_unmatched!r}."
             )
+        if explicit is not None and not isinstance(explicit, bool):
+            raise ArgumentTypeError(f"Plan(explicit=...) is True or False, got {explicit!r}.")
+        if mesh is not None and explicit is not None and is_explicit(mesh) != explicit:
+            kinds = "/".join(sorted({t.name for t in mesh.axis_types}))
+            raise ShardingError(
+                f"Plan(..., mesh, explicit={explicit}): the mesh's axes are {kinds}.\n"
+                f"Fix: sk.make_mesh(..., explicit={explicit}), or leave explicit out."
+            )
         if isinstance(recipe, (Rules, list, tuple)):
             if mesh is None:
                 raise ShardingError(
@@ -124,7 +137,8 @@ class Plan:
         self.recipe: Recipe = get_recipe(recipe) if isinstance(recipe, str) else recipe
         if mesh is None:
             devices = check_devices(jax.devices() if devices is None else devices)
-            mesh = make_mesh(self.recipe.axis_sizes(len(devices)), devices=devices)
+            sizes = self.recipe.axis_sizes(len(devices))
+            mesh = make_mesh(sizes, devices=devices, explicit=bool(explicit))
         self.mesh = mesh
         if annotations is not None and not isinstance(annotations, PatternAxes):
             annotations = PathAxes(annotations)  # a plain list of (regex, axes) pairs
@@ -148,8 +162,14 @@ class Plan:
     def activation_rules(self) -> Rules:
         return self.recipe.activation_rules
 
+    @property
+    def explicit(self) -> bool:
+        """True when the mesh's axes are ``Explicit`` (sharding-in-types)."""
+        return is_explicit(self.mesh)
+
     def __repr__(self) -> str:
         extra = "" if self.precision == "f32" else f", precision={self.precision!r}"
+        extra += ", explicit=True" if self.explicit else ""
         return f"Plan({self.recipe.name!r}, mesh={dict(self.mesh.shape)}{extra})"
 
     def context(self, *, tokens: int | None = None, vocab: int | None = None):
@@ -549,7 +569,10 @@ class PlannedStep:
                 if not isinstance(out, tuple):
                     out = (out,)
                 new_state, rest = out[0], out[1:]
-                new_state = jax.lax.with_sharding_constraint(new_state, state_sh)
+                # Explicit axes: the state's types may have drifted (zero1's update reads
+                # split moments), and a constraint would only assert; reshard them back.
+                pin = jax.sharding.reshard if plan.explicit else jax.lax.with_sharding_constraint
+                new_state = pin(new_state, state_sh)
                 return (new_state, *rest)
 
             kwargs = dict(self.jit_kwargs)
@@ -598,7 +621,16 @@ class PlannedStep:
     def lower(self, state: Any, batch: Any, *extra: Any):
         with jax.set_mesh(self.plan.mesh):
             state, jitted = self._prepare(state, batch, len(extra))
+            # An abstract batch without shardings gets the plan's: under Explicit axes a
+            # ShapeDtypeStruct's sharding is its type inside the step (a shard_map checks it).
+            batch = jax.tree.map(_with_sharding, batch, self.plan.batch_shardings(batch))
             return jitted.lower(state, batch, *extra)
+
+
+def _with_sharding(x: Any, sharding: NamedSharding) -> Any:
+    if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return x
 
 
 def _tree_of(tree: Any) -> Any:

@@ -5,6 +5,7 @@
 - ``--precision f32|bf16``: ``bf16`` is mixed precision (bfloat16 activations and matrix
   products, float32 weights, gradients and Adam state), ``sk.Plan(..., precision=...)``.
 - ``--mesh data=2,tensor=4`` sets mesh axis sizes (one may be -1) on top of the recipe's.
+- ``--explicit`` makes the mesh's axes Explicit (JAX's sharding-in-types), not Auto.
 - Output paths (``--json PATH``, ``--plot PNG``) are checked before any work starts.
 """
 
@@ -18,8 +19,8 @@ from typing import Any
 
 from shardkit.errors import ShardingError
 
-__all__ = ["add_json", "add_logits", "add_mesh", "add_precision", "check_outputs", "emit_json", "parse_mesh", "recipe_for",
-           "wants_tables"]  # fmt: skip
+__all__ = ["add_explicit", "add_json", "add_logits", "add_mesh", "add_precision", "check_outputs",
+           "emit_json", "parse_mesh", "recipe_for", "wants_tables"]  # fmt: skip
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,13 @@ def add_precision(parser: argparse.ArgumentParser) -> None:
         "--precision", choices=["f32", "bf16"], default="f32",
         help="f32, or bf16 mixed precision: bfloat16 activations, float32 weights and Adam "
         "state (default: f32)",
+    )  # fmt: skip
+
+
+def add_explicit(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--explicit", action="store_true",
+        help="Explicit mesh axes (JAX's sharding in types) instead of Auto",
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ from shardkit import models, recipes
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
 from shardkit.cli.options import (
+    add_explicit,
     add_json,
     add_logits,
     add_mesh,
@@ -27,6 +28,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     add_devices_argument(p)
     add_mesh(p)
+    add_explicit(p)
     p.add_argument("--batch", type=int, default=None,
                    help="global batch size (default: one example per device)")  # fmt: skip
     p.add_argument(
@@ -69,7 +71,7 @@ def _report(model, recipe: str, devices, args):
     from shardkit import train
     from shardkit.plan import Plan
 
-    plan = Plan(recipe_for(recipe, args), devices=devices,
+    plan = Plan(recipe_for(recipe, args), devices=devices, explicit=args.explicit,
                 annotations=getattr(model, "annotations", None), precision=args.precision)  # fmt: skip
     if "stage" in plan.mesh.shape or getattr(args, "microbatches", None) is not None:
         from shardkit.parallel.report import pipeline_report  # micro-batches, schedule

@@ -11,6 +11,7 @@ from rich.table import Table
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP, resolve_model
 from shardkit.cli.options import (
+    add_explicit,
     add_json,
     add_mesh,
     add_precision,
@@ -28,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default="fsdp", help="sharding recipe (default: fsdp)")
     add_devices_argument(p)
     add_mesh(p)
+    add_explicit(p)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="global batch size")
     p.add_argument("--seq", type=int, default=128, help="sequence length")
@@ -77,7 +79,8 @@ def main(args: argparse.Namespace) -> int:
         plan = Plan(recipe, mesh=_mesh(args, recipe, devices), annotations=annotations,
                     precision=args.precision)  # fmt: skip
     else:
-        plan = Plan(recipe, devices=devices, annotations=annotations, precision=args.precision)
+        plan = Plan(recipe, devices=devices, annotations=annotations, precision=args.precision,
+                    explicit=args.explicit)  # fmt: skip
     plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
 
     import jax
@@ -156,7 +159,7 @@ def _mesh(args: argparse.Namespace, recipe, devices):
             raise ShardingError(f"--dcn {item!r}: expected AXIS=N, e.g. --dcn data=2.")
         dcn[axis] = int(size)
     sizes = recipe.axis_sizes(len(devices))
-    return make_mesh(sizes, devices=devices, dcn=dcn)
+    return make_mesh(sizes, devices=devices, dcn=dcn, explicit=args.explicit)
 
 
 def _print_summary(result) -> None:

@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardkit import errors
+from shardkit import errors, explicit
 from shardkit.annotate import activation_rules
 from shardkit.models.config import CONFIGS, ModelConfig
-from shardkit.models.gpt import GPT
+from shardkit.models.gpt import GPT, LOGITS
 from shardkit.models.llama import Llama
 
 __all__ = ["Model", "get", "names"]
@@ -129,15 +129,16 @@ class Model:
           >>> jax.eval_shape(model.apply, params, jnp.zeros((2, 4), jnp.int32)).dtype
           dtype('float32')
         """
-        if self.config.family == "gpt":
-            return self.module.apply({"params": params}, tokens)
-        return nnx.merge(self._graphdef, params)(tokens)
+        shape = (*tokens.shape, self.config.vocab)
+        return explicit.auto(self._forward, LOGITS, shape)(params, tokens)
 
     def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         """Mean next-token cross-entropy (f32) of ``batch["targets"]`` given ``batch["inputs"]``.
 
         The head and the loss run a chunk of tokens at a time (``sk.chunked_cross_entropy``,
-        ``config.loss_chunks`` chunks), so the whole logits are never held.
+        ``config.loss_chunks`` chunks), so the whole logits are never held. Under an
+        Explicit mesh the model runs with its axes Auto (``shardkit.explicit.auto``);
+        the loss comes back replicated, the gradients typed as the parameters.
 
         Example:
           >>> import jax, jax.numpy as jnp, shardkit as sk
@@ -147,12 +148,13 @@ class Model:
           >>> jax.eval_shape(model.loss, params, {"inputs": t, "targets": t}).shape
           ()
         """
-        inputs, targets = batch["inputs"], batch["targets"]
+        mean = lambda p, i, t: self._forward(p, i, t).mean()  # noqa: E731
+        return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"])
+
+    def _forward(self, params: Any, tokens: jax.Array, targets: jax.Array | None = None):
         if self.config.family == "gpt":
-            losses = self.module.apply({"params": params}, inputs, targets)
-        else:
-            losses = nnx.merge(self._graphdef, params)(inputs, targets)
-        return losses.mean()
+            return self.module.apply({"params": params}, tokens, targets)
+        return nnx.merge(self._graphdef, params)(tokens, targets)
 
 
 def names() -> list[str]:

@@ -90,3 +90,24 @@ def test_output_paths_are_checked_before_any_work(argv, message, capsys, monkeyp
     monkeypatch.setattr(shardkit.cli.model_arg, "resolve_model", no_work)
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["run", "--steps", "1"], ["report", "--recipe", "fsdp"], ["compare", "--recipes", "fsdp"]],
+)
+@pytest.mark.parametrize("flag", [True, False])
+def test_explicit_flag_reaches_the_plan(argv, flag, capsys, monkeypatch):
+    # Nothing compiles: the plan each command builds is caught where it is used.
+    from shardkit import errors, models, run
+
+    plans = []
+
+    def caught(*args, **kwargs):
+        plans.append(next(a for a in args if hasattr(a, "mesh")))
+        raise errors.ShardingError("caught")
+
+    monkeypatch.setattr(run, "run", caught)
+    monkeypatch.setattr(models, "report", caught)
+    assert main([*argv, "--model", "gpt-tiny", *(["--explicit"] if flag else [])]) == 2
+    assert [p.explicit for p in plans] == [flag]
