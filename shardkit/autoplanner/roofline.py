@@ -65,8 +65,10 @@ def crosses_nodes(group: tuple[int, ...], devices_per_node: int) -> bool:
 
 
 def bubble(stages: int, microbatches: int) -> float:
-    """Idle fraction of a GPipe/1F1B pipeline: ``(p−1)/(m+p−1)``."""
-    return (stages - 1) / (microbatches + stages - 1) if stages > 1 else 0.0
+    """Idle fraction of a 1F1B pipeline (the schedule the planner runs)."""
+    from shardkit.parallel.schedules import bubble_fraction
+
+    return bubble_fraction("1f1b", stages, microbatches) if stages > 1 else 0.0
 
 
 def model_flops(*, params: float, tokens: int, layers: int | None = None,
