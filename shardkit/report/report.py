@@ -27,8 +27,10 @@ from jax.sharding import NamedSharding
 from shardkit.errors import ShardingError
 from shardkit.report import lint
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
+from shardkit.report.buffers import BufferAssignment
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
+from shardkit.report.memory_terms import MemoryTerm
 from shardkit.workload import Workload
 
 __all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report", "param_rows"]
@@ -119,6 +121,7 @@ class Report:
     warnings: tuple[str, ...]
     workload: Workload | None = None
     explanations: tuple[Explanation, ...] = ()
+    memory_terms: tuple[MemoryTerm, ...] = ()
 
     @property
     def replicated_fraction(self) -> float:
@@ -193,6 +196,7 @@ class Report:
             "replicated_fraction": self.replicated_fraction,
             "warnings": list(self.warnings),
             "explanations": [e.to_json() for e in self.explanations],
+            "memory_terms": [t.to_json() for t in self.memory_terms],
             "flops": self.flops,
         }
 
@@ -256,6 +260,7 @@ def build_report(
     seq: int | None = None,
     replicated_threshold_bytes: int = 1 << 20,
     replicated_threshold_share: float = 1e-3,
+    buffers: BufferAssignment | None = None,
 ) -> Report:
     """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``.
 
@@ -273,6 +278,10 @@ def build_report(
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
         ``replicated_threshold_bytes``.
+      buffers: the step's buffer assignment
+        (:func:`shardkit.report.buffers.compile_with_buffers`): the temp memory at its
+        peak is split into named terms (``Report.memory_terms``), and each term off by
+        more than 10 % from its analytic value gets an explanation.
     """
     rows = param_rows(plan, state)
     collectives = tuple(collectives_of(compiled))
@@ -306,6 +315,11 @@ def build_report(
         total = sum(_full_bytes(r) for r in rows if r.kind == "param")
         threshold = max(replicated_threshold_bytes, replicated_threshold_share * total)
         warnings += lint.replicated_params(rows, recipe.name, min_bytes=threshold)
+    explanations = _explain_memory(memory_per_device(compiled), analytic)
+    terms: list[MemoryTerm] = []
+    if buffers is not None:
+        terms, why = _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config)
+        explanations += why
     return Report(
         recipe=recipe.name,
         mesh=mesh,
@@ -316,8 +330,34 @@ def build_report(
         analytic=analytic,
         warnings=tuple(warnings),
         workload=workload,
-        explanations=tuple(_explain_memory(memory_per_device(compiled), analytic)),
+        explanations=tuple(explanations),
+        memory_terms=tuple(terms),
     )
+
+
+def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
+    """(memory terms, their explanations) of the temp memory at its peak."""
+    from shardkit.report import memory_terms
+    from shardkit.report.provenance import frames_by_id
+
+    try:
+        module = compiled.runtime_executable().hlo_modules()[0]
+        stacks = frames_by_id(module.as_serialized_hlo_module_proto())
+    except Exception:  # a runtime without module protos: no head by source line
+        stacks = {}
+    par = recipe.parallelism(mesh)
+    seq = workload.seq // par.sequence if workload is not None and workload.seq else None
+    phase = memory_terms.peak_phase_of(buffers)
+    analytic = {}
+    if model_config is not None and workload is not None and workload.seq:
+        try:
+            analytic = memory_terms.analytic_terms(
+                model_config, recipe, mesh, batch=workload.batch, seq=workload.seq,
+                phase=phase, remat=workload.remat or "none")  # fmt: skip
+        except ShardingError:  # a layout the analytic model does not cover
+            analytic = {}
+    terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
+    return terms, memory_terms.explain(terms, phase) if analytic else []
 
 
 def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list[Explanation]:
