@@ -156,9 +156,15 @@ class Report:
             key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source)
             groups.setdefault(key, []).append(c)
         rows = [
-            CollectiveGroup(kind=k[0], pass_=k[1], where=k[2], source=k[3],
-                            ops=len(cs), executions=sum(c.count for c in cs),
-                            wire_bytes=sum(c.wire_bytes for c in cs))  # fmt: skip
+            CollectiveGroup(
+                kind=k[0],
+                pass_=k[1],
+                where=k[2],
+                source=k[3],
+                ops=len(cs),
+                executions=sum(c.count for c in cs),
+                wire_bytes=sum(c.wire_bytes for c in cs),
+            )  # fmt: skip
             for k, cs in groups.items()
         ]
         return sorted(rows, key=lambda g: -g.wire_bytes)
