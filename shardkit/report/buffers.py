@@ -110,6 +110,12 @@ class BufferAssignment:
     def peak_instruction(self) -> str:
         return self.sequence[self.peak_time] if 0 <= self.peak_time < len(self.sequence) else ""
 
+    @property
+    def top_value(self) -> Value | None:
+        """The temp value laid out highest in the heap: it sets ``temp_bytes``."""
+        temps = [v for v in self.values if v.kind == "temp"]
+        return max(temps, key=lambda v: (v.offset + v.size, v.size), default=None)
+
     def live_temps(self, t: int | None = None) -> list[Value]:
         """The temp values live at ``t`` (default: the peak), each byte given to one value.
 
@@ -171,6 +177,11 @@ def _opcode(definition: str) -> str:
     return rest.split("(", 1)[0].strip()
 
 
+def _shape(text: str) -> str:
+    """``f32[2,8]`` of ``f32[2,8]{1,0}``; ``tuple`` for a tuple."""
+    return "tuple" if text.startswith("(") else text.split("{")[0]
+
+
 def _one(directory: str, suffix: str) -> str:
     paths = sorted(glob.glob(os.path.join(directory, f"*{suffix}")))
     if len(paths) != 1:
@@ -223,7 +234,7 @@ def read_dump(directory: str) -> BufferAssignment:
             start, end = live.get(m.group(2) + index, (None, None))
             values.append(Value(
                 id=vid, instruction=m.group(2), index=index, size=int(m.group(5)),
-                offset=int(m.group(6)), shape=m.group(7).split("{")[0], kind=kind,
+                offset=int(m.group(6)), shape=_shape(m.group(7)), kind=kind,
                 phi=bool(m.group(4)), opcode=opcode, op_name=op_name, start=start, end=end,
                 users=used_by, user_names=used_by, frame_id=frame_id,
             ))  # fmt: skip

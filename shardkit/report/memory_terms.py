@@ -9,7 +9,8 @@ the state's parameters, first rule that matches:
   copies of them; under a sharded layout, a layer's unreduced gradient (whole
   parameter shape, feeding a reduction): the analytic ``layers`` phase counts both;
 - ``gradients``: backward, update or loop-carried values of a parameter's shape;
-- ``attention scores``: values ending in ``[…, s, s]`` (the local sequence);
+- ``attention scores``: values of an attention module ending in ``[…, s, s]`` (the
+  sequence, whole or local);
 - ``logits / loss``: values computed in ``shardkit/loss.py`` (the head and its loss);
 - ``recomputation``: the rest of the rematerialised forward (the layer recomputed);
 - ``saved activations``: forward values still live (the backward pass reads them);
@@ -35,12 +36,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardkit.report.buffers import BufferAssignment, Value
+from shardkit.report.lint import human_bytes
 from shardkit.report.provenance import Frame, module_path_of, pass_of
 
 __all__ = ["MemoryTerm", "TERMS", "analytic_terms", "attribute", "explain"]
@@ -90,38 +93,56 @@ class MemoryTerm:
 
 
 def _dims(shape: str) -> tuple[int, ...] | None:
+    """The dimensions of ``f32[1,8,256]`` without its 1s: ``(8, 256)``."""
     m = _DIMS.match(shape)
     if not m:
         return None
-    return tuple(int(d) for d in m.group(1).split(",") if d)
+    return _squeeze(int(d) for d in m.group(1).split(",") if d)
+
+
+def _squeeze(dims: Any) -> tuple[int, ...]:
+    return tuple(d for d in dims if d != 1)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Shapes:
-    """Shapes of the parameters: as stored (a shard) and whole, each per layer too."""
+    """Shapes of the parameters: as stored (a shard) and gathered, each per layer too.
+
+    ``stored`` also holds the optimizer state's shards (a gradient reduce-scattered
+    under ZeRO-1 has their shape); ``whole`` every shape a sharded parameter has when
+    some of its split dimensions are gathered (all of them, or one mesh axis's).
+    """
 
     stored: frozenset[tuple[int, ...]]
-    whole: frozenset[tuple[int, ...]]  # whole shapes that are sharded when stored
+    whole: frozenset[tuple[int, ...]]
 
     @classmethod
     def of(cls, rows: Sequence[Any]) -> _Shapes:
         stored, whole = set(), set()
         for r in rows:
-            if r.kind != "param":
+            if r.kind not in ("param", "optimizer"):
                 continue
-            shard = tuple(r.shard_shape or r.shape)
+            shard, full = tuple(r.shard_shape or r.shape), tuple(r.shape)
             layered = bool(r.logical) and r.logical[0] == "layers"
-            stored |= {shard, *([shard[1:]] if layered else [])}
-            if shard != tuple(r.shape):
-                whole |= {tuple(r.shape), *([tuple(r.shape[1:])] if layered else [])}
+            per_layer = (lambda d: [_squeeze(d), _squeeze(d[1:])]) if layered else (
+                lambda d: [_squeeze(d)])  # fmt: skip
+            stored |= {*per_layer(shard)}
+            if r.kind != "param" or shard == full:
+                continue
+            split = [i for i, (a, b) in enumerate(zip(shard, full, strict=True)) if a != b]
+            for mask in itertools.product((False, True), repeat=len(split)):
+                if any(mask):
+                    dims = list(shard)
+                    for i, gathered in zip(split, mask, strict=True):
+                        dims[i] = full[i] if gathered else shard[i]
+                    whole |= {*per_layer(tuple(dims))}
         return cls(frozenset(stored), frozenset(whole - stored))
 
     def param(self, dims: tuple[int, ...] | None) -> bool:
         return dims is not None and len(dims) > 0 and (dims in self.stored or dims in self.whole)
 
 
-def _term(v: Value, shapes: _Shapes, gathered: set[str], seq: int | None,
-          head: bool) -> str:  # fmt: skip
+def _term(v: Value, shapes: _Shapes, gathered: set[str], seq: set[int], head: bool) -> str:
     dims = _dims(v.shape)
     pass_ = pass_of(v.op_name) if v.op_name else ""
     if v.opcode in ("all-gather", "all-gather-start") and shapes.param(dims):
@@ -133,7 +154,8 @@ def _term(v: Value, shapes: _Shapes, gathered: set[str], seq: int | None,
         return "gathered weights"
     if shapes.param(dims) and (pass_ in ("backward", "update") or (v.phi or not v.op_name)):
         return "gradients"
-    if seq and dims and len(dims) >= 2 and dims[-2:] == (seq, seq) and pass_:
+    attention = "attn" in v.op_name or "attention" in v.op_name.lower()
+    if attention and seq and dims and len(dims) >= 2 and set(dims[-2:]) <= seq and pass_:
         return "attention scores"
     if head and pass_:
         return "logits / loss"
@@ -154,7 +176,7 @@ def _describe(v: Value) -> str:
     return f"{v.shape} {where} ({pass_ + ' ' if pass_ else ''}{v.opcode or 'value'})"
 
 
-def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | None = None,
+def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | Sequence[int] = (),
               stacks: Mapping[int, tuple[Frame, ...]] | None = None,
               analytic: Mapping[str, float] | None = None, top: int = 3) -> list[MemoryTerm]:  # fmt: skip
     """The temp bytes live at the peak of ``ba``, by term (see the module docstring).
@@ -162,7 +184,8 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | None = No
     Args:
       ba: the program's buffer assignment.
       rows: the state's ``ParamRow`` s (their shapes tell parameters and gradients apart).
-      seq: the local sequence length (attention scores are ``[…, seq, seq]``).
+      seq: the sequence length, or lengths (whole and per device): attention scores
+        are ``[…, s, s]``.
       stacks: ``stack_frame_id`` → Python stack
         (:func:`~shardkit.report.provenance.frames_by_id` of the compiled module): values
         computed in ``shardkit/loss.py`` (the head and its cross-entropy) are the head's.
@@ -176,6 +199,7 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | None = No
     shapes = _Shapes.of(rows)
     live = ba.live_temps()
     stacks = stacks or {}
+    lengths = {seq} if isinstance(seq, int) else set(seq)
     # Same-sized values computed from a gathered weight are layout copies of it.
     gathered_names = {v.instruction for v in ba.values
                       if v.opcode in ("all-gather", "all-gather-start")
@@ -187,7 +211,7 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | None = No
     by_term: dict[str, list[Value]] = {}
     for v in live:
         head = any(f.file.endswith(_LOSS) for f in stacks.get(v.frame_id, ()))
-        by_term.setdefault(_term(v, shapes, gathered, seq, head), []).append(v)
+        by_term.setdefault(_term(v, shapes, gathered, lengths, head), []).append(v)
     analytic = analytic or {}
     out = []
     for term in TERMS:
@@ -195,6 +219,13 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | None = No
         total = sum(v.size for v in values)
         if term == "heap fragmentation":
             total = ba.temp_bytes - ba.peak_bytes
+            top_value = ba.top_value
+            if total and top_value is not None and top_value.start is not None:
+                live = sum(v.size for v in ba.live_temps(top_value.start))
+                where = (f"the heap's top is {_describe(top_value)} at offset "
+                         f"{top_value.offset:,}, placed while {live:,} B were live")  # fmt: skip
+                out.append(MemoryTerm(term, total, None, (where,), 0))
+                continue
         if total or term in analytic:
             out.append(MemoryTerm(term, total, analytic.get(term),
                                   tuple(_describe(v) for v in values[:top]), len(values)))  # fmt: skip
@@ -211,7 +242,7 @@ def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: 
     logits), and per phase ``layers``: ``recomputation`` and ``attention scores`` (the
     layer recomputed under full remat: Megatron's per-layer count, its ``5as/h`` term
     the scores) and ``gathered weights`` (under FSDP a layer's weights and their gradient); ``head_loss``:
-    ``logits / loss``; ``optimizer_step``: nothing more (saved activations are freed).
+    ``logits / loss`` and ``gathered weights`` (the head's weight in its own layout); ``optimizer_step``: nothing more (saved activations are freed).
 
     Example:
       >>> from shardkit.models import CONFIGS
@@ -222,14 +253,14 @@ def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: 
     """
     from shardkit import recipes
     from shardkit.report.analytic import analytic_model
-    from shardkit.report.phases import layer_peak_bytes, phase_peaks
+    from shardkit.report.phases import head_weight_copy_bytes, layer_peak_bytes, phase_peaks
 
     recipe = recipes.get(recipe)
     remat = config.remat if remat is None else remat
     base = analytic_model(config, recipe, mesh, batch=batch, seq=seq,
                           bytes_per_value=bytes_per_value, remat=remat).memory  # fmt: skip
     par = recipe.parallelism(mesh)
-    d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
+    d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence * max(par.tsp, 1)
     nb = bytes_per_value
     logits = batch / (d * f) * seq / c * config.vocab * nb / t
     out = {"gradients": base.grads}
@@ -250,7 +281,9 @@ def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: 
         peaks = phase_peaks(config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb,
                             remat=remat, base=base)  # fmt: skip
         state = base.params + base.grads + base.optimizer
-        out["logits / loss"] = peaks["head_loss"] - state - out["saved activations"]
+        copies = 3 * head_weight_copy_bytes(config, recipe, mesh, bytes_per_value=nb)
+        out["gathered weights"] = copies  # the copy, its gradient, that gradient reduced
+        out["logits / loss"] = peaks["head_loss"] - state - out["saved activations"] - copies
     return {k: v for k, v in out.items() if v > 0}
 
 
@@ -282,6 +315,8 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10)
         what = f"{t.count} buffer{'s' if t.count != 1 else ''} live at the {phase} peak"
         if t.top:
             what += " (" + "; ".join(t.top) + ")"
+        if t.term == "heap fragmentation":
+            what = "; ".join(t.top) or f"{human_bytes(t.bytes)} of the heap unused at the peak"
         if ratio is None:
             why = UNMODELLED.get(t.term, f"the analytic model has no such term in the {phase} "
                                  "phase")  # fmt: skip
@@ -298,7 +333,8 @@ _WHY = {
         "whole gradients not reduced yet (a tied embedding's, from the head to "
         "the lookup's backward) and the loop's accumulators, where the analytic "
         "model counts each gradient as its stored shard",
-        "gradients not computed yet at the peak",
+        "at the peak some gradients are not computed yet, or already reduced to a "
+        "shard and consumed by the update",
     ),
     "gathered weights": (
         "layout copies of gathered weights and the next weight's gather "
@@ -309,7 +345,9 @@ _WHY = {
     "saved activations": (
         "forward values kept beyond Megatron's count (the loss's "
         "per-token statistics, the stacked layer inputs)",
-        "XLA frees saved activations as the backward pass consumes them",
+        "the stacked layer inputs are split as the layout splits them (sequence parallelism "
+        "splits them over tensor, Megatron's full-recompute 2sbh does not) and XLA frees "
+        "what the backward pass has consumed",
     ),
     "recomputation": (
         "f32 temporaries of the recomputed layer beyond Megatron's 16-bit count",

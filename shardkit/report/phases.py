@@ -38,7 +38,8 @@ from typing import Any, Literal
 from shardkit.errors import ShardingError
 
 __all__ = [
-    "PHASES", "head_loss_peak_bytes", "layer_peak_bytes", "optimizer_step_peak_bytes",
+    "PHASES", "head_loss_peak_bytes", "head_weight_copy_bytes", "layer_peak_bytes",
+    "optimizer_step_peak_bytes",
     "peak_phase", "phase_peaks",
 ]  # fmt: skip
 
@@ -145,6 +146,29 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
     return math.prod(mesh.get(n, 1) for n in names)
 
 
+def head_weight_copy_bytes(config: Any, recipe: Any, mesh: Mapping[str, int], *,
+                           bytes_per_value: float = 4) -> float:  # fmt: skip
+    """Bytes per device of the head's weight in the head's layout beyond its stored shard.
+
+    The ``weight_copy_bytes`` of :func:`head_loss_peak_bytes`: a vocabulary gathered for
+    the head where the head computes in another layout than the one stored.
+
+    Example:
+      >>> from shardkit.models import CONFIGS
+      >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"], "dp", {"data": 8})
+      0.0
+    """
+    from shardkit import recipes
+
+    recipe = recipes.get(recipe)
+    sizes = {a: int(v) for a, v in mesh.items()}
+    table = ("vocab", "embed")
+    head_split = _split(recipe.activation_rules.spec(table, mesh=sizes), sizes, (0, 1))
+    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
+    weight = config.vocab * config.d_model * bytes_per_value
+    return max(0.0, weight / head_split - weight / stored_split)
+
+
 def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int, seq: int,
                 bytes_per_value: int = 4, remat: str | None = None,
                 clip: Literal["scale", "select"] = "scale", base: Any = None) -> dict[str, float]:  # fmt: skip
@@ -194,11 +218,8 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
     # The head: its layout is the activation rules' for the logits and for the weight.
     logits_spec = recipe.activation_rules.spec(LOGITS, mesh=sizes)
     token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
-    table = ("vocab", "embed")
-    head_split = _split(recipe.activation_rules.spec(table, mesh=sizes), sizes, (0, 1))
-    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
     weight = vocab * h * nb
-    copy = max(0.0, weight / head_split - weight / stored_split)
+    copy = head_weight_copy_bytes(config, recipe, sizes, bytes_per_value=nb)
     quantum = _split(logits_spec, sizes, (1,))
     chunks = config.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
     head = head_loss_peak_bytes(tokens=batch * seq, vocab=vocab, d_model=h, chunks=chunks,
@@ -213,6 +234,7 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
                              gathered_layer_bytes=layer_params * nb / t if f > 1 else 0.0)  # fmt: skip
 
     # The largest gradient (a vocab × d_model table) all-reduced across replicas.
+    stored_split = _split(recipe.rules.spec(("vocab", "embed"), mesh=sizes), sizes, (0, 1))
     replicas = d * c if data_kind == "dp" else 1
     reduced = weight / stored_split if replicas > 1 else 0.0
     step = optimizer_step_peak_bytes(grads_bytes=base.grads, clip=clip, reduced_leaf_bytes=reduced)

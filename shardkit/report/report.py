@@ -352,7 +352,9 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
     except Exception:  # a runtime without module protos: no head by source line
         stacks = {}
     par = recipe.parallelism(mesh)
-    seq = workload.seq // par.sequence if workload is not None and workload.seq else None
+    seq = set()
+    if workload is not None and workload.seq:  # whole, and split by sequence or TSP axes
+        seq = {workload.seq, workload.seq // par.sequence, workload.seq // max(par.tsp, 1)}
     phase = memory_terms.peak_phase_of(buffers)
     analytic = {}
     if model_config is not None and workload is not None and workload.seq:
