@@ -12,10 +12,10 @@ the state's parameters, first rule that matches:
 - ``attention scores``: values of an attention module ending in ``[…, s, s]`` (the
   sequence, whole or local);
 - ``logits / loss``: values computed in ``shardkit/loss.py`` (the head and its loss);
+- ``collective buffers``: results and operands of other collectives;
 - ``recomputation``: the rest of the rematerialised forward (the layer recomputed);
 - ``saved activations``: forward values still live (the backward pass reads them);
 - ``activation gradients``: the rest of the backward pass;
-- ``collective buffers``: results and operands of other collectives;
 - ``other XLA temporaries``: loop counters, masks, constants, copies;
 - ``heap fragmentation``: temp heap bytes no value holds at the peak.
 
@@ -46,7 +46,7 @@ from shardkit.report.buffers import BufferAssignment, Value
 from shardkit.report.lint import human_bytes
 from shardkit.report.provenance import Frame, module_path_of, pass_of
 
-__all__ = ["MemoryTerm", "TERMS", "analytic_terms", "attribute", "explain"]
+__all__ = ["MemoryTerm", "TERMS", "analytic_terms", "attribute", "explain", "peak_phase_of"]
 
 #: The terms, in the order the report lists them.
 TERMS = (
@@ -210,8 +210,7 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | Sequence[
                 if any(sizes.get(g) == sizes.get(name) for g in gathered_names)}  # fmt: skip
     by_term: dict[str, list[Value]] = {}
     for v in live:
-        head = any(f.file.endswith(_LOSS) for f in stacks.get(v.frame_id, ()))
-        by_term.setdefault(_term(v, shapes, gathered, lengths, head), []).append(v)
+        by_term.setdefault(_term(v, shapes, gathered, lengths, _in_loss(v, stacks)), []).append(v)
     analytic = analytic or {}
     out = []
     for term in TERMS:
@@ -221,9 +220,9 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | Sequence[
             total = ba.temp_bytes - ba.peak_bytes
             top_value = ba.top_value
             if total and top_value is not None and top_value.start is not None:
-                live = sum(v.size for v in ba.live_temps(top_value.start))
+                then = sum(v.size for v in ba.live_temps(top_value.start))
                 where = (f"the heap's top is {_describe(top_value)} at offset "
-                         f"{top_value.offset:,}, placed while {live:,} B were live")  # fmt: skip
+                         f"{top_value.offset:,}, placed while {then:,} B were live")  # fmt: skip
                 out.append(MemoryTerm(term, total, None, (where,), 0))
                 continue
         if total or term in analytic:
@@ -287,19 +286,25 @@ def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: 
     return {k: v for k, v in out.items() if v > 0}
 
 
-def peak_phase_of(ba: BufferAssignment) -> str:
+def peak_phase_of(ba: BufferAssignment,
+                  stacks: Mapping[int, tuple[Frame, ...]] | None = None) -> str:  # fmt: skip
     """The phase of the step the temp peak is in: ``layers``, ``head_loss`` or
-    ``optimizer_step`` (read from the ``op_name`` of the values live there)."""
-    live = ba.live_temps()
-    newest = max((v for v in live if v.op_name), key=lambda v: v.start or 0, default=None)
-    if newest is None:
+    ``optimizer_step``, from the instruction that runs at the peak (or the value defined
+    last before it): computed in ``shardkit/loss.py`` (``stacks`` as :func:`attribute`),
+    the head; outside the differentiated function, the optimizer step; else the layers."""
+    named = [v for v in ba.values if v.op_name and v.start is not None]
+    at_peak = [v for v in named if v.instruction == ba.peak_instruction]
+    before = [v for v in named if v.start <= ba.peak_time]
+    if not at_peak and not before:
         return "layers"
-    name = newest.op_name
-    if pass_of(name) == "update":
-        return "optimizer_step"
-    if "layers" in module_path_of(name).split("/")[0] or "/layers" in name:
-        return "layers"
-    return "head_loss"
+    value = at_peak[0] if at_peak else max(before, key=lambda v: v.start or 0)
+    if _in_loss(value, stacks or {}):
+        return "head_loss"
+    return "optimizer_step" if pass_of(value.op_name) == "update" else "layers"
+
+
+def _in_loss(v: Value, stacks: Mapping[int, tuple[Frame, ...]]) -> bool:
+    return any(f.file.endswith(_LOSS) for f in stacks.get(v.frame_id, ()))
 
 
 def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10) -> list[Any]:

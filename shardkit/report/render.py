@@ -117,7 +117,8 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
 
 def memory_terms_table(report: Any) -> Table:
     """The temp memory at its peak by term (``Report.memory_terms``), 80 columns wide."""
-    table = Table(title="temp memory at its peak, by term", box=box.SIMPLE_HEAD)
+    phase = f" ({report.memory_peak_phase} phase)" if report.memory_peak_phase else ""
+    table = Table(title=f"temp memory at its peak{phase}, by term", box=box.SIMPLE_HEAD)
     for col in ("term", "measured", "analytic", "ratio", "buffers"):
         table.add_column(col, justify="left" if col == "term" else "right", no_wrap=True)
     for t in report.memory_terms:

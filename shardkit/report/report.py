@@ -122,6 +122,7 @@ class Report:
     workload: Workload | None = None
     explanations: tuple[Explanation, ...] = ()
     memory_terms: tuple[MemoryTerm, ...] = ()
+    memory_peak_phase: str | None = None
 
     @property
     def replicated_fraction(self) -> float:
@@ -203,6 +204,7 @@ class Report:
             "warnings": list(self.warnings),
             "explanations": [e.to_json() for e in self.explanations],
             "memory_terms": [t.to_json() for t in self.memory_terms],
+            "memory_peak_phase": self.memory_peak_phase,
             "flops": self.flops,
         }
 
@@ -323,8 +325,10 @@ def build_report(
         warnings += lint.replicated_params(rows, recipe.name, min_bytes=threshold)
     explanations = _explain_memory(memory_per_device(compiled), analytic)
     terms: list[MemoryTerm] = []
+    phase = None
     if buffers is not None:
-        terms, why = _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config)
+        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload,
+                                     model_config)  # fmt: skip
         explanations += why
     return Report(
         recipe=recipe.name,
@@ -338,11 +342,12 @@ def build_report(
         workload=workload,
         explanations=tuple(explanations),
         memory_terms=tuple(terms),
+        memory_peak_phase=phase,
     )
 
 
 def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
-    """(memory terms, their explanations) of the temp memory at its peak."""
+    """(memory terms, their explanations, the peak's phase) of the temp memory at its peak."""
     from shardkit.report import memory_terms
     from shardkit.report.provenance import frames_by_id
 
@@ -355,7 +360,7 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
     seq = set()
     if workload is not None and workload.seq:  # whole, and split by sequence or TSP axes
         seq = {workload.seq, workload.seq // par.sequence, workload.seq // max(par.tsp, 1)}
-    phase = memory_terms.peak_phase_of(buffers)
+    phase = memory_terms.peak_phase_of(buffers, stacks)
     analytic = {}
     if model_config is not None and workload is not None and workload.seq:
         try:
@@ -365,7 +370,7 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
         except ShardingError:  # a layout the analytic model does not cover
             analytic = {}
     terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
-    return terms, memory_terms.explain(terms, phase) if analytic else []
+    return terms, memory_terms.explain(terms, phase) if analytic else [], phase
 
 
 def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list[Explanation]:

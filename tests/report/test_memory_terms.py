@@ -57,8 +57,9 @@ def test_terms_name_what_the_layout_holds(report):
 
 def test_terms_render_in_80_columns_and_json(report):
     text = to_text(report, width=80)
-    assert "temp memory at its peak, by term" in text
+    assert "temp memory at its peak (layers phase), by term" in text
     assert all(len(line) <= 80 for line in text.splitlines())
     d = json.loads(json.dumps(report.to_json()))
+    assert d["memory_peak_phase"] == report.memory_peak_phase == "layers"
     assert {t["term"] for t in d["memory_terms"]} == {t.term for t in report.memory_terms}
     assert {"term", "bytes", "analytic_bytes", "ratio", "top"} <= set(d["memory_terms"][0])
