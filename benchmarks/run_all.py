@@ -17,7 +17,8 @@ from pathlib import Path
 from bench_util import parser
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("layout", "overhead", "compile_scaling", "planning", "pipeline", "tsp", "gpu")
+SCRIPTS = ("layout", "memory_terms", "overhead", "compile_scaling", "planning", "pipeline", "tsp",
+           "gpu")  # fmt: skip
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 
 
