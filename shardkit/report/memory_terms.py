@@ -322,7 +322,9 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10)
             what += " (" + "; ".join(t.top) + ")"
         if t.term == "heap fragmentation":
             what = "; ".join(t.top) or f"{human_bytes(t.bytes)} of the heap unused at the peak"
-        if ratio is None:
+        if not t.bytes:
+            what, why = f"nothing of it is live at the {phase} peak", ""
+        elif ratio is None:
             why = UNMODELLED.get(t.term, f"the analytic model has no such term in the {phase} "
                                  "phase")  # fmt: skip
         else:
