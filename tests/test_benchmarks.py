@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = ["layout", "overhead", "compile_scaling", "planning", "pipeline", "tsp", "explicit",
-           "autoplan", "gpu"]  # fmt: skip
+SCRIPTS = ["layout", "memory_terms", "overhead", "compile_scaling", "planning", "pipeline", "tsp",
+           "explicit", "autoplan", "gpu"]  # fmt: skip
 
 
 def test_run_all_lists_every_script():

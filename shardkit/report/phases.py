@@ -38,7 +38,8 @@ from typing import Any, Literal
 from shardkit.errors import ShardingError
 
 __all__ = [
-    "PHASES", "head_loss_peak_bytes", "layer_peak_bytes", "optimizer_step_peak_bytes",
+    "PHASES", "head_loss_peak_bytes", "head_weight_copy_bytes", "layer_peak_bytes",
+    "optimizer_step_peak_bytes",
     "peak_phase", "phase_peaks",
 ]  # fmt: skip
 
@@ -145,6 +146,34 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
     return math.prod(mesh.get(n, 1) for n in names)
 
 
+def head_weight_copy_bytes(config: Any, recipe: Any, mesh: Mapping[str, int], *,
+                           bytes_per_value: float = 4, rules: Any = None,
+                           act_bytes: float | None = None) -> float:  # fmt: skip
+    """Bytes per device of the head's weight in the head's layout beyond its stored shard.
+
+    The ``weight_copy_bytes`` of :func:`head_loss_peak_bytes`: a vocabulary gathered for
+    the head where the head computes in another layout than the one stored. ``rules``:
+    the step's activation rules (default: the recipe's); ``act_bytes``: bytes of the
+    copy's values (default ``bytes_per_value``; 2 under bf16).
+
+    Example:
+      >>> from shardkit.models import CONFIGS
+      >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"], "dp", {"data": 8})
+      0.0
+    """
+    from shardkit import recipes
+
+    recipe = recipes.get(recipe)
+    sizes = {a: int(v) for a, v in mesh.items()}
+    table = ("vocab", "embed")
+    rules = recipe.activation_rules if rules is None else rules
+    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
+    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
+    weight = config.vocab * config.d_model * bytes_per_value
+    scale = 1.0 if act_bytes is None else act_bytes / bytes_per_value
+    return max(0.0, weight / head_split - weight / stored_split) * scale
+
+
 def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int, seq: int,
                 bytes_per_value: int = 4, remat: str | None = None,
                 clip: Literal["scale", "select"] = "scale", base: Any = None,
@@ -204,11 +233,9 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
     rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=vocab)
     logits_spec = rules.spec(LOGITS, mesh=sizes)
     token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
-    table = ("vocab", "embed")
-    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
-    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
     weight = vocab * h * nb
-    copy = max(0.0, weight / head_split - weight / stored_split) * act / nb
+    copy = head_weight_copy_bytes(config, recipe, sizes, bytes_per_value=nb, rules=rules,
+                                  act_bytes=act)  # fmt: skip
     quantum = _split(logits_spec, sizes, (1,))
     chunks = config.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
     head = head_loss_peak_bytes(tokens=batch * seq, vocab=vocab, d_model=h, chunks=chunks,
@@ -223,6 +250,7 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
                              gathered_layer_bytes=layer_params * nb / t if f > 1 else 0.0)  # fmt: skip
 
     # The largest gradient (a vocab × d_model table) all-reduced across replicas.
+    stored_split = _split(recipe.rules.spec(("vocab", "embed"), mesh=sizes), sizes, (0, 1))
     replicas = d * c if data_kind == "dp" else 1
     reduced = weight / stored_split if replicas > 1 else 0.0
     step = optimizer_step_peak_bytes(grads_bytes=base.grads, clip=clip, reduced_leaf_bytes=reduced)

@@ -24,7 +24,7 @@ from rich.text import Text
 
 from shardkit.report.lint import human_bytes
 
-__all__ = ["abbreviate", "comparison_table", "report_renderables", "to_text"]
+__all__ = ["abbreviate", "comparison_table", "memory_terms_table", "report_renderables", "to_text"]
 
 
 #: Short pass names for the 80-column table (the JSON has the full ones).
@@ -67,6 +67,8 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
         mark = " (peak)" if peak == whole.memory.total else ""
         mem.add_row(f"  analytic phase: {phase}{mark}", "", human_bytes(peak), "")
     out.append(mem)
+    if report.memory_terms:
+        out.append(memory_terms_table(report))
 
     wire = Table(title="wire bytes per device per step")
     for col in ("collective", "measured", "analytic", "ratio"):
@@ -106,11 +108,25 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
         )
     )
     for e in report.explanations:
-        out.append(Text.from_markup(f"[cyan]why {e.term} is {e.ratio:.2f}× analytic:[/cyan] ")
-                   + Text(e.why))  # fmt: skip
+        head = f"is {e.ratio:.2f}× analytic" if e.analytic_bytes else "has no analytic term"
+        out.append(Text.from_markup(f"[cyan]why {e.term} {head}:[/cyan] ") + Text(e.why))
     for warning in report.warnings:
         out.append(Text.from_markup("[yellow]warning:[/yellow] ") + Text(warning))
     return out
+
+
+def memory_terms_table(report: Any) -> Table:
+    """The temp memory at its peak by term (``Report.memory_terms``), 80 columns wide."""
+    phase = f" ({report.memory_peak_phase} phase)" if report.memory_peak_phase else ""
+    table = Table(title=f"temp memory at its peak{phase}, by term", box=box.SIMPLE_HEAD)
+    for col in ("term", "measured", "analytic", "ratio", "buffers"):
+        table.add_column(col, justify="left" if col == "term" else "right", no_wrap=True)
+    for t in report.memory_terms:
+        table.add_row(t.term, human_bytes(t.bytes),
+                      human_bytes(t.analytic_bytes) if t.analytic_bytes else "–",
+                      _ratio(t.bytes, t.analytic_bytes), str(t.count) if t.count else "")  # fmt: skip
+    table.add_row("[bold]temp", human_bytes(sum(t.bytes for t in report.memory_terms)), "", "", "")
+    return table
 
 
 def abbreviate(text: str, width: int) -> str:

@@ -27,8 +27,10 @@ from jax.sharding import NamedSharding
 from shardkit.errors import ShardingError
 from shardkit.report import lint
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
+from shardkit.report.buffers import BufferAssignment
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
+from shardkit.report.memory_terms import MemoryTerm
 from shardkit.workload import Workload
 
 __all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report", "param_rows"]
@@ -122,6 +124,8 @@ class Report:
     #: the recipe's logits layout (``Recipe.logits``): with ``recipe``, mesh and workload,
     #: what reproduces the layout.
     logits: str = "auto"
+    memory_terms: tuple[MemoryTerm, ...] = ()
+    memory_peak_phase: str | None = None
 
     @property
     def replicated_fraction(self) -> float:
@@ -203,6 +207,8 @@ class Report:
             "replicated_fraction": self.replicated_fraction,
             "warnings": list(self.warnings),
             "explanations": [e.to_json() for e in self.explanations],
+            "memory_terms": [t.to_json() for t in self.memory_terms],
+            "memory_peak_phase": self.memory_peak_phase,
             "flops": self.flops,
         }
 
@@ -267,6 +273,7 @@ def build_report(
     replicated_threshold_bytes: int = 1 << 20,
     replicated_threshold_share: float = 1e-3,
     pipeline: Any = None,
+    buffers: BufferAssignment | None = None,
 ) -> Report:
     """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``.
 
@@ -287,6 +294,10 @@ def build_report(
       pipeline: a pipelined step's options (``{"microbatches": m, "schedule": ...}``, what
         ``sk.parallel.train_step`` attaches as ``step.pipeline``; ``plan.report`` reads it):
         the analytic model of a recipe with a ``stage`` axis counts the stage's share.
+      buffers: the step's buffer assignment
+        (:func:`shardkit.report.buffers.compile_with_buffers`): the temp memory at its
+        peak is split into named terms (``Report.memory_terms``), and each term off by
+        more than 10 % from its analytic value gets an explanation.
     """
     rows = param_rows(plan, state)
     collectives = tuple(collectives_of(compiled))
@@ -326,6 +337,13 @@ def build_report(
         total = sum(_full_bytes(r) for r in rows if r.kind == "param")
         threshold = max(replicated_threshold_bytes, replicated_threshold_share * total)
         warnings += lint.replicated_params(rows, recipe.name, min_bytes=threshold)
+    explanations = _explain_memory(memory_per_device(compiled), analytic)
+    terms: list[MemoryTerm] = []
+    phase = None
+    if buffers is not None:
+        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload,
+                                     model_config)  # fmt: skip
+        explanations += why
     return Report(
         recipe=recipe.name,
         mesh=mesh,
@@ -336,9 +354,38 @@ def build_report(
         analytic=analytic,
         warnings=tuple(warnings),
         workload=workload,
-        explanations=tuple(_explain_memory(memory_per_device(compiled), analytic)),
+        explanations=tuple(explanations),
+        memory_terms=tuple(terms),
+        memory_peak_phase=phase,
         logits=recipe.logits,
     )
+
+
+def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
+    """(memory terms, their explanations, the peak's phase) of the temp memory at its peak."""
+    from shardkit.report import memory_terms
+    from shardkit.report.provenance import frames_by_id
+
+    try:
+        module = compiled.runtime_executable().hlo_modules()[0]
+        stacks = frames_by_id(module.as_serialized_hlo_module_proto())
+    except Exception:  # a runtime without module protos: no head by source line
+        stacks = {}
+    par = recipe.parallelism(mesh)
+    seq = set()
+    if workload is not None and workload.seq:  # whole, and split by sequence or TSP axes
+        seq = {workload.seq, workload.seq // par.sequence, workload.seq // max(par.tsp, 1)}
+    phase = memory_terms.peak_phase_of(buffers, stacks)
+    analytic = {}
+    if model_config is not None and workload is not None and workload.seq:
+        try:
+            analytic = memory_terms.analytic_terms(
+                model_config, recipe, mesh, batch=workload.batch, seq=workload.seq,
+                phase=phase, remat=workload.remat or "none")  # fmt: skip
+        except ShardingError:  # a layout the analytic model does not cover
+            analytic = {}
+    terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
+    return terms, memory_terms.explain(terms, phase) if analytic else [], phase
 
 
 def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list[Explanation]:
