@@ -260,6 +260,7 @@ def autoplan(
     remats: Sequence[str] | None = None,
     precisions: Sequence[str] = ("f32",),
     max_compiles: int = 16,
+    compile_timeout_s: float | None = 120,
     cache: Cache | None = None,
     progress: bool = True,
 ) -> AutoplanResult:
@@ -278,6 +279,9 @@ def autoplan(
         full); a user's model keeps its own.
       precisions: ``"f32"`` and/or ``"bf16"``.
       max_compiles: how many survivors of the analytic pruning to compile.
+      compile_timeout_s: a candidate compiled in a worker process that takes longer is
+        given up and rejected with that reason (``None``: no limit; compiles in this
+        process, when it has the devices, have none).
       cache: where compiled evidence is kept (default: :class:`Cache`).
       progress: show a progress bar while compiling.
 
@@ -322,7 +326,8 @@ def autoplan(
             rejected.append(Rejected(c, f"not compiled: its analytic estimate ({t:.3g} s/step) "
                                         f"is not among the {max_compiles} best", "not compiled"))  # fmt: skip
 
-    evidence = _compile_all(subject, name, model, chosen, devices, cache or Cache(), progress)
+    evidence = _compile_all(subject, name, model, chosen, devices, cache or Cache(), progress,
+                            compile_timeout_s)  # fmt: skip
     ranked = []
     for c in chosen:
         got = evidence[c]
@@ -373,7 +378,7 @@ def _ties_by_simplicity(ranked: list[Ranked]) -> list[Ranked]:
     return out
 
 
-def _compile_all(subject, name, model, chosen, devices, cache, progress) -> dict:
+def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout_s) -> dict:
     base = {"model": _model_key(subject.model, name), "batch": subject.batch, "seq": subject.seq,
             "devices": devices, **versions()}  # fmt: skip
     out: dict[Candidate, Evidence | Pruned] = {}
@@ -404,7 +409,8 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress) -> dict
 
             results = compile_elsewhere({"model": model, "batch": subject.batch, "seq": subject.seq,
                                          "devices": devices,
-                                         "candidates": [c.to_json() for c in todo]})  # fmt: skip
+                                         "candidates": [c.to_json() for c in todo]},
+                                        timeout_s=timeout_s)  # fmt: skip
         for line in results:
             c = todo[line["index"]]
             out[c] = (
@@ -412,9 +418,9 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress) -> dict
                 if "evidence" in line
                 else Pruned(line["pruned"])
             )
-            cache.put(
-                {**base, "candidate": c.to_json()}, {k: v for k, v in line.items() if k != "index"}
-            )
+            if "timeout" not in line:  # a longer limit may compile it: ask again next time
+                cache.put({**base, "candidate": c.to_json()},
+                          {k: v for k, v in line.items() if k != "index"})  # fmt: skip
             bar.update(task, advance=1, description=f"compiled {c.label}")
     return out
 

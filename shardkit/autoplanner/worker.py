@@ -12,30 +12,66 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 
 __all__ = ["compile_elsewhere"]
 
 
-def compile_elsewhere(job: dict) -> Iterator[dict]:
-    """Run ``job`` in a worker process; yield its result lines as they come."""
+def compile_elsewhere(job: dict, *, timeout_s: float | None = None) -> Iterator[dict]:
+    """Run ``job`` in a worker process; yield its result lines as they come.
+
+    A candidate that takes longer than ``timeout_s`` to compile, or whose compile kills
+    the worker (out of memory), is given up (reported as ``pruned`` with the reason) and
+    a new worker goes on with the rest.
+    """
+    candidates, done = job["candidates"], 0
+    while done < len(candidates):
+        rest = {**job, "candidates": candidates[done:]}
+        for line in _run(rest, timeout_s):
+            line["index"] += done
+            yield line
+            if "timeout" in line:
+                break
+        else:
+            return
+        done = line["index"] + 1
+
+
+def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.Popen([sys.executable, "-m", "shardkit.autoplanner.worker"], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     proc.stdin.write(json.dumps(job))
     proc.stdin.close()
-    for line in proc.stdout:
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                     daemon=True).start()  # fmt: skip
+    index = 0
+    while True:
+        try:
+            line = lines.get(timeout=timeout_s)
+        except queue.Empty:
+            proc.kill()
+            proc.wait()
+            yield {"index": index, "timeout": True,
+                   "pruned": f"compiling took longer than {timeout_s:g} s (compile_timeout_s)"}  # fmt: skip
+            return
+        if line is None:
+            break
         if line.startswith("{"):
+            index += 1
             yield json.loads(line)
     err = proc.stderr.read()
-    if proc.wait() != 0:
-        from shardkit.errors import ShardingError
-
-        tail = "\n".join(err.strip().splitlines()[-5:])
-        raise ShardingError(f"The autoplan worker ({job['devices']} devices) failed:\n{tail}")
+    if proc.wait() != 0 and index < len(job["candidates"]):  # the compiler died on one
+        tail = " ".join(err.strip().splitlines()[-2:])[-300:]
+        yield {"index": index, "timeout": True,
+               "pruned": f"the compiling process stopped (exit status {proc.returncode}, "
+                         f"e.g. out of memory){': ' + tail if tail else ''}"}  # fmt: skip
 
 
 def main() -> int:

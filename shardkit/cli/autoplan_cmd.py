@@ -28,6 +28,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated precisions to try: f32, bf16 (default: f32)")  # fmt: skip
     p.add_argument("--max-compiles", type=int, default=16,
                    help="survivors of the analytic pruning to compile (default: 16)")  # fmt: skip
+    p.add_argument("--compile-timeout", type=float, default=120,
+                   help="seconds one candidate may take to compile (default: 120)")  # fmt: skip
     p.add_argument("--plot", metavar="PNG", help="draw memory against step time to PNG")
     add_json(p)
     p.set_defaults(handler=main)
@@ -53,6 +55,7 @@ def main(args: argparse.Namespace) -> int:
         remats=_list(args.remat),
         precisions=_list(args.precision) or ["f32"],
         max_compiles=args.max_compiles,
+        compile_timeout_s=args.compile_timeout,
         progress=wants_tables(args),
     )
     emit_json(args, result.to_json())
