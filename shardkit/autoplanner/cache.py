@@ -8,9 +8,8 @@ recomputed from the cached evidence for any hardware.
 The directory is ``$SHARDKIT_CACHE_DIR/autoplan`` (default ``~/.cache/shardkit``).
 
 Example:
-  >>> import tempfile, os
-  >>> os.environ["SHARDKIT_CACHE_DIR"] = tempfile.mkdtemp()
-  >>> cache = Cache()
+  >>> import tempfile
+  >>> cache = Cache(tempfile.mkdtemp())
   >>> cache.get({"a": 1}) is None
   True
   >>> cache.put({"a": 1}, {"pruned": "why"}); cache.get({"a": 1})

@@ -17,8 +17,10 @@ Example:
   >>> from shardkit.autoplanner.candidates import Candidate
   >>> from shardkit.autoplanner.evaluate import Subject, prune
   >>> subject = Subject.of(models.get("gpt-tiny"), batch=8, seq=32)
-  >>> prune(subject, Candidate("tp", (("tensor", 8),)), budget=2**30).reason.split(":")[0]
-  'params/layers/attn/out/kernel'
+  >>> prune(subject, Candidate("dp", (("data", 16),)), budget=2**30).reason.split(":")[0]
+  'batch'
+  >>> prune(subject, Candidate("fsdp", (("fsdp", 8),)), budget=2**30).state == 16 * 124_672 / 8
+  True
 """
 
 from __future__ import annotations

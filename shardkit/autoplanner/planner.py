@@ -17,10 +17,12 @@ compiled evidence.
    wins or loses.
 
 Example:
-  >>> import shardkit as sk
+  >>> import tempfile, shardkit as sk
+  >>> from shardkit.autoplanner.cache import Cache
   >>> result = sk.autoplan("gpt-tiny", batch=8, seq=32, devices=8,
   ...                      memory_per_device=2**30, hardware="h100",
-  ...                      recipes=["dp", "fsdp"], remats=["none"], progress=False)
+  ...                      recipes=["dp", "fsdp"], remats=["none"], progress=False,
+  ...                      cache=Cache(tempfile.mkdtemp()))
   >>> result.best.candidate.recipe
   'dp'
 """
