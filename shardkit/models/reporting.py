@@ -32,7 +32,15 @@ def token_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
 
 
 def report(
-    plan: Any, model: Any, tx: Any = None, *, batch: int, seq: int, seed: int = 0, **kwargs: Any
+    plan: Any,
+    model: Any,
+    tx: Any = None,
+    *,
+    batch: int,
+    seq: int,
+    seed: int = 0,
+    pipeline: dict | None = None,
+    **kwargs: Any,
 ):
     """A compile-only ``Report`` of ``model``'s AdamW train step under ``plan``.
 
@@ -43,11 +51,22 @@ def report(
       tx: the optimizer (default: ``train.adamw()``).
       batch, seq: global batch and sequence length.
       seed: the PRNG seed of the (abstract) init.
+      pipeline: for a plan with a ``stage`` axis, the pipeline's options
+        (``{"microbatches": m, "schedule": "gpipe"|"1f1b"|"interleaved", ...}``; default
+        1F1B with one micro-batch per stage).
       **kwargs: passed to ``plan.report`` (e.g. lint thresholds).
     """
     tx = train.adamw() if tx is None else tx
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
     workload = Workload.of_model(model, batch=batch, seq=seq, precision=plan.precision)
     config = getattr(model, "config", None)
+    stages = dict(plan.mesh.shape).get("stage")
+    if stages:  # a pipeline runs its own step (1F1B, one micro-batch per stage by default)
+        from shardkit.parallel.cli import step_for
+
+        opts = {"microbatches": stages, "schedule": "1f1b", "virtual_stages": 1, "unit": None,
+                **(pipeline or {})}  # fmt: skip
+        step = step_for(model, tx, plan, abstract, opts)
+        return plan.report(step, abstract, token_batch(batch, seq), workload=workload, **kwargs)
     return plan.report(train.train_step(model, tx), abstract, token_batch(batch, seq),
                        workload=workload, model_config=config, **kwargs)  # fmt: skip
