@@ -79,10 +79,8 @@ class Subject:
         return Model(dataclasses.replace(config, remat=candidate.remat), name=self.model.name)
 
     def workload(self, candidate: Candidate) -> Workload:
-        w = Workload.of_model(self.model_for(candidate), batch=self.batch, seq=self.seq)
-        if candidate.precision != w.precision:
-            w = dataclasses.replace(w, precision=candidate.precision)
-        return w
+        return Workload.of_model(self.model_for(candidate), batch=self.batch, seq=self.seq,
+                                 precision=candidate.precision)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,11 +161,12 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             stack = 4 * config.n_layers * config._layer_params() if config is not None else None
             extra = {"pipeline": _pipeline_options(candidate), "stack_param_bytes": stack,
                      "stack_optimizer_bytes": None if stack is None else 2 * stack}  # fmt: skip
-        analytic = analytic_costs(recipe, mesh, workload=subject.workload(candidate),
+        workload = subject.workload(candidate)
+        analytic = analytic_costs(recipe, mesh, workload=workload,
                                   param_bytes=subject.param_bytes,
                                   optimizer_bytes=subject.optimizer_bytes, **extra)  # fmt: skip
         if config is not None and not stages:
-            analytic = with_phases(analytic, config, recipe, mesh, subject.workload(candidate))
+            analytic = with_phases(analytic, config, recipe, mesh, workload)
     except ShardingError as e:
         return Pruned(_first_line(e))
     state = analytic.memory.params + analytic.memory.grads + analytic.memory.optimizer
@@ -206,7 +205,7 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     from shardkit.models.reporting import token_batch
     from shardkit.report.hlo import parse_collectives
     from shardkit.report.memory import memory_per_device
-    from shardkit.report.report import _flops
+    from shardkit.report.report import compiled_flops
 
     devices = devices if devices is not None else jax.devices()
     model = subject.model_for(candidate)
@@ -227,6 +226,6 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     collectives = parse_collectives(compiled.as_text())
     return Evidence(
         memory=memory_per_device(compiled).to_dict(),
-        flops=_flops(compiled),
+        flops=compiled_flops(compiled),
         collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in collectives),
     )

@@ -250,7 +250,7 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
     return rows
 
 
-def _flops(compiled: Any) -> float | None:
+def compiled_flops(compiled: Any) -> float | None:
     try:
         cost = compiled.cost_analysis()
     except Exception:  # backends without a cost model
@@ -350,7 +350,7 @@ def build_report(
         params=tuple(rows),
         memory=memory_per_device(compiled),
         collectives=collectives,
-        flops=_flops(compiled),
+        flops=compiled_flops(compiled),
         analytic=analytic,
         warnings=tuple(warnings),
         workload=workload,
