@@ -7,8 +7,9 @@ import argparse
 from rich.console import Console
 
 from shardkit.autoplanner import hardware
+from shardkit.cli.fixes import FlagError
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
-from shardkit.cli.options import add_json, check_outputs, emit_json, wants_tables
+from shardkit.cli.options import add_json, check_outputs, emit_json, recipe_for, wants_tables
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,18 +33,29 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds one candidate may take to compile (default: 120)")  # fmt: skip
     p.add_argument("--plot", metavar="PNG", help="draw memory against step time to PNG")
     add_json(p)
-    p.set_defaults(handler=main)
+    p.set_defaults(handler=main, check=check)
 
 
 def _list(text: str | None) -> list[str] | None:
     return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
 
+def check(args: argparse.Namespace):
+    """The flags autoplan can judge before planning; the model."""
+    check_outputs(args)
+    model = resolve_model(args.model)
+    names = _list(args.recipes) or []
+    for name in names:
+        recipe_for(name, args, flag="--recipes", others=names)
+    if args.devices < 1:
+        raise FlagError(f"--devices must be at least 1, got {args.devices}.", [{"--devices": "8"}])
+    return model
+
+
 def main(args: argparse.Namespace) -> int:
     from shardkit.autoplanner import autoplan
 
-    check_outputs(args)
-    model = resolve_model(args.model)
+    model = check(args)
     result = autoplan(
         args.model,
         batch=args.batch or args.devices,
