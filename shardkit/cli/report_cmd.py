@@ -1,4 +1,12 @@
-"""``shardkit report`` and ``shardkit compare``: compile-only layout reports."""
+"""``shardkit report`` and ``shardkit compare``: compile-only layout reports.
+
+``--itemise`` splits the temp memory at its peak into named terms (gradients, gathered
+weights, saved activations, ...) next to their analytic values, as
+``plan.report(..., itemise=True)`` does (``Report.memory_terms``; ``memory_terms`` in
+``--json``):
+
+  shardkit report --model gpt-tiny --recipe fsdp --remat full --itemise
+"""
 
 from __future__ import annotations
 
@@ -117,10 +125,13 @@ def main_compare(args: argparse.Namespace) -> int:
                      "reports": {n: r.to_json() for n, r in reports.items()},
                      "skipped": skipped})  # fmt: skip
     if wants_tables(args):
-        from shardkit.report.render import comparison_table
+        from shardkit.report.render import comparison_table, memory_terms_table
 
         out = Console()
         out.print(comparison_table(reports))
+        for name, report in reports.items() if args.itemise else ():
+            out.print(f"[bold]{name}[/bold]")
+            out.print(memory_terms_table(report))
         for name, why in skipped.items():
             out.print(f"[dim]skipped {name}: {why}[/dim]")
     return 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from shardkit import recipes
 from shardkit.cli.fixes import FlagError, closest, problem_of
 from shardkit.errors import IndivisibleError, MeshError
+from shardkit.report.render import abbreviate
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -97,18 +99,33 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+#: Leaf paths are cut from the middle to this width, keeping the leaf name.
+LEAF_WIDTH = 28
+
+
+def _short_spec(spec: str) -> str:
+    """``"P(None, 'tensor')"`` → ``"·,tensor"``: a spec in few columns.
+
+    Example:
+      >>> _short_spec("P(None, 'tensor', None)"), _short_spec("P()")
+      ('·,tensor,·', '–')
+    """
+    inner = spec.removeprefix("P(").removesuffix(")").replace("'", "").rstrip(",")
+    return ",".join("·" if p.strip() == "None" else p.strip() for p in inner.split(",")) or "–"
+
+
 def _print(plan, args, n_target) -> None:
-    console = Console(width=max(Console().width, 160))
-    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (per device)")
+    console = Console()
+    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (per device)",
+                  caption="shapes and saved chunks: --json", box=box.SIMPLE_HEAD)  # fmt: skip
     table.add_column("leaf", no_wrap=True)
-    for col in ("shape", "saved chunk", "restored spec"):
-        table.add_column(col, no_wrap=True)
-    for col in ("holds", "reads", "reads/holds"):
-        table.add_column(col, justify="right", min_width=max(len(col), 9), no_wrap=True)
+    table.add_column("restored spec", no_wrap=True)
+    for col in ("holds", "reads", "×"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=4 if col == "×" else 9)
     for leaf in plan.leaves:
         ratio = leaf.read_per_device / leaf.held_per_device if leaf.held_per_device else 1.0
         table.add_row(
-            leaf.path, str(leaf.shape), str(leaf.chunk_shape), leaf.restored_spec,
+            abbreviate(leaf.path, LEAF_WIDTH), _short_spec(leaf.restored_spec),
             _size(leaf.held_per_device), _size(leaf.read_per_device), f"{ratio:.2f}",
         )  # fmt: skip
     console.print(table)
