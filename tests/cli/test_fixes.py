@@ -107,6 +107,17 @@ def test_the_fix_the_cli_prints_is_a_command_that_works(argv, workdir, capsys):
     assert _run(fixed) == 0, f"{fix} failed: {capsys.readouterr().err}"
 
 
+def test_when_no_command_can_be_checked_the_fix_still_speaks_flags(capsys, tmp_path,
+                                                                   monkeypatch):  # fmt: skip
+    # Whether a layout fits a memory budget is known only by planning: the fix names flags.
+    monkeypatch.setenv("SHARDKIT_CACHE_DIR", str(tmp_path))
+    assert main(["autoplan", "--devices", "2", "--batch", "2", "--seq", "16", "--recipes", "dp",
+                 "--remat", "none", "--memory-gb", "0.0001"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    fix = err.split(" Fix: ", 1)[1]
+    assert "--memory-gb" in fix and "--devices" in fix and not PYTHON_ONLY.search(fix)
+
+
 def test_python_users_still_get_python_fixes():
     # The same mistake as the first case, made in Python: the fix names Python arguments.
     import jax
