@@ -21,6 +21,7 @@ PYTHON_ONLY = re.compile(r"\bsk\.|\bjax\b|[(){}\[\]'\"]|\w+=\w*\(|mesh_shape|rec
 
 SMALL = ["--devices", "2", "--seq", "16"]
 USER_MODEL = "examples.my_model:build"
+LAYOUT = ["--recipe", "dp_tp_sp", "--mesh", "tensor=2", "--devices", "4"]
 PIPELINE = ["--recipe", "pp", "--schedule", "1f1b", "--microbatches", "3", "--batch", "3"]
 
 # Several mistakes share their fixed command: it compiles once (``_run`` remembers it).
@@ -29,12 +30,10 @@ CASES = {
     "mesh axis does not divide a model dimension": ["plan", "--recipe", "tp", "--devices", "6"],
     "mesh axis does not divide the layers": ["report", "--recipe", "pp", "--devices", "8",
                                              *PIPELINE[2:], "--seq", "16"],  # fmt: skip
-    "mesh axis does not divide the batch": ["report", "--batch", "3", "--seq", "128",
-                                            "--devices", "2"],  # fmt: skip
-    "mesh axis does not divide the sequence": ["report", "--recipe", "cp", "--devices", "2",
-                                               "--seq", "15"],  # fmt: skip
-    "sequence longer than the model's positions": ["report", "--batch", "4", "--seq", "1000",
-                                                   "--devices", "2"],  # fmt: skip
+    "mesh axis does not divide the batch": ["report", *LAYOUT, "--batch", "3", "--seq", "128"],
+    "mesh axis does not divide the sequence": ["report", *LAYOUT, "--batch", "4", "--seq", "127"],
+    "sequence longer than the model's positions": ["report", *LAYOUT, "--batch", "4", "--seq",
+                                                   "1000"],  # fmt: skip
     "device count the recipe's sizes do not factor": ["plan", "--recipe", "fsdp_tp", "--devices",
                                                       "6"],  # fmt: skip
     "mesh sizes that do not multiply to the devices": ["plan", "--recipe", "dp_tp_sp", "--mesh",
@@ -52,7 +51,7 @@ CASES = {
     "--remat on a model of one's own": ["report", "--model", USER_MODEL, "--remat", "full",
                                         *SMALL],  # fmt: skip
     "pipeline flags with a recipe that cannot pipeline": ["report", "--recipe", "cp",
-                                                          "--microbatches", "2", *SMALL],  # fmt: skip
+                                                          *PIPELINE[2:], *SMALL],  # fmt: skip
     "a model of one's own under a pipeline recipe": ["report", "--recipe", "pp", "--model",
                                                      USER_MODEL, *SMALL],  # fmt: skip
     "micro-batches that do not divide the batch": ["report", *PIPELINE[:-2], *SMALL],
