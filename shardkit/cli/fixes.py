@@ -69,7 +69,10 @@ class FlagError(ShardingError):
 
 def explain(error: ShardingError, argv: Sequence[str], args: argparse.Namespace) -> str:
     """The one line ``shardkit CMD: error:`` prints: what is wrong, and a command that works."""
-    fixed = suggest(error, argv, args)
+    try:
+        fixed = suggest(error, argv, args)
+    except Exception:  # the search for a fix must never hide the error itself
+        fixed = None
     if fixed is None:
         return " ".join(str(error).split())
     return " ".join(f"{problem_of(error)} Fix: shardkit {shlex.join(fixed)}".split())
@@ -112,7 +115,7 @@ def verify(argv: Sequence[str]) -> bool:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 check(args)
-    except (SystemExit, ShardingError):
+    except (SystemExit, Exception):  # any failure: not a fix (and never a new error)
         return False
     return True
 
