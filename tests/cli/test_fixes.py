@@ -25,51 +25,53 @@ LAYOUT = ["--recipe", "dp_tp_sp", "--mesh", "tensor=2", "--devices", "4"]
 PIPELINE = ["--recipe", "pp", "--schedule", "1f1b", "--microbatches", "3", "--batch", "3"]
 
 # Several mistakes share their fixed command: it compiles once (``_run`` remembers it).
+# fmt: off
 CASES = {
     # A layout that does not fit: the model, the batch, the sequence, the mesh.
     "mesh axis does not divide a model dimension": ["plan", "--recipe", "tp", "--devices", "6"],
     "mesh axis does not divide the layers": ["report", "--recipe", "pp", "--devices", "8",
-                                             *PIPELINE[2:], "--seq", "16"],  # fmt: skip
+                                             *PIPELINE[2:], "--seq", "16"],
     "mesh axis does not divide the batch": ["report", *LAYOUT, "--batch", "3", "--seq", "128"],
     "mesh axis does not divide the sequence": ["report", *LAYOUT, "--batch", "4", "--seq", "127"],
     "sequence longer than the model's positions": ["report", *LAYOUT, "--batch", "4", "--seq",
-                                                   "1000"],  # fmt: skip
+                                                   "1000"],
     "device count the recipe's sizes do not factor": ["plan", "--recipe", "fsdp_tp", "--devices",
-                                                      "6"],  # fmt: skip
+                                                      "6"],
     "mesh sizes that do not multiply to the devices": ["plan", "--recipe", "dp_tp_sp", "--mesh",
-                                                       "data=3"],  # fmt: skip
+                                                       "data=3"],
     "mesh axis the recipe does not use": ["plan", "--recipe", "fsdp", "--mesh", "tensor=2"],
     "two mesh axes of size -1": ["plan", "--recipe", "dp_tp_sp", "--mesh", "data=-1,tensor=-1"],
     "more devices than there are": ["plan", "--devices", "64"],
     # Names.
     "unknown recipe": ["plan", "--recipe", "ddp"],
     "unknown recipe in a list": ["compare", "--recipes", "dp,ddp", "--plot", "figure.png",
-                                 *SMALL],  # fmt: skip
+                                 *SMALL],
     "unknown recipe of a layout": ["reshard-plan", "--from", "fsdp@8", "--to", "ttp@4"],
     "unknown model": ["plan", "--model", "gpt-tiyn"],
     # Flags that do not go together.
     "--remat on a model of one's own": ["report", "--model", USER_MODEL, "--remat", "full",
-                                        *SMALL],  # fmt: skip
+                                        *SMALL],
     "pipeline flags with a recipe that cannot pipeline": ["report", "--recipe", "cp",
-                                                          *PIPELINE[2:], *SMALL],  # fmt: skip
+                                                          *PIPELINE[2:], *SMALL],
     "a model of one's own under a pipeline recipe": ["report", "--recipe", "pp", "--model",
-                                                     USER_MODEL, *SMALL],  # fmt: skip
+                                                     USER_MODEL, *SMALL],
     "micro-batches that do not divide the batch": ["report", *PIPELINE[:-2], *SMALL],
     "unknown pipeline schedule": ["report", *PIPELINE[:2], "--schedule", "1fb1", *PIPELINE[4:],
-                                  *SMALL],  # fmt: skip
+                                  *SMALL],
     "processes that do not split the devices": ["reshard-plan", "--from", "fsdp@8", "--to",
-                                                "tp@4", "--processes", "3"],  # fmt: skip
+                                                "tp@4", "--processes", "3"],
     "a layout whose devices do not divide the model": ["reshard-plan", "--from", "fsdp@3",
-                                                       "--to", "tp@4"],  # fmt: skip
+                                                       "--to", "tp@4"],
     "fewer than one step": ["run", "--steps", "0", "--batch", "2", "--no-report", *SMALL],
     "--resume without a checkpoint directory": ["run", "--steps", "1", "--resume", "--batch",
-                                                "2", "--no-report", *SMALL],  # fmt: skip
+                                                "2", "--no-report", *SMALL],
     # Output paths, checked before any work.
     "output in a directory that does not exist": ["plan", "--json", "no/such/dir/plan.json"],
     "output path that is a directory": ["plan", "--json", "."],
     "figure with a suffix matplotlib cannot write": ["compare", "--recipes", "dp", "--plot",
-                                                     "figure.txt", *SMALL],  # fmt: skip
+                                                     "figure.txt", *SMALL],
 }
+# fmt: on
 
 _RAN: dict[str, int] = {}
 
