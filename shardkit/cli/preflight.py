@@ -66,15 +66,18 @@ def layout(args: argparse.Namespace, name: str, model: Any, devices: list) -> An
         args.batch = len(devices)
     if hasattr(args, "batch"):
         plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")
-    _check_pipeline(args, name, model, dict(plan.mesh.shape))
+    _check_pipeline(args, name, model, plan)
     return plan
 
 
-def _check_pipeline(args: argparse.Namespace, name: str, model: Any, mesh: dict) -> None:
+def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) -> None:
+    """What the pipelined step checks while it is traced, checked before (as it does)."""
     from shardkit.parallel.cli import options
+    from shardkit.parallel.pipeline import spec_axes
     from shardkit.parallel.stages import NotPipelinableError
 
     opts = options(args)
+    mesh = {str(a): int(s) for a, s in plan.mesh.shape.items()}
     stages = mesh.get("stage")
     if stages is None:
         if opts is not None:
@@ -101,7 +104,8 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, mesh: dict)
              *({"--devices": str(devices // stages * d)} for d in fewer),
              *({"--mesh": f"stage={d}"} for d in fewer)],
         )  # fmt: skip
-    shards = math.prod(size for axis, size in mesh.items() if axis != "stage")
+    spec = tuple(plan.batch_sharding((plan.mesh.size, 1)).spec)  # the batch's axes, as the
+    shards = math.prod(mesh[a] for a in (spec_axes(spec[0]) if spec else ()))  # step splits it
     batch = getattr(args, "batch", None)
     if batch and batch % (micro * shards):
         need = micro * shards
