@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import json
+import re
 
 from rich import box
 from rich.console import Console
@@ -11,6 +11,7 @@ from rich.table import Table
 
 from shardkit import recipes
 from shardkit.cli.fixes import FlagError, closest, problem_of
+from shardkit.cli.options import add_json, check_outputs, emit_json, wants_tables
 from shardkit.errors import IndivisibleError, MeshError
 from shardkit.report.render import abbreviate
 
@@ -27,15 +28,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
     p.add_argument("--processes", type=int, default=1,
                    help="processes the restoring devices are split over (default 1)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    add_json(p)
     p.set_defaults(handler=main, check=_states)
 
 
 def _layout(text: str, flag: str) -> tuple[str, int]:
     recipe, _, count = text.partition("@")
     if not count.isdigit() or int(count) < 1:
+        name, digits = re.fullmatch(r"(.*?)(\d*)", text.replace("@", "")).groups()
         raise FlagError(f"{flag} {text}: expected RECIPE@DEVICES, e.g. fsdp@8.",
-                        [{flag: f"{recipe or 'fsdp'}@8"}])  # fmt: skip
+                        [{flag: f"{name or 'fsdp'}@{digits or 8}"}, {flag: "fsdp@8"}])  # fmt: skip
     if recipe not in recipes.names():
         raise FlagError(f"{flag} {text}: no such recipe. Recipes: {', '.join(recipes.names())}.",
                         [{flag: f"{r}@{count}"} for r in closest(recipe, recipes.names())])  # fmt: skip
@@ -46,6 +48,7 @@ def _states(args: argparse.Namespace):
     """The saved and the restored abstract states, and the restoring device count."""
     from shardkit.cli.model_arg import resolve_model
 
+    check_outputs(args)
     source, n_source = _layout(args.source, "--from")
     target, n_target = _layout(args.target, "--to")
     model = resolve_model(args.model)
@@ -85,10 +88,9 @@ def main(args: argparse.Namespace) -> int:
     position = {d.id: i for i, d in enumerate(devices)}
     per_process = n_target // args.processes
     plan = reshard_plan(saved, restored, process_of=lambda d: position[d.id] // per_process)
-    if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
-        return 0
-    _print(plan, args, n_target)
+    emit_json(args, plan.to_json())
+    if wants_tables(args):
+        _print(plan, args, n_target)
     return 0
 
 

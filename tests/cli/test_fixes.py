@@ -58,6 +58,8 @@ CASES = {
     "micro-batches that do not divide the batch": ["report", *PIPELINE[:-2], *SMALL],
     "unknown pipeline schedule": ["report", *PIPELINE[:2], "--schedule", "1fb1", *PIPELINE[4:],
                                   *SMALL],
+    "a layout spelled without its device count": ["reshard-plan", "--from", "fsdp8", "--to",
+                                                  "tp@4"],
     "processes that do not split the devices": ["reshard-plan", "--from", "fsdp@8", "--to",
                                                 "tp@4", "--processes", "3"],
     "a layout whose devices do not divide the model": ["reshard-plan", "--from", "fsdp@3",

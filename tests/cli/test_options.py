@@ -96,6 +96,12 @@ def test_json_means_the_same_in_every_command(tmp_path, capsys):
     d = json.loads(capsys.readouterr().out)
     assert d["recipe"] == "dp" and d["workload"]["batch"] == 8
     assert d["memory_terms"] == []  # itemised only when asked (--itemise)
+    # recipes and reshard-plan too.
+    assert main(["recipes", "--json", str(tmp_path / "recipes.json")]) == 0
+    assert "shardkit recipes" in capsys.readouterr().out
+    assert json.loads((tmp_path / "recipes.json").read_text())[0]["name"] == "dp"
+    assert main(["reshard-plan", "--from", "fsdp@8", "--to", "tp@4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["processes"] == 1
 
 
 def test_mesh_flag_sizes_the_recipes_axes(capsys):
