@@ -66,8 +66,26 @@ def layout(args: argparse.Namespace, name: str, model: Any, devices: list) -> An
         args.batch = len(devices)
     if hasattr(args, "batch"):
         plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")
+        _check_attention(args, plan)
     _check_pipeline(args, name, model, plan)
     return plan
+
+
+def _check_attention(args: argparse.Namespace, plan: Any) -> None:
+    """Ring attention (and TSP's zigzag) cut each sequence into 2 chunks per device of
+    the attention axis, all-gather attention into one: the sequence must split so."""
+    recipe, mesh = plan.recipe, dict(plan.mesh.shape)
+    n = int(mesh.get(recipe.attention_axis, 1))
+    if recipe.attention == "dense" or n == 1:
+        return
+    chunks = 2 * n if recipe.attention == "ring" else n
+    if args.seq % chunks:
+        raise FlagError(
+            f"--seq {args.seq}: {recipe.attention} attention over {recipe.attention_axis!r} "
+            f"(size {n}) splits each sequence into {chunks} chunks.",
+            [{"--seq": str(-(-args.seq // chunks) * chunks)},
+             {"--seq": str(args.seq // chunks * chunks)}],
+        )  # fmt: skip
 
 
 def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) -> None:

@@ -21,7 +21,7 @@ PYTHON_ONLY = re.compile(r"\bsk\.|\bjax\b|[(){}\[\]'\"]|\w+=\w*\(|mesh_shape|rec
 
 SMALL = ["--devices", "2", "--seq", "16"]
 USER_MODEL = "examples.my_model:build"
-LAYOUT = ["--recipe", "dp_tp_sp", "--mesh", "tensor=2", "--devices", "4"]
+LAYOUT = ["--recipe", "fsdp_cp", "--devices", "4"]  # fsdp=2 × sequence=2, ring attention
 PIPELINE = ["--recipe", "pp", "--schedule", "1f1b", "--microbatches", "3", "--batch", "3"]
 
 # Several mistakes share their fixed command: it compiles once (``_run`` remembers it).
@@ -33,6 +33,8 @@ CASES = {
                                              *PIPELINE[2:], "--seq", "16"],
     "mesh axis does not divide the batch": ["report", *LAYOUT, "--batch", "3", "--seq", "128"],
     "mesh axis does not divide the sequence": ["report", *LAYOUT, "--batch", "4", "--seq", "127"],
+    "sequence ring attention cannot cut into chunks": ["report", *LAYOUT, "--batch", "4",
+                                                        "--seq", "126"],
     "sequence longer than the model's positions": ["report", *LAYOUT, "--batch", "4", "--seq",
                                                    "1000"],
     "device count the recipe's sizes do not factor": ["plan", "--recipe", "fsdp_tp", "--devices",
