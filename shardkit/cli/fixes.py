@@ -49,8 +49,8 @@ Edit = Mapping[str, "str | None"]
 #: The pipeline flags (``shardkit.parallel.cli``), dropped together.
 PIPELINE_FLAGS = ("--microbatches", "--schedule", "--virtual-stages", "--unit")
 
-#: At most this many edits are checked for one error (each check may lay out a model).
-MAX_TRIES = 24
+#: At most this many command lines are checked for one error (each may lay out a model).
+MAX_TRIES = 32
 
 
 class FlagError(ShardingError):
@@ -84,40 +84,64 @@ def problem_of(error: ShardingError) -> str:
 
 
 def suggest(error: ShardingError, argv: Sequence[str], args: argparse.Namespace):
-    """The first edit of ``argv`` that passes the command's checks, or ``None``."""
+    """The first edit of ``argv`` that passes the command's checks, or ``None``.
+
+    Single edits are tried first; then, for the first few edits that fail on another
+    mistake, the edits of that mistake (so two flags may change, e.g. ``--schedule`` and
+    ``--batch``). At most :data:`MAX_TRIES` command lines are checked in all.
+    """
     argv = list(argv)
-    if verify(argv):  # the checks pass: this error comes later, they cannot judge a fix
+    if _failure(argv) is None:  # the checks pass: this error comes later, they cannot judge
         return None
-    tried = 0
+    return _search(error, argv, args, [MAX_TRIES], depth=2)
+
+
+def _search(error, argv, args, budget, depth):
+    then = []  # (the next mistake, its command line) of edits that fixed this one
     for change in _candidates(error, args):
         fixed = edit(argv, change)
         if fixed == argv:
             continue
-        tried += 1
-        if verify(fixed):
+        if budget[0] <= 0:
+            return None
+        budget[0] -= 1
+        failure = _failure(fixed)
+        if failure is None:
             return fixed
-        if tried >= MAX_TRIES:
-            break
+        if isinstance(failure, tuple) and problem_of(failure[0]) != problem_of(error):
+            then.append((failure, fixed))
+    for (next_error, next_args), fixed in then[:3] if depth > 1 else ():
+        found = _search(next_error, fixed, next_args, budget, depth - 1)
+        if found is not None:
+            return found
     return None
 
 
 def verify(argv: Sequence[str]) -> bool:
     """True if ``argv`` parses and passes its command's checks (nothing is compiled)."""
+    return _failure(argv) is None
+
+
+def _failure(argv: Sequence[str]):
+    """``None`` if ``argv`` passes its checks, else ``(error, args)`` for a mistake they
+    name, else ``"unusable"`` (no parse, no checks, or anything else going wrong)."""
     from shardkit.cli import build_parser
 
-    quiet = io.StringIO()
+    quiet, args = io.StringIO(), None
     try:
         with contextlib.redirect_stderr(quiet), contextlib.redirect_stdout(quiet):
             args = build_parser().parse_args(list(argv))
             check = getattr(args, "check", None)
             if check is None:
-                return False
+                return "unusable"
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 check(args)
-    except (SystemExit, Exception):  # any failure: not a fix (and never a new error)
-        return False
-    return True
+    except ShardingError as e:
+        return e, args
+    except (SystemExit, Exception):  # never a new error, never a fix
+        return "unusable"
+    return None
 
 
 def edit(argv: Sequence[str], change: Edit) -> list[str]:

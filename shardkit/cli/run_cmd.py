@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, metavar="K", help="also save every K steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir (--steps counts all steps)")  # fmt: skip
-    p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[],
+    p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[], type=_dcn_item,
                    help="multi-process runs: lay N processes along mesh axis AXIS (repeatable)")  # fmt: skip
     from shardkit.parallel.cli import add_arguments
 
@@ -160,14 +160,17 @@ def _run_or_stop_with_peers(run, *args, **kwargs):
 def _mesh(args: argparse.Namespace, recipe, devices):
     from shardkit.mesh import make_mesh
 
-    dcn = {}
-    for item in args.dcn:
-        axis, _, size = item.partition("=")
-        if not size.isdigit():
-            raise ShardingError(f"--dcn {item!r}: expected AXIS=N, e.g. --dcn data=2.")
-        dcn[axis] = int(size)
+    dcn = dict(args.dcn)
     sizes = recipe.axis_sizes(len(devices))
     return make_mesh(sizes, devices=devices, dcn=dcn, explicit=args.explicit)
+
+
+def _dcn_item(text: str) -> tuple[str, int]:
+    """``"data=2"`` → ``("data", 2)``: processes laid along a mesh axis."""
+    axis, _, size = text.partition("=")
+    if not axis or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected AXIS=N, e.g. --dcn data=2")
+    return axis, int(size)
 
 
 def _print_summary(result) -> None:

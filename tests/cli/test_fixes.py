@@ -69,6 +69,12 @@ CASES = {
     "fewer than one step": ["run", "--steps", "0", "--batch", "2", "--no-report", *SMALL],
     "--resume without a checkpoint directory": ["run", "--steps", "1", "--resume", "--batch",
                                                 "2", "--no-report", *SMALL],
+    # Two mistakes at once: the fix changes two flags.
+    "interleaved stages the layers cannot fill, and the batch": ["report", *PIPELINE[:2],
+                                                                 "--schedule", "interleaved",
+                                                                 *PIPELINE[4:6], *SMALL],
+    "two layouts whose devices do not divide the model": ["reshard-plan", "--from", "fsdp@3",
+                                                          "--to", "tp@6"],
     # Output paths, checked before any work.
     "output in a directory that does not exist": ["plan", "--json", "no/such/dir/plan.json"],
     "output path that is a directory": ["plan", "--json", "."],
