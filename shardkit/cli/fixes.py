@@ -13,7 +13,9 @@ edited command must pass the command's own checks (:func:`verify`, which runs
 Where the edits come from: an error the CLI raises itself (:class:`FlagError`) carries
 them; for the library's errors they follow from the error's type (a layout that does
 not fit the mesh: ``--batch``, ``--seq``, ``--mesh``, ``--devices``; a pipeline: its
-flags and the pipeline recipes). An error no edit fixes keeps the library's message.
+flags and the pipeline recipes). One edit is tried at a time, then two (an edit that
+meets a second mistake, with that mistake's edits). An error no edit fixes, or one the
+checks cannot judge (it comes from compiling), keeps the library's message.
 
 Example:
   >>> edit(["report", "--devices", "6", "--recipe=tp"], {"--devices": "4", "--recipe": None})
