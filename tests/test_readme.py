@@ -77,3 +77,17 @@ def test_the_sample_error_is_the_real_one():
         assert " ".join(block.split()) == " ".join(str(e).split())
     else:
         raise AssertionError("no error")
+
+
+def test_the_sample_cli_errors_are_the_real_ones(capsys):
+    """Each ``$ shardkit ...`` line of the block and the error it prints, word for word."""
+    import shlex
+
+    from shardkit.cli import main
+
+    block = README.split("<!-- cli-errors -->", 1)[1].split("```", 2)[1]
+    samples = [s.split("\n", 1) for s in block.split("$ shardkit ")[1:]]
+    assert len(samples) == 3
+    for command, expected in samples:
+        assert main(shlex.split(command)) == 2
+        assert " ".join(capsys.readouterr().err.split()) == " ".join(expected.split())

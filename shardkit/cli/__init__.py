@@ -2,7 +2,8 @@
 ``recipes``, ``launch``, ``reshard-plan``.
 
 Each subcommand lives in its own module and exposes ``add_parser(subparsers)``
-and ``main(args) -> int``. User mistakes exit with status 2 and one line.
+and ``main(args) -> int``. User mistakes exit with status 2 and one line whose "Fix:"
+is a command line that passes the command's checks (``shardkit.cli.fixes``).
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return int(args.handler(args) or 0)
     except ShardingError as e:
-        print(f"shardkit {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        from shardkit.cli.fixes import explain
+
+        print(f"shardkit {args.command}: error: {explain(e, argv, args)}", file=sys.stderr)
         return 2

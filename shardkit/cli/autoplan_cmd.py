@@ -7,8 +7,10 @@ import argparse
 from rich.console import Console
 
 from shardkit.autoplanner import hardware
+from shardkit.cli.fixes import FlagError, problem_of
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
-from shardkit.cli.options import add_json, check_outputs, emit_json, wants_tables
+from shardkit.cli.options import add_json, check_outputs, emit_json, recipe_for, wants_tables
+from shardkit.errors import ShardingError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,32 +34,49 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seconds one candidate may take to compile (default: 120)")  # fmt: skip
     p.add_argument("--plot", metavar="PNG", help="draw memory against step time to PNG")
     add_json(p)
-    p.set_defaults(handler=main)
+    p.set_defaults(handler=main, check=check)
 
 
 def _list(text: str | None) -> list[str] | None:
     return [x.strip() for x in text.split(",") if x.strip()] if text else None
 
 
-def main(args: argparse.Namespace) -> int:
-    from shardkit.autoplanner import autoplan
-
+def check(args: argparse.Namespace):
+    """The flags autoplan can judge before planning; the model."""
     check_outputs(args)
     model = resolve_model(args.model)
-    result = autoplan(
-        args.model,
-        batch=args.batch or args.devices,
-        seq=args.seq or default_seq(model),
-        devices=args.devices,
-        memory_per_device=args.memory_gb * 2**30 if args.memory_gb else None,
-        hardware=args.hardware,
-        recipes=_list(args.recipes),
-        remats=_list(args.remat),
-        precisions=_list(args.precision) or ["f32"],
-        max_compiles=args.max_compiles,
-        compile_timeout_s=args.compile_timeout,
-        progress=wants_tables(args),
-    )
+    names = _list(args.recipes) or []
+    for name in names:
+        recipe_for(name, args, flag="--recipes", others=names)
+    if args.devices < 1:
+        raise FlagError(f"--devices must be at least 1, got {args.devices}.", [{"--devices": "8"}])
+    return model
+
+
+def main(args: argparse.Namespace) -> int:
+    from shardkit.autoplanner import NoLayoutFitsError, autoplan
+
+    model = check(args)
+    try:
+        result = autoplan(
+            args.model,
+            batch=args.batch or args.devices,
+            seq=args.seq or default_seq(model),
+            devices=args.devices,
+            memory_per_device=args.memory_gb * 2**30 if args.memory_gb else None,
+            hardware=args.hardware,
+            recipes=_list(args.recipes),
+            remats=_list(args.remat),
+            precisions=_list(args.precision) or ["f32"],
+            max_compiles=args.max_compiles,
+            compile_timeout_s=args.compile_timeout,
+            progress=wants_tables(args),
+        )
+    except NoLayoutFitsError as e:  # its fix names Python arguments: say it in flags
+        raise ShardingError(
+            f"{problem_of(e)} Fix: --memory-gb of at least the smallest that would fit, "
+            "--devices of a count listed, or a smaller --batch or --seq."
+        ) from None
     emit_json(args, result.to_json())
     if args.plot:
         from shardkit.autoplanner.plot import plot_autoplan

@@ -20,7 +20,7 @@ import time
 
 from shardkit import distributed
 from shardkit.cli.devices_arg import DEFAULT_CPU_DEVICES
-from shardkit.errors import DeviceError, ShardingError
+from shardkit.errors import ShardingError
 
 #: Heartbeat timeout for launched processes: a dead peer is noticed within seconds.
 LOCAL_HEARTBEAT_SECONDS = 5
@@ -170,10 +170,11 @@ def join_launched_run(requested_devices: int | None):
     processes = int(os.environ[distributed.ENV_NUM_PROCESSES])
     total = requested_devices or DEFAULT_CPU_DEVICES
     if total % processes:
-        raise DeviceError(
-            f"--devices {total} does not split over {processes} processes.\n"
-            f"Fix: pass a multiple of {processes}."
-        )
+        from shardkit.cli.fixes import FlagError
+
+        nearest = max(1, round(total / processes)) * processes
+        raise FlagError(f"--devices {total} does not split over {processes} processes.",
+                        [{"--devices": str(nearest)}])  # fmt: skip
     distributed.initialize(cpu_devices=total // processes)
     import jax
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit import models
-from shardkit.errors import ShardingError
 
 MODEL_HELP = (
     "a reference model (gpt-tiny, llama-small, ...; default: gpt-tiny) or your own as "
@@ -20,16 +19,25 @@ def resolve_model(name: str, *, remat: str | None = None) -> Any:
     """The model ``--model`` names, with ``--remat`` applied to a reference model.
 
     Raises:
-      ShardingError: unknown name, a factory that cannot be loaded, or ``--remat``
-        for a model of one's own (its code decides what it rematerialises).
+      FlagError: an unknown reference model, or ``--remat`` for a model of one's own
+        (its code decides what it rematerialises).
+      ShardingError: a factory that cannot be loaded.
     """
+    from shardkit.cli.fixes import FlagError, closest
+
     if ":" in name:
         if remat:
-            raise ShardingError(
+            raise FlagError(
                 f"--remat {remat}: only the reference models take it; {name}'s own code "
-                "decides what it rematerialises.\nFix: drop --remat."
-            )
+                "decides what it rematerialises.", [{"--remat": None}]
+            )  # fmt: skip
         return models.load(name)
+    if name not in models.names():
+        raise FlagError(
+            f"--model {name}: no such reference model. Models: {', '.join(models.names())}, "
+            "or your own as package.module:factory.",
+            [{"--model": m} for m in closest(name, models.names())],
+        )
     return models.get(name, **({"remat": remat} if remat else {}))
 
 

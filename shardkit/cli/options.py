@@ -17,10 +17,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardkit.errors import ShardingError
-
 __all__ = ["add_explicit", "add_json", "add_logits", "add_mesh", "add_precision", "check_outputs",
-           "emit_json", "parse_mesh", "recipe_for", "wants_tables"]  # fmt: skip
+           "emit_json", "mesh_axes_of", "parse_mesh", "recipe_for", "wants_tables"]  # fmt: skip
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -85,40 +83,90 @@ def add_logits(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def recipe_for(name: str, args: argparse.Namespace):
-    """The recipe ``name`` with ``--mesh`` sizes (and ``--logits``) applied."""
-    from shardkit import recipes
+def recipe_for(
+    name: str, args: argparse.Namespace, *, flag: str = "--recipe", others: list[str] | None = None
+):
+    """The recipe ``name`` with ``--mesh`` sizes (and ``--logits``) applied.
 
+    Raises:
+      FlagError: an unknown recipe, or a ``--mesh`` axis no rule of the recipe uses.
+    """
+    from shardkit import recipes
+    from shardkit.cli.fixes import FlagError, closest, mesh_text
+
+    known = recipes.names()
+    if name not in known:  # --recipes a,b: only the unknown one changes in the fix
+        respell = [",".join(dict.fromkeys(r if x == name else x for x in others or [name]))
+                   for r in closest(name, known)]  # fmt: skip
+        raise FlagError(f"{flag} {name}: no such recipe. Recipes: {', '.join(known)}.",
+                        [{flag: value} for value in respell])  # fmt: skip
     recipe = recipes.get(name)
     if getattr(args, "logits", None):
         recipe = recipe.with_logits(args.logits)
-    return recipe.with_mesh(args.mesh) if getattr(args, "mesh", None) else recipe
+    mesh = getattr(args, "mesh", None)
+    if not mesh:
+        return recipe
+    used = mesh_axes_of(recipe)
+    extra = {a: s for a, s in mesh.items() if a not in used and s != 1}
+    if extra:
+        axis = next(iter(extra))
+        having = [r for r in known if axis in dict(recipes.get(r).mesh_axes)]
+        rest = {a: s for a, s in mesh.items() if a not in extra}
+        raise FlagError(
+            f"--mesh {mesh_text(extra)}: recipe {name} shards nothing over {axis!r} (its mesh "
+            f"axes: {', '.join(used)}); recipes with a {axis!r} axis: {', '.join(having)}.",
+            [{"--mesh": mesh_text(rest) if rest else None}],
+        )
+    return recipe.with_mesh(mesh)
+
+
+def mesh_axes_of(recipe) -> list[str]:
+    """The mesh axes ``recipe`` declares or names in any of its rules.
+
+    Example:
+      >>> from shardkit import recipes
+      >>> mesh_axes_of(recipes.get("fsdp_tp"))
+      ['fsdp', 'tensor']
+    """
+    axes = dict(recipe.mesh_axes)
+    for rules in (recipe.rules, recipe.activation_rules, recipe.optimizer_rules):
+        for _, mapped in rules or ():
+            axes.update(dict.fromkeys((mapped,) if isinstance(mapped, str) else mapped or ()))
+    return list(axes)
 
 
 def check_outputs(args: argparse.Namespace) -> None:
     """Fail before any work if ``--json PATH`` or ``--plot PNG`` cannot be written."""
+    from shardkit.cli.fixes import FlagError
+
     for flag, path in (
         ("--json", getattr(args, "json", None)),
         ("--plot", getattr(args, "plot", None)),
     ):
-        if path is None or path == "-":
+        if path is None or path == "-" or not isinstance(path, str):
             continue
         target = Path(path)
         parent = target.parent
+        here = {flag: target.name if target.name else f"{args.command}.json"}
         if target.is_dir():
-            raise ShardingError(f"{flag} {path}: is a directory.\nFix: give a file name.")
+            raise FlagError(f"{flag} {path}: is a directory.",
+                            [{flag: str(target / f"{args.command}{_suffix(flag)}")},
+                             {flag: f"{args.command}{_suffix(flag)}"}])  # fmt: skip
         if not parent.is_dir():
-            raise ShardingError(
-                f"{flag} {path}: the directory {parent} does not exist.\nFix: create it first "
-                f"(mkdir -p {parent}) or choose another path."
-            )
+            raise FlagError(
+                f"{flag} {path}: the directory {parent} does not exist (mkdir -p {parent} "
+                "makes it).", [here])  # fmt: skip
         if not os.access(parent, os.W_OK):
-            raise ShardingError(f"{flag} {path}: {parent} is not writable.\nFix: another path.")
+            raise FlagError(f"{flag} {path}: {parent} is not writable.", [here])
         if flag == "--plot" and target.suffix.lower() not in (".png", ".svg", ".pdf"):
-            raise ShardingError(
-                f"--plot {path}: the figure is written by matplotlib as .png, .svg or .pdf.\n"
-                f"Fix: --plot {target.with_suffix('.png')}."
+            raise FlagError(
+                f"--plot {path}: the figure is written by matplotlib as .png, .svg or .pdf.",
+                [{flag: str(target.with_suffix(".png"))}],
             )
+
+
+def _suffix(flag: str) -> str:
+    return ".png" if flag == "--plot" else ".json"
 
 
 def wants_tables(args: argparse.Namespace) -> bool:

@@ -7,16 +7,10 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from shardkit.cli import preflight
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
-from shardkit.cli.model_arg import MODEL_HELP, resolve_model
-from shardkit.cli.options import (
-    add_json,
-    add_mesh,
-    check_outputs,
-    emit_json,
-    recipe_for,
-    wants_tables,
-)
+from shardkit.cli.model_arg import MODEL_HELP
+from shardkit.cli.options import add_json, add_mesh, emit_json, wants_tables
 from shardkit.report.lint import human_bytes
 from shardkit.report.render import abbreviate
 
@@ -32,21 +26,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="include optimizer state and scalars")
     add_mesh(p)
     add_json(p)
-    p.set_defaults(handler=main)
+    p.set_defaults(handler=main, check=preflight.check)
 
 
 def main(args: argparse.Namespace) -> int:
-    check_outputs(args)
-    model = resolve_model(args.model)
-    recipe = recipe_for(args.recipe, args)
+    model = preflight.prepare(args)
     devices = select_devices(args.devices)
     import jax
 
     from shardkit import train
-    from shardkit.plan import Plan
     from shardkit.report.report import param_rows
 
-    plan = Plan(recipe, devices=devices, annotations=getattr(model, "annotations", None))
+    plan = preflight.layout(args, args.recipe, model, devices)
     state = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
     rows = [r for r in param_rows(plan, state) if args.all or r.kind == "param"]
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}

@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from rich.console import Console
 from rich.table import Table
 
 from shardkit import recipes
+from shardkit.cli.options import add_json, check_outputs, emit_json, wants_tables
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("recipes", help="list the sharding recipes")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(handler=main)
+    add_json(p)
+    p.set_defaults(handler=main, check=check_outputs)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -23,8 +23,9 @@ def main(args: argparse.Namespace) -> int:
         r = recipes.get(name)
         mesh = ", ".join(f"{a}={'rest' if s == -1 else s}" for a, s in r.mesh_axes)
         rows.append({"name": name, "mesh": mesh, "summary": r.summary})
-    if args.json:
-        print(json.dumps(rows, indent=2))
+    check_outputs(args)
+    emit_json(args, rows)
+    if not wants_tables(args):
         return 0
     table = Table(title="shardkit recipes")
     for column in ("name", "mesh", "summary"):

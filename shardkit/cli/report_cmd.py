@@ -1,4 +1,12 @@
-"""``shardkit report`` and ``shardkit compare``: compile-only layout reports."""
+"""``shardkit report`` and ``shardkit compare``: compile-only layout reports.
+
+``--itemise`` splits the temp memory at its peak into named terms (gradients, gathered
+weights, saved activations, ...) next to their analytic values, as
+``plan.report(..., itemise=True)`` does (``Report.memory_terms``; ``memory_terms`` in
+``--json``):
+
+  shardkit report --model gpt-tiny --recipe fsdp --remat full --itemise
+"""
 
 from __future__ import annotations
 
@@ -8,17 +16,16 @@ import time
 from rich.console import Console
 
 from shardkit import models, recipes
+from shardkit.cli import preflight
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
-from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
+from shardkit.cli.model_arg import MODEL_HELP
 from shardkit.cli.options import (
     add_explicit,
     add_json,
     add_logits,
     add_mesh,
     add_precision,
-    check_outputs,
     emit_json,
-    recipe_for,
     wants_tables,
 )
 from shardkit.errors import ShardingError
@@ -38,6 +45,9 @@ def _common(p: argparse.ArgumentParser) -> None:
                    help="override the model's rematerialization policy")  # fmt: skip
     add_precision(p)
     add_logits(p)
+    p.add_argument("--itemise", action="store_true",
+                   help="split the temp memory at its peak into named terms (gradients, "
+                   "gathered weights, saved activations, ...) against the analytic model")  # fmt: skip
     add_json(p)
 
 
@@ -49,7 +59,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from shardkit.parallel.cli import add_arguments
 
     add_arguments(p)  # --microbatches --schedule --virtual-stages --unit
-    p.set_defaults(handler=main_report)
+    p.set_defaults(handler=main_report, check=preflight.check)
 
     c = sub.add_parser("compare", help="compile several recipes and compare them side by side")
     _common(c)
@@ -57,34 +67,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--recipes", default=None, help="comma-separated (default: every recipe that fits)"
     )
     c.add_argument("--plot", metavar="PNG", help="draw all recipes into one figure")
-    c.set_defaults(handler=main_compare)
-
-
-def _model(args: argparse.Namespace):
-    check_outputs(args)
-    model = resolve_model(args.model, remat=args.remat)
-    args.seq = args.seq or default_seq(model)
-    return model
+    c.set_defaults(handler=main_compare, check=preflight.check)
 
 
 def _report(model, recipe: str, devices, args):
     from shardkit import train
-    from shardkit.plan import Plan
+    from shardkit.parallel.cli import options
 
-    plan = Plan(recipe_for(recipe, args), devices=devices, explicit=args.explicit,
-                annotations=getattr(model, "annotations", None), precision=args.precision)  # fmt: skip
-    if "stage" in plan.mesh.shape or getattr(args, "microbatches", None) is not None:
-        from shardkit.parallel.report import pipeline_report  # micro-batches, schedule
-
-        return pipeline_report(plan, model, train.adamw(), args)
-    return models.report(plan, model, train.adamw(), batch=args.batch, seq=args.seq)
+    plan = preflight.layout(args, recipe, model, devices)
+    return models.report(plan, model, train.adamw(), batch=args.batch, seq=args.seq,
+                         pipeline=options(args), itemise=args.itemise)  # fmt: skip
 
 
 def main_report(args: argparse.Namespace) -> int:
-    model = _model(args)
-    recipe_for(args.recipe, args)
+    model = preflight.prepare(args)
     devices = select_devices(args.devices)
-    args.batch = args.batch or len(devices)
     start = time.perf_counter()
     report = _report(model, args.recipe, devices, args)
     if args.plot:
@@ -105,10 +102,8 @@ def _title(args: argparse.Namespace, devices) -> str:
 
 
 def main_compare(args: argparse.Namespace) -> int:
-    model = _model(args)
-    names = args.recipes.split(",") if args.recipes else recipes.names()
-    for name in names:
-        recipe_for(name, args)
+    model = preflight.prepare(args)  # checks the recipes --recipes names
+    names = preflight.recipe_names(args) or recipes.names()
     devices = select_devices(args.devices)
     args.batch = args.batch or len(devices)
     console = Console(stderr=True)
@@ -130,10 +125,13 @@ def main_compare(args: argparse.Namespace) -> int:
                      "reports": {n: r.to_json() for n, r in reports.items()},
                      "skipped": skipped})  # fmt: skip
     if wants_tables(args):
-        from shardkit.report.render import comparison_table
+        from shardkit.report.render import comparison_table, memory_terms_table
 
         out = Console()
         out.print(comparison_table(reports))
+        for name, report in reports.items() if args.itemise else ():
+            out.print(f"[bold]{name}[/bold]")
+            out.print(memory_terms_table(report))
         for name, why in skipped.items():
             out.print(f"[dim]skipped {name}: {why}[/dim]")
     return 0

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import json
+import re
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from shardkit import models, recipes
-from shardkit.errors import ShardingError
+from shardkit import recipes
+from shardkit.cli.fixes import FlagError, closest, problem_of
+from shardkit.cli.options import add_json, check_outputs, emit_json, wants_tables
+from shardkit.errors import IndivisibleError, MeshError
+from shardkit.report.render import abbreviate
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,26 +28,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
     p.add_argument("--processes", type=int, default=1,
                    help="processes the restoring devices are split over (default 1)")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    p.set_defaults(handler=main)
+    add_json(p)
+    p.set_defaults(handler=main, check=_states)
 
 
 def _layout(text: str, flag: str) -> tuple[str, int]:
     recipe, _, count = text.partition("@")
     if not count.isdigit() or int(count) < 1:
-        raise ShardingError(f"{flag} {text!r}: expected RECIPE@DEVICES, e.g. fsdp@8.")
-    recipes.get(recipe)
+        name, digits = re.fullmatch(r"(.*?)(\d*)", text.replace("@", "")).groups()
+        raise FlagError(f"{flag} {text}: expected RECIPE@DEVICES, e.g. fsdp@8.",
+                        [{flag: f"{name or 'fsdp'}@{digits or 8}"}, {flag: "fsdp@8"}])  # fmt: skip
+    if recipe not in recipes.names():
+        raise FlagError(f"{flag} {text}: no such recipe. Recipes: {', '.join(recipes.names())}.",
+                        [{flag: f"{r}@{count}"} for r in closest(recipe, recipes.names())])  # fmt: skip
     return recipe, int(count)
 
 
-def main(args: argparse.Namespace) -> int:
+def _states(args: argparse.Namespace):
+    """The saved and the restored abstract states, and the restoring device count."""
+    from shardkit.cli.model_arg import resolve_model
+
+    check_outputs(args)
     source, n_source = _layout(args.source, "--from")
     target, n_target = _layout(args.target, "--to")
-    models.get(args.model)
+    model = resolve_model(args.model)
     if args.processes < 1 or n_target % args.processes:
-        raise ShardingError(
-            f"--processes {args.processes} does not split the {n_target} restoring devices."
-        )
+        raise FlagError(
+            f"--processes {args.processes} does not split the {n_target} restoring devices.",
+            [{"--processes": str(p)} for p in range(min(args.processes, n_target), 0, -1)
+             if n_target % p == 0],
+        )  # fmt: skip
     from shardkit.cli.devices_arg import select_devices
 
     devices = select_devices(max(n_source, n_target))
@@ -51,20 +65,32 @@ def main(args: argparse.Namespace) -> int:
 
     from shardkit import train
     from shardkit.plan import Plan
+
+    init = train.init_fn(model, train.adamw())
+    states = []
+    for flag, recipe, n in (("--from", source, n_source), ("--to", target, n_target)):
+        try:
+            plan = Plan(recipe, devices=devices[:n])
+            states.append(plan.abstract_init(init, jax.random.key(0)))
+        except (IndivisibleError, MeshError) as e:  # the fix is another device count
+            nearby = sorted({2**k for k in range(10)} - {n}, key=lambda c: (abs(c - n), c))
+            raise FlagError(problem_of(e),
+                            [{flag: f"{recipe}@{c}"} for c in nearby[:6]]) from None  # fmt: skip
+    return (*states, devices[:n_target])
+
+
+def main(args: argparse.Namespace) -> int:
     from shardkit.reshard import reshard_plan
 
-    model, tx = models.get(args.model), train.adamw()
-    init = train.init_fn(model, tx)
-    saved = Plan(source, devices=devices[:n_source]).abstract_init(init, jax.random.key(0))
-    restored = Plan(target, devices=devices[:n_target]).abstract_init(init, jax.random.key(0))
+    saved, restored, devices = _states(args)
+    n_target = len(devices)
     # Emulated devices share one process; --processes groups them as separate hosts would.
-    position = {d.id: i for i, d in enumerate(devices[:n_target])}
+    position = {d.id: i for i, d in enumerate(devices)}
     per_process = n_target // args.processes
     plan = reshard_plan(saved, restored, process_of=lambda d: position[d.id] // per_process)
-    if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
-        return 0
-    _print(plan, args, n_target)
+    emit_json(args, plan.to_json())
+    if wants_tables(args):
+        _print(plan, args, n_target)
     return 0
 
 
@@ -75,18 +101,33 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+#: Leaf paths are cut from the middle to this width, keeping the leaf name.
+LEAF_WIDTH = 28
+
+
+def _short_spec(spec: str) -> str:
+    """``"P(None, 'tensor')"`` → ``"·,tensor"``: a spec in few columns.
+
+    Example:
+      >>> _short_spec("P(None, 'tensor', None)"), _short_spec("P()")
+      ('·,tensor,·', '–')
+    """
+    inner = spec.removeprefix("P(").removesuffix(")").replace("'", "").rstrip(",")
+    return ",".join("·" if p.strip() == "None" else p.strip() for p in inner.split(",")) or "–"
+
+
 def _print(plan, args, n_target) -> None:
-    console = Console(width=max(Console().width, 160))
-    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (per device)")
+    console = Console()
+    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (per device)",
+                  caption="shapes and saved chunks: --json", box=box.SIMPLE_HEAD)  # fmt: skip
     table.add_column("leaf", no_wrap=True)
-    for col in ("shape", "saved chunk", "restored spec"):
-        table.add_column(col, no_wrap=True)
-    for col in ("holds", "reads", "reads/holds"):
-        table.add_column(col, justify="right", min_width=max(len(col), 9), no_wrap=True)
+    table.add_column("restored spec", no_wrap=True)
+    for col in ("holds", "reads", "×"):
+        table.add_column(col, justify="right", no_wrap=True, min_width=4 if col == "×" else 9)
     for leaf in plan.leaves:
         ratio = leaf.read_per_device / leaf.held_per_device if leaf.held_per_device else 1.0
         table.add_row(
-            leaf.path, str(leaf.shape), str(leaf.chunk_shape), leaf.restored_spec,
+            abbreviate(leaf.path, LEAF_WIDTH), _short_spec(leaf.restored_spec),
             _size(leaf.held_per_device), _size(leaf.read_per_device), f"{ratio:.2f}",
         )  # fmt: skip
     console.print(table)

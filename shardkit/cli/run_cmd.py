@@ -8,14 +8,15 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from shardkit.cli import preflight
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
-from shardkit.cli.model_arg import MODEL_HELP, resolve_model
+from shardkit.cli.fixes import FlagError
+from shardkit.cli.model_arg import MODEL_HELP
 from shardkit.cli.options import (
     add_explicit,
     add_json,
     add_mesh,
     add_precision,
-    check_outputs,
     emit_json,
     recipe_for,
     wants_tables,
@@ -44,26 +45,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--save-every", type=int, metavar="K", help="also save every K steps")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in --checkpoint-dir (--steps counts all steps)")  # fmt: skip
-    p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[],
+    p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[], type=_dcn_item,
                    help="multi-process runs: lay N processes along mesh axis AXIS (repeatable)")  # fmt: skip
     from shardkit.parallel.cli import add_arguments
 
     add_arguments(p)  # --microbatches --schedule --virtual-stages --unit
-    p.set_defaults(handler=main)
+    p.set_defaults(handler=main, check=check)
 
 
 def _validate(args: argparse.Namespace):
-    check_outputs(args)
-    model = resolve_model(args.model)
-    recipe_for(args.recipe, args)
     for flag in ("steps", "batch", "seq"):
         if getattr(args, flag) < 1:
-            raise ShardingError(f"--{flag} must be at least 1, got {getattr(args, flag)}.")
-    if (args.resume or args.save_every) and not args.checkpoint_dir:
-        raise ShardingError("--resume and --save-every need --checkpoint-dir DIR.")
+            raise FlagError(f"--{flag} must be at least 1, got {getattr(args, flag)}.",
+                            [{f"--{flag}": "1"}, {f"--{flag}": None}])  # fmt: skip
     if args.save_every is not None and args.save_every < 1:
-        raise ShardingError(f"--save-every must be at least 1, got {args.save_every}.")
-    return model
+        raise FlagError(f"--save-every must be at least 1, got {args.save_every}.",
+                        [{"--save-every": None}])  # fmt: skip
+    if (args.resume or args.save_every) and not args.checkpoint_dir:
+        flag = "--resume" if args.resume else "--save-every"
+        raise FlagError(f"{flag} needs --checkpoint-dir DIR.",
+                        [{"--checkpoint-dir": "checkpoints"}] if not args.resume else
+                        [{"--resume": None}])  # fmt: skip
+    return preflight.prepare(args)
+
+
+def check(args: argparse.Namespace) -> None:
+    """``shardkit run``'s flags, and the layout (``preflight.check``)."""
+    _validate(args)
+    preflight.check(args)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -74,14 +83,13 @@ def main(args: argparse.Namespace) -> int:
     from shardkit.plan import Plan  # imports JAX-heavy modules only once devices are set
     from shardkit.run import run
 
-    recipe, annotations = recipe_for(args.recipe, args), getattr(model, "annotations", None)
     if args.dcn:
-        plan = Plan(recipe, mesh=_mesh(args, recipe, devices), annotations=annotations,
-                    precision=args.precision)  # fmt: skip
-    else:
-        plan = Plan(recipe, devices=devices, annotations=annotations, precision=args.precision,
-                    explicit=args.explicit)  # fmt: skip
-    plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")  # fail before compiling
+        recipe = recipe_for(args.recipe, args)
+        plan = Plan(recipe, mesh=_mesh(args, recipe, devices), precision=args.precision,
+                    annotations=getattr(model, "annotations", None))  # fmt: skip
+        plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")
+    else:  # the batch and pipeline flags checked before compiling
+        plan = preflight.layout(args, args.recipe, model, devices)
 
     import jax
 
@@ -152,14 +160,17 @@ def _run_or_stop_with_peers(run, *args, **kwargs):
 def _mesh(args: argparse.Namespace, recipe, devices):
     from shardkit.mesh import make_mesh
 
-    dcn = {}
-    for item in args.dcn:
-        axis, _, size = item.partition("=")
-        if not size.isdigit():
-            raise ShardingError(f"--dcn {item!r}: expected AXIS=N, e.g. --dcn data=2.")
-        dcn[axis] = int(size)
+    dcn = dict(args.dcn)
     sizes = recipe.axis_sizes(len(devices))
     return make_mesh(sizes, devices=devices, dcn=dcn, explicit=args.explicit)
+
+
+def _dcn_item(text: str) -> tuple[str, int]:
+    """``"data=2"`` → ``("data", 2)``: processes laid along a mesh axis."""
+    axis, _, size = text.partition("=")
+    if not axis or not size.isdigit() or int(size) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected AXIS=N, e.g. --dcn data=2")
+    return axis, int(size)
 
 
 def _print_summary(result) -> None:

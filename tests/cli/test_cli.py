@@ -34,8 +34,8 @@ def test_help_and_recipes(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--recipe", "ddp"], "Unknown recipe 'ddp'"),
-        (["--model", "gpt-huge"], "Unknown model 'gpt-huge'"),
+        (["--recipe", "ddp"], "--recipe ddp: no such recipe"),
+        (["--model", "gpt-huge"], "--model gpt-huge: no such reference model"),
         (["--steps", "0"], "--steps must be at least 1"),
         (["--devices", "64"], "only 8 emulated CPU device(s)"),
         (["--batch", "4"], "batch"),  # 4 examples over fsdp=8 does not divide
@@ -126,7 +126,7 @@ def test_report_of_a_users_model_from_its_factory(tmp_path):
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("examples.my_model", "Unknown model"),
+        ("examples.my_model", "no such reference model"),
         ("examples.nope:build", "cannot import 'examples.nope'"),
         ("examples.my_model:nope", "has no attribute 'nope'"),
         (":build", "package.module:factory"),

@@ -35,8 +35,52 @@ def test_plan_table_abbreviates_paths_from_the_middle(narrow, capsys):
 
 
 def test_compare_fits_80_columns(narrow, capsys):
-    assert main(["compare", "--model", "gpt-tiny", "--recipes", "dp,fsdp"]) == 0
-    assert max(len(line) for line in lines_of(capsys.readouterr().out)) <= 80
+    assert main(["compare", "--model", "gpt-tiny", "--recipes", "dp,fsdp", "--itemise"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in lines_of(out)) <= 80
+    assert out.count("temp memory at its peak") == 2  # --itemise: one table per recipe
+
+
+def test_run_fits_80_columns(narrow, capsys):
+    assert main(["run", "--steps", "1", "--devices", "2", "--seq", "16", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in lines_of(out)) <= 80
+    assert "memory / device" in out and "largest collectives by cause" in out
+
+
+def test_recipes_fit_80_columns(narrow, capsys):
+    from shardkit import recipes
+
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    assert max(len(line) for line in lines_of(out)) <= 80
+    names = [line.split()[1] for line in lines_of(out) if line.startswith("│ ") and
+             line.split()[1] != "│"]  # fmt: skip
+    assert names == recipes.names()
+
+
+def test_reshard_plan_fits_80_columns_and_keeps_leaf_names(narrow, capsys):
+    argv = ["reshard-plan", "--from", "fsdp@8", "--to", "tp@4"]
+    assert main([*argv, "--json"]) == 0
+    paths = [leaf["path"] for leaf in json.loads(capsys.readouterr().out)["leaves"]]
+    assert main(argv) == 0
+    lines = lines_of(capsys.readouterr().out)
+    assert max(len(line) for line in lines) <= 80
+    first = next(i for i, line in enumerate(lines) if "────" in line) + 1
+    last = next(i for i, line in enumerate(lines) if "--json" in line)
+    rows = [line.split()[0] for line in lines[first:last]]
+    for row, path in zip(rows, paths, strict=True):  # cut from the middle: the last two names stay
+        assert row == path or ("…" in row and row.endswith("/".join(path.split("/")[-2:])))
+    assert any("…" in row for row in rows)
+
+
+def test_autoplan_fits_80_columns(narrow, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("SHARDKIT_CACHE_DIR", str(tmp_path))
+    assert main(["autoplan", "--devices", "2", "--batch", "2", "--seq", "16", "--recipes", "dp",
+                 "--remat", "none", "--memory-gb", "1"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert max(len(line) for line in lines_of(out)) <= 80
+    assert "dp data=2 remat=none f32" in out
 
 
 def test_json_means_the_same_in_every_command(tmp_path, capsys):
@@ -51,6 +95,13 @@ def test_json_means_the_same_in_every_command(tmp_path, capsys):
     assert main(["report", "--model", "gpt-tiny", "--recipe", "dp", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     assert d["recipe"] == "dp" and d["workload"]["batch"] == 8
+    assert d["memory_terms"] == []  # itemised only when asked (--itemise)
+    # recipes and reshard-plan too.
+    assert main(["recipes", "--json", str(tmp_path / "recipes.json")]) == 0
+    assert "shardkit recipes" in capsys.readouterr().out
+    assert json.loads((tmp_path / "recipes.json").read_text())[0]["name"] == "dp"
+    assert main(["reshard-plan", "--from", "fsdp@8", "--to", "tp@4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["processes"] == 1
 
 
 def test_mesh_flag_sizes_the_recipes_axes(capsys):
@@ -72,24 +123,24 @@ def test_bad_mesh_flags_are_usage_errors(bad, capsys):
     "argv, message",
     [
         (["report", "--json", "/nonexistent/dir/r.json"], "does not exist"),
-        (["compare", "--recipes", "dp", "--plot", "out.txt"], "--plot out.png"),
+        (["compare", "--recipes", "dp", "--plot", "out.txt"], "matplotlib as .png"),
         (["run", "--steps", "1", "--json", "/nonexistent/r.json"], "does not exist"),
         (["plan", "--json", "/"], "is a directory"),
     ],
 )
 def test_output_paths_are_checked_before_any_work(argv, message, capsys, monkeypatch):
     # Nothing may resolve a model, plan or compile first: a bad output path fails fast.
-    import shardkit.cli.model_arg
+    # (Work that starts later, to check the fix the error suggests, fails here too.)
+    from shardkit.cli import preflight
+    from shardkit.errors import ShardingError
 
     def no_work(*args, **kwargs):
-        pytest.fail("work started before the output path was checked")
+        raise ShardingError("work started before the output path was checked")
 
-    for name in ("resolve_model",):
-        for module in ("plan_cmd", "report_cmd", "run_cmd"):
-            monkeypatch.setattr(f"shardkit.cli.{module}.{name}", no_work)
-    monkeypatch.setattr(shardkit.cli.model_arg, "resolve_model", no_work)
+    monkeypatch.setattr(preflight, "resolve_model", no_work)
     assert main(argv) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and "work started" not in err
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,157 @@
+"""What ``run``, ``report``, ``compare`` and ``plan`` check before they compile anything.
+
+:func:`prepare` reads the flags (output paths, the model, the recipes and ``--mesh``
+axes, ``--seq``); :func:`layout` builds one recipe's plan on the devices and checks the
+batch and the pipeline flags against its mesh. :func:`check` runs both and lays the
+state out abstractly (every parameter against the mesh): a command line that passes it
+gets as far as compiling. ``shardkit.cli.fixes`` runs it on every fix it prints.
+
+Example:
+  >>> from shardkit.cli import build_parser
+  >>> check(build_parser().parse_args(["report", "--recipe", "tp", "--devices", "4"]))
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+from shardkit.cli.devices_arg import select_devices
+from shardkit.cli.fixes import PIPELINE_FLAGS, FlagError
+from shardkit.cli.model_arg import default_seq, resolve_model
+from shardkit.cli.options import check_outputs, recipe_for
+
+__all__ = ["check", "layout", "prepare", "recipe_names"]
+
+
+def recipe_names(args: argparse.Namespace) -> list[str]:
+    """The recipes the command names: ``--recipe``, or ``compare``'s ``--recipes``."""
+    if getattr(args, "recipes", None):
+        return [r.strip() for r in args.recipes.split(",") if r.strip()]
+    return [args.recipe] if getattr(args, "recipe", None) else []
+
+
+def prepare(args: argparse.Namespace) -> Any:
+    """Check the flags that need no devices; the model. Sets ``args.seq``'s default."""
+    check_outputs(args)
+    model = resolve_model(args.model, remat=getattr(args, "remat", None))
+    names = recipe_names(args)
+    for name in names:
+        flag = "--recipes" if getattr(args, "recipes", None) else "--recipe"
+        recipe_for(name, args, flag=flag, others=names)
+    if hasattr(args, "seq"):
+        args.seq = args.seq or default_seq(model)
+        config = getattr(model, "config", None)
+        if config is not None and config.family == "gpt" and args.seq > config.max_seq:
+            raise FlagError(
+                f"--seq {args.seq}: {args.model} has {config.max_seq} positions "
+                "(its learned position table).",
+                [{"--seq": str(config.max_seq)}],
+            )
+    return model
+
+
+def layout(args: argparse.Namespace, name: str, model: Any, devices: list) -> Any:
+    """The plan of recipe ``name`` on ``devices``, its batch and pipeline flags checked.
+
+    Sets ``args.batch``'s default (one example per device) where the command has one.
+    """
+    from shardkit.plan import Plan
+
+    plan = Plan(recipe_for(name, args), devices=devices, explicit=getattr(args, "explicit", False),
+                annotations=getattr(model, "annotations", None),
+                precision=getattr(args, "precision", "f32"))  # fmt: skip
+    if getattr(args, "batch", False) is None:
+        args.batch = len(devices)
+    if hasattr(args, "batch"):
+        plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")
+        _check_attention(args, plan)
+    _check_pipeline(args, name, model, plan)
+    return plan
+
+
+def _check_attention(args: argparse.Namespace, plan: Any) -> None:
+    """Ring attention (and TSP's zigzag) cut each sequence into 2 chunks per device of
+    the attention axis, all-gather attention into one: the sequence must split so."""
+    recipe, mesh = plan.recipe, dict(plan.mesh.shape)
+    n = int(mesh.get(recipe.attention_axis, 1))
+    if recipe.attention == "dense" or n == 1:
+        return
+    chunks = 2 * n if recipe.attention == "ring" else n
+    if args.seq % chunks:
+        raise FlagError(
+            f"--seq {args.seq}: {recipe.attention} attention over {recipe.attention_axis!r} "
+            f"(size {n}) splits each sequence into {chunks} chunks.",
+            [{"--seq": str(-(-args.seq // chunks) * chunks)},
+             {"--seq": str(args.seq // chunks * chunks)}],
+        )  # fmt: skip
+
+
+def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) -> None:
+    """What the pipelined step checks while it is traced, checked before (as it does)."""
+    from shardkit.parallel.cli import options
+    from shardkit.parallel.pipeline import spec_axes
+    from shardkit.parallel.stages import NotPipelinableError
+
+    opts = options(args)
+    mesh = {str(a): int(s) for a, s in plan.mesh.shape.items()}
+    stages = mesh.get("stage")
+    if stages is None:
+        if opts is not None:
+            raise NotPipelinableError(
+                f"{' '.join(f for f in PIPELINE_FLAGS if getattr(args, f[2:].replace('-', '_')))}"
+                f": recipe {name!r} has no 'stage' axis to pipeline over (mesh {mesh})."
+            )
+        return
+    if not hasattr(model, "config"):
+        raise NotPipelinableError(
+            f"--recipe {name}: {args.model} is a model of your own; the command line "
+            "pipelines the reference models only (yours needs its cut into stages, in Python)."
+        )
+    opts = opts or {"schedule": "1f1b", "virtual_stages": 1}
+    micro = opts.get("microbatches") or stages
+    chunks = stages * opts["virtual_stages"]
+    if model.config.n_layers % chunks:
+        devices = math.prod(mesh.values())
+        fewer = [d for d in range(stages - 1, 0, -1) if model.config.n_layers % d == 0]
+        raise FlagError(
+            f"{model.config.n_layers} layers of {args.model} do not split into {stages} stages"
+            f" × {opts['virtual_stages']} virtual stages.",
+            [{"--virtual-stages": None, "--schedule": "1f1b"},
+             *({"--devices": str(devices // stages * d)} for d in fewer),
+             *({"--mesh": f"stage={d}"} for d in fewer)],
+        )  # fmt: skip
+    spec = tuple(plan.batch_sharding((plan.mesh.size, 1)).spec)  # the batch's axes, as the
+    shards = math.prod(mesh[a] for a in (spec_axes(spec[0]) if spec else ()))  # step splits it
+    batch = getattr(args, "batch", None)
+    if batch and batch % (micro * shards):
+        need = micro * shards
+        raise FlagError(
+            f"--batch {batch}: {micro} micro-batches on {shards} device(s) of the batch axes "
+            f"need a batch that is a multiple of {need}.",
+            [{"--batch": str(-(-batch // need) * need)},
+             *({"--microbatches": str(m)} for m in range(micro - 1, 0, -1)
+               if (batch // shards) % m == 0 and batch % shards == 0)],
+        )  # fmt: skip
+
+
+def check(args: argparse.Namespace) -> None:
+    """Everything ``args``'s command checks before compiling, and the abstract layout.
+
+    Raises:
+      ShardingError: the first mistake found.
+    """
+    import jax
+
+    from shardkit import train
+    from shardkit.parallel.cli import options, step_for
+
+    model = prepare(args)
+    devices = select_devices(getattr(args, "devices", None))
+    tx = train.adamw()
+    for name in recipe_names(args) if args.command != "compare" or args.recipes else []:
+        plan = layout(args, name, model, devices)
+        abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+        if "stage" in plan.mesh.shape:
+            step_for(model, tx, plan, abstract, options(args))
