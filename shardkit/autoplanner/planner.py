@@ -8,7 +8,7 @@ compiled evidence.
    budget (:func:`shardkit.autoplanner.evaluate.prune`); each pruned candidate keeps its
    reason.
 3. Compile the most promising survivors (abstract state, emulated devices): the best
-   of each recipe by the analytic estimate, then the best overall, up to
+   of each recipe (and logits layout) by the analytic estimate, then the best overall, up to
    ``max_compiles``. Results are cached on disk (:mod:`shardkit.autoplanner.cache`).
 4. Estimate each compiled candidate's step time with a roofline
    (:mod:`shardkit.autoplanner.roofline`) on the chosen hardware
@@ -85,6 +85,9 @@ class Ranked:
             **self.candidate.to_json(),
             "memory_per_device_bytes": self.evidence.memory,
             "analytic_memory_per_device_bytes": self.analytic.memory,
+            "analytic_over_compiled_memory": self.analytic.memory / self.evidence.memory["total"],
+            "memory_terms": list(self.evidence.memory_terms),
+            "memory_explanations": list(self.evidence.explanations),
             "wire_bytes": self.evidence.wire_bytes,
             "analytic_wire_bytes": self.analytic.wire,
             "flops": self.evidence.flops,
@@ -192,11 +195,12 @@ def _useful_flops(subject: Subject, c: Candidate, devices: int) -> float:
 
 
 def _compile_set(order: list[tuple[Candidate, Analytic, float]], max_compiles: int):
-    """The best candidate of each recipe, then the best overall, up to ``max_compiles``."""
+    """The best candidate of each recipe (of each of its logits layouts, where that is a
+    choice), then the best overall, up to ``max_compiles``."""
     chosen, seen = [], set()
     for c, _, _ in order:
-        if c.recipe not in seen and len(chosen) < max_compiles:
-            seen.add(c.recipe)
+        if (c.recipe, c.logits) not in seen and len(chosen) < max_compiles:
+            seen.add((c.recipe, c.logits))
             chosen.append(c)
     for c, _, _ in order:
         if len(chosen) >= max_compiles:
