@@ -154,10 +154,25 @@ class AutoplanResult:
                       f"{r.estimate.mfu:.0%}")  # fmt: skip
         return t
 
+    def memory_gap_lines(self, tolerance: float = 0.25) -> list[str]:
+        """The best candidate's compiled memory against the analytic model, itemised by term
+        when they differ by more than ``tolerance`` (the rest of the ranks: ``--json``)."""
+        best = self.best
+        ratio = best.analytic.memory / best.evidence.memory["total"]
+        if abs(ratio - 1) <= tolerance or not best.evidence.explanations:
+            return []
+        lines = [f"#1's analytic memory is {ratio:.2f}x its compiled memory; by term:"]
+        for e in best.evidence.explanations:
+            analytic = human_bytes(e["analytic_bytes"]) if e["analytic_bytes"] else "none"
+            lines.append(f"  {e['term']}: {human_bytes(e['measured_bytes'])} compiled, "
+                         f"{analytic} analytic: {e['why']}")  # fmt: skip
+        return lines
+
     def __rich_console__(self, console: Any, options: Any):
         yield self.table()
         for i, r in enumerate(self.candidates[:5], 1):
             yield f"{i}. {r.candidate.label}: {r.reason}"
+        yield from self.memory_gap_lines()
         stages: dict[str, int] = {}
         for r in self.rejected:
             stages[r.stage] = stages.get(r.stage, 0) + 1

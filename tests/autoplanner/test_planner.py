@@ -146,3 +146,8 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
         off = {t["term"] for t in j["memory_terms"]
                if t["bytes"] and (t["ratio"] is None or abs(t["ratio"] - 1) > 0.10)}  # fmt: skip
         assert off and off <= {e["term"] for e in j["memory_explanations"]}
+    # the CLI prints #1's gap by term (at any tolerance below its own ratio's distance)
+    lines = r.memory_gap_lines(tolerance=0.0)
+    assert lines[0].startswith("#1's analytic memory is")
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        e["term"] for e in r.best.evidence.explanations]
