@@ -5,7 +5,9 @@ devices), timed end to end with an empty cache. The table shows the chosen layou
 its compiled memory and roofline step time, how many candidates were compiled or
 rejected, and how well the analytic model ranked them: discordant pairs between the
 analytic and the compiled wire bytes of the compiled candidates (0 = same order), and
-the range of analytic / compiled memory.
+the range of analytic / compiled memory, and how many candidates outside 0.8–1.25 of it
+have the gap itemised (the compiled temp memory split into named terms, each term off
+its analytic value with an explanation).
 
 Run: python benchmarks/autoplan.py [--tiny]
 """
@@ -55,16 +57,19 @@ def main(argv=None) -> None:
         best = ranked[0]
         ratios = [c["analytic_memory_per_device_bytes"] / c["memory_per_device_bytes"]["total"]
                   for c in ranked]  # fmt: skip
+        off = [c for c in ranked if not 0.8 <= c["analytic_over_compiled_memory"] <= 1.25]
+        itemised = sum(bool(c["memory_terms"]) and bool(c["memory_explanations"]) for c in off)
         layout = f"{best['recipe']} " + "×".join(f"{k}={v}" for k, v in best["mesh"].items())
         rows.append([n, layout, best["remat"], best["memory_per_device_bytes"]["total"] * MIB,
                      best["step_time_s"] * 1e3, best["mfu"], len(ranked), len(got["rejected"]),
                      f"{discordant(ranked)} of {len(ranked) * (len(ranked) - 1) // 2}",
-                     f"{min(ratios):.2f}–{max(ratios):.2f}", seconds])  # fmt: skip
+                     f"{min(ratios):.2f}–{max(ratios):.2f}", f"{itemised} of {len(off)}",
+                     seconds])  # fmt: skip
         details[n] = got
     emit("autoplan", f"Auto-planner: {model} on H100s (80 GiB), compile only, empty cache",
          ["devices", "chosen layout", "remat", "MiB/device", "step ms (roofline)", "MFU",
           "ranked", "rejected", "wire order disagreements", "analytic/compiled memory",
-          "seconds"], rows, args.out, extra={"runs": details})  # fmt: skip
+          "gap itemised", "seconds"], rows, args.out, extra={"runs": details})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 """The planner's search space: registered recipes × mesh factorisations × remat ×
-micro-batches × precision.
+micro-batches × logits layout × precision.
 
 Candidates come from the recipe registry (``sk.recipes.names()``), so a recipe
 registered by a user joins the search without touching the planner. Every mesh axis
 of a candidate has size at least 2: a size-1 axis is another recipe (``dp_fsdp`` with
 ``data=1`` is ``fsdp``), already in the space.
+
+The logits layout is a dimension only where it changes the program: a recipe whose
+activation rules split the vocabulary over an axis that also splits the tokens
+(``Recipe.vocab_gather_axes``, e.g. ``fsdp``) is tried with ``logits="vocab"`` (gather
+every token's hidden state of that axis) and ``logits="tokens"`` (gather the head's
+weight, as the layers' are); elsewhere ``logits`` is ``None``.
 
 Example:
   >>> from shardkit.autoplanner.candidates import factorisations
@@ -15,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 
@@ -24,14 +31,18 @@ __all__ = ["Candidate", "factorisations", "enumerate_candidates"]
 
 REMATS = ("none", "save_dots", "full")
 PRECISIONS = ("f32", "bf16")
+LOGITS = ("vocab", "tokens")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Candidate:
-    """One layout to try: a recipe on a mesh, with remat, micro-batches and precision.
+    """One layout to try: a recipe on a mesh, with remat, micro-batches, logits layout and
+    precision.
 
     ``remat`` is ``None`` for a user's model (its own code decides); ``microbatches`` is
-    ``None`` unless the recipe pipelines (has a ``stage`` axis).
+    ``None`` unless the recipe pipelines (has a ``stage`` axis); ``logits`` is ``None``
+    unless the recipe's logits layout is a choice on this mesh (``"vocab"`` or
+    ``"tokens"``: ``Recipe.with_logits``).
     """
 
     recipe: str
@@ -39,6 +50,17 @@ class Candidate:
     remat: str | None = "none"
     microbatches: int | None = None
     precision: str = "f32"
+    logits: str | None = None
+
+    def recipe_object(self) -> recipes.Recipe:
+        """The registered recipe, with this candidate's logits layout when it has one.
+
+        Example:
+          >>> Candidate("fsdp", (("fsdp", 8),), logits="tokens").recipe_object().logits
+          'tokens'
+        """
+        recipe = recipes.get(self.recipe)
+        return recipe if self.logits is None else recipe.with_logits(self.logits)
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
@@ -56,17 +78,20 @@ class Candidate:
             parts.append(f"remat={self.remat}")
         if self.microbatches is not None:
             parts.append(f"m={self.microbatches}")
+        if self.logits is not None:
+            parts.append(f"logits={self.logits}")
         parts.append(self.precision)
         return " ".join(parts)
 
     def to_json(self) -> dict:
         return {"recipe": self.recipe, "mesh": self.mesh_sizes, "remat": self.remat,
-                "microbatches": self.microbatches, "precision": self.precision}  # fmt: skip
+                "microbatches": self.microbatches, "precision": self.precision,
+                "logits": self.logits}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict) -> Candidate:
         return cls(d["recipe"], tuple(d["mesh"].items()), d["remat"], d["microbatches"],
-                   d["precision"])  # fmt: skip
+                   d["precision"], d.get("logits"))  # fmt: skip
 
 
 def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -97,12 +122,14 @@ def enumerate_candidates(
 
     A pipelining recipe gets ``m ∈ {p, 2p, 4p}`` micro-batches (those that divide the
     batch evenly over its data replicas); a batch that allows none leaves it out here
-    and the planner says so.
+    and the planner says so. A mesh on which the recipe's logits layout is a choice
+    (``Recipe.vocab_gather_axes``) gets both layouts.
     """
     out = []
     remats, precisions = tuple(remats), tuple(precisions)
     for name in recipe_names or recipes.names():
-        axes = [a for a, _ in recipes.get(name).mesh_axes]
+        recipe = recipes.get(name)
+        axes = [a for a, _ in recipe.mesh_axes]
         for sizes in factorisations(devices, len(axes)) if axes else [()]:
             mesh = tuple(zip(axes, sizes, strict=True))
             stages = dict(mesh).get("stage")
@@ -110,8 +137,8 @@ def enumerate_candidates(
                 counts = _microbatch_counts(stages, batch, math.prod(sizes) // stages) or [None]
             else:
                 counts = [None]
-            for m in counts:
-                for remat in remats:
-                    for precision in precisions:
-                        out.append(Candidate(name, mesh, remat, m, precision))
+            layouts = LOGITS if recipe.vocab_gather_axes(dict(mesh)) else (None,)
+            for m, remat, logits, precision in itertools.product(counts, remats, layouts,
+                                                                 precisions):  # fmt: skip
+                out.append(Candidate(name, mesh, remat, m, precision, logits))
     return out

@@ -31,7 +31,7 @@ from typing import Any
 
 import jax
 
-from shardkit import recipes, train
+from shardkit import train
 from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
 from shardkit.report.lint import human_bytes
@@ -101,11 +101,19 @@ class Analytic:
 
 @dataclasses.dataclass(frozen=True)
 class Evidence:
-    """What the compiled program of one candidate says (per device, per step)."""
+    """What the compiled program of one candidate says (per device, per step).
+
+    ``memory_terms`` splits the temp memory at its peak into the analytic model's named
+    terms (``MemoryTerm.to_json``: measured bytes, analytic bytes, largest buffers) and
+    ``explanations`` says why each term, and the total, is off its analytic value
+    (``Explanation.to_json``): the planner's analytic memory is checked, or itemised.
+    """
 
     memory: dict[str, int]
     flops: float | None
     collectives: tuple[tuple[str, float, tuple[int, ...]], ...]  # kind, wire bytes, group
+    memory_terms: tuple[dict, ...] = ()
+    explanations: tuple[dict, ...] = ()
 
     @property
     def wire_bytes(self) -> float:
@@ -113,11 +121,14 @@ class Evidence:
 
     def to_json(self) -> dict:
         return {"memory": self.memory, "flops": self.flops,
-                "collectives": [list(c[:2]) + [list(c[2])] for c in self.collectives]}  # fmt: skip
+                "collectives": [list(c[:2]) + [list(c[2])] for c in self.collectives],
+                "memory_terms": list(self.memory_terms),
+                "explanations": list(self.explanations)}  # fmt: skip
 
     @classmethod
     def from_json(cls, d: dict) -> Evidence:
-        return cls(d["memory"], d["flops"], tuple((k, w, tuple(g)) for k, w, g in d["collectives"]))
+        return cls(d["memory"], d["flops"], tuple((k, w, tuple(g)) for k, w, g in d["collectives"]),
+                   tuple(d.get("memory_terms", ())), tuple(d.get("explanations", ())))  # fmt: skip
 
 
 def _first_line(e: Exception) -> str:
@@ -128,7 +139,7 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
     """:class:`Pruned` with the reason, or the candidate's :class:`Analytic` costs."""
     from shardkit.report.analytic import analytic_costs, with_phases
 
-    recipe = recipes.get(candidate.recipe)
+    recipe = candidate.recipe_object()
     mesh = candidate.mesh_sizes
     stages = mesh.get("stage")
     if stages and candidate.microbatches is None:
@@ -191,41 +202,32 @@ def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
         candidate.mesh_sizes, devices=devices[: math.prod(candidate.mesh_sizes.values())]
     )
     kwargs = {"precision": candidate.precision} if candidate.precision != "f32" else {}
-    return Plan(candidate.recipe, mesh, annotations=getattr(subject.model, "annotations", None),
+    return Plan(candidate.recipe_object(), mesh, annotations=getattr(subject.model, "annotations", None),
                 **kwargs)  # fmt: skip
 
 
 def compile_candidate(subject: Subject, candidate: Candidate, devices: list | None = None):
     """:class:`Evidence` from the compiled step, or :class:`Pruned` if the plan refuses it.
 
-    Compile only, on abstract state; the memory and collectives are read as
-    ``plan.report`` reads them (without its per-op source provenance, which a ranking
-    does not need).
+    Compile only, on abstract state: ``models.report`` of the candidate's plan with its
+    memory itemised (XLA's buffer assignment), so the evidence carries the memory,
+    FLOPs and collectives a ranking needs and the named terms that explain the gap
+    between the analytic and the compiled memory.
     """
-    from shardkit.models.reporting import token_batch
-    from shardkit.report.hlo import parse_collectives
-    from shardkit.report.memory import memory_per_device
-    from shardkit.report.report import compiled_flops
+    from shardkit import models
 
     devices = devices if devices is not None else jax.devices()
-    model = subject.model_for(candidate)
-    tx = train.adamw()
+    pipeline = _pipeline_options(candidate) if candidate.microbatches is not None else None
     try:
         plan = _plan(candidate, subject, devices)
-        abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-        if candidate.microbatches is not None:
-            from shardkit.parallel.cli import step_for
-
-            step = step_for(model, tx, plan, abstract, _pipeline_options(candidate))
-        else:
-            step = train.train_step(model, tx)
-        batch = token_batch(subject.batch, subject.seq)
-        compiled = plan.jit(step, state=abstract).lower(abstract, batch).compile()
+        report = models.report(plan, subject.model_for(candidate), batch=subject.batch,
+                               seq=subject.seq, pipeline=pipeline, itemise=True)  # fmt: skip
     except ShardingError as e:
         return Pruned(_first_line(e))
-    collectives = parse_collectives(compiled.as_text())
     return Evidence(
-        memory=memory_per_device(compiled).to_dict(),
-        flops=compiled_flops(compiled),
-        collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in collectives),
+        memory=report.memory.to_dict(),
+        flops=report.flops,
+        collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in report.collectives),
+        memory_terms=tuple(t.to_json() for t in report.memory_terms),
+        explanations=tuple(e.to_json() for e in report.explanations),
     )

@@ -8,7 +8,7 @@ compiled evidence.
    budget (:func:`shardkit.autoplanner.evaluate.prune`); each pruned candidate keeps its
    reason.
 3. Compile the most promising survivors (abstract state, emulated devices): the best
-   of each recipe by the analytic estimate, then the best overall, up to
+   of each recipe (and logits layout) by the analytic estimate, then the best overall, up to
    ``max_compiles``. Results are cached on disk (:mod:`shardkit.autoplanner.cache`).
 4. Estimate each compiled candidate's step time with a roofline
    (:mod:`shardkit.autoplanner.roofline`) on the chosen hardware
@@ -85,6 +85,9 @@ class Ranked:
             **self.candidate.to_json(),
             "memory_per_device_bytes": self.evidence.memory,
             "analytic_memory_per_device_bytes": self.analytic.memory,
+            "analytic_over_compiled_memory": self.analytic.memory / self.evidence.memory["total"],
+            "memory_terms": list(self.evidence.memory_terms),
+            "memory_explanations": list(self.evidence.explanations),
             "wire_bytes": self.evidence.wire_bytes,
             "analytic_wire_bytes": self.analytic.wire,
             "flops": self.evidence.flops,
@@ -151,10 +154,25 @@ class AutoplanResult:
                       f"{r.estimate.mfu:.0%}")  # fmt: skip
         return t
 
+    def memory_gap_lines(self, tolerance: float = 0.25) -> list[str]:
+        """The best candidate's compiled memory against the analytic model, itemised by term
+        when they differ by more than ``tolerance`` (the rest of the ranks: ``--json``)."""
+        best = self.best
+        ratio = best.analytic.memory / best.evidence.memory["total"]
+        if abs(ratio - 1) <= tolerance or not best.evidence.explanations:
+            return []
+        lines = [f"#1's analytic memory is {ratio:.2f}x its compiled memory; by term:"]
+        for e in best.evidence.explanations:
+            analytic = human_bytes(e["analytic_bytes"]) if e["analytic_bytes"] else "none"
+            lines.append(f"  {e['term']}: {human_bytes(e['measured_bytes'])} compiled, "
+                         f"{analytic} analytic: {e['why']}")  # fmt: skip
+        return lines
+
     def __rich_console__(self, console: Any, options: Any):
         yield self.table()
         for i, r in enumerate(self.candidates[:5], 1):
             yield f"{i}. {r.candidate.label}: {r.reason}"
+        yield from self.memory_gap_lines()
         stages: dict[str, int] = {}
         for r in self.rejected:
             stages[r.stage] = stages.get(r.stage, 0) + 1
@@ -192,11 +210,12 @@ def _useful_flops(subject: Subject, c: Candidate, devices: int) -> float:
 
 
 def _compile_set(order: list[tuple[Candidate, Analytic, float]], max_compiles: int):
-    """The best candidate of each recipe, then the best overall, up to ``max_compiles``."""
+    """The best candidate of each recipe (of each of its logits layouts, where that is a
+    choice), then the best overall, up to ``max_compiles``."""
     chosen, seen = [], set()
     for c, _, _ in order:
-        if c.recipe not in seen and len(chosen) < max_compiles:
-            seen.add(c.recipe)
+        if (c.recipe, c.logits) not in seen and len(chosen) < max_compiles:
+            seen.add((c.recipe, c.logits))
             chosen.append(c)
     for c, _, _ in order:
         if len(chosen) >= max_compiles:

@@ -43,3 +43,20 @@ def test_candidates_round_trip_through_json():
     c = Candidate("zeropp", (("data", 2), ("stage", 2), ("fsdp", 2)), "full", 4, "bf16")
     assert Candidate.from_json(c.to_json()) == c
     assert c.label == "zeropp data=2×stage=2×fsdp=2 remat=full m=4 bf16"
+
+
+def test_the_logits_layout_is_a_dimension_only_where_the_recipe_makes_it_a_choice():
+    # fsdp splits the logits' vocabulary over the axis that splits the tokens: "vocab"
+    # gathers the tokens' hidden states, "tokens" gathers the head's weight. dp keeps
+    # both whole and tp splits the vocabulary but not the tokens: nothing to choose.
+    got = enumerate_candidates(8, 8, recipe_names=["dp", "tp", "fsdp"], remats=["none"])
+    assert {(c.recipe, c.logits) for c in got} == {
+        ("dp", None), ("tp", None), ("fsdp", "vocab"), ("fsdp", "tokens")}
+    assert Candidate("fsdp", (("fsdp", 8),), logits="tokens").recipe_object().logits == "tokens"
+    assert Candidate("fsdp", (("fsdp", 8),)).recipe_object().logits == "auto"
+
+
+def test_a_logits_layout_shows_in_the_label_and_survives_json():
+    c = Candidate("fsdp", (("fsdp", 8),), "full", None, "f32", "vocab")
+    assert Candidate.from_json(c.to_json()) == c
+    assert c.label == "fsdp fsdp=8 remat=full logits=vocab f32"

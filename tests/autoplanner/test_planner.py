@@ -122,3 +122,32 @@ def test_a_device_count_nothing_divides_names_counts_that_would_work(cache):
     # 7 devices: no recipe's axes split gpt-tiny's batch of 8, 64-wide matrices or 8 heads.
     with pytest.raises(NoLayoutFitsError, match=r"divide the model and batch: 2, 4, 8\."):
         plan("gpt-tiny", cache, devices=7, recipes=["dp", "fsdp", "tp"])
+
+
+def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_itemised(cache):
+    # fsdp=8 at 4,096 tokens over gpt-tiny's 256-word vocabulary: logits="vocab" gathers
+    # every token's hidden state (4,096 x 64 floats, 16x the head's weight), "tokens"
+    # gathers the weight instead; the compiled programs must show it on the wire: each
+    # device receives the other 7/8 of the hidden states at least once more.
+    r = plan("gpt-tiny", cache, batch=64, seq=64, recipes=["fsdp"], max_compiles=2,
+             remats=["full"])  # fmt: skip
+    by = {c.candidate.logits: c for c in r.candidates}
+    assert set(by) == {"vocab", "tokens"}
+    hidden_gather = 4096 * 64 * 4 * 7 / 8
+    assert by["vocab"].evidence.wire_bytes - by["tokens"].evidence.wire_bytes >= hidden_gather
+    for c in r.candidates:
+        j = c.to_json()
+        assert j["logits"] == c.candidate.logits
+        assert j["analytic_over_compiled_memory"] == pytest.approx(
+            c.analytic.memory / c.evidence.memory["total"])
+        # the temp memory split into terms adds up to XLA's temp size ...
+        assert sum(t["bytes"] for t in j["memory_terms"]) == j["memory_per_device_bytes"]["temp"]
+        # ... and every term off its analytic value by more than 10 % says why
+        off = {t["term"] for t in j["memory_terms"]
+               if t["bytes"] and (t["ratio"] is None or abs(t["ratio"] - 1) > 0.10)}  # fmt: skip
+        assert off and off <= {e["term"] for e in j["memory_explanations"]}
+    # the CLI prints #1's gap by term (at any tolerance below its own ratio's distance)
+    lines = r.memory_gap_lines(tolerance=0.0)
+    assert lines[0].startswith("#1's analytic memory is")
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        e["term"] for e in r.best.evidence.explanations]
