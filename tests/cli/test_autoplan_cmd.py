@@ -25,5 +25,7 @@ def test_autoplan_json_for_more_devices_than_this_process_has(tmp_path):
     assert abs(ranked["dp"]["wire_bytes"] - want) / want < 1e-4
     (tp,) = got["rejected"]
     assert tp["recipe"] == "tp" and "heads" in tp["reason"]
-    assert len(list((tmp_path / "autoplan").glob("*.json"))) == 2
+    # dp, and fsdp with each logits layout (vocab-parallel or token-parallel head)
+    assert sorted(c["logits"] or "-" for c in got["candidates"]) == ["-", "tokens", "vocab"]
+    assert len(list((tmp_path / "autoplan").glob("*.json"))) == 3
     assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
