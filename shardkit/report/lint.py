@@ -7,8 +7,8 @@ the module/layer that caused it) and the likely cause.
 
 Example:
   >>> from shardkit.report.hlo import Collective
-  >>> c = Collective("all-to-all", 4096, 8, 3584.0, 1, "jit(step)/mlp/down/dot_general", "main",
-  ...                "f32", "[1024]")
+  >>> c = Collective(kind="all-to-all", bytes=4096, group_size=8, wire_bytes=3584.0,
+  ...                op_name="jit(step)/mlp/down/dot_general", dtype="f32", shape=(1024,))
   >>> unexpected_collectives([c], frozenset({"all-reduce"}), "tp")[0][:45]
   'unexpected all-to-all under tp: 3.5 KiB per d'
 """
@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -74,7 +73,7 @@ def unexpected_collectives(
         warnings.append(
             f"unexpected {kind} under {recipe}: {human_bytes(wire)} per device per step "
             f"({wire / total:.0%} of the wire, {len(ops)} op(s)); largest "
-            f"{top.dtype}{top.shape} from {top.op_name or top.computation!r}. "
+            f"{top.dtype}{top.shape_text} from {top.op_name or top.computation!r}. "
             f"Likely cause: {_CAUSES[kind]}."
         )
     return warnings
@@ -125,8 +124,8 @@ def reduced_more_than_once(
     reduced: list[tuple[tuple[int, ...], int]] = []
     for c in collectives:
         if c.kind == "all-reduce" and c.count == 1 and c.group_size > 1:
-            for dims in re.findall(r"\[([\d,]*)\]", c.shape):
-                reduced.append((_key(int(d) for d in dims.split(",") if d), c.group_size))
+            for dims in c.shapes:
+                reduced.append((_key(dims), c.group_size))
     params = [r for r in rows if r.kind == "param" and r.bytes_per_device > min_bytes]
     holders = Counter(_key(r.shard_shape) for r in params)
     out = []
@@ -196,10 +195,10 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
     n = math.prod(mesh.get(a, 1) for a in gather)
     where = ""
     matches = [c for c in collectives if c.kind == "all-gather"
-               and _elements(c.shape) == gathered * d]  # fmt: skip
+               and c.elements == gathered * d]  # fmt: skip
     if matches:
         top = max(matches, key=lambda c: c.bytes)
-        where = f" The compiled program gathers them: {top.dtype}{top.shape} from {top.op_name!r}."
+        where = f" The compiled program gathers them: {top.dtype}{top.shape_text} from {top.op_name!r}."
     axes = ", ".join(repr(a) for a in gather)
     return [
         f"activation grows with the device count under {recipe.name}: the logits (batch, "
@@ -213,8 +212,3 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
         "the logits over the tokens past that point) or 'tokens'."
     ]
 
-
-def _elements(shape: str) -> int:
-    """Elements of the first array in an HLO shape string (``"[64,128,64]"``)."""
-    dims = re.findall(r"\[([\d,]*)\]", shape)
-    return math.prod(int(x) for x in dims[0].split(",") if x) if dims else 0

@@ -157,19 +157,20 @@ def test_lint_flags_a_weight_whose_gradient_is_all_reduced_twice():
     assert not [w for w in _tied_report(replicas=True).warnings if "all-reduced" in w]
 
 
-def _all_reduce(shape, group, count=1):
+def _all_reduce(shapes, group, count=1):
     from shardkit.report.hlo import Collective
 
-    return Collective("all-reduce", 0, group, 0.0, count, "op", "main", "f32", shape)
+    return Collective(kind="all-reduce", bytes=0, group_size=group, wire_bytes=0.0,
+                      count=count, op_name="op", dtype="f32", shapes=shapes)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "collectives, flagged",
     [
-        ([_all_reduce("[512,64]", 8)], False),  # one all-reduce over all copies
-        ([_all_reduce("([512,64], [64])", 2), _all_reduce("[512,64]", 4)], False),  # per axis
-        ([_all_reduce("[512,64]", 8, count=12)], False),  # inside a loop: another weight's
-        ([_all_reduce("([512,64], [512,64])", 8)], True),  # two reads, one tuple
+        ([_all_reduce([(512, 64)], 8)], False),  # one all-reduce over all copies
+        ([_all_reduce([(512, 64), (64,)], 2), _all_reduce([(512, 64)], 4)], False),  # per axis
+        ([_all_reduce([(512, 64)], 8, count=12)], False),  # inside a loop: another weight's
+        ([_all_reduce([(512, 64), (512, 64)], 8)], True),  # two reads, one tuple
     ],
     ids=["once", "once-per-axis", "in-a-loop", "twice"],
 )
