@@ -299,14 +299,16 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
                 found[row.path] = row
                 runs[row.path][(c.pass_, c.kind)] += c.count / _per_layer(row) / len(cands)
     by_pattern: dict[str, list[str]] = defaultdict(list)
-    for path, passes in runs.items():
+    size = {path: math.prod(row.shape) for path, row in found.items()}
+    for path, passes in sorted(runs.items(), key=lambda kv: -size[kv[0]]):  # largest first
         total = sum(passes.values())
         split = " + ".join(f"{n:.3g} {p or 'other'} {k}" for (p, k), n in
                            sorted(passes.items(), key=lambda kv: _PASS_ORDER.index(kv[0][0])))  # fmt: skip
-        by_pattern[f"{total:.3g}× per step ({split})"].append(_short(path))
+        by_pattern[f"{total:.3g}× per step ({split})"].append(path)
     parts = []
-    for pattern, paths in sorted(by_pattern.items(), key=lambda kv: -len(kv[1])):
-        names = ", ".join(paths[:3]) + (f" and {len(paths) - 3} more" if len(paths) > 3 else "")
+    for pattern, paths in sorted(by_pattern.items(), key=lambda kv: -sum(map(size.get, kv[1]))):
+        names = ", ".join(map(_short, paths[:3]))
+        names += f" and {len(paths) - 3} more" if len(paths) > 3 else ""
         parts.append(f"{names} {verb} {pattern}")
     # Sharded parameters (the ones the analytic model gathers or reduces) with none.
     psi = sum(math.prod(r.shape) for r in rows if r.kind == "param") or 1

@@ -181,9 +181,10 @@ def _build(name, recipe, seq, itemise):
 
 #: One recipe per family on the two reference models, compile only (every recipe:
 #: benchmarks/memory_terms.py; pipelines, 35 s a compile here, only there): FSDP,
-#: context parallel, TP + SP with the memory terms too, TSP.
+#: context parallel, TP + SP with the memory terms too, ZeRO-1, TSP (its rules-only form).
 CASES = [("gpt-small", "fsdp", False), ("gpt-small", "cp", False),
-         ("llama-small", "tp_sp", True), ("llama-small", "dp_tsp", False)]  # fmt: skip
+         ("llama-small", "tp_sp", True), ("llama-small", "zero1", False),
+         ("gpt-small", "tsp_gspmd", False)]  # fmt: skip
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{n}-{r}" for n, r, _ in CASES])
