@@ -58,9 +58,18 @@ def human_bytes(n: float) -> str:
 
 
 def unexpected_collectives(
-    collectives: Sequence[Collective], expected: Iterable[str], recipe: str
+    collectives: Sequence[Collective], expected: Iterable[str], recipe: str,
+    rows: Sequence[object] = (),
 ) -> list[str]:
-    """One warning per collective kind the recipe does not predict, if it moves real bytes."""
+    """One warning per collective kind the recipe does not predict, if it moves real bytes.
+
+    The warning names the wire term of its largest op (:mod:`shardkit.report.wire_terms`,
+    the vocabulary of the report's explanations; ``rows``, the state's ``ParamRow`` s,
+    tell a weight or a gradient from an activation) and the parameter it moves.
+    """
+    from shardkit.report.wire_terms import ParamMatch, term_of
+
+    params = ParamMatch.of(rows)
     expected = frozenset(expected)
     total = sum(c.wire_bytes for c in collectives) or 1.0
     warnings = []
@@ -70,11 +79,13 @@ def unexpected_collectives(
         if wire < WIRE_THRESHOLD * total:
             continue
         top = max(ops, key=lambda c: c.wire_bytes)
+        row = params.param_of(top)
+        moves = f" of {row.path}" if row is not None else ""
         warnings.append(
             f"unexpected {kind} under {recipe}: {human_bytes(wire)} per device per step "
             f"({wire / total:.0%} of the wire, {len(ops)} op(s)); largest "
-            f"{top.dtype}{top.shape_text} from {top.op_name or top.computation!r}. "
-            f"Likely cause: {_CAUSES[kind]}."
+            f"{top.dtype}{top.shape_text} from {top.op_name or top.computation!r} (wire "
+            f"term: {term_of(top, params)}{moves}). Likely cause: {_CAUSES[kind]}."
         )
     return warnings
 

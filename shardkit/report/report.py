@@ -349,7 +349,7 @@ def build_report(
     shards_params = bool(recipe.rules.mesh_axis_names)
     warnings = [
         *notes,
-        *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
+        *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name, rows),
         *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]
     warnings += lint.grows_with_devices(recipe, mesh, workload, collectives)

@@ -95,6 +95,8 @@ def test_lint_names_the_op_a_broken_annotation_makes_xla_gather():
     broken = _lint(_mlp(("embed", "mlp")))  # the down kernel annotated like the up kernel
     [warning] = [w for w in broken.warnings if w.startswith("unexpected all-gather")]
     assert "down/dot_general" in warning and "Likely cause" in warning
+    # what it gathers is the [batch, mlp] activation, not a weight: the report's wire term
+    assert "f32[8,64]" in warning and "(wire term: activation collectives)" in warning
 
 
 def test_lint_flags_rules_that_match_nothing(fsdp_report):
