@@ -46,7 +46,8 @@ from typing import Any
 from shardkit.report.hlo import Collective
 from shardkit.report.lint import human_bytes
 
-__all__ = ["TERMS", "ParamMatch", "WireTerm", "attach_layouts", "attribute", "explain", "term_of"]
+__all__ = ["TERMS", "ParamMatch", "WireTerm", "attach_layouts", "attribute", "explain", "rule_of",
+           "term_of"]
 
 #: The terms, in the order the report lists them.
 TERMS = (
