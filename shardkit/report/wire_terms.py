@@ -139,6 +139,8 @@ class ParamMatch:
         ones under ``c``'s model path where any is, and to stacked ones where ``c`` runs a
         multiple of the layers times (in the layer loop), else to the others."""
         rows = self.rows(dims)
+        if c.kind == "all-gather":  # an all-gather's result is more than the stored shard
+            rows = tuple(r for r in rows if not _is_shard(r, dims))
         looped = tuple(r for r in rows if _layered(r) and c.count % _per_layer(r) == 0)
         rows = looped or tuple(r for r in rows if not _layered(r)) or rows
         path = c.module_path
@@ -153,6 +155,15 @@ class ParamMatch:
             if rows:
                 return rows[0]
         return None
+
+
+def _is_shard(row: Any, dims: tuple[int, ...]) -> bool:
+    """Whether ``dims`` is ``row``'s stored shard (or one layer of it), in any order."""
+    shard = tuple(row.shard_shape or row.shape)
+    if tuple(shard) == tuple(row.shape):
+        return False
+    forms = [shard, shard[1:]] if _layered(row) else [shard]
+    return sorted(_squeeze(dims)) in [sorted(_squeeze(f)) for f in forms]
 
 
 def _layered(row: Any) -> bool:
@@ -328,8 +339,12 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
         rule = rule_of(r)
         layout = f"the rule {rule} keeps it sharded" if rule else "it is replicated"
         split = [n for n, axes in zip(r.logical, r.mesh_axes or (), strict=False) if axes]
-        how = ("the program computes with the shard where it lies"
-               if verb == "gathered" else "each device computes its shard's gradient whole")
+        if verb == "reduced":
+            how = "each device computes its shard's gradient whole"
+        elif "vocab" in split:
+            how = "the program computes with the shard where it lies"
+        else:
+            how = "no all-gather has its shape, or a layer's (it is read in slices, if at all)"
         if "vocab" in split:
             how += " (vocab-parallel lookup and logits: activations move instead)"
         of = (f" (−{share:.0%} of the analytic term: its share of the parameters)"
