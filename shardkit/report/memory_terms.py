@@ -307,6 +307,7 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10)
     (or with no analytic value), saying what is live and why."""
     from shardkit.report.report import Explanation
 
+    modelled = any(t.analytic_bytes for t in terms)
     out = []
     for t in terms:
         ratio = t.ratio
@@ -319,6 +320,8 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10)
             what = "; ".join(t.top) or f"{human_bytes(t.bytes)} of the heap unused at the peak"
         if not t.bytes:
             what, why = f"nothing of it is live at the {phase} peak", ""
+        elif not modelled:  # a layout the phase model does not cover (a pipeline)
+            why = "the analytic phase model does not cover this layout (no term of it is modelled)"
         elif ratio is None:
             why = UNMODELLED.get(t.term, f"the analytic model has no such term in the {phase} "
                                  "phase")  # fmt: skip

@@ -413,7 +413,9 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
         except ShardingError:  # a layout the analytic model does not cover
             analytic = {}
     terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
-    return terms, memory_terms.explain(terms, phase) if analytic else [], phase
+    # Without an analytic model (a pipelined step: the phase model knows no pipelines)
+    # every term is unmodelled, and each still gets its line: what is live, and why not.
+    return terms, memory_terms.explain(terms, phase), phase
 
 
 def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list[Explanation]:
