@@ -1,4 +1,5 @@
-"""The temp memory at its peak by term, against the analytic model, for every recipe.
+"""The temp memory at its peak and the wire bytes by term, against the analytic model,
+for every recipe.
 
 Compile only (nothing runs), f32 AdamW, full remat, seq 512, global batch 8, on
 gpt-small and llama-small: ``models.report(..., itemise=True)`` splits the temp bytes
@@ -6,9 +7,10 @@ live where XLA's heap peaks into the report's terms (``shardkit.report.memory_te
 Each recipe runs on 8 devices, or on 4 where 8 does not divide the model (12 heads or
 4 kv heads under 8-way tensor parallelism, 12 layers over 8 pipeline stages). Per
 recipe: the peak's phase, the temp memory, what the live values cover, the heap's
-fragmentation, the terms off by more than 10 % from their analytic value (every one has
-an explanation line in the report; the JSON holds them) and whether any is left
-unexplained.
+fragmentation, the wire bytes by term (``shardkit.report.wire_terms``: weight
+all-gathers, gradient reductions, activation collectives, ...) with those off by more
+than 10 % from their analytic value, and whether any memory or wire term off by more
+than 10 % is left without an explanation line (the JSON holds every line).
 
 Run: python benchmarks/memory_terms.py [--tiny]  (--tiny: gpt-tiny, seq 32)
 """
@@ -48,15 +50,17 @@ def main() -> None:
                 devices, r = measure(name, recipe, seq)
             except ShardingError as e:
                 rows.append([name, recipe, "–", "skipped: " + str(e).splitlines()[0][:80],
-                             "", "", "", "", ""])  # fmt: skip
+                             "", "", "", "", "", ""])  # fmt: skip
                 continue
             terms = {t.term: t for t in r.memory_terms}
             live = sum(t.bytes for k, t in terms.items() if k != "heap fragmentation")
             frag = terms["heap fragmentation"].bytes if "heap fragmentation" in terms else 0
             explained = {e.term for e in r.explanations}
-            off = [
-                t for t in r.memory_terms if t.bytes and (t.ratio is None or abs(t.ratio - 1) > 0.1)
-            ]
+            off = [t for t in (*r.memory_terms, *r.wire_terms)
+                   if t.bytes and (t.ratio is None or abs(t.ratio - 1) > 0.1)]  # fmt: skip
+            wire_off = ", ".join(f"{t.term} {t.bytes * MIB:,.1f}"
+                                 + (f" ({t.ratio:.2f}×)" if t.ratio is not None else "")
+                                 for t in r.wire_terms if t in off) or "none"  # fmt: skip
             unexplained = [t.term for t in off if t.term not in explained]
             phase = r.memory_peak_phase or ""
             mesh = "×".join(f"{k}{v}" for k, v in r.mesh.items())
@@ -64,16 +68,18 @@ def main() -> None:
                                 + (f" ({t.ratio:.2f}×)" if t.ratio is not None else "")
                                 for t in sorted(r.memory_terms, key=lambda t: -t.bytes)[:3])  # fmt: skip
             rows.append([name, recipe, mesh, phase, r.memory.temp * MIB, live / r.memory.temp,
-                         frag * MIB, largest, ", ".join(unexplained) or "none"])  # fmt: skip
+                         frag * MIB, largest, wire_off, ", ".join(unexplained) or "none"])  # fmt: skip
             details[f"{name}/{recipe}"] = {
                 "devices": devices, "mesh": r.mesh, "temp_bytes": r.memory.temp,
                 "memory_terms": [t.to_json() for t in r.memory_terms],
+                "wire_terms": [t.to_json() for t in r.wire_terms],
                 "explanations": [e.to_json() for e in r.explanations],
             }  # fmt: skip
-    emit("memory_terms", f"Temp memory at its peak by term: {', '.join(names)}, seq {seq}, "
-         "batch 8, f32 AdamW, full remat, per device",
+    emit("memory_terms", f"Temp memory at its peak and wire bytes, by term: {', '.join(names)}, "
+         f"seq {seq}, batch 8, f32 AdamW, full remat, per device",
          ["model", "recipe", "mesh", "peak phase", "temp MiB", "live/temp", "fragmentation MiB",
-          "largest terms MiB (measured/analytic)", "unexplained > 10 %"],
+          "largest terms MiB (measured/analytic)", "wire terms off > 10 % MiB (measured/analytic)",
+          "unexplained > 10 %"],
          rows, args.out, extra={"details": details})  # fmt: skip
 
 

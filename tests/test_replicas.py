@@ -51,7 +51,7 @@ def grad_under(mesh_axes, act, params, *, replicas=True, data_axes=("batch",)):
 def table_all_reduces(hlo):
     """How many [V, D] buffers the program all-reduces."""
     return sum(
-        c.shape.count(f"[{V},{D}]") for c in parse_collectives(hlo) if c.kind == "all-reduce"
+        c.shapes.count((V, D)) for c in parse_collectives(hlo) if c.kind == "all-reduce"
     )
 
 

@@ -78,11 +78,15 @@ class AnalyticModel:
       memory: bytes per device.
       wire_bytes_by_kind: ring wire bytes per device per step, by collective kind.
       notes: the formulas used, with their numbers, human-readable.
+      wire_terms: the same wire bytes by what moves (:data:`shardkit.report.wire_terms.TERMS`:
+        weight all-gathers, gradient reductions, activation collectives, ...), from the same
+        formulas; they add up to ``sum(wire_bytes_by_kind.values())``.
     """
 
     memory: AnalyticMemory
     wire_bytes_by_kind: dict[str, float]
     notes: tuple[str, ...]
+    wire_terms: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 def zero_memory(psi: float, n: int, stage: Literal[0, 1, 2, 3], *, k: float = 12,
@@ -252,11 +256,17 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
 
 
 def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind,
-            recompute=False, attention="allgather", activations=True):  # fmt: skip
+            recompute=False, attention="allgather", activations=True, terms=None):  # fmt: skip
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`.
 
     ``activations=False`` leaves out the tensor and sequence axes' activation traffic
-    (a workload without the model's dimensions) instead of raising.
+    (a workload without the model's dimensions) instead of raising. ``terms`` (a dict)
+    receives the same bytes by wire term (:mod:`shardkit.report.wire_terms`): FSDP's
+    and ZeRO's parameter all-gathers are ``weight all-gathers``; FSDP's reduce-scatter
+    and the replicas' all-reduce (or ZeRO's reduce-scatter) ``gradient reductions``;
+    TP's b·s·h all-reduces (or SP's pairs) ``activation collectives``; the
+    vocab-parallel cross-entropy's b·s all-reduces ``logits / loss collectives``; the
+    sequence axis's K/V traffic ``context-parallel K/V``.
     """
     unknown = sorted(set(axis_sizes) - set(_AXES))
     if unknown or any(not isinstance(v, int) or v < 1 for v in axis_sizes.values()):
@@ -270,20 +280,29 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
     out: dict[str, float] = {}
     notes: list[str] = []
 
-    def add(kind: str, volume: float, group: int, factor: float, note: str) -> None:
+    terms = {} if terms is None else terms
+
+    def add(kind: str, volume: float, group: int, factor: float, note: str,
+            term: str) -> None:  # fmt: skip
         if group > 1 and volume > 0:
-            out[kind] = out.get(kind, 0.0) + factor * volume * nbytes * (group - 1) / group
+            value = factor * volume * nbytes * (group - 1) / group
+            out[kind] = out.get(kind, 0.0) + value
+            terms[term] = terms.get(term, 0.0) + value
             notes.append(f"{kind} over {group}: {note}")
 
+    weights, grads = "weight all-gathers", "gradient reductions"
     if f > 1:
-        add("all-gather", psi / t, f, 2, "fsdp weights forward + backward, 2·(Ψ/t)·B·(f−1)/f")
-        add("reduce-scatter", psi / t, f, 1, "fsdp gradients, (Ψ/t)·B·(f−1)/f")
+        add("all-gather", psi / t, f, 2, "fsdp weights forward + backward, 2·(Ψ/t)·B·(f−1)/f",
+            weights)  # fmt: skip
+        add("reduce-scatter", psi / t, f, 1, "fsdp gradients, (Ψ/t)·B·(f−1)/f", grads)
     shard, replicas = psi / (t * f), d * c
     if data_kind == "dp":
-        add("all-reduce", shard, replicas, 2, "gradients, 2·(Ψ/(t·f))·B·(n−1)/n")
+        add("all-reduce", shard, replicas, 2, "gradients, 2·(Ψ/(t·f))·B·(n−1)/n", grads)
     else:
-        add("reduce-scatter", shard, replicas, 1, f"{data_kind} gradients, (Ψ/(t·f))·B·(n−1)/n")
-        add("all-gather", shard, replicas, 1, f"{data_kind} parameters, (Ψ/(t·f))·B·(n−1)/n")
+        add("reduce-scatter", shard, replicas, 1, f"{data_kind} gradients, (Ψ/(t·f))·B·(n−1)/n",
+            grads)  # fmt: skip
+        add("all-gather", shard, replicas, 1, f"{data_kind} parameters, (Ψ/(t·f))·B·(n−1)/n",
+            weights)  # fmt: skip
     if (t > 1 or c > 1) and not activations:
         notes.append("tensor/sequence activation traffic not modelled: the workload gives no "
                      "model dimensions (layers, d_model, seq)")  # fmt: skip
@@ -291,22 +310,26 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
         bsh = b / (d * f) * (s / c) * h
         # Full recomputation re-runs each layer's forward, its 2 all-reduces included.
         n_ar = (6 if recompute else 4) * layers + (2 if vocab is not None else 0)
+        act = "activation collectives"
         if tensor_kind == "tp":
-            add("all-reduce", n_ar * bsh, t, 2, f"{n_ar} all-reduces of b·s·h, Megatron TP")
+            add("all-reduce", n_ar * bsh, t, 2, f"{n_ar} all-reduces of b·s·h, Megatron TP", act)
         else:
             for kind in ("reduce-scatter", "all-gather"):
-                add(kind, n_ar * bsh, t, 1, f"{n_ar} pairs for b·s·h all-reduces, TP+SP")
+                add(kind, n_ar * bsh, t, 1, f"{n_ar} pairs for b·s·h all-reduces, TP+SP", act)
         if vocab is not None:
-            add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s")
+            add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s",
+                "logits / loss collectives")  # fmt: skip
     if c > 1 and activations:
         kv = 2 * layers * b / (d * f) * s * (h if h_kv is None else h_kv) / t
         if attention == "ring":  # the same bytes, block by block around the ring
             add("collective-permute", kv, c, 3 if recompute else 2, "K, V blocks forward "
-                "(again when recomputed) and dK, dV blocks backward, 2·L·b·s·h_kv/t each")  # fmt: skip
+                "(again when recomputed) and dK, dV blocks backward, 2·L·b·s·h_kv/t each",
+                "context-parallel K/V")  # fmt: skip
         else:
             add("all-gather", kv, c, 2 if recompute else 1, "K and V per layer forward (again "
-                "when recomputed), 2·L·b·s·h_kv/t")  # fmt: skip
-            add("reduce-scatter", kv, c, 1, "dK and dV per layer backward, 2·L·b·s·h_kv/t")
+                "when recomputed), 2·L·b·s·h_kv/t", "context-parallel K/V")  # fmt: skip
+            add("reduce-scatter", kv, c, 1, "dK and dV per layer backward, 2·L·b·s·h_kv/t",
+                "context-parallel K/V")  # fmt: skip
     return out, notes
 
 
@@ -409,10 +432,11 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     if w.has_dims and w.n_kv_heads is not None:
         h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
     attention = "ring" if recipe.attention == "ring" else "allgather"
+    terms: dict[str, float] = {}
     wire, wire_notes = _hybrid(par.sizes(), psi, nb, w.layers, w.batch, w.seq, w.d_model,
                                w.vocab, h_kv, par.data_kind, par.tensor_kind,
                                recompute=remat == "full", attention=attention,
-                               activations=w.has_dims)  # fmt: skip
+                               activations=w.has_dims, terms=terms)  # fmt: skip
     notes = (
         f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
         f"state: params and grads {param_bytes:,.0f} B/{t * f}, optimizer "
@@ -420,7 +444,7 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         act_note,
         *wire_notes,
     )
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes)
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes, wire_terms=terms)
 
 
 def activation_bytes(precision: str, bytes_per_value: float = 4) -> float:
@@ -468,15 +492,17 @@ def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_para
     h_kv = None
     if w.n_kv_heads is not None:
         h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
+    terms: dict[str, float] = {}
     wire, wire_notes = tsp_wire_bytes(
         psi=psi, layer_params=layer_params, in_params=in_params or 0.0, layers=w.layers,
         b=b, s=w.seq, h=w.d_model, d=d, data=data, nbytes=nb, schedule=par.tsp_kind,
-        recompute=remat == "full", h_kv=h_kv, vocab=w.vocab, tables=vocab_tables,
+        recompute=remat == "full", h_kv=h_kv, vocab=w.vocab, tables=vocab_tables, terms=terms,
     )  # fmt: skip
     notes += [f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
               "(Korthikanti et al. 2022), + logits b·s·V·B; a guide, not a bound",
               *wire_notes]  # fmt: skip
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=tuple(notes))
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=tuple(notes),
+                         wire_terms=terms)  # fmt: skip
 
 
 def layer_params(config: Any) -> tuple[float, float]:
@@ -575,4 +601,5 @@ def with_phases(model: AnalyticModel, config: Any, recipe: Recipe | str,
                          base=model.memory, precision=workload.precision)  # fmt: skip
     memory = dataclasses.replace(model.memory, phases=phases)
     notes = (*model.notes[:3], _phase_note(phases), *model.notes[3:])
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=model.wire_bytes_by_kind, notes=notes)
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=model.wire_bytes_by_kind, notes=notes,
+                         wire_terms=model.wire_terms)  # fmt: skip

@@ -57,7 +57,8 @@ __all__ = ["tsp_crossover_tokens", "tsp_wire_bytes"]
 def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers: int,
                    b: float, s: float, h: float, d: int, data: int = 1, nbytes: float = 4,
                    schedule: str = "tsp", recompute: bool = False, h_kv: float | None = None,
-                   vocab: int = 0, tables: int = 2) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+                   vocab: int = 0, tables: int = 2,
+                   terms: dict[str, float] | None = None) -> tuple[dict[str, float], list[str]]:  # fmt: skip
     """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
 
     Args:
@@ -70,6 +71,11 @@ def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers:
       h_kv: K/V width (default ``h``).
       vocab: V, for the embedding lookup and the head (0: counted in Ψ_r as FSDP).
       tables: vocabulary tables in Ψ, 1 tied (GPT) or 2 (Llama's embedding and head).
+      terms: a dict that receives the same bytes by wire term
+        (:mod:`shardkit.report.wire_terms`): the K/V ring and the zigzag reorder are
+        ``context-parallel K/V``; the token ids and the lookup ``activation collectives``;
+        weight rings, the head's ring or gather and the FSDP rest ``weight all-gathers``;
+        the head's and the rest's gradients and the data all-reduce ``gradient reductions``.
 
     Returns:
       ``({kind: bytes}, notes)``.
@@ -84,40 +90,47 @@ def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers:
     out: dict[str, float] = {}
     notes: list[str] = []
 
-    def add(kind: str, value: float, note: str) -> None:
+    terms = {} if terms is None else terms
+    weights, grads = "weight all-gathers", "gradient reductions"
+    kv, act = "context-parallel K/V", "activation collectives"
+
+    def add(kind: str, value: float, note: str, term: str) -> None:
         if value > 0:
             out[kind] = out.get(kind, 0.0) + value
+            terms[term] = terms.get(term, 0.0) + value
             notes.append(f"{kind}: {note} = {value:,.0f} B")
 
     h_kv = h if h_kv is None else h_kv
     passes = 3 if recompute else 2
     add("collective-permute", layers * passes * f * 2 * b * s * h_kv * nbytes,
-        f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B")  # fmt: skip
+        f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B", kv)  # fmt: skip
     add("collective-permute", layers * passes * 4 * (h + h_kv) * b * s * nbytes / d,
-        f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D")  # fmt: skip
+        f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D", kv)  # fmt: skip
     rest = psi - (tables * vocab * h if vocab else 0)
     if vocab:
-        add("all-gather", f * b * s * 4, "token ids for the lookup, f·b·S·4")
+        add("all-gather", f * b * s * 4, "token ids for the lookup, f·b·S·4", act)
         lookup = "collective-permute" if schedule == "tsp" else "reduce-scatter"
-        add(lookup, f * b * s * h * nbytes, "embedding lookup forward, f·b·S·h·B")
+        add(lookup, f * b * s * h * nbytes, "embedding lookup forward, f·b·S·h·B", act)
         lookup = "collective-permute" if schedule == "tsp" else "all-gather"
-        add(lookup, f * b * s * h * nbytes, "embedding gradient back, f·b·S·h·B")
+        add(lookup, f * b * s * h * nbytes, "embedding gradient back, f·b·S·h·B", act)
         if schedule == "tsp":
-            add("collective-permute", 3 * f * vocab * h * nbytes, "head ring, 3f·V·h·B")
+            add("collective-permute", 3 * f * vocab * h * nbytes, "head ring, 3f·V·h·B", weights)
         else:
-            add("all-gather", f * vocab * h * nbytes, "head weight gathered once, f·V·h·B")
-            add("reduce-scatter", f * vocab * h * nbytes, "head gradient, f·V·h·B")
+            add("all-gather", f * vocab * h * nbytes, "head weight gathered once, f·V·h·B",
+                weights)  # fmt: skip
+            add("reduce-scatter", f * vocab * h * nbytes, "head gradient, f·V·h·B", grads)
     if schedule == "tsp":
         ring = 3 * layer_params + (in_params if recompute else 0)
         add("collective-permute", layers * f * ring * nbytes,
-            "weight rings, L·f·(3Ψ_l" + (" + Ψ_in" if recompute else "") + ")·B")  # fmt: skip
+            "weight rings, L·f·(3Ψ_l" + (" + Ψ_in" if recompute else "") + ")·B", weights)  # fmt: skip
         rest -= layers * layer_params
     rest = max(rest, 0.0)
-    add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B")
-    add("reduce-scatter", f * rest * nbytes, "FSDP gradients, f·Ψ_r·B")
+    add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B",
+        weights)  # fmt: skip
+    add("reduce-scatter", f * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
     if data > 1:
         add("all-reduce", 2 * psi / d * nbytes * (data - 1) / data,
-            "gradient shard over data, 2(Ψ/D)·B·(d−1)/d")  # fmt: skip
+            "gradient shard over data, 2(Ψ/D)·B·(d−1)/d", grads)  # fmt: skip
     return out, notes
 
 

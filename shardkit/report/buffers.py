@@ -36,6 +36,8 @@ import re
 import tempfile
 from typing import Any
 
+from shardkit.report.provenance import metadata_of
+
 __all__ = ["BufferAssignment", "Value", "buffer_assignment", "compile_with_buffers", "read_dump"]
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
@@ -45,8 +47,6 @@ _VALUE = re.compile(
 _HEADER = re.compile(r"^<(\d+) ([^\s{]+)(\{[\d,]*\})?( \(phi\))? @\d+>")
 _USE = re.compile(r"^  (\S+), operand (\d+)")
 _DEFINED = re.compile(r"^ from instruction: %(\S+) = (.*)$")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_FRAME = re.compile(r"stack_frame_id=(\d+)")
 _RANGE = re.compile(r"^    (\S+?)(\{[\d,]*\}):(\d+)-(\d+)$")
 _SEQUENCE = re.compile(r"^    (\d+):(\S+)$")
 
@@ -60,6 +60,7 @@ class Value:
     ``start``/``end``: its live range in the program order (``None`` if not recorded).
     ``users``/``user_names``: the opcodes / names of the instructions that read it.
     ``frame_id``: its ``stack_frame_id`` (:func:`shardkit.report.provenance.frames_by_id`).
+    ``dims``: the dimensions of ``shape`` (``None`` for a tuple).
     """
 
     id: int
@@ -77,6 +78,7 @@ class Value:
     frame_id: int = 0
     start: int | None = None
     end: int | None = None
+    dims: tuple[int, ...] | None = None
 
     @property
     def key(self) -> str:
@@ -177,9 +179,13 @@ def _opcode(definition: str) -> str:
     return rest.split("(", 1)[0].strip()
 
 
-def _shape(text: str) -> str:
-    """``f32[2,8]`` of ``f32[2,8]{1,0}``; ``tuple`` for a tuple."""
-    return "tuple" if text.startswith("(") else text.split("{")[0]
+def _shape(text: str) -> tuple[str, tuple[int, ...] | None]:
+    """(``f32[2,8]``, ``(2, 8)``) of ``f32[2,8]{1,0}``; ``("tuple", None)`` for a tuple."""
+    if text.startswith("("):
+        return "tuple", None
+    shape = text.split("{")[0]
+    inside = shape[shape.find("[") + 1 : shape.rfind("]")] if "[" in shape else ""
+    return shape, tuple(int(d) for d in inside.split(",") if d.isdigit())
 
 
 def _one(directory: str, suffix: str) -> str:
@@ -209,9 +215,8 @@ def read_dump(directory: str) -> BufferAssignment:
         elif in_uses and (m := _USE.match(line)):
             users.append(m.group(1))
         elif vid is not None and (m := _DEFINED.match(line)):
-            op, frame = _OP_NAME.search(m.group(2)), _FRAME.search(m.group(2))
-            defined[vid] = (_opcode(m.group(2)), op.group(1) if op else "", tuple(users),
-                            int(frame.group(1)) if frame else 0)  # fmt: skip
+            op_name, frame_id = metadata_of(m.group(2))
+            defined[vid] = (_opcode(m.group(2)), op_name, tuple(users), frame_id)
 
     sequence: list[str] = []
     live: dict[str, tuple[int, int]] = {}
@@ -232,9 +237,10 @@ def read_dump(directory: str) -> BufferAssignment:
             opcode, op_name, used_by, frame_id = defined.get(vid, ("", "", (), 0))
             index = m.group(3) or "{}"
             start, end = live.get(m.group(2) + index, (None, None))
+            shape, dims = _shape(m.group(7))
             values.append(Value(
                 id=vid, instruction=m.group(2), index=index, size=int(m.group(5)),
-                offset=int(m.group(6)), shape=_shape(m.group(7)), kind=kind,
+                offset=int(m.group(6)), shape=shape, dims=dims, kind=kind,
                 phi=bool(m.group(4)), opcode=opcode, op_name=op_name, start=start, end=end,
                 users=used_by, user_names=used_by, frame_id=frame_id,
             ))  # fmt: skip

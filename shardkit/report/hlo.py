@@ -39,7 +39,13 @@ from collections import defaultdict
 from typing import Any
 
 from shardkit.collectives import KINDS, Kind
-from shardkit.report.provenance import frames_by_id, module_path_of, pass_of, source_of
+from shardkit.report.provenance import (
+    frames_by_id,
+    metadata_of,
+    module_path_of,
+    pass_of,
+    source_of,
+)
 
 __all__ = ["KINDS", "Collective", "bytes_by_kind", "collectives_of", "parse_collectives",
            "wire_bytes_by_kind"]  # fmt: skip
@@ -59,8 +65,6 @@ _CALLS = re.compile(
 )
 _NAME = re.compile(r"%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
-_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
-_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _REF = re.compile(r"%([\w.\-]+)")
@@ -70,30 +74,42 @@ LOWERED_RS = "all-reduce+dynamic-slice"
 Shape = tuple[str, tuple[int, ...], int] | list["Shape"]  # (dtype, dims, bits) | tuple
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Collective:
-    """One collective op of a compiled program.
+    """One collective op of a compiled program, built with keywords.
 
     ``bytes`` is the buffer DESIGN.md's formula uses (the result for all-gather, the
     operand otherwise; summed over tuple elements), for one execution. ``wire_bytes``
     is the ring-algorithm traffic per device, already multiplied by ``count`` (the
-    executions per step). ``count_exact`` is False when an enclosing while loop had no
-    ``known_trip_count`` and was counted once. ``lowered_as`` says how the program really
-    implements a collective reported as another kind (``"all-reduce+dynamic-slice"`` for a
-    reduce-scatter the CPU pipeline left unformed); empty when reported as emitted.
-    ``group`` holds the device ids of the first replica group (for a collective-permute,
-    every device that sends or receives); empty when the program does not say.
+    executions per step). ``shape`` is the dimensions of that buffer (a tuple of ints);
+    ``shapes`` holds one such tuple per element of a tuple-combined op (``(shape,)``
+    otherwise) and ``shape`` is then its first element. ``count_exact`` is False when an
+    enclosing while loop had no ``known_trip_count`` and was counted once. ``lowered_as``
+    says how the program really implements a collective reported as another kind
+    (``"all-reduce+dynamic-slice"`` for a reduce-scatter the CPU pipeline left
+    unformed); empty when reported as emitted. ``group`` holds the device ids of the
+    first replica group (for a collective-permute, every device that sends or receives);
+    empty when the program does not say. ``logical`` and ``rule``: the logical axes of
+    the parameter the op moves and the plan's rules that shard them, where one matches
+    (:func:`shardkit.report.wire_terms.attach_layouts`).
+
+    Example:
+      >>> c = Collective(kind="all-gather", bytes=256, group_size=4, wire_bytes=192.0,
+      ...                count=1, dtype="f32", shape=(8, 8))
+      >>> c.shapes, c.shape_text, c.elements
+      (((8, 8),), '[8,8]', 64)
     """
 
     kind: Kind
     bytes: int
     group_size: int
     wire_bytes: float
-    count: int
-    op_name: str
-    computation: str
-    dtype: str
-    shape: str
+    count: int = 1
+    op_name: str = ""
+    computation: str = ""
+    dtype: str = ""
+    shape: tuple[int, ...] = ()
+    shapes: tuple[tuple[int, ...], ...] = ()
     count_exact: bool = True
     lowered_as: str = ""
     module_path: str = ""
@@ -101,11 +117,31 @@ class Collective:
     source: str = ""
     function: str = ""
     group: tuple[int, ...] = ()
+    logical: tuple[str | None, ...] = ()
+    rule: str = ""
+
+    def __post_init__(self) -> None:
+        shapes = tuple(tuple(int(d) for d in s) for s in self.shapes)
+        if not shapes and self.shape:
+            shapes = (tuple(self.shape),)
+        object.__setattr__(self, "shapes", shapes)
+        object.__setattr__(self, "shape", shapes[0] if shapes else tuple(self.shape))
 
     @property
     def where(self) -> str:
         """The model path of the op, else the function of the model code that asked for it."""
         return self.module_path or self.function
+
+    @property
+    def shape_text(self) -> str:
+        """``[64,16]``, or ``([64], [256,64])`` for a tuple-combined op (for display)."""
+        text = ["[" + ",".join(map(str, s)) + "]" for s in self.shapes] or ["[]"]
+        return text[0] if len(text) == 1 else "(" + ", ".join(text) + ")"
+
+    @property
+    def elements(self) -> int:
+        """Elements of ``shape`` (the first array)."""
+        return math.prod(self.shape)
 
 
 _BRACKETS = {"(": re.compile(r"[()]"), "{": re.compile(r"[{}]"), "[": re.compile(r"[\[\]]")}
@@ -163,10 +199,8 @@ def _nbytes(arrays: list[tuple[str, tuple[int, ...], int]]) -> int:
     return sum((math.prod(dims) * bits + 7) // 8 for _, dims, bits in arrays)
 
 
-def _describe(arrays: list[tuple[str, tuple[int, ...], int]]) -> tuple[str, str]:
-    dtypes = ",".join(dict.fromkeys(a[0] for a in arrays))
-    shapes = ["[" + ",".join(map(str, a[1])) + "]" for a in arrays]
-    return dtypes, shapes[0] if len(shapes) == 1 else "(" + ", ".join(shapes) + ")"
+def _dtypes(arrays: list[tuple[str, tuple[int, ...], int]]) -> str:
+    return ",".join(dict.fromkeys(a[0] for a in arrays))
 
 
 def _group_size(attrs: str, kind: str, default: int) -> int:
@@ -427,7 +461,7 @@ def parse_collectives(
     track = fuse_reduce_scatter and "all-reduce" in hlo_text
     graph = _Graph(shapes, defaultdict(list), {}, {}, set())
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # caller -> callees
-    async_parent: dict[str, tuple[str, str, str]] = {}  # wrapped comp -> (caller, op_name, frame)
+    async_parent: dict[str, tuple[str, str, int]] = {}  # wrapped comp -> (caller, op_name, frame)
     comps: list[str] = [""]  # "": instructions outside any computation (a fragment)
     comp = ""
     for line in hlo_text.splitlines():
@@ -473,8 +507,7 @@ def parse_collectives(
                 loop = key in ("body", "condition")
                 edges[comp].append((callee, trip if loop else 1, exact or not loop))
                 if opcode == "async-start":
-                    o, f = _OP_NAME.search(attrs), _FRAME_ID.search(attrs)
-                    async_parent[callee] = (comp, o.group(1) if o else "", f.group(1) if f else "")
+                    async_parent[callee] = (comp, *metadata_of(attrs))
 
     # Executions per step of each computation: sum over call sites, in topological order.
     indeg: dict[str, int] = defaultdict(int)
@@ -521,14 +554,12 @@ def parse_collectives(
                 k = int(d.group(1)) if d else 0
                 operands = [(t, s[:k] + (s[k] * n,) + s[k + 1 :], b) for t, s, b in result]
             buf = operands
-        op_name, frame_id = _OP_NAME.search(attrs), _FRAME_ID.search(attrs)
-        name = op_name.group(1) if op_name else ""
-        frame = frame_id.group(1) if frame_id else ""
+        name, frame = metadata_of(attrs)
         shown, count = comp, mult[comp]
         if comp in async_parent:
             shown, parent_name, parent_frame = async_parent[comp]
             name, frame = name or parent_name, frame or parent_frame
-        origin = source_of(stacks.get(int(frame), ())) if frame else None
+        origin = source_of(stacks.get(frame, ())) if frame else None
         parts = [(kind, buf, "")]
         if track and kind == "all-reduce":
             sliced = graph.sliced_elements(instr, opcode, value_shape, n)
@@ -538,11 +569,11 @@ def parse_collectives(
                 parts = [("reduce-scatter", rs, LOWERED_RS)] + ([(kind, ar, "")] if ar else [])
         for part_kind, arrays, lowered in parts:
             nbytes = _nbytes(arrays)
-            dtype, shape_str = _describe(arrays)
             wire = _wire(part_kind, nbytes, n) * count
             out.append(Collective(
                 kind=part_kind, bytes=nbytes, group_size=n, wire_bytes=wire, count=count,
-                op_name=name, computation=shown, dtype=dtype, shape=shape_str,
+                op_name=name, computation=shown, dtype=_dtypes(arrays),
+                shapes=tuple(a[1] for a in arrays),
                 count_exact=known[comp], lowered_as=lowered, module_path=module_path_of(name),
                 pass_=pass_of(name), source=origin.where if origin else "",
                 function=origin.function if origin else "", group=first_group(attrs, kind),
@@ -563,7 +594,8 @@ def wire_bytes_by_kind(collectives: list[Collective]) -> dict[str, float]:
     """Total wire bytes per device per step, by kind (kinds that occur, in KINDS order).
 
     Example:
-      >>> c = Collective("all-reduce", 100, 2, 200.0, 2, "", "main", "f32", "[25]")
+      >>> c = Collective(kind="all-reduce", bytes=100, group_size=2, wire_bytes=200.0,
+      ...                count=2, dtype="f32", shape=(25,))
       >>> wire_bytes_by_kind([c, c])
       {'all-reduce': 400.0}
     """
@@ -574,7 +606,8 @@ def bytes_by_kind(collectives: list[Collective]) -> dict[str, int]:
     """Total collective buffer bytes per step (``bytes * count``), by kind.
 
     Example:
-      >>> c = Collective("all-gather", 64, 8, 112.0, 2, "", "main", "f32", "[16]")
+      >>> c = Collective(kind="all-gather", bytes=64, group_size=8, wire_bytes=112.0,
+      ...                count=2, dtype="f32", shape=(16,))
       >>> bytes_by_kind([c])
       {'all-gather': 128}
     """

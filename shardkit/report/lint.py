@@ -7,8 +7,8 @@ the module/layer that caused it) and the likely cause.
 
 Example:
   >>> from shardkit.report.hlo import Collective
-  >>> c = Collective("all-to-all", 4096, 8, 3584.0, 1, "jit(step)/mlp/down/dot_general", "main",
-  ...                "f32", "[1024]")
+  >>> c = Collective(kind="all-to-all", bytes=4096, group_size=8, wire_bytes=3584.0,
+  ...                op_name="jit(step)/mlp/down/dot_general", dtype="f32", shape=(1024,))
   >>> unexpected_collectives([c], frozenset({"all-reduce"}), "tp")[0][:45]
   'unexpected all-to-all under tp: 3.5 KiB per d'
 """
@@ -16,7 +16,6 @@ Example:
 from __future__ import annotations
 
 import math
-import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
@@ -59,9 +58,18 @@ def human_bytes(n: float) -> str:
 
 
 def unexpected_collectives(
-    collectives: Sequence[Collective], expected: Iterable[str], recipe: str
+    collectives: Sequence[Collective], expected: Iterable[str], recipe: str,
+    rows: Sequence[object] = (),
 ) -> list[str]:
-    """One warning per collective kind the recipe does not predict, if it moves real bytes."""
+    """One warning per collective kind the recipe does not predict, if it moves real bytes.
+
+    The warning names the wire term of its largest op (:mod:`shardkit.report.wire_terms`,
+    the vocabulary of the report's explanations; ``rows``, the state's ``ParamRow`` s,
+    tell a weight or a gradient from an activation) and the parameter it moves.
+    """
+    from shardkit.report.wire_terms import ParamMatch, term_of
+
+    params = ParamMatch.of(rows)
     expected = frozenset(expected)
     total = sum(c.wire_bytes for c in collectives) or 1.0
     warnings = []
@@ -71,11 +79,13 @@ def unexpected_collectives(
         if wire < WIRE_THRESHOLD * total:
             continue
         top = max(ops, key=lambda c: c.wire_bytes)
+        row = params.param_of(top)
+        moves = f" of {row.path}" if row is not None else ""
         warnings.append(
             f"unexpected {kind} under {recipe}: {human_bytes(wire)} per device per step "
             f"({wire / total:.0%} of the wire, {len(ops)} op(s)); largest "
-            f"{top.dtype}{top.shape} from {top.op_name or top.computation!r}. "
-            f"Likely cause: {_CAUSES[kind]}."
+            f"{top.dtype}{top.shape_text} from {top.op_name or top.computation!r} (wire "
+            f"term: {term_of(top, params)}{moves}). Likely cause: {_CAUSES[kind]}."
         )
     return warnings
 
@@ -125,8 +135,8 @@ def reduced_more_than_once(
     reduced: list[tuple[tuple[int, ...], int]] = []
     for c in collectives:
         if c.kind == "all-reduce" and c.count == 1 and c.group_size > 1:
-            for dims in re.findall(r"\[([\d,]*)\]", c.shape):
-                reduced.append((_key(int(d) for d in dims.split(",") if d), c.group_size))
+            for dims in c.shapes:
+                reduced.append((_key(dims), c.group_size))
     params = [r for r in rows if r.kind == "param" and r.bytes_per_device > min_bytes]
     holders = Counter(_key(r.shard_shape) for r in params)
     out = []
@@ -196,10 +206,10 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
     n = math.prod(mesh.get(a, 1) for a in gather)
     where = ""
     matches = [c for c in collectives if c.kind == "all-gather"
-               and _elements(c.shape) == gathered * d]  # fmt: skip
+               and c.elements == gathered * d]  # fmt: skip
     if matches:
         top = max(matches, key=lambda c: c.bytes)
-        where = f" The compiled program gathers them: {top.dtype}{top.shape} from {top.op_name!r}."
+        where = f" The compiled program gathers them: {top.dtype}{top.shape_text} from {top.op_name!r}."
     axes = ", ".join(repr(a) for a in gather)
     return [
         f"activation grows with the device count under {recipe.name}: the logits (batch, "
@@ -213,8 +223,3 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
         "the logits over the tokens past that point) or 'tokens'."
     ]
 
-
-def _elements(shape: str) -> int:
-    """Elements of the first array in an HLO shape string (``"[64,128,64]"``)."""
-    dims = re.findall(r"\[([\d,]*)\]", shape)
-    return math.prod(int(x) for x in dims[0].split(",") if x) if dims else 0

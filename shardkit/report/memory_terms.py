@@ -38,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,7 +67,6 @@ _COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permut
                 "all-reduce-start", "all-gather-start", "collective-permute-start")  # fmt: skip
 _REDUCTIONS = ("all-reduce", "reduce-scatter", "all-reduce-start")
 _LOSS = os.path.join("shardkit", "loss.py")
-_DIMS = re.compile(r"^\w+\[([\d,]*)\]$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +90,9 @@ class MemoryTerm:
                 "ratio": self.ratio, "buffers": self.count, "top": list(self.top)}  # fmt: skip
 
 
-def _dims(shape: str) -> tuple[int, ...] | None:
-    """The dimensions of ``f32[1,8,256]`` without its 1s: ``(8, 256)``."""
-    m = _DIMS.match(shape)
-    if not m:
-        return None
-    return _squeeze(int(d) for d in m.group(1).split(",") if d)
+def _dims(v: Value) -> tuple[int, ...] | None:
+    """The dimensions of a value without its 1s: ``f32[1,8,256]`` → ``(8, 256)``."""
+    return None if v.dims is None else _squeeze(v.dims)
 
 
 def _squeeze(dims: Any) -> tuple[int, ...]:
@@ -143,7 +138,7 @@ class _Shapes:
 
 
 def _term(v: Value, shapes: _Shapes, gathered: set[str], seq: set[int], head: bool) -> str:
-    dims = _dims(v.shape)
+    dims = _dims(v)
     pass_ = pass_of(v.op_name) if v.op_name else ""
     if v.opcode in ("all-gather", "all-gather-start") and shapes.param(dims):
         return "gathered weights"
@@ -203,7 +198,7 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | Sequence[
     # Same-sized values computed from a gathered weight are layout copies of it.
     gathered_names = {v.instruction for v in ba.values
                       if v.opcode in ("all-gather", "all-gather-start")
-                      and shapes.param(_dims(v.shape))}  # fmt: skip
+                      and shapes.param(_dims(v))}  # fmt: skip
     sizes = {v.instruction: v.size for v in ba.values}
     copies = {u for v in ba.values if v.instruction in gathered_names for u in v.user_names}
     gathered = {name for name in copies
@@ -312,6 +307,7 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10)
     (or with no analytic value), saying what is live and why."""
     from shardkit.report.report import Explanation
 
+    modelled = any(t.analytic_bytes for t in terms)
     out = []
     for t in terms:
         ratio = t.ratio
@@ -324,6 +320,8 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10)
             what = "; ".join(t.top) or f"{human_bytes(t.bytes)} of the heap unused at the peak"
         if not t.bytes:
             what, why = f"nothing of it is live at the {phase} peak", ""
+        elif not modelled:  # a layout the phase model does not cover (a pipeline)
+            why = "the analytic phase model does not cover this layout (no term of it is modelled)"
         elif ratio is None:
             why = UNMODELLED.get(t.term, f"the analytic model has no such term in the {phase} "
                                  "phase")  # fmt: skip

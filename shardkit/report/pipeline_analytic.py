@@ -252,4 +252,12 @@ def pipeline_model(
                             optimizer=(stack_optimizer_bytes / p + rest_o) / opt_degree,
                             activations=activations)  # fmt: skip
     wire = {k: x for k, x in costs.wire_bytes_by_kind.items() if x}
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=(*notes, *costs.notes))
+    # By wire term: stage-to-stage permutes; ZeroPP's gathers per unit; its reduce-scatter
+    # and the replicas' all-reduces reduce gradients.
+    names = {"collective-permute": "pipeline transfers", "all-gather": "weight all-gathers",
+             "reduce-scatter": "gradient reductions", "all-reduce": "gradient reductions"}  # fmt: skip
+    terms: dict[str, float] = {}
+    for kind, x in wire.items():
+        terms[names[kind]] = terms.get(names[kind], 0.0) + x
+    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=(*notes, *costs.notes),
+                         wire_terms=terms)  # fmt: skip

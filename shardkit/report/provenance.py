@@ -30,7 +30,13 @@ import dataclasses
 import os
 import re
 
-__all__ = ["Frame", "frames_by_id", "module_path_of", "pass_of", "source_of"]
+__all__ = ["Frame", "frames_by_id", "metadata_of", "module_path_of", "pass_of", "source_of"]
+
+#: The two fields of an HLO instruction's ``metadata={...}`` this module reads (the one
+#: home of these patterns: :mod:`~shardkit.report.hlo` and :mod:`~shardkit.report.buffers`
+#: read instruction text through :func:`metadata_of`).
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 
 _EINSUM = re.compile(r"^[\w.]*,[\w.,]*->[\w.]*$|^[\w.]+->[\w.]+$")
 _TRANSFORMS = ("jit", "jvp", "transpose", "pjit", "vmap", "remat", "checkpoint", "custom_jvp",
@@ -58,6 +64,17 @@ class Frame:
     def where(self) -> str:
         """``file.py:line`` (the file's base name)."""
         return f"{os.path.basename(self.file)}:{self.line}"
+
+
+def metadata_of(text: str) -> tuple[str, int]:
+    """(``op_name``, ``stack_frame_id``) of an HLO instruction's text; ``("", 0)`` if absent.
+
+    Example:
+      >>> metadata_of('%x = f32[2] add(%a, %b), metadata={op_name="jit(f)/add" stack_frame_id=3}')
+      ('jit(f)/add', 3)
+    """
+    op, frame = _OP_NAME.search(text), _FRAME_ID.search(text)
+    return (op.group(1) if op else ""), (int(frame.group(1)) if frame else 0)
 
 
 def _varint(b: bytes, i: int) -> tuple[int, int]:

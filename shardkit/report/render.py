@@ -82,6 +82,8 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
     wire.add_row("[bold]total", human_bytes(report.wire_bytes),
                  human_bytes(total_a) if total_a else "–", _ratio(report.wire_bytes, total_a))  # fmt: skip
     out.append(wire)
+    if report.wire_terms:
+        out.append(wire_terms_table(report))
 
     groups = report.collective_groups()
     lowered = any(g.kind.endswith("*") for g in groups)
@@ -126,6 +128,19 @@ def memory_terms_table(report: Any) -> Table:
                       human_bytes(t.analytic_bytes) if t.analytic_bytes else "–",
                       _ratio(t.bytes, t.analytic_bytes), str(t.count) if t.count else "")  # fmt: skip
     table.add_row("[bold]temp", human_bytes(sum(t.bytes for t in report.memory_terms)), "", "", "")
+    return table
+
+
+def wire_terms_table(report: Any) -> Table:
+    """The wire bytes by term (``Report.wire_terms``), 80 columns wide."""
+    table = Table(title="wire bytes by term", box=box.SIMPLE_HEAD)
+    for col in ("term", "measured", "analytic", "ratio", "runs"):
+        table.add_column(col, justify="left" if col == "term" else "right", no_wrap=True)
+    for t in report.wire_terms:
+        table.add_row(t.term, human_bytes(t.bytes),
+                      human_bytes(t.analytic_bytes) if t.analytic_bytes else "–",
+                      _ratio(t.bytes, t.analytic_bytes),
+                      str(sum(c.count for c in t.collectives)))  # fmt: skip
     return table
 
 

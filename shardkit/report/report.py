@@ -31,6 +31,7 @@ from shardkit.report.buffers import BufferAssignment
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
 from shardkit.report.memory_terms import MemoryTerm
+from shardkit.report.wire_terms import WireTerm
 from shardkit.workload import Workload
 
 __all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report", "param_rows"]
@@ -49,6 +50,8 @@ class ParamRow:
     replicated: bool
     kind: str  # "param", "optimizer" or "scalar"
     shard_shape: tuple[int, ...] = ()
+    #: per dimension, the mesh axes that split it (``()`` for a whole dimension)
+    mesh_axes: tuple[tuple[str, ...], ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -126,6 +129,8 @@ class Report:
     logits: str = "auto"
     memory_terms: tuple[MemoryTerm, ...] = ()
     memory_peak_phase: str | None = None
+    #: the wire bytes by term against their analytic values (shardkit.report.wire_terms)
+    wire_terms: tuple[WireTerm, ...] = ()
 
     @property
     def replicated_fraction(self) -> float:
@@ -176,6 +181,7 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         """The schema ``shardkit report --json`` prints."""
         analytic = self.analytic
+        term = {id(c): t.term for t in self.wire_terms for c in t.collectives}
         return {
             "recipe": self.recipe,
             "logits": self.logits,
@@ -197,9 +203,16 @@ class Report:
                     "pass": c.pass_,
                     "source": c.source,
                     "function": c.function,
+                    "dtype": c.dtype,
+                    "shape": list(c.shape),
+                    "shapes": [list(x) for x in c.shapes],
+                    "logical": list(c.logical),
+                    "rule": c.rule,
+                    "term": term.get(id(c), ""),
                 }
                 for c in self.collectives
             ],
+            "wire_terms": [t.to_json() for t in self.wire_terms],
             "wire_bytes_by_kind": self.wire_bytes_by_kind,
             "analytic_wire_bytes_by_kind": analytic.wire_bytes_by_kind if analytic else None,
             "ratios": self.ratios(),
@@ -245,9 +258,17 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
                 replicated=all(e is None for e in leaf.spec),
                 kind=kind,
                 shard_shape=tuple(shard),
+                mesh_axes=_mesh_axes(leaf.spec, len(info.shape)),
             )
         )
     return rows
+
+
+def _mesh_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
+    """Per dimension, the mesh axes of a ``PartitionSpec`` entry (``()`` for ``None``)."""
+    entries = list(spec) + [None] * (ndim - len(spec))
+    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
+                 for e in entries[:ndim])  # fmt: skip
 
 
 def compiled_flops(compiled: Any) -> float | None:
@@ -299,8 +320,10 @@ def build_report(
         peak is split into named terms (``Report.memory_terms``), and each term off by
         more than 10 % from its analytic value gets an explanation.
     """
+    from shardkit.report import wire_terms
+
     rows = param_rows(plan, state)
-    collectives = tuple(collectives_of(compiled))
+    collectives = tuple(wire_terms.attach_layouts(collectives_of(compiled), rows))
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
     if workload is None and model_config is not None and batch and seq:
@@ -326,7 +349,7 @@ def build_report(
     shards_params = bool(recipe.rules.mesh_axis_names)
     warnings = [
         *notes,
-        *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name),
+        *lint.unexpected_collectives(collectives, recipe.collectives, recipe.name, rows),
         *lint.unused_rules(recipe.rules, logical_names | recipe.optional_names),
     ]
     warnings += lint.grows_with_devices(recipe, mesh, workload, collectives)
@@ -338,6 +361,10 @@ def build_report(
         threshold = max(replicated_threshold_bytes, replicated_threshold_share * total)
         warnings += lint.replicated_params(rows, recipe.name, min_bytes=threshold)
     explanations = _explain_memory(memory_per_device(compiled), analytic)
+    wire = wire_terms.attribute(collectives, rows, stages=mesh.get("stage", 1),
+                                analytic=analytic.wire_terms if analytic else None)  # fmt: skip
+    if analytic is not None and analytic.wire_terms:
+        explanations += wire_terms.explain(wire, rows)
     terms: list[MemoryTerm] = []
     phase = None
     if buffers is not None:
@@ -358,6 +385,7 @@ def build_report(
         memory_terms=tuple(terms),
         memory_peak_phase=phase,
         logits=recipe.logits,
+        wire_terms=tuple(wire),
     )
 
 
@@ -385,7 +413,9 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
         except ShardingError:  # a layout the analytic model does not cover
             analytic = {}
     terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
-    return terms, memory_terms.explain(terms, phase) if analytic else [], phase
+    # Without an analytic model (a pipelined step: the phase model knows no pipelines)
+    # every term is unmodelled, and each still gets its line: what is live, and why not.
+    return terms, memory_terms.explain(terms, phase), phase
 
 
 def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list[Explanation]:

@@ -65,7 +65,7 @@ def test_measured_wire_within_15_percent_of_analytic(recipe):
     cfg = model.config
     whole = cfg.vocab * cfg.d_model * 4
     gathered = [c for c in report.collectives if c.kind == "all-gather" and c.bytes >= whole]
-    head_shard = f"[{cfg.d_model},{cfg.vocab // 8}]"  # the (embed, vocab) kernel's
+    head_shard = (cfg.d_model, cfg.vocab // 8)  # the (embed, vocab) kernel's
     shards = sum(c.count for c in report.collectives
                  if c.kind == "collective-permute" and c.shape == head_shard)  # fmt: skip
     if recipe == "tsp":

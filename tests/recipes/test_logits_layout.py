@@ -58,7 +58,7 @@ def _hidden_gathers(logits, n, seq=128, d_model=64):
     (one sequence per device, so the gathered batch is n), and the step's lint."""
     plan = sk.Plan(FSDP.with_logits(logits), devices=jax.devices()[:n])
     report = models.report(plan, models.get("gpt-tiny", remat="full"), batch=n, seq=seq)
-    shape = f"[{n},{seq},{d_model}]"
+    shape = (n, seq, d_model)
     gathers = [c for c in report.collectives if c.kind == "all-gather" and c.shape == shape]
     return gathers, [w for w in report.warnings if w.startswith("activation grows")]
 

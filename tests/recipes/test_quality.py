@@ -93,8 +93,8 @@ def test_dp_tied_embedding_all_reduced_once():
     # logits); sk.per_replica keeps them local, so one all-reduce of V·h carries both.
     # (Without it XLA's CPU pipeline all-reduced each: 1.31x the ring limit.)
     r, cfg = report("dp"), get("gpt-small").config
-    table = f"[{cfg.vocab},{cfg.d_model}]"
-    ops = [c for c in r.collectives if table in c.shape]
+    table = (cfg.vocab, cfg.d_model)
+    ops = [c for c in r.collectives if table in c.shapes]
     assert [c.kind for c in ops] == ["all-reduce"]
-    assert ops[0].shape.count(table) == 1 and ops[0].count == 1
+    assert ops[0].shapes.count(table) == 1 and ops[0].count == 1
     assert r.ratios()["wire_bytes"] <= 1.01

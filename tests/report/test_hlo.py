@@ -47,7 +47,7 @@ def test_tuple_all_reduce_counts_every_element():
     assert c.wire_bytes == pytest.approx(2 * 3 / 4 * c.bytes)
     assert c.count == 1 and c.count_exact
     assert c.op_name == "jit(step)/grad" and c.computation == "main"
-    assert c.dtype == "f32,bf16" and c.shape == "([64], [256,64])"
+    assert c.dtype == "f32,bf16" and c.shapes == ((64,), (256, 64)) and c.shape == (64,)
 
 
 def test_async_all_gather_start_done_uses_gathered_result():
@@ -56,7 +56,7 @@ def test_async_all_gather_start_done_uses_gathered_result():
         %ags = (f32[8,16]{1,0}, f32[64,16]{1,0}) all-gather-start(f32[8,16]{1,0} %p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"operation_queue_id":"0","collective_backend_config":{"is_sync":false}}
         %agd = f32[64,16]{1,0} all-gather-done((f32[8,16]{1,0}, f32[64,16]{1,0}) %ags)
     """))  # fmt: skip
-    assert (c.kind, c.bytes, c.group_size, c.shape) == ("all-gather", 64 * 16 * 4, 8, "[64,16]")
+    assert (c.kind, c.bytes, c.group_size, c.shape) == ("all-gather", 64 * 16 * 4, 8, (64, 16))
     assert c.wire_bytes == pytest.approx(7 / 8 * 64 * 16 * 4)
 
 
@@ -109,13 +109,13 @@ def test_reduce_scatter_uses_operand():
         %p = f32[64,32]{1,0} parameter(0)
         %rs = f32[64,4]{1,0} reduce-scatter(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
     """))  # fmt: skip
-    assert (c.kind, c.bytes, c.group_size, c.shape) == ("reduce-scatter", 64 * 32 * 4, 8, "[64,32]")
+    assert (c.kind, c.bytes, c.group_size, c.shape) == ("reduce-scatter", 64 * 32 * 4, 8, (64, 32))
     assert c.wire_bytes == pytest.approx(7 / 8 * 64 * 32 * 4)
     # operand not in the text: the scatter dimension times N
     c = one(module("""
         %rs = f32[64,4]{1,0} reduce-scatter(%missing), replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
     """))  # fmt: skip
-    assert (c.bytes, c.shape) == (64 * 32 * 4, "[64,32]")
+    assert (c.bytes, c.shape) == (64 * 32 * 4, (64, 32))
 
 
 def test_all_to_all_and_collective_permute_sync():
@@ -218,9 +218,9 @@ def test_summaries_and_empty_input():
     assert parse_collectives("") == []
     assert wire_bytes_by_kind([]) == {} and bytes_by_kind([]) == {}
     cs = [
-        Collective("all-gather", 10, 2, 5.0, 1, "", "m", "f32", "[2]"),
-        Collective("all-reduce", 10, 2, 30.0, 3, "", "m", "f32", "[2]"),
-        Collective("all-gather", 10, 2, 10.0, 2, "", "m", "f32", "[2]"),
+        Collective(kind="all-gather", bytes=10, group_size=2, wire_bytes=5.0, count=1),
+        Collective(kind="all-reduce", bytes=10, group_size=2, wire_bytes=30.0, count=3),
+        Collective(kind="all-gather", bytes=10, group_size=2, wire_bytes=10.0, count=2),
     ]
     assert wire_bytes_by_kind(cs) == {"all-reduce": 30.0, "all-gather": 15.0}
     assert bytes_by_kind(cs) == {"all-reduce": 30, "all-gather": 30}
@@ -276,7 +276,7 @@ def tuple_all_reduce(rows: int) -> str:
 def test_tuple_all_reduce_splits_into_reduce_scatter_and_all_reduce():
     rs, ar = parse_collectives(tuple_all_reduce(8))
     assert (rs.kind, rs.bytes, rs.group_size, rs.shape) == ("reduce-scatter", 64 * 32 * 4, 8,
-                                                             "[64,32]")  # fmt: skip
+                                                             (64, 32))  # fmt: skip
     assert rs.lowered_as == "all-reduce+dynamic-slice"
     assert rs.wire_bytes == pytest.approx(7 / 8 * 64 * 32 * 4)
     assert (ar.kind, ar.bytes, ar.dtype, ar.lowered_as) == ("all-reduce", 128 * 2, "bf16", "")

@@ -95,6 +95,8 @@ def test_lint_names_the_op_a_broken_annotation_makes_xla_gather():
     broken = _lint(_mlp(("embed", "mlp")))  # the down kernel annotated like the up kernel
     [warning] = [w for w in broken.warnings if w.startswith("unexpected all-gather")]
     assert "down/dot_general" in warning and "Likely cause" in warning
+    # what it gathers is the [batch, mlp] activation, not a weight: the report's wire term
+    assert "f32[8,64]" in warning and "(wire term: activation collectives)" in warning
 
 
 def test_lint_flags_rules_that_match_nothing(fsdp_report):
@@ -157,19 +159,20 @@ def test_lint_flags_a_weight_whose_gradient_is_all_reduced_twice():
     assert not [w for w in _tied_report(replicas=True).warnings if "all-reduced" in w]
 
 
-def _all_reduce(shape, group, count=1):
+def _all_reduce(shapes, group, count=1):
     from shardkit.report.hlo import Collective
 
-    return Collective("all-reduce", 0, group, 0.0, count, "op", "main", "f32", shape)
+    return Collective(kind="all-reduce", bytes=0, group_size=group, wire_bytes=0.0,
+                      count=count, op_name="op", dtype="f32", shapes=shapes)  # fmt: skip
 
 
 @pytest.mark.parametrize(
     "collectives, flagged",
     [
-        ([_all_reduce("[512,64]", 8)], False),  # one all-reduce over all copies
-        ([_all_reduce("([512,64], [64])", 2), _all_reduce("[512,64]", 4)], False),  # per axis
-        ([_all_reduce("[512,64]", 8, count=12)], False),  # inside a loop: another weight's
-        ([_all_reduce("([512,64], [512,64])", 8)], True),  # two reads, one tuple
+        ([_all_reduce([(512, 64)], 8)], False),  # one all-reduce over all copies
+        ([_all_reduce([(512, 64), (64,)], 2), _all_reduce([(512, 64)], 4)], False),  # per axis
+        ([_all_reduce([(512, 64)], 8, count=12)], False),  # inside a loop: another weight's
+        ([_all_reduce([(512, 64), (512, 64)], 8)], True),  # two reads, one tuple
     ],
     ids=["once", "once-per-axis", "in-a-loop", "twice"],
 )
@@ -203,4 +206,8 @@ def test_a_total_off_its_analytic_phase_peak_is_explained():
 def test_explanations_are_in_the_json(fsdp_report):
     d = fsdp_report.to_json()
     ratio = fsdp_report.memory.total / fsdp_report.analytic.memory.total
-    assert len(d["explanations"]) == (abs(ratio - 1) > 0.10)
+    total = [e for e in d["explanations"] if e["term"] == "memory total"]
+    assert len(total) == (abs(ratio - 1) > 0.10)
+    # and one per wire term off by more than 10 % (shardkit.report.wire_terms)
+    off = {t["term"] for t in d["wire_terms"] if t["ratio"] is None or abs(t["ratio"] - 1) > 0.1}
+    assert {e["term"] for e in d["explanations"]} - {"memory total"} == off
