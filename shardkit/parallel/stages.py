@@ -218,12 +218,16 @@ def value_and_grad(
                 f"A non-layer parameter is sharded over 'stage' ({sp}); only the stack is cut "
                 "into stages.\nFix: map only 'layers' to 'stage' in the recipe's rules."
             )
-    batch_spec = plan.batch_sharding((mesh.size, 1)).spec  # a size every axis divides
+    batch_spec = plan.batch_sharding((mesh.size, mesh.size)).spec  # sizes every axis divides
     batch_axes = pipeline.spec_axes(tuple(batch_spec)[0]) if len(batch_spec) else ()
+    # Axes that split neither the stack into stages nor the batch (``tensor``): left to
+    # XLA, which shards each stage's layers by the plan's rules (dp_tp_sp_pp).
+    auto_axes = tuple(a for a in mesh.axis_names
+                      if a != pipeline.STAGE and a not in batch_axes and mesh.shape[a] > 1)  # fmt: skip
     run = pipeline.value_and_grad(
         stages.layer, stages.pre, stages.post, mesh=mesh, microbatches=microbatches,
         schedule=schedule, virtual_stages=virtual_stages, unit=unit,
-        stack_specs=s_specs, rest_specs=r_specs, batch_axes=batch_axes,
+        stack_specs=s_specs, rest_specs=r_specs, batch_axes=batch_axes, auto_axes=auto_axes,
     )  # fmt: skip
 
     def fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:
@@ -234,6 +238,7 @@ def value_and_grad(
         return loss, jax.tree.unflatten(jax.tree.structure(params), leaves)
 
     fn.schedule = run.schedule  # type: ignore[attr-defined]
+    fn.auto_axes = run.auto_axes  # type: ignore[attr-defined]
     return fn
 
 

@@ -17,7 +17,8 @@ from shardkit.models import get
 from shardkit.parallel.stages import reference_stages
 
 STEPS, BATCH, SEQ, LR, EPS, LAYERS = 3, 32, 16, 1e-2, 1e-5, 4
-DEVICES = {"pp": 2, "dp_pp": 8, "zeropp": 8}  # every layout has p = 2 stages here
+# every layout has p = 2 stages here (dp_tp_sp_pp: data 2 × stage 2 × tensor 2)
+DEVICES = {"pp": 2, "dp_pp": 8, "zeropp": 8, "dp_tp_sp_pp": 8}
 
 
 def run_steps(model_name, plan, pipelined=None):
@@ -53,14 +54,17 @@ def one_device():
 
 
 RECIPES = list(DEVICES)
-# Each schedule and each recipe, both models, m in {p, 2p, 4p} (four cases, for the suite's
-# time; nine other cases passed during development). SHARDKIT_PIPELINE_ALL=1 runs all 54
-# combinations (3 recipes x 3 schedules x 3 m x 2 models, ~10 minutes on 2 CPU cores).
+# Each schedule and each recipe, both models, m in {p, 2p, 4p} (six cases, for the suite's
+# time; nine other cases passed during development). SHARDKIT_PIPELINE_ALL=1 runs all 72
+# combinations (4 recipes x 3 schedules x 3 m x 2 models, ~14 minutes on 2 CPU cores).
 CASES = [
     ("gpt-tiny", "gpipe", 1, "pp"),
     ("llama-tiny", "1f1b", 2, "zeropp"),
     ("gpt-tiny", "interleaved", 1, "dp_pp"),
     ("llama-tiny", "1f1b", 4, "pp"),
+    # 3D: the pipeline manual over stage and data, tensor (TP + SP) left to XLA
+    ("gpt-tiny", "1f1b", 2, "dp_tp_sp_pp"),
+    ("llama-tiny", "interleaved", 1, "dp_tp_sp_pp"),
 ]
 if os.environ.get("SHARDKIT_PIPELINE_ALL"):
     CASES = [(model, sched, f, recipe) for model in ("gpt-tiny", "llama-tiny")
