@@ -54,7 +54,8 @@ def worker(spec: dict) -> dict:
                 "by_kind": d.get("wire_bytes_by_kind", {}),
                 "analytic_wire": sum(d.get("analytic_wire_bytes_by_kind", {}).values()) or None}  # fmt: skip
     m = measure(plan, model, train.adamw(), batch=b, seq=s, microbatches=spec["m"],
-                schedule=spec["schedule"], virtual_stages=spec.get("v", 1), unit=spec.get("unit"))  # fmt: skip
+                schedule=spec["schedule"], virtual_stages=spec.get("v", 1), unit=spec.get("unit"),
+                stack_order=spec.get("order", "layers"))  # fmt: skip
     p = plan.mesh.shape["stage"]
     weights = sum(m.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))
     want_w = sum(
@@ -118,6 +119,9 @@ def main(argv=None) -> None:
                          "batch": 2 * m}),
         (f"pp interleaved v={v}", {**small, "recipe": "pp", "devices": 4,
                                    "schedule": "interleaved", "v": v, "m": m, "batch": m}),
+        (f"pp interleaved v={v}, stored", {**small, "recipe": "pp", "devices": 4,
+                                           "schedule": "interleaved", "v": v, "m": m, "batch": m,
+                                           "order": "interleaved"}),  # the stack stored in its order
     ]  # fmt: skip
     for unit in (m, 1) if args.tiny else (m, m // 2, m // 4, 1):  # --tiny: a smoke run
         specs.append((f"zeropp U={unit}", {**small, "recipe": "zeropp", "devices": 8,

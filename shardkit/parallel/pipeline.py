@@ -81,7 +81,11 @@ from shardkit.parallel.schedules import (
 )
 from shardkit.rules import Rules
 
-__all__ = ["value_and_grad", "spec_axes", "STAGE"]
+__all__ = ["value_and_grad", "interleaved_order", "spec_axes", "STAGE", "STACK_ORDERS"]
+
+#: How a layer stack is stored: ``"layers"`` (layer order) or ``"interleaved"`` (each
+#: stage's ``v`` chunks contiguous, see :func:`interleaved_order`).
+STACK_ORDERS = ("layers", "interleaved")
 
 #: The mesh axis pipeline stages are laid along.
 STAGE = "stage"
@@ -97,6 +101,23 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def interleaved_order(layers: int, stages: int, virtual: int) -> np.ndarray:
+    """The layer stored at each position of an ``interleaved`` stack: ``stack[perm]``.
+
+    Interleaved, stage ``s`` runs chunks ``s, s + p, ..., s + (v − 1)·p`` (of ``L/(p·v)``
+    layers each). A stack in layer order, cut into ``p`` contiguous blocks over ``stage``,
+    gives stage ``s`` the wrong layers; stored as ``stack[perm]`` each stage's block holds
+    its own chunks, and the pipeline moves no weights (``stack_order="interleaved"``).
+
+    Example:
+      >>> interleaved_order(8, stages=2, virtual=2).tolist()   # chunks of 2 layers
+      [0, 1, 4, 5, 2, 3, 6, 7]
+    """
+    chunk = layers // (stages * virtual)
+    return np.array([(k * stages + s) * chunk + i for s in range(stages)
+                     for k in range(virtual) for i in range(chunk)])  # fmt: skip
 
 
 def _full_spec(spec: PartitionSpec | None, ndim: int) -> tuple:
@@ -182,6 +203,7 @@ def value_and_grad(
     rest_specs: Any = None,
     batch_axes: tuple[str, ...] | None = None,
     auto_axes: tuple[str, ...] = (),
+    stack_order: str = "layers",
     stage_axis: str = STAGE,
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
     """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
@@ -210,11 +232,17 @@ def value_and_grad(
         gathered by the engine, and inside each stage the active plan's rules (less the
         manual axes) constrain activations and weights, so XLA shards each stage's
         layers by them (tensor and sequence parallelism inside a pipeline stage).
+      stack_order: ``"layers"``: the stack in layer order; under ``interleaved`` the
+        engine reorders it for the stages (a gather of the whole stack, and its gradient
+        back, every step). ``"interleaved"``: the stack is stored as
+        ``stack[interleaved_order(L, p, v)]`` (convert once,
+        :func:`shardkit.parallel.stages.to_interleaved`): nothing moves, and the gradient
+        comes back in the same order.
       stage_axis: the pipeline's mesh axis.
 
     Returns:
       the loss (the mean over the whole batch) and the gradients of ``stack`` and ``rest``,
-      in their specs.
+      in their specs (and the stack's order).
 
     Raises:
       StageDivisibilityError: the layers do not divide into ``p·v`` chunks.
@@ -224,7 +252,7 @@ def value_and_grad(
     if stage_axis not in mesh.shape:
         raise PipelineError(
             f"Pipeline over mesh axis {stage_axis!r}, but the mesh has axes {dict(mesh.shape)}."
-            f"\nFix: a recipe with a stage axis (pp, dp_pp, zeropp), or "
+            f"\nFix: a recipe with a stage axis (pp, dp_pp, zeropp, dp_tp_sp_pp), or "
             f"sk.make_mesh({{'{stage_axis}': p, ...}})."
         )
     p = int(mesh.shape[stage_axis])
@@ -236,6 +264,11 @@ def value_and_grad(
             f"auto_axes {tuple(auto_axes)}: {bad} cannot be left to XLA (mesh {dict(mesh.shape)},"
             f" stage axis {stage_axis!r}, batch axes {batch_axes}).\nFix: auto axes are mesh "
             "axes other than the stage and batch axes (e.g. ('tensor',))."
+        )
+    if stack_order not in STACK_ORDERS:
+        raise PipelineError(
+            f"stack_order={stack_order!r} is not one of {STACK_ORDERS}.\nFix: 'layers' (the "
+            "stack in layer order) or 'interleaved' (stored as stack[interleaved_order(...)])."
         )
     sched = make(schedule, p, microbatches, virtual_stages)
     v = sched.virtual
@@ -275,10 +308,8 @@ def value_and_grad(
                     f"micro-batches dividing {b // n_shards} (e.g. {_divisors(b // n_shards)})."
                 )
         perm = None
-        if v > 1:  # chunk k·p + s on stage s: reorder the stack so stage s holds its chunks
-            chunk = n_layers // (p * v)
-            perm = np.array([(k * p + s) * chunk + i for s in range(p) for k in range(v)
-                             for i in range(chunk)])  # fmt: skip
+        if v > 1 and stack_order == "layers":  # chunk k·p + s on stage s: reorder the stack
+            perm = interleaved_order(n_layers, p, v)
             stack = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), stack)
         b_spec = PartitionSpec(b_axes or None)
         manual = frozenset(mesh.axis_names) - auto
