@@ -1,10 +1,18 @@
 """Pipelines, compile only: schedules' memory and bubble, ZeroPP's unit against the formula,
-ZeroPP vs FSDP vs dp_tp_sp, with Tang et al.'s crossover condition next to the bytes.
+ZeroPP vs 3D (dp_tp_sp_pp) vs FSDP, with Tang et al.'s crossover condition next to the bytes.
 
 Each row compiles in its own process (a process's emulated device count is fixed).
 Memory = arguments + output + temp − alias; wire from ``parse_collectives``; analytic
-from :mod:`shardkit.report.pipeline_analytic` (pipelined rows) or the recipe's analytic
-model (the others). Nothing is allocated.
+from :mod:`shardkit.report.pipeline_analytic` (pipelined rows without a tensor axis) or
+the recipe's analytic model (the others; none for 3D). Nothing is allocated.
+
+A second table (``pipeline_3d.json``) puts ZeroPP, 3D and FSDP side by side per model and
+device count, with ZeroPP's weight traffic (all-gather + reduce-scatter) against 3D's
+(TP+SP's activation all-gathers and reduce-scatters) and the crossover condition: ZeroPP
+moves fewer bytes than TP when 2·s·U·b > 9·h in Tang et al. (a stage's weights gathered
+forward and again backward, 3·Ψ/p per unit), 2·s·U·b > 6·h for this engine (gathered
+once per unit, 2·Ψ/p); b is the 3D layout's micro-batch (the rows whose activations TP
+moves), U ZeroPP's unit.
 
 Run: python benchmarks/pipeline.py [--tiny]
 """
@@ -15,6 +23,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from bench_util import MIB, emit, parser
 
@@ -42,9 +51,11 @@ def worker(spec: dict) -> dict:
         wire = sum(d["wire_bytes_by_kind"].values()) if "wire_bytes_by_kind" in d else None
         return {"mesh": mesh, "total": d["memory_per_device_bytes"]["total"],
                 "temp": d["memory_per_device_bytes"]["temp"], "wire": wire,
+                "by_kind": d.get("wire_bytes_by_kind", {}),
                 "analytic_wire": sum(d.get("analytic_wire_bytes_by_kind", {}).values()) or None}  # fmt: skip
     m = measure(plan, model, train.adamw(), batch=b, seq=s, microbatches=spec["m"],
-                schedule=spec["schedule"], virtual_stages=spec.get("v", 1), unit=spec.get("unit"))  # fmt: skip
+                schedule=spec["schedule"], virtual_stages=spec.get("v", 1), unit=spec.get("unit"),
+                stack_order=spec.get("order", "layers"))  # fmt: skip
     p = plan.mesh.shape["stage"]
     weights = sum(m.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))
     want_w = sum(
@@ -53,6 +64,13 @@ def worker(spec: dict) -> dict:
     fsdp = plan.mesh.shape.get("fsdp", 1)
     micro = b // (spec["m"] * fsdp * plan.mesh.shape.get("data", 1))
     unit = spec.get("unit") or spec["m"]
+    if plan.mesh.shape.get("tensor", 1) > 1:  # the pipeline's analytic model has no tensor axis
+        return {"mesh": mesh, "total": m.memory["total"], "temp": m.memory["temp"],
+                "wire": sum(m.wire_bytes_by_kind.values()), "by_kind": m.wire_bytes_by_kind,
+                "micro": micro, "seq": s, "d_model": model.config.d_model,
+                "flops_ratio": m.flops / useful_flops(model, batch=b, seq=s, stages=p,
+                                                      devices=plan.mesh.size),
+                "analytic_flops_ratio": m.analytic.flops_ratio}  # fmt: skip
     return {
         "mesh": mesh, "total": m.memory["total"], "temp": m.memory["temp"],
         "wire": sum(m.wire_bytes_by_kind.values()),
@@ -62,6 +80,8 @@ def worker(spec: dict) -> dict:
         "flops_ratio": m.flops / useful_flops(model, batch=b, seq=s, stages=p,
                                               devices=plan.mesh.size),  # fmt: skip
         "analytic_flops_ratio": m.analytic.flops_ratio, "bubble": m.analytic.bubble,
+        "by_kind": m.wire_bytes_by_kind, "micro": micro, "unit": unit, "seq": s,
+        "d_model": model.config.d_model,
         "zeropp_beats_tp": zeropp_beats_tp(seq=s, unit=unit, micro_batch=max(micro, 1),
                                            d_model=model.config.d_model),  # fmt: skip
     }  # fmt: skip
@@ -99,21 +119,29 @@ def main(argv=None) -> None:
                          "batch": 2 * m}),
         (f"pp interleaved v={v}", {**small, "recipe": "pp", "devices": 4,
                                    "schedule": "interleaved", "v": v, "m": m, "batch": m}),
+        (f"pp interleaved v={v}, stored", {**small, "recipe": "pp", "devices": 4,
+                                           "schedule": "interleaved", "v": v, "m": m, "batch": m,
+                                           "order": "interleaved"}),  # the stack stored in its order
     ]  # fmt: skip
     for unit in (m, 1) if args.tiny else (m, m // 2, m // 4, 1):  # --tiny: a smoke run
         specs.append((f"zeropp U={unit}", {**small, "recipe": "zeropp", "devices": 8,
                       "schedule": "1f1b", "m": m // 2, "unit": min(unit, m // 2),
                       "batch": 4 * (m // 2)}))  # fmt: skip
     specs += [
+        ("3D dp_tp_sp_pp", {**small, "recipe": "dp_tp_sp_pp", "devices": 8, "schedule": "1f1b",
+                            "m": m // 2, "batch": 4 * (m // 2)}),
         ("fsdp", {**small, "recipe": "fsdp", "devices": 8, "batch": 2 * m}),
         ("dp_tp_sp", {**small, "recipe": "dp_tp_sp", "devices": 8, "batch": 2 * m}),
-    ]
+    ]  # fmt: skip
     if not args.tiny:
         big = {"model": "gpt-7b", "seq": 2048, "overrides": {"remat": "full"}}
         for n in (64, 256):
             specs += [
                 (f"7b zeropp ({n})", {**big, "recipe": "zeropp", "devices": n, "schedule": "1f1b",
                                       "m": 4, "batch": n, "mesh": {"stage": 4}}),
+                (f"7b 3D ({n})", {**big, "recipe": "dp_tp_sp_pp", "devices": n,
+                                  "schedule": "1f1b", "m": 4, "batch": n,
+                                  "mesh": {"stage": 4, "tensor": 4}}),
                 (f"7b fsdp ({n})", {**big, "recipe": "fsdp", "devices": n, "batch": n}),
                 (f"7b dp_tp_sp ({n})", {**big, "recipe": "dp_tp_sp", "devices": n, "batch": n}),
             ]  # fmt: skip
@@ -122,8 +150,12 @@ def main(argv=None) -> None:
                "FLOPs/useful", "1/(1-bubble)", "2sUb > 9h"]  # fmt: skip
     title = "Pipelines (compile only): schedules, ZeroPP's unit, ZeroPP vs FSDP vs TP"
     gpipe_temp = None  # 1f1b's activation memory against gpipe's (same p, m, no remat)
+    results = {}
     for label, spec in specs:
+        t0 = time.perf_counter()
         r = run(spec)
+        r["compile_s"] = time.perf_counter() - t0
+        results[label] = r
         print(label, r, flush=True)
         if "error" in r:
             rows.append([label, spec["recipe"], "—", r["error"], *["—"] * 10])
@@ -140,6 +172,43 @@ def main(argv=None) -> None:
                 r.get("zeropp_beats_tp", "—"),
             ])  # fmt: skip
         emit("pipeline", title, headers, rows, args.out)  # after each row: partial runs keep rows
+    name = "gpt-tiny" if args.tiny else "gpt-small"
+    groups = [(name, 8, f"zeropp U={m}", "3D dp_tp_sp_pp", "fsdp")]
+    if not args.tiny:
+        groups += [("gpt-7b", n, f"7b zeropp ({n})", f"7b 3D ({n})", f"7b fsdp ({n})")
+                   for n in (64, 256)]  # fmt: skip
+    emit("pipeline_3d", "ZeroPP vs 3D (dp_tp_sp_pp) vs FSDP (compile only, per device)",
+         COMPARE_HEADERS, [compare(g, results) for g in groups], args.out)  # fmt: skip
+
+
+COMPARE_HEADERS = [
+    "model", "devices", "zeropp mesh", "3D mesh", "zeropp MiB", "3D MiB", "fsdp MiB",
+    "zeropp wire MiB", "3D wire MiB", "fsdp wire MiB", "least memory", "fewest wire bytes",
+    "zeropp AG+RS MiB", "3D AG+RS MiB", "2·s·U·b", "6h (engine)", "9h (paper)",
+    "ZeroPP < TP: predicted (6h, 9h)", "ZeroPP < TP: measured", "compile s (zeropp, 3D, fsdp)",
+]  # fmt: skip
+
+
+def compare(group: tuple, results: dict) -> list:
+    """One row of the ZeroPP / 3D / FSDP table: measured bytes and the crossover condition."""
+    model, n, *labels = group
+    rs = [results.get(lb, {"error": "not run"}) for lb in labels]
+    if any("error" in r for r in rs):
+        return [model, n, *[r.get("error", "") for r in rs], *["—"] * (len(COMPARE_HEADERS) - 5)]
+    zpp, d3, fsdp = rs
+    names = ("zeropp", "3D", "fsdp")
+    weights = lambda r: sum(r["by_kind"].get(k, 0.0) for k in ("all-gather", "reduce-scatter"))  # noqa: E731
+    lhs = 2 * zpp["seq"] * zpp["unit"] * d3["micro"]
+    h = zpp["d_model"]
+    return [
+        model, n, zpp["mesh"], d3["mesh"], *(fmt(r["total"]) for r in rs),
+        *(fmt(r["wire"]) for r in rs),
+        names[min(range(3), key=lambda i: rs[i]["total"])],
+        names[min(range(3), key=lambda i: rs[i]["wire"])],
+        fmt(weights(zpp)), fmt(weights(d3)), lhs, 6 * h, 9 * h,
+        f"{lhs > 6 * h}, {lhs > 9 * h}", weights(zpp) < weights(d3),
+        ", ".join(f"{r['compile_s']:.0f}" for r in rs),
+    ]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 SCRIPTS = ("layout", "memory_terms", "overhead", "compile_scaling", "planning", "pipeline", "tsp",
            "explicit", "autoplan", "gpu")  # fmt: skip
 #: Further tables a script writes, after its own.
-EXTRA_RESULTS = {"planning": ("planning_logits",)}
+EXTRA_RESULTS = {"planning": ("planning_logits",), "pipeline": ("pipeline_3d",)}
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 
 

@@ -20,9 +20,11 @@ from shardkit.parallel.schedules import (
 from shardkit.parallel.stages import (
     NotPipelinableError,
     Stages,
+    from_interleaved,
     linen_layer,
     nnx_layer,
     reference_stages,
+    to_interleaved,
     train_step,
 )
 
@@ -37,12 +39,14 @@ __all__ = [
     "StageDivisibilityError",
     "UnknownScheduleError",
     "bubble_fraction",
+    "from_interleaved",
     "linen_layer",
     "nnx_layer",
     "pipeline",
     "reference_stages",
     "schedules",
     "stages",
+    "to_interleaved",
     "train_step",
     "value_and_grad",
 ]

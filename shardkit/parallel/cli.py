@@ -25,7 +25,9 @@ __all__ = ["add_arguments", "options", "step_for"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Add ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--unit`` to ``p``."""
-    g = p.add_argument_group("pipeline (recipes with a 'stage' axis: pp, dp_pp, zeropp)")
+    g = p.add_argument_group(
+        "pipeline (recipes with a 'stage' axis: pp, dp_pp, zeropp, dp_tp_sp_pp)"
+    )
     g.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step (default: the number of stages)")  # fmt: skip
     g.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
@@ -58,8 +60,8 @@ def step_for(model: Any, tx: Any, plan: Any, abstract: Any, opts: dict[str, Any]
         if opts is not None:
             raise NotPipelinableError(
                 f"--microbatches/--schedule/--unit need a recipe with a 'stage' axis; "
-                f"{plan.recipe.name!r} has {dict(plan.mesh.shape)}.\nFix: --recipe pp, dp_pp "
-                "or zeropp, or drop the pipeline flags."
+                f"{plan.recipe.name!r} has {dict(plan.mesh.shape)}.\nFix: --recipe pp, dp_pp, zeropp "
+                "or dp_tp_sp_pp, or drop the pipeline flags."
             )
         return None
     if not hasattr(model, "config"):

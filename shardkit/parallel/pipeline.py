@@ -65,7 +65,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from shardkit.annotate.constrain import activation_rules, param_rules
+from shardkit.annotate.constrain import (
+    activation_rules,
+    current_activation_rules,
+    current_param_rules,
+    param_rules,
+)
 from shardkit.attention import use_attention
 from shardkit.parallel.schedules import (
     MicrobatchError,
@@ -74,8 +79,13 @@ from shardkit.parallel.schedules import (
     StageDivisibilityError,
     make,
 )
+from shardkit.rules import Rules
 
-__all__ = ["value_and_grad", "spec_axes", "STAGE"]
+__all__ = ["value_and_grad", "interleaved_order", "spec_axes", "STAGE", "STACK_ORDERS"]
+
+#: How a layer stack is stored: ``"layers"`` (layer order) or ``"interleaved"`` (each
+#: stage's ``v`` chunks contiguous, see :func:`interleaved_order`).
+STACK_ORDERS = ("layers", "interleaved")
 
 #: The mesh axis pipeline stages are laid along.
 STAGE = "stage"
@@ -93,27 +103,82 @@ def spec_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
+def interleaved_order(layers: int, stages: int, virtual: int) -> np.ndarray:
+    """The layer stored at each position of an ``interleaved`` stack: ``stack[perm]``.
+
+    Interleaved, stage ``s`` runs chunks ``s, s + p, ..., s + (v − 1)·p`` (of ``L/(p·v)``
+    layers each). A stack in layer order, cut into ``p`` contiguous blocks over ``stage``,
+    gives stage ``s`` the wrong layers; stored as ``stack[perm]`` each stage's block holds
+    its own chunks, and the pipeline moves no weights (``stack_order="interleaved"``).
+
+    Example:
+      >>> interleaved_order(8, stages=2, virtual=2).tolist()   # chunks of 2 layers
+      [0, 1, 4, 5, 2, 3, 6, 7]
+    """
+    chunk = layers // (stages * virtual)
+    return np.array([(k * stages + s) * chunk + i for s in range(stages)
+                     for k in range(virtual) for i in range(chunk)])  # fmt: skip
+
+
 def _full_spec(spec: PartitionSpec | None, ndim: int) -> tuple:
     entries = tuple(spec or ())
     return (entries + (None,) * ndim)[:ndim]
 
 
-def _gather(x: jax.Array, spec: PartitionSpec, skip: str) -> jax.Array:
-    """All-gather ``x`` over every mesh axis (but ``skip``) its spec shards it on."""
+def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
+    """All-gather ``x`` over every mesh axis (but those in ``skip``) its spec shards it on."""
     for d, entry in enumerate(_full_spec(spec, x.ndim)):
-        axes = tuple(a for a in spec_axes(entry) if a != skip)
+        axes = tuple(a for a in spec_axes(entry) if a not in skip)
         if axes:
             x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
     return x
 
 
-def _scatter(g: jax.Array, spec: PartitionSpec, skip: str) -> jax.Array:
+def _scatter(g: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
     """Reduce-scatter ``g`` back to the shards ``spec`` gives (the transpose of ``_gather``)."""
     for d, entry in enumerate(_full_spec(spec, g.ndim)):
-        axes = tuple(a for a in spec_axes(entry) if a != skip)
+        axes = tuple(a for a in spec_axes(entry) if a not in skip)
         if axes:
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
     return g
+
+
+def _only(spec: PartitionSpec, keep: frozenset[str]) -> PartitionSpec:
+    """``spec`` with every mesh axis not in ``keep`` dropped (a dimension left unsharded)."""
+    out = []
+    for entry in tuple(spec):
+        axes = tuple(a for a in spec_axes(entry) if a in keep)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def _auto_rules(rules: Rules | None, manual: frozenset[str]) -> Rules | None:
+    """The rules inside the pipeline: manual mesh axes dropped from every rule.
+
+    A rule that named only manual axes goes (a later rule for its name applies, as it
+    would to an array whose dimension already used that axis); a name left with no rule
+    is replicated. A :class:`VocabRules` stays one (its two rule sets stripped alike).
+    """
+    if rules is None:
+        return None
+    from shardkit.recipes.recipe import VocabRules
+
+    def strip(r: Rules) -> Rules:
+        pairs, names = [], set()
+        for name, axes in r.pairs():
+            kept = tuple(a for a in spec_axes(axes) if a not in manual)
+            if kept:
+                pairs.append((name, kept[0] if len(kept) == 1 else kept))
+                names.add(name)
+        for name, _ in r.pairs():
+            if name not in names:
+                pairs.append((name, None))
+                names.add(name)
+        return Rules(pairs, strict=r.strict)
+
+    if isinstance(rules, VocabRules):
+        return VocabRules(strip(rules), strip(rules.without), rules.gathered)
+    return strip(rules)
 
 
 def _used_axes(spec: PartitionSpec | None) -> set[str]:
@@ -137,6 +202,8 @@ def value_and_grad(
     stack_specs: Any = None,
     rest_specs: Any = None,
     batch_axes: tuple[str, ...] | None = None,
+    auto_axes: tuple[str, ...] = (),
+    stack_order: str = "layers",
     stage_axis: str = STAGE,
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
     """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
@@ -160,11 +227,22 @@ def value_and_grad(
       batch_axes: mesh axes the batch's first dimension is split over (default: every
         mesh axis but ``stage`` that no stack spec uses, e.g. ``data``; pass
         ``("data", "fsdp")`` for ZeroPP).
+      auto_axes: mesh axes left to XLA (e.g. ``("tensor",)``): the ``shard_map`` is manual
+        over the others only, parameter dimensions sharded over these axes are not
+        gathered by the engine, and inside each stage the active plan's rules (less the
+        manual axes) constrain activations and weights, so XLA shards each stage's
+        layers by them (tensor and sequence parallelism inside a pipeline stage).
+      stack_order: ``"layers"``: the stack in layer order; under ``interleaved`` the
+        engine reorders it for the stages (a gather of the whole stack, and its gradient
+        back, every step). ``"interleaved"``: the stack is stored as
+        ``stack[interleaved_order(L, p, v)]`` (convert once,
+        :func:`shardkit.parallel.stages.to_interleaved`): nothing moves, and the gradient
+        comes back in the same order.
       stage_axis: the pipeline's mesh axis.
 
     Returns:
       the loss (the mean over the whole batch) and the gradients of ``stack`` and ``rest``,
-      in their specs.
+      in their specs (and the stack's order).
 
     Raises:
       StageDivisibilityError: the layers do not divide into ``p·v`` chunks.
@@ -174,10 +252,24 @@ def value_and_grad(
     if stage_axis not in mesh.shape:
         raise PipelineError(
             f"Pipeline over mesh axis {stage_axis!r}, but the mesh has axes {dict(mesh.shape)}."
-            f"\nFix: a recipe with a stage axis (pp, dp_pp, zeropp), or "
+            f"\nFix: a recipe with a stage axis (pp, dp_pp, zeropp, dp_tp_sp_pp), or "
             f"sk.make_mesh({{'{stage_axis}': p, ...}})."
         )
     p = int(mesh.shape[stage_axis])
+    auto = frozenset(a for a in auto_axes if int(mesh.shape.get(a, 1)) > 1)
+    bad = sorted(a for a in auto_axes if a not in mesh.shape or a == stage_axis
+                 or a in (batch_axes or ()))  # fmt: skip
+    if bad:
+        raise PipelineError(
+            f"auto_axes {tuple(auto_axes)}: {bad} cannot be left to XLA (mesh {dict(mesh.shape)},"
+            f" stage axis {stage_axis!r}, batch axes {batch_axes}).\nFix: auto axes are mesh "
+            "axes other than the stage and batch axes (e.g. ('tensor',))."
+        )
+    if stack_order not in STACK_ORDERS:
+        raise PipelineError(
+            f"stack_order={stack_order!r} is not one of {STACK_ORDERS}.\nFix: 'layers' (the "
+            "stack in layer order) or 'interleaved' (stored as stack[interleaved_order(...)])."
+        )
     sched = make(schedule, p, microbatches, virtual_stages)
     v = sched.virtual
 
@@ -201,7 +293,8 @@ def value_and_grad(
         if b_axes is None:
             used = set().union(*(_used_axes(s) for s in jax.tree.leaves(
                 s_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))  # fmt: skip
-            b_axes = tuple(a for a in mesh.axis_names if a != stage_axis and a not in used)
+            b_axes = tuple(a for a in mesh.axis_names
+                           if a != stage_axis and a not in used and a not in auto)  # fmt: skip
         b_axes = tuple(a for a in b_axes if mesh.shape[a] > 1)
         n_shards = math.prod(mesh.shape[a] for a in b_axes)
         rows = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}
@@ -215,18 +308,23 @@ def value_and_grad(
                     f"micro-batches dividing {b // n_shards} (e.g. {_divisors(b // n_shards)})."
                 )
         perm = None
-        if v > 1:  # chunk k·p + s on stage s: reorder the stack so stage s holds its chunks
-            chunk = n_layers // (p * v)
-            perm = np.array([(k * p + s) * chunk + i for s in range(p) for k in range(v)
-                             for i in range(chunk)])  # fmt: skip
+        if v > 1 and stack_order == "layers":  # chunk k·p + s on stage s: reorder the stack
+            perm = interleaved_order(n_layers, p, v)
             stack = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), stack)
         b_spec = PartitionSpec(b_axes or None)
+        manual = frozenset(mesh.axis_names) - auto
+        rules = None
+        if auto:  # the plan's rules (traced under it), less the manual axes, inside the stages
+            rules = (_auto_rules(current_activation_rules(), manual),
+                     _auto_rules(current_param_rules(), manual))  # fmt: skip
         body = _Body(layer_fn, pre_fn, post_fn, sched, mesh, stage_axis, s_specs, r_specs,
-                     b_axes, n_shards, unit)  # fmt: skip
-        out_specs = (PartitionSpec(), (s_specs, r_specs))
-        in_specs = (s_specs, r_specs, jax.tree.map(lambda _: b_spec, batch))
+                     b_axes, n_shards, unit, auto, rules)  # fmt: skip
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        m_specs = lambda t: jax.tree.map(lambda sp: _only(sp, manual), t, is_leaf=is_spec)  # noqa: E731
+        out_specs = (PartitionSpec(), (m_specs(s_specs), m_specs(r_specs)))
+        in_specs = (m_specs(s_specs), m_specs(r_specs), jax.tree.map(lambda _: b_spec, batch))
         fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           check_vma=False)  # fmt: skip
+                           axis_names=set(manual), check_vma=False)  # fmt: skip
         loss, (d_stack, d_rest) = fn(stack, rest, batch)
         if perm is not None:
             inverse = np.argsort(perm)
@@ -234,6 +332,7 @@ def value_and_grad(
         return loss, (d_stack, d_rest)
 
     run.schedule = sched  # type: ignore[attr-defined]
+    run.auto_axes = tuple(sorted(auto))  # type: ignore[attr-defined]
     return run
 
 
@@ -256,8 +355,11 @@ class _Body:
     """The per-device program: the schedule's ticks unrolled."""
 
     def __init__(self, layer_fn, pre_fn, post_fn, sched: Schedule, mesh, stage_axis,
-                 s_specs, r_specs, b_axes, n_shards, unit):  # fmt: skip
+                 s_specs, r_specs, b_axes, n_shards, unit, auto=frozenset(),
+                 rules=None):  # fmt: skip
         self.layer_fn, self.pre_fn, self.post_fn = layer_fn, pre_fn, post_fn
+        self.rules = rules or (None, None)
+        self.skip = frozenset({stage_axis}) | auto  # axes the engine never gathers over
         self.sched, self.mesh, self.stage = sched, mesh, stage_axis
         self.s_specs, self.r_specs = s_specs, r_specs
         self.b_axes, self.n_shards, self.unit = b_axes, n_shards, unit
@@ -276,7 +378,8 @@ class _Body:
         return sorted({round(i * ticks / units) for i in range(units)})
 
     def __call__(self, stack: Any, rest: Any, batch: Any):
-        with activation_rules(None), param_rules(None), use_attention("dense"):
+        acts, params = self.rules
+        with activation_rules(acts), param_rules(params), use_attention("dense"):
             return self._run(stack, rest, batch)
 
     def _run(self, stack: Any, rest: Any, batch: Any):
@@ -299,7 +402,7 @@ class _Body:
 
         # Rest (embedding, head): gathered once per step.
         rest_g = jax.tree.unflatten(
-            r_def, [_gather(x, sp, stage) for x, sp in zip(r_flat, r_spec, strict=True)]
+            r_def, [_gather(x, sp, self.skip) for x, sp in zip(r_flat, r_spec, strict=True)]
         )
         micro = jax.tree.map(lambda x: x.reshape(m, x.shape[0] // m, *x.shape[1:]), batch)
 
@@ -339,7 +442,7 @@ class _Body:
         def flush(d_acc):
             for n, (g, sp) in enumerate(zip(d_acc, s_spec, strict=True)):
                 g = g.reshape(-1, *g.shape[2:])
-                d_stack_sharded[n] = d_stack_sharded[n] + _scatter(g, sp, stage)
+                d_stack_sharded[n] = d_stack_sharded[n] + _scatter(g, sp, self.skip)
 
         def select(tree_flat, k):
             if v == 1:
@@ -361,7 +464,9 @@ class _Body:
                     g0 = d_stack_sharded[0].reshape(-1)[0]
                     zero = ((s == -1 - t) & (g0 == g0)).astype(s_flat[0].dtype)
                 shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
-                w_g = [chunked(_gather(x, sp, stage)) for x, sp in zip(shards, s_spec, strict=True)]
+                w_g = [
+                    chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec, strict=True)
+                ]
                 d_acc = [jnp.zeros_like(x) for x in w_g]
             has_f = bool(np_tables["f_valid"][t].any())
             has_b = bool(np_tables["b_valid"][t].any())
@@ -468,7 +573,7 @@ class _Body:
             d_stack.append(_psum_over(g, tuple(a for a in self.b_axes if a not in _used_axes(sp))))
         d_rest_out = []
         for g, sp in zip(jax.tree.leaves(d_rest), r_spec, strict=True):
-            g = _scatter(g, sp, stage)
+            g = _scatter(g, sp, self.skip)
             axes = tuple(a for a in self.b_axes if a not in _used_axes(sp))
             d_rest_out.append(_psum_over(g, (*axes, stage) if p > 1 else axes))
         loss = _psum_over(loss, (*self.b_axes, stage) if p > 1 else self.b_axes)

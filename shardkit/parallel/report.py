@@ -67,14 +67,16 @@ def measure(
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     unit: int | None = None,
+    stack_order: str = "layers",
 ) -> PipelineMeasurement:
-    """Compile the pipelined step of ``model`` under ``plan`` and read its costs."""
+    """Compile the pipelined step of ``model`` under ``plan`` and read its costs
+    (``stack_order="interleaved"``: the abstract state taken as stored in that order)."""
     from shardkit.models.reporting import token_batch
     from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
 
     step, abstract = _step_and_abstract(plan, model, tx, microbatches=microbatches,
                                         schedule=schedule, virtual_stages=virtual_stages,
-                                        unit=unit)  # fmt: skip
+                                        unit=unit, stack_order=stack_order)  # fmt: skip
     compiled = plan.jit(step, state=abstract).lower(abstract, token_batch(batch, seq)).compile()
     ma = compiled.memory_analysis()
     memory = {"arguments": ma.argument_size_in_bytes, "output": ma.output_size_in_bytes,

@@ -39,6 +39,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec
 
@@ -47,9 +48,11 @@ from shardkit.parallel.schedules import PipelineError
 
 __all__ = [
     "Stages",
+    "from_interleaved",
     "linen_layer",
     "nnx_layer",
     "reference_stages",
+    "to_interleaved",
     "train_step",
     "value_and_grad",
     "NotPipelinableError",
@@ -173,6 +176,7 @@ def value_and_grad(
     schedule: str = "1f1b",
     virtual_stages: int = 1,
     unit: int | None = None,
+    stack_order: str = "layers",
 ) -> Callable[[Any, Any], tuple[jax.Array, Any]]:
     """``fn(params, batch) -> (loss, grads)`` run as a pipeline under ``plan``.
 
@@ -182,8 +186,9 @@ def value_and_grad(
         over it.
       abstract_params: the params with their logical axes (``jax.eval_shape(init, key)``
         of the annotated params), or an ``AbstractState`` whose tree has ``.params``.
-      microbatches, schedule, virtual_stages, unit: see
-        :func:`shardkit.parallel.pipeline.value_and_grad`.
+      microbatches, schedule, virtual_stages, unit, stack_order: see
+        :func:`shardkit.parallel.pipeline.value_and_grad` (``stack_order="interleaved"``:
+        ``params[key]`` stored as :func:`to_interleaved` gives it).
 
     Raises:
       NotPipelinableError: the plan has no ``stage`` axis or lays nothing over it.
@@ -192,7 +197,7 @@ def value_and_grad(
     if pipeline.STAGE not in mesh.shape:
         raise NotPipelinableError(
             f"Recipe {plan.recipe.name!r} (mesh {dict(mesh.shape)}) has no 'stage' axis to "
-            "pipeline over.\nFix: a pipeline recipe (pp, dp_pp, zeropp), or the plain "
+            "pipeline over.\nFix: a pipeline recipe (pp, dp_pp, zeropp, dp_tp_sp_pp), or the plain "
             "train step for this recipe."
         )
     if hasattr(abstract_params, "leaves") and hasattr(abstract_params, "tree"):
@@ -210,7 +215,7 @@ def value_and_grad(
         raise NotPipelinableError(
             f"Recipe {plan.recipe.name!r} lays the stack's leading 'layers' axis over "
             f"{sorted(map(str, first))}, not over 'stage' alone.\nFix: a recipe with the rule "
-            "('layers', 'stage') (pp, dp_pp, zeropp)."
+            "('layers', 'stage') (pp, dp_pp, zeropp, dp_tp_sp_pp)."
         )
     for sp in jax.tree.leaves(r_specs, is_leaf=is_spec):
         if pipeline.STAGE in {a for e in sp for a in pipeline.spec_axes(e)}:
@@ -218,12 +223,17 @@ def value_and_grad(
                 f"A non-layer parameter is sharded over 'stage' ({sp}); only the stack is cut "
                 "into stages.\nFix: map only 'layers' to 'stage' in the recipe's rules."
             )
-    batch_spec = plan.batch_sharding((mesh.size, 1)).spec  # a size every axis divides
+    batch_spec = plan.batch_sharding((mesh.size, mesh.size)).spec  # sizes every axis divides
     batch_axes = pipeline.spec_axes(tuple(batch_spec)[0]) if len(batch_spec) else ()
+    # Axes that split neither the stack into stages nor the batch (``tensor``): left to
+    # XLA, which shards each stage's layers by the plan's rules (dp_tp_sp_pp).
+    auto_axes = tuple(a for a in mesh.axis_names
+                      if a != pipeline.STAGE and a not in batch_axes and mesh.shape[a] > 1)  # fmt: skip
     run = pipeline.value_and_grad(
         stages.layer, stages.pre, stages.post, mesh=mesh, microbatches=microbatches,
         schedule=schedule, virtual_stages=virtual_stages, unit=unit,
-        stack_specs=s_specs, rest_specs=r_specs, batch_axes=batch_axes,
+        stack_specs=s_specs, rest_specs=r_specs, batch_axes=batch_axes, auto_axes=auto_axes,
+        stack_order=stack_order,
     )  # fmt: skip
 
     def fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:
@@ -234,6 +244,7 @@ def value_and_grad(
         return loss, jax.tree.unflatten(jax.tree.structure(params), leaves)
 
     fn.schedule = run.schedule  # type: ignore[attr-defined]
+    fn.auto_axes = run.auto_axes  # type: ignore[attr-defined]
     return fn
 
 
@@ -248,15 +259,23 @@ def train_step(
     virtual_stages: int = 1,
     unit: int | None = None,
     return_grads: bool = False,
+    stack_order: str = "layers",
 ) -> Callable[[Any, dict], tuple[Any, dict]]:
     """``step(state, batch) -> (state, {"loss": ...})`` for a ``shardkit.train.TrainState``,
-    the loss and gradients computed by the pipeline (see :func:`value_and_grad`)."""
+    the loss and gradients computed by the pipeline (see :func:`value_and_grad`).
+
+    ``stack_order="interleaved"`` (``interleaved`` schedule): the state's layer stacks
+    (parameters and Adam moments alike, Adam being elementwise) are stored in the
+    schedule's order, converted once by :func:`to_interleaved` (and back by
+    :func:`from_interleaved` to evaluate or save): the step moves no weights between
+    stages. In layer order the engine reorders the stack and its gradient every step."""
     import optax
 
     from shardkit.train import TrainState
 
     grad_fn = value_and_grad(stages, plan, abstract, microbatches=microbatches,
-                             schedule=schedule, virtual_stages=virtual_stages, unit=unit)  # fmt: skip
+                             schedule=schedule, virtual_stages=virtual_stages, unit=unit,
+                             stack_order=stack_order)  # fmt: skip
 
     def step(state: Any, batch: dict) -> tuple[Any, dict]:
         loss, grads = grad_fn(state.params, batch)
@@ -270,6 +289,44 @@ def train_step(
     step.pipeline = {"microbatches": microbatches, "schedule": schedule,  # type: ignore[attr-defined]
                      "virtual_stages": virtual_stages, "unit": unit}  # fmt: skip
     return step
+
+
+def _reorder(tree: Any, key: str, perm_of: Callable[[int], Any]) -> Any:
+    def one(path: Any, x: Any) -> Any:
+        names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+        if key not in names or not hasattr(x, "shape") or not x.shape:
+            return x
+        return jnp.take(x, jnp.asarray(perm_of(int(x.shape[0]))), axis=0)
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def to_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers") -> Any:
+    """Every array under a ``key`` entry of ``tree`` (a TrainState: the parameters and the
+    optimizer's moments) reordered along its leading (layer) axis into the order the
+    ``interleaved`` schedule stores (:func:`shardkit.parallel.pipeline.interleaved_order`).
+
+    Run it once (jitted with the state's shardings), then train with
+    ``train_step(..., schedule="interleaved", stack_order="interleaved")``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> to_interleaved({"layers": jnp.arange(4), "emb": jnp.arange(4)}, 2, 2)["layers"]
+      Array([0, 2, 1, 3], dtype=int32)
+    """
+    return _reorder(tree, key, lambda n: pipeline.interleaved_order(n, stages, virtual))
+
+
+def from_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers") -> Any:
+    """The inverse of :func:`to_interleaved`: the stacks back in layer order.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from_interleaved({"layers": jnp.array([0, 2, 1, 3])}, 2, 2)["layers"]
+      Array([0, 1, 2, 3], dtype=int32)
+    """
+    return _reorder(tree, key,
+                    lambda n: np.argsort(pipeline.interleaved_order(n, stages, virtual)))  # fmt: skip
 
 
 def reference_stages(model: Any) -> Stages:

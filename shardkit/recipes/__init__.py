@@ -4,7 +4,8 @@ Example:
   >>> import shardkit as sk
   >>> sk.recipes.names()
   ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp', 'tsp', 'dp_tsp',
-   'tsp_gspmd', 'dp_tsp_gspmd', 'pp', 'dp_pp', 'zeropp']
+   'tsp_gspmd', 'dp_tsp_gspmd', 'pp', 'dp_pp', 'zeropp',
+   'dp_tp_sp_pp']
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "pp": catalogue.pp,
     "dp_pp": catalogue.dp_pp,
     "zeropp": catalogue.zeropp,
+    "dp_tp_sp_pp": catalogue.dp_tp_sp_pp,
 }
 
 

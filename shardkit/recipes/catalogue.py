@@ -15,6 +15,7 @@ __all__ = [
     "dp_fsdp",
     "dp_pp",
     "dp_tp_sp",
+    "dp_tp_sp_pp",
     "dp_tsp",
     "dp_tsp_gspmd",
     "fsdp",
@@ -441,5 +442,33 @@ def zeropp() -> Recipe:
         rules=Rules([*_STAGE, ("vocab", "fsdp"), ("embed", "fsdp")]),
         activation_rules=Rules(
             [("batch", ("data", "fsdp")), ("vocab", None), *_REPLICATED_ACTIVATIONS]
+        ),
+    )
+
+
+def dp_tp_sp_pp() -> Recipe:
+    """3D parallelism: data × pipeline × tensor + sequence parallel (2 × 2 × 2 on 8 devices).
+
+    Megatron-LM's layout: the layer stack cut into stages over ``stage`` (as ``pp``),
+    each stage's layers split the Megatron way over ``tensor`` with the regions between
+    them split along ``length`` (as ``tp_sp``), replicas over ``data``. The pipeline
+    engine is manual over ``stage`` and ``data`` only; XLA shards inside each stage by
+    the rules (:func:`shardkit.parallel.pipeline.value_and_grad`'s ``auto_axes``).
+    Memory per device: 16Ψ/(p·T) of layer state (the embedding and head vocab-parallel
+    over ``tensor``, replicated over ``stage``). Wire per step: the pipeline's permutes
+    of each micro-batch's activation, b_micro·s·h/T (split along the sequence over
+    ``tensor``); TP+SP's reduce-scatters and all-gathers of activations over ``tensor``;
+    the stage's Ψ/(p·T) gradient all-reduced over ``data``. Train with
+    ``sk.parallel.train_step``.
+    """
+    return Recipe(
+        name="dp_tp_sp_pp",
+        optional_names=_REFERENCE_NAMES | {"layers"},
+        collectives=frozenset({"collective-permute", "reduce-scatter", "all-gather", "all-reduce"}),
+        summary="3D: data × pipeline × tensor + sequence parallel (2×2×2 on 8 devices)",
+        mesh_axes=(("data", -1), ("stage", 2), ("tensor", 2)),
+        rules=Rules([*_STAGE, *_TENSOR]),
+        activation_rules=Rules(
+            [("batch", "data"), *_TENSOR, ("length", "tensor"), *_REPLICATED_ACTIVATIONS]
         ),
     )

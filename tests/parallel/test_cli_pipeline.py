@@ -28,5 +28,7 @@ def test_flags_with_a_recipe_that_cannot_pipeline_name_the_fix():
     plan = sk.Plan("fsdp", devices=jax.devices()[:2])
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     assert cli.step_for(model, tx, plan, abstract, None) is None  # no flags: the plain step
-    with pytest.raises(sk.parallel.NotPipelinableError, match="--recipe pp, dp_pp or zeropp"):
+    with pytest.raises(
+        sk.parallel.NotPipelinableError, match="--recipe pp, dp_pp, zeropp or dp_tp_sp_pp"
+    ):
         cli.step_for(model, tx, plan, abstract, cli.options(parse("--microbatches", "4")))

@@ -17,7 +17,8 @@ from shardkit.models import get
 from shardkit.parallel.stages import reference_stages
 
 STEPS, BATCH, SEQ, LR, EPS, LAYERS = 3, 32, 16, 1e-2, 1e-5, 4
-DEVICES = {"pp": 2, "dp_pp": 8, "zeropp": 8}  # every layout has p = 2 stages here
+# every layout has p = 2 stages here (dp_tp_sp_pp: data 2 × stage 2 × tensor 2)
+DEVICES = {"pp": 2, "dp_pp": 8, "zeropp": 8, "dp_tp_sp_pp": 8}
 
 
 def run_steps(model_name, plan, pipelined=None):
@@ -26,17 +27,25 @@ def run_steps(model_name, plan, pipelined=None):
     source = MarkovSource(vocab=model.config.vocab, seed=0)
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     state = plan.init(abstract)
+    reorder = None
     if pipelined is None:
         step = plan.jit(train.train_step(model, tx, return_grads=True))
     else:
         fn = parallel.stages.train_step(reference_stages(model), tx, plan, abstract,
                                         return_grads=True, **pipelined)  # fmt: skip
         step = plan.jit(fn, state=abstract)
+        if pipelined.get("stack_order") == "interleaved":  # the state stored in its order
+            reorder = (plan.mesh.shape["stage"], pipelined["virtual_stages"])
+            shardings = jax.tree.map(lambda x: x.sharding, state)
+            state = jax.jit(lambda s: parallel.to_interleaved(s, *reorder),
+                            out_shardings=shardings)(state)  # fmt: skip
     losses, first = [], None
     for i in range(STEPS):
         state, metrics = step(state, plan.shard_batch(source.batch(BATCH, SEQ, i)))
         losses.append(float(metrics["loss"]))
         first = metrics["grads"] if first is None else first
+    if reorder is not None:  # back to layer order, to compare with one device
+        state, first = parallel.from_interleaved((state, first), *reorder)
     return losses, first, state
 
 
@@ -53,14 +62,17 @@ def one_device():
 
 
 RECIPES = list(DEVICES)
-# Each schedule and each recipe, both models, m in {p, 2p, 4p} (four cases, for the suite's
-# time; nine other cases passed during development). SHARDKIT_PIPELINE_ALL=1 runs all 54
-# combinations (3 recipes x 3 schedules x 3 m x 2 models, ~10 minutes on 2 CPU cores).
+# Each schedule and each recipe, both models, m in {p, 2p, 4p} (six cases, for the suite's
+# time; nine other cases passed during development). SHARDKIT_PIPELINE_ALL=1 runs all 72
+# combinations (4 recipes x 3 schedules x 3 m x 2 models, ~14 minutes on 2 CPU cores).
 CASES = [
     ("gpt-tiny", "gpipe", 1, "pp"),
     ("llama-tiny", "1f1b", 2, "zeropp"),
-    ("gpt-tiny", "interleaved", 1, "dp_pp"),
+    ("gpt-tiny", "interleaved", 1, "dp_pp"),  # the stack stored interleaved (see below)
     ("llama-tiny", "1f1b", 4, "pp"),
+    # 3D: the pipeline manual over stage and data, tensor (TP + SP) left to XLA
+    ("gpt-tiny", "1f1b", 2, "dp_tp_sp_pp"),
+    ("llama-tiny", "interleaved", 1, "dp_tp_sp_pp"),
 ]
 if os.environ.get("SHARDKIT_PIPELINE_ALL"):
     CASES = [(model, sched, f, recipe) for model in ("gpt-tiny", "llama-tiny")
@@ -73,9 +85,13 @@ def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, one_d
     ref_losses, ref_grads, ref_state = one_device(model_name)
     plan = sk.Plan(recipe, devices=jax.devices()[: DEVICES[recipe]])
     p = plan.mesh.shape["stage"]
+    # interleaved: the state stored in the schedule's order (nothing moves between stages)
+    # under dp_pp, in layer order (the engine reorders it each step) under the others
+    order = "interleaved" if (schedule, recipe) == ("interleaved", "dp_pp") else "layers"
     losses, grads, state = run_steps(
-        model_name, plan, dict(microbatches=factor * p, schedule=schedule, virtual_stages=2, unit=p)
-    )
+        model_name, plan, dict(microbatches=factor * p, schedule=schedule, virtual_stages=2,
+                               unit=p, stack_order=order)
+    )  # fmt: skip
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     scale = max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(ref_grads))
     for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads), strict=True):

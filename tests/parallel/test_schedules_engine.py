@@ -120,3 +120,31 @@ def test_bad_input_names_numbers_and_fix():
         pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2, schedule="1f1b")
     with pytest.raises(schedules.PipelineError, match="mesh axis 'stage'"):
         pipeline.value_and_grad(layer, pre, post, mesh=sk.make_mesh({"data": 8}), microbatches=4)
+
+
+def test_interleaved_stack_stored_in_its_order_moves_no_weights():
+    from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
+
+    stack, rest, batch = params()
+    mesh, p, v = mesh_of({"stage": 4}), 4, 2
+    perm = pipeline.interleaved_order(LAYERS, p, v)
+    # By hand: stage s runs chunks s and s + 4 (one layer each), so its block holds them.
+    assert perm.tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    on_stages = jax.sharding.NamedSharding(mesh, P("stage"))  # as a plan lays out the stack
+    stored = jax.device_put(jax.tree.map(lambda x: x[perm], stack), on_stages)
+    wire = {}
+    for order, st in (("layers", jax.device_put(stack, on_stages)), ("interleaved", stored)):
+        fn = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=p,
+                                     schedule="interleaved", virtual_stages=v,
+                                     stack_order=order)  # fmt: skip
+        compiled = jax.jit(fn).lower(st, rest, batch).compile()
+        wire[order] = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
+        loss, (d_stack, d_rest) = compiled(st, rest, batch)
+        if order == "interleaved":  # the gradient comes back in the stored order
+            d_stack = jax.tree.map(lambda g: g[np.argsort(perm)], d_stack)
+        assert_same((loss, (d_stack, d_rest)), reference(stack, rest, batch))
+    assert wire["layers"].get("all-gather", 0) > 0  # the reorder gathers the stack
+    assert "all-gather" not in wire["interleaved"]
+    assert set(wire["interleaved"]) == {"collective-permute", "all-reduce"}
+    with pytest.raises(schedules.PipelineError, match="stack_order='chunks'(.|\n)*Fix"):
+        pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=p, stack_order="chunks")

@@ -1,0 +1,110 @@
+"""The pipeline engine manual over ``stage`` and ``data`` only, ``tensor`` left to XLA.
+
+A Megatron pair of layers (column- then row-parallel) per layer, its kernels sharded over
+``tensor``: the loss and gradients equal one device's (``jax.value_and_grad`` layer by
+layer), each device holds ``1/(p·T)`` of the stack, and no weight is ever all-gathered.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import shardkit as sk
+from shardkit.parallel import PipelineError, pipeline
+from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
+
+H, LAYERS, ROWS, M = 32, 4, 16, 4
+SPECS = {"a": P("stage", None, "tensor"), "b": P("stage", "tensor", None)}
+
+
+def layer(w, x):
+    return jnp.tanh(x @ w["a"]) @ w["b"]
+
+
+def pre(rest, mb):
+    return mb["x"]
+
+
+def post(rest, y, mb):
+    return jnp.mean((y - mb["x"]) ** 2)
+
+
+def test_tensor_axis_left_to_xla_is_exact_and_sharded():
+    mesh = sk.make_mesh({"stage": 2, "tensor": 2, "data": 2}, devices=jax.devices()[:8])
+    k = jax.random.split(jax.random.key(0), 3)
+    stack = {"a": jax.random.normal(k[0], (LAYERS, H, 4 * H)) / 8,
+             "b": jax.random.normal(k[1], (LAYERS, 4 * H, H)) / 16}  # fmt: skip
+    batch = {"x": jax.random.normal(k[2], (ROWS, H))}
+
+    def reference(stack):
+        x = batch["x"]
+        for i in range(LAYERS):
+            x = layer({n: w[i] for n, w in stack.items()}, x)
+        return post({}, x, batch)
+
+    want, want_g = jax.value_and_grad(reference)(stack)
+    fn = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=M, schedule="1f1b",
+                                 stack_specs=SPECS, batch_axes=("data",), auto_axes=("tensor",))  # fmt: skip
+    stack = {n: jax.device_put(w, NamedSharding(mesh, SPECS[n])) for n, w in stack.items()}
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    compiled = jax.jit(fn).lower(stack, {}, batch).compile()
+    loss, (grads, _) = compiled(stack, {}, batch)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    for n in stack:
+        np.testing.assert_allclose(grads[n], want_g[n], rtol=0, atol=1e-6)
+        # the gradient keeps its tensor shards
+        assert grads[n].sharding.is_equivalent_to(NamedSharding(mesh, SPECS[n]), 3)
+    stack_bytes = sum(w.size for w in stack.values()) * 4
+    batch_bytes = ROWS * H * 4 // 2
+    # Arguments: 1/(p·T) of the stack (the engine gathers nothing over tensor) + the batch.
+    assert compiled.memory_analysis().argument_size_in_bytes == stack_bytes // 4 + batch_bytes
+    wire = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
+    assert "all-gather" not in wire  # no weight gathered; Megatron's pair needs none
+
+
+def test_auto_axes_must_be_neither_stage_nor_batch():
+    mesh = sk.make_mesh({"stage": 2, "tensor": 2}, devices=jax.devices()[:4])
+    for bad in (("stage",), ("sequence",)):
+        with pytest.raises(PipelineError, match=r"cannot be left to XLA(.|\n)*Fix"):
+            pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2,
+                                    auto_axes=bad)  # fmt: skip
+    with pytest.raises(PipelineError, match="batch axes"):
+        pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2,
+                                batch_axes=("tensor",), auto_axes=("tensor",))  # fmt: skip
+
+
+def test_rules_inside_the_stages_drop_the_manual_axes():
+    from shardkit.parallel.pipeline import _auto_rules
+    from shardkit.recipes.recipe import VocabRules
+
+    manual = frozenset({"stage", "data", "fsdp"})
+    rules = sk.Rules([("batch", "data"), ("embed", "fsdp"), ("embed", "tensor"),
+                      ("length", ("data", "tensor")), ("layers", "stage")])  # fmt: skip
+    got = _auto_rules(rules, manual)
+    # batch and layers: only manual axes, replicated; embed: the later tensor rule applies;
+    # length: its tensor part stays.
+    assert got == sk.Rules([("embed", "tensor"), ("length", "tensor"), ("batch", None),
+                            ("layers", None)])  # fmt: skip
+    assert got.spec(("batch", "length")) == P(None, "tensor")
+    vocab = VocabRules(sk.Rules([("vocab", "tensor"), ("batch", "data")]),
+                       sk.Rules([("batch", "data")]), gathered=8)  # fmt: skip
+    got = _auto_rules(vocab, manual)
+    assert isinstance(got, VocabRules) and got.gathered == 8
+    assert got.spec(("batch", "vocab"), shape=(4, 16)) == P(None, "tensor")
+    assert got.spec(("batch", "vocab"), shape=(4, 4)) == P(None, None)
+
+
+def test_pipeline_recipes_leave_only_tensor_to_xla():
+    from shardkit import models, parallel, train
+
+    model, tx = models.get("gpt-tiny", n_layers=4), train.adamw()
+    want = {"pp": (2, ()), "dp_pp": (8, ()), "zeropp": (8, ()), "dp_tp_sp_pp": (8, ("tensor",))}
+    for recipe, (devices, auto) in want.items():
+        plan = sk.Plan(recipe, devices=jax.devices()[:devices])
+        abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+        fn = parallel.stages.value_and_grad(parallel.reference_stages(model), plan, abstract,
+                                            microbatches=2)  # fmt: skip
+        assert fn.auto_axes == auto, recipe
