@@ -40,12 +40,16 @@ def measure(name: str, recipe: str, seq: int, batch: int = 8):
     raise error
 
 
+TINY_RECIPES = ("dp", "zero1", "fsdp", "tp_sp", "cp", "tsp_gspmd", "dp_pp")
+
+
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     names, seq = (("gpt-tiny",), 32) if args.tiny else (("gpt-small", "llama-small"), 512)
     rows, details = [], {}
     for name in names:
-        for recipe in recipes.names():
+        # --tiny: a smoke run over one recipe of each family
+        for recipe in TINY_RECIPES if args.tiny else recipes.names():
             try:
                 devices, r = measure(name, recipe, seq)
             except ShardingError as e:
