@@ -118,10 +118,9 @@ def _watch(procs: list[subprocess.Popen], command: list[str], grace: float) -> i
     try:
         while [p.poll() for p in procs].count(None):  # poll every one, no short circuit
             if failed is None:
-                for i, p in enumerate(procs):
-                    if p.returncode not in (None, 0):
-                        failed, deadline = (i, p.returncode), time.monotonic() + grace
-                        break
+                failed = root_cause([p.returncode for p in procs])
+                if failed is not None:
+                    deadline = time.monotonic() + grace
             if deadline is not None and time.monotonic() > deadline:
                 ended_by_launcher = [i for i, p in enumerate(procs) if p.poll() is None]
                 _stop(procs)
@@ -133,7 +132,7 @@ def _watch(procs: list[subprocess.Popen], command: list[str], grace: float) -> i
     for p in procs:
         p.wait()
     if failed is None:
-        failed = next(((i, p.returncode) for i, p in enumerate(procs) if p.returncode), None)
+        failed = root_cause([p.returncode for p in procs])
     if failed is None:
         return 0
     i, code = failed
@@ -145,6 +144,26 @@ def _watch(procs: list[subprocess.Popen], command: list[str], grace: float) -> i
         flush=True,
     )
     return 1
+
+
+def root_cause(codes: list[int | None]) -> tuple[int, int] | None:
+    """(index, exit code) of the process whose failure to report, of those seen failed at
+    once: one killed by a signal from outside first, then one that exited with an error,
+    then one that aborted (SIGABRT: what a process's collective library does when a peer
+    vanishes mid-collective, a consequence rather than the cause). ``None`` if none failed.
+
+    Example:
+      >>> root_cause([-signal.SIGABRT, -signal.SIGKILL])   # the peer's abort came first
+      (1, -9)
+      >>> root_cause([None, 0]) is None
+      True
+    """
+
+    def rank(code: int) -> int:
+        return 2 if code == -signal.SIGABRT else 0 if code < 0 else 1
+
+    failed = [(rank(c), i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+    return min(failed)[1:] if failed else None
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:

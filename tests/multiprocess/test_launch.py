@@ -85,3 +85,15 @@ def test_launcher_names_the_dead_process_and_ends_the_rest(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("shardkit launch: process 1 of 2 exited with status 3"), proc.stderr
     assert "the launcher ended 0" in last and "no --checkpoint-dir" in last
+
+
+def test_the_launcher_reports_the_killed_process_not_the_peer_that_aborted_after_it():
+    # Seen in CI: process 1 was SIGKILLed and, within one poll, process 0's collective
+    # library aborted (SIGABRT) on the half-finished exchange. The cause is process 1.
+    from shardkit.cli.launch_cmd import root_cause
+
+    assert root_cause([-signal.SIGABRT, -signal.SIGKILL]) == (1, -signal.SIGKILL)
+    assert root_cause([-signal.SIGABRT, 1]) == (1, 1)  # an error exit before an abort
+    assert root_cause([1, -signal.SIGTERM]) == (1, -signal.SIGTERM)
+    assert root_cause([None, 2, 1]) == (1, 2)  # equals: the lower process id
+    assert root_cause([None, 0, None]) is None
