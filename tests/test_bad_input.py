@@ -170,7 +170,8 @@ def test_plan(recipe, mesh, devs, annotations, policy):
 
 
 def test_the_targets_drew_at_least_10000_examples():
-    """Counts the calls the targets above really made (pytest runs a file in order)."""
+    """Counts the calls the targets above really made (pytest runs a file in order, and
+    the README's ``--dist loadfile`` keeps a file on one xdist worker)."""
     if len(CALLS) < 7:
         pytest.skip("run with the whole file: counts the calls of every target above")
     assert sum(CALLS.values()) >= 10_000, CALLS
