@@ -15,7 +15,7 @@ import jax
 
 from shardkit.report.pipeline_analytic import PipelineCosts, pipeline_costs
 
-__all__ = ["PipelineMeasurement", "measure", "pipeline_report"]
+__all__ = ["PipelineMeasurement", "measure"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,21 +39,6 @@ def _step_and_abstract(plan: Any, model: Any, tx: Any, *, seed: int = 0, **opts:
 
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
     return train_step(reference_stages(model), tx, plan, abstract, **opts), abstract
-
-
-def pipeline_report(plan: Any, model: Any, tx: Any, args: Any):
-    """``plan.report`` of the pipelined step the CLI flags ask for (``shardkit report``)."""
-    from shardkit import train
-    from shardkit.models.reporting import token_batch
-    from shardkit.parallel.cli import options, step_for
-    from shardkit.workload import Workload
-
-    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-    step = step_for(model, tx, plan, abstract, options(args))
-    workload = Workload.from_config(
-        model.config, batch=args.batch, seq=args.seq, model=model.name, precision=plan.precision
-    )
-    return plan.report(step, abstract, token_batch(args.batch, args.seq), workload=workload)
 
 
 def measure(
