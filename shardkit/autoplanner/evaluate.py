@@ -215,6 +215,7 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     between the analytic and the compiled memory.
     """
     from shardkit import models
+    from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 
     devices = devices if devices is not None else jax.devices()
     pipeline = _pipeline_options(candidate) if candidate.microbatches is not None else None
@@ -229,5 +230,6 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
         flops=report.flops,
         collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in report.collectives),
         memory_terms=tuple(t.to_json() for t in report.memory_terms),
-        explanations=tuple(e.to_json() for e in report.explanations),
+        explanations=tuple(e.to_json() for e in report.explanations
+                           if e.term not in WIRE_TERMS),  # memory's only  # fmt: skip
     )

@@ -80,12 +80,17 @@ class Ranked:
     estimate: Estimate
     reason: str = ""
 
+    @property
+    def analytic_memory_ratio(self) -> float:
+        """The analytic memory per device over the compiled one."""
+        return self.analytic.memory / self.evidence.memory["total"]
+
     def to_json(self) -> dict:
         return {
             **self.candidate.to_json(),
             "memory_per_device_bytes": self.evidence.memory,
             "analytic_memory_per_device_bytes": self.analytic.memory,
-            "analytic_over_compiled_memory": self.analytic.memory / self.evidence.memory["total"],
+            "analytic_over_compiled_memory": self.analytic_memory_ratio,
             "memory_terms": list(self.evidence.memory_terms),
             "memory_explanations": list(self.evidence.explanations),
             "wire_bytes": self.evidence.wire_bytes,
@@ -158,7 +163,7 @@ class AutoplanResult:
         """The best candidate's compiled memory against the analytic model, itemised by term
         when they differ by more than ``tolerance`` (the rest of the ranks: ``--json``)."""
         best = self.best
-        ratio = best.analytic.memory / best.evidence.memory["total"]
+        ratio = best.analytic_memory_ratio
         if abs(ratio - 1) <= tolerance or not best.evidence.explanations:
             return []
         lines = [f"#1's analytic memory is {ratio:.2f}x its compiled memory; by term:"]

@@ -9,6 +9,7 @@ from shardkit.autoplanner import NoLayoutFitsError, autoplan
 from shardkit.autoplanner.cache import Cache
 from shardkit.autoplanner.hardware import get
 from shardkit.autoplanner.roofline import crosses_nodes
+from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 
 MIB = 2**20
 
@@ -146,6 +147,8 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
         off = {t["term"] for t in j["memory_terms"]
                if t["bytes"] and (t["ratio"] is None or abs(t["ratio"] - 1) > 0.10)}  # fmt: skip
         assert off and off <= {e["term"] for e in j["memory_explanations"]}
+        # ... and only memory's: the report's wire-term lines stay out of them
+        assert not {e["term"] for e in j["memory_explanations"]} & set(WIRE_TERMS)
     # the CLI prints #1's gap by term (at any tolerance below its own ratio's distance)
     lines = r.memory_gap_lines(tolerance=0.0)
     assert lines[0].startswith("#1's analytic memory is")
