@@ -217,28 +217,41 @@ class Recipe:
         degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "tsp": 1, "stage": 1}
         kinds = {"data_kind": "dp", "tensor_kind": "tp", "tsp_kind": self.layer_schedule}
         for axis, size in mesh.items():
-            params = _names_on(self.rules, axis)
-            acts = _names_on(self.activation_rules, axis)
-            if params & TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
-                role = "tensor"  # and heads/MLP units is FSDP that also shards those
-                if "length" in acts:
-                    kinds["tensor_kind"] = "tp_sp"
-            elif params == {"layers"}:
-                role = "stage"
-            elif params and "length" in acts:
-                role = "tsp"
-            elif params:
-                role = "fsdp"
-            elif "batch" in acts:
-                role = "data"
-                if _names_on(self.optimizer_rules, axis):
-                    kinds["data_kind"] = "zero1"
-            elif "length" in acts:
-                role = "sequence"
-            else:
+            role = self.axis_role(axis)
+            if role is None:
                 continue
+            if role == "tensor" and "length" in _names_on(self.activation_rules, axis):
+                kinds["tensor_kind"] = "tp_sp"
+            if role == "data" and _names_on(self.optimizer_rules, axis):
+                kinds["data_kind"] = "zero1"
             degrees[role] *= int(size)
         return Parallelism(**degrees, **kinds)
+
+    def axis_role(self, axis: str) -> str | None:
+        """What mesh axis ``axis`` runs under this recipe's rules (never its name):
+        ``"tensor"``, ``"stage"``, ``"tsp"``, ``"fsdp"``, ``"data"``, ``"sequence"``, or
+        ``None`` for an axis no rule uses.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("dp_tp_sp").axis_role("tensor"), recipes.get("fsdp").axis_role("fsdp")
+          ('tensor', 'fsdp')
+        """
+        params = _names_on(self.rules, axis)
+        acts = _names_on(self.activation_rules, axis)
+        if params & TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
+            return "tensor"  # and heads/MLP units is FSDP that also shards those
+        if params == {"layers"}:
+            return "stage"
+        if params and "length" in acts:
+            return "tsp"
+        if params:
+            return "fsdp"
+        if "batch" in acts:
+            return "data"
+        if "length" in acts:
+            return "sequence"
+        return None
 
     def vocab_gather_axes(self, mesh: Mapping[str, int]) -> tuple[str, ...]:
         """Mesh axes (size > 1) that the activation rules put the vocabulary *and* the

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -333,6 +334,46 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
     return out, notes
 
 
+def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:  # fmt: skip
+    """Add the wire of a head that computes in the vocabulary layout over a data or fsdp
+    axis (:meth:`Recipe.step_activation_rules`; a tensor axis's is in :func:`_hybrid`'s
+    TP+SP pairs) to ``wire`` and ``terms``, and return its notes.
+
+    Each device gathers the hidden states of the ``T_g`` tokens of the ``g`` devices that
+    split the vocabulary, ``T_g·h·A·(g−1)/g`` forward (A: activation bytes) and as many
+    reduce-scattered backward, plus the cross-entropy's 3 all-reduces of ``T_g`` f32
+    statistics; in exchange the head's weight (``vocab × d_model``) computes on its
+    shard: one all-gather and one reduction of it fewer. Measured against the
+    ``tokens`` layout on gpt-small and llama-small over fsdp 8: −118 / −72 MiB of
+    all-gathers and of reduce-scatters each, the formula −118 / −71.
+    """
+    tokens = w.batch * w.seq
+    spec = recipe.step_activation_rules(mesh, tokens=tokens, vocab=w.vocab).spec(
+        ("batch", "length", "vocab"))  # fmt: skip
+    on_vocab = set(spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],))
+    splits = [a for a in recipe.vocab_gather_axes(mesh) if a in on_vocab]
+    gather = [a for a in splits if recipe.axis_role(a) in ("data", "fsdp")]
+    if not gather:
+        return []
+    g = math.prod(mesh[a] for a in gather)
+    rest = [a for a in recipe.vocab_gather_axes(mesh) if a not in gather]
+    t_g = recipe.gathered_tokens(mesh, tokens) / math.prod(mesh[a] for a in rest)
+    frac = (g - 1) / g
+    hidden, stats = t_g * w.d_model * act * frac, 3 * 2 * t_g * 4 * frac
+    weight = w.vocab * w.d_model * nb / recipe.parallelism(mesh).tensor * frac
+    for kind, term, x in (("all-gather", "logits / loss collectives", hidden),
+                          ("reduce-scatter", "activation collectives", hidden),  # the head's line
+                          ("all-reduce", "logits / loss collectives", stats),
+                          ("all-gather", "weight all-gathers", -weight),
+                          ("reduce-scatter", "gradient reductions", -weight)):  # fmt: skip
+        wire[kind] = wire.get(kind, 0.0) + x
+        terms[term] = terms.get(term, 0.0) + x
+    return [f"vocab-split head over {'×'.join(gather)} ({g}): hidden states of T_g = {t_g:,.0f} "
+            f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g, + 3 "
+            "f32 all-reduces of T_g; the head's weight is neither gathered nor reduced, "
+            "−2·V·h·B·(g−1)/g"]  # fmt: skip
+
+
 def _phase_note(phases: Mapping[str, float]) -> str:
     peaks = ", ".join(f"{k} {v / 2**20:,.0f} MiB" for k, v in phases.items())
     return f"total: the largest phase peak (shardkit.report.phases): {peaks}"
@@ -437,6 +478,8 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
                                w.vocab, h_kv, par.data_kind, par.tensor_kind,
                                recompute=remat == "full", attention=attention,
                                activations=w.has_dims, terms=terms)  # fmt: skip
+    if w.has_dims:
+        wire_notes += _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms)
     notes = (
         f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
         f"state: params and grads {param_bytes:,.0f} B/{t * f}, optimizer "

@@ -282,7 +282,9 @@ def test_analytic_model_matches_zero_and_wire_bytes():
     cfg = CONFIGS["gpt-tiny"]
     psi = cfg.param_count()
     for name, stage in [("dp", 0), ("zero1", 1), ("fsdp", 3)]:
-        m = analytic_model(cfg, name, MESHES[name], batch=8, seq=32)
+        # ZeRO-3's formula gathers every weight: fsdp with its head gathering its weight
+        recipe = recipes.get(name).with_logits("tokens")
+        m = analytic_model(cfg, recipe, MESHES[name], batch=8, seq=32)
         z = zero_memory(psi, 8, stage, k=8, param_bytes=4, grad_bytes=4)
         state = m.memory.params + m.memory.grads + m.memory.optimizer  # the total is a phase peak
         assert state == pytest.approx(z.total)
@@ -304,6 +306,9 @@ def test_analytic_hybrid_reduces_to_pure(hybrid, mesh, pure):
     cfg = CONFIGS["llama-tiny"]
     pure_mesh = {a: v for a, v in mesh.items() if v > 1}
     h = analytic_model(cfg, hybrid, mesh, batch=8, seq=32)
+    # fsdp's head splits the vocabulary over the axis that splits the tokens, dp_fsdp's
+    # does not: compare like with like (that layout's own wire is tested below).
+    pure = recipes.get(pure).with_logits("tokens")
     p = analytic_model(cfg, pure, pure_mesh, batch=8, seq=32)
     # Phases aside: the head's layout follows each recipe's activation rules (fsdp splits
     # the logits over the vocabulary, dp_fsdp does not); tests/report/test_phases.py.
@@ -355,10 +360,52 @@ def test_an_axis_that_splits_the_batch_is_not_tensor_parallel():
     from shardkit.rules import Rules
 
     custom = dataclasses.replace(
-        recipes.get("fsdp"), name="fsdp_mlp",
+        recipes.get("fsdp").with_logits("tokens"), name="fsdp_mlp",  # no vocab-split head
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp"), ("mlp", "fsdp")]),
     )  # fmt: skip
     par = custom.parallelism({"fsdp": 8})
     assert (par.fsdp, par.tensor) == (8, 1)
     m = analytic_model(CONFIGS["gpt-tiny"], custom, {"fsdp": 8}, batch=8, seq=32)
     assert set(m.wire_bytes_by_kind) == {"all-gather", "reduce-scatter"}
+
+
+# ------------------------------------------------- a head in the vocabulary layout
+
+
+def test_vocab_split_head_moves_hidden_states_instead_of_its_weight():
+    # fsdp over 8 with the logits split over the vocabulary (on the fsdp axis, which also
+    # splits the tokens): every device gathers the hidden states of all T tokens forward
+    # and reduce-scatters their gradient backward, runs 3 f32 all-reduces of T
+    # cross-entropy statistics, and its head weight (V × h) is neither gathered nor
+    # reduced. Hand count of vocab − tokens, per kind, then the compiled program's.
+    import shardkit as sk
+    from shardkit import models
+
+    cfg = dataclasses.replace(CONFIGS["llama-tiny"], vocab=4096)
+    batch, seq, f = 64, 128, 8
+    t, h, v = batch * seq, cfg.d_model, cfg.vocab
+    hidden, weight, stats = t * h * 4 * ring(f), v * h * 4 * ring(f), 3 * 2 * t * 4 * ring(f)
+    want = {"all-gather": hidden - weight, "reduce-scatter": hidden - weight, "all-reduce": stats}
+    analytic, measured = {}, {}
+    for layout in ("tokens", "vocab"):
+        recipe = recipes.get("fsdp").with_logits(layout).with_mesh({"fsdp": f})
+        analytic[layout] = analytic_model(cfg, recipe, {"fsdp": f}, batch=batch, seq=seq,
+                                          remat="none").wire_bytes_by_kind  # fmt: skip
+        r = models.report(sk.Plan(recipe), models.get("llama-tiny", vocab=v, remat="none"),
+                          batch=batch, seq=seq)  # fmt: skip
+        measured[layout] = r.wire_bytes_by_kind
+    for kind, x in want.items():
+        assert analytic["vocab"].get(kind, 0) - analytic["tokens"].get(kind, 0) == pytest.approx(x)
+        # XLA's program moves the same difference (measured: within 0.05 MiB of 0.88 MiB)
+        got = measured["vocab"].get(kind, 0) - measured["tokens"].get(kind, 0)
+        assert got == pytest.approx(x, rel=0.1, abs=0.02 * 2**20)
+
+
+def test_vocab_split_head_over_the_tensor_axis_is_the_tp_sp_pairs_only():
+    # dp_tp_sp's head is vocab-split over tensor, whose b·s·h pairs _hybrid counts: the
+    # head layout adds nothing on top, whichever layout the recipe asks for.
+    mesh = {"data": 2, "tensor": 4}
+    cfg = CONFIGS["gpt-tiny"]
+    got = [analytic_model(cfg, recipes.get("dp_tp_sp").with_logits(layout), mesh, batch=8,
+                          seq=64).wire_bytes_by_kind for layout in ("tokens", "vocab")]  # fmt: skip
+    assert got[0] == got[1]
