@@ -331,8 +331,9 @@ def _tensor_wire(workload: Any, *, t: int, b: float, ticks: int, layers: float,
              f"rows, and {microbatches} × the embedding, head and loss (TP+SP, as dp_tp_sp)"]  # fmt: skip
     for n, vocab, scale in ((runs, None, 1), (0, w.vocab, microbatches)):
         part: dict[str, float] = {}
-        wire, why = _hybrid({"tensor": t}, 0.0, bytes_per_value, n, b, w.seq, w.d_model, vocab,
-                            None, "dp", "tp_sp", recompute=(w.remat or "none") == "full",
+        wire, why = _hybrid({"tensor": t}, psi=0.0, nbytes=bytes_per_value, layers=n, b=b,
+                            s=w.seq, h=w.d_model, vocab=vocab, h_kv=None, data_kind="dp",
+                            tensor_kind="tp_sp", recompute=(w.remat or "none") == "full",
                             terms=part)  # fmt: skip
         for kind, x in wire.items():
             out[kind] = out.get(kind, 0.0) + scale * x
