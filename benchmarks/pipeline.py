@@ -3,8 +3,9 @@ ZeroPP vs 3D (dp_tp_sp_pp) vs FSDP, with Tang et al.'s crossover condition next 
 
 Each row compiles in its own process (a process's emulated device count is fixed).
 Memory = arguments + output + temp − alias; wire from ``parse_collectives``; analytic
-from :mod:`shardkit.report.pipeline_analytic` (pipelined rows without a tensor axis) or
-the recipe's analytic model (the others; none for 3D). Nothing is allocated.
+from :mod:`shardkit.report.pipeline_analytic` (pipelined rows; with a tensor axis, 3D,
+its ``pipeline_model`` through ``analytic_model``) or the recipe's analytic model (the
+others). Nothing is allocated.
 
 A second table (``pipeline_3d.json``) puts ZeroPP, 3D and FSDP side by side per model and
 device count, with ZeroPP's weight traffic (all-gather + reduce-scatter) against 3D's
@@ -64,9 +65,16 @@ def worker(spec: dict) -> dict:
     fsdp = plan.mesh.shape.get("fsdp", 1)
     micro = b // (spec["m"] * fsdp * plan.mesh.shape.get("data", 1))
     unit = spec.get("unit") or spec["m"]
-    if plan.mesh.shape.get("tensor", 1) > 1:  # the pipeline's analytic model has no tensor axis
+    if plan.mesh.shape.get("tensor", 1) > 1:  # 3D: pipeline_model with its TP+SP terms
+        from shardkit.report.analytic import analytic_model
+
+        a = analytic_model(model.config, recipe, dict(plan.mesh.shape), batch=b, seq=s,
+                           pipeline={"microbatches": spec["m"], "schedule": spec["schedule"],
+                                     "virtual_stages": spec.get("v", 1), "unit": spec.get("unit")})  # fmt: skip
         return {"mesh": mesh, "total": m.memory["total"], "temp": m.memory["temp"],
                 "wire": sum(m.wire_bytes_by_kind.values()), "by_kind": m.wire_bytes_by_kind,
+                "analytic_wire": sum(a.wire_bytes_by_kind.values()),
+                "analytic_by_kind": a.wire_bytes_by_kind, "analytic_total": a.memory.total,
                 "micro": micro, "seq": s, "d_model": model.config.d_model,
                 "flops_ratio": m.flops / useful_flops(model, batch=b, seq=s, stages=p,
                                                       devices=plan.mesh.size),

@@ -154,13 +154,17 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
                       "not divide")  # fmt: skip
     if stages and config is not None and config.n_layers % stages:
         return Pruned(f"{config.n_layers} layers do not split into {stages} stages")
+    split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)
     try:
         for leaf in subject.leaves:
             rules = recipe.rules
             if leaf.kind == "optimizer" and recipe.optimizer_rules is not None:
                 rules = recipe.optimizer_rules
             if leaf.axes is not None and leaf.kind != "scalar":
-                rules.spec(leaf.axes, leaf.shape, mesh, path=leaf.path)
+                spec = rules.spec(leaf.axes, leaf.shape, mesh, path=leaf.path)
+                axes = {a for e in spec for a in (e if isinstance(e, tuple) else (e,))}
+                if leaf.kind == "param" and "tensor" in axes and leaf.axes[0] != "layers":
+                    split += math.prod(leaf.shape) * leaf.info.dtype.itemsize
         recipe.activation_rules.spec(("batch", "length"), (subject.batch, subject.seq), mesh,
                                      path="batch")  # fmt: skip
         if config is not None:  # heads are activations' dimensions too
@@ -171,7 +175,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         if stages:  # a reference model's stack (sk.parallel pipelines only those)
             stack = 4 * config.n_layers * config._layer_params() if config is not None else None
             extra = {"pipeline": _pipeline_options(candidate), "stack_param_bytes": stack,
-                     "stack_optimizer_bytes": None if stack is None else 2 * stack}  # fmt: skip
+                     "stack_optimizer_bytes": None if stack is None else 2 * stack,
+                     "tensor_rest_bytes": split}  # fmt: skip
         workload = subject.workload(candidate)
         analytic = analytic_costs(recipe, mesh, workload=workload,
                                   param_bytes=subject.param_bytes,

@@ -122,8 +122,10 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
              *({"--devices": str(devices // stages * d)} for d in fewer),
              *({"--mesh": f"stage={d}"} for d in fewer)],
         )  # fmt: skip
-    spec = tuple(plan.batch_sharding((plan.mesh.size, 1)).spec)  # the batch's axes, as the
-    shards = math.prod(mesh[a] for a in (spec_axes(spec[0]) if spec else ()))  # step splits it
+    # the batch's axes, as the step splits it (sizes every axis divides: under TP+SP,
+    # 'tensor' splits the length)
+    spec = tuple(plan.batch_sharding((plan.mesh.size, plan.mesh.size)).spec)
+    shards = math.prod(mesh[a] for a in (spec_axes(spec[0]) if spec else ()))
     batch = getattr(args, "batch", None)
     if batch and batch % (micro * shards):
         need = micro * shards

@@ -385,7 +385,8 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
                    in_params: float | None = None, vocab_tables: int = 2,
                    pipeline: Mapping[str, Any] | None = None,
                    stack_param_bytes: float | None = None,
-                   stack_optimizer_bytes: float | None = None) -> AnalyticModel:  # fmt: skip
+                   stack_optimizer_bytes: float | None = None,
+                   tensor_rest_bytes: float | None = None) -> AnalyticModel:  # fmt: skip
     """The analytic memory per device and wire bytes per step of any model under a recipe.
 
     What the layout runs is read from the recipe's rules (:meth:`Recipe.parallelism`),
@@ -414,6 +415,8 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         parameter and optimizer bytes; the model is
         :func:`shardkit.report.pipeline_analytic.pipeline_model` (per-stage state, the
         schedule's activations in flight, stage-to-stage and ZeroPP wire).
+      tensor_rest_bytes: with ``stage`` and ``tensor`` axes, the bytes of the non-layer
+        parameters split over ``tensor`` (default: ``vocab_tables`` vocabulary tables).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -444,7 +447,8 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
         return pipeline_model(par, workload, pipeline=pipeline, param_bytes=param_bytes,
                               optimizer_bytes=optimizer_bytes, stack_param_bytes=stack_param_bytes,
                               stack_optimizer_bytes=stack_opt, bytes_per_value=bytes_per_value,
-                              label=recipe.name)  # fmt: skip
+                              label=recipe.name, tensor_rest_bytes=tensor_rest_bytes,
+                              vocab_tables=vocab_tables)  # fmt: skip
     if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
         return _tsp_costs(recipe, par, workload, param_bytes, optimizer_bytes, psi,
                           bytes_per_value, layer_params, in_params, vocab_tables)  # fmt: skip

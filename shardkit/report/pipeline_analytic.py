@@ -179,6 +179,8 @@ def pipeline_model(
     stack_optimizer_bytes: float,
     bytes_per_value: int = 4,
     label: str = "pipeline",
+    tensor_rest_bytes: float | None = None,
+    vocab_tables: int = 2,
 ) -> Any:
     """The analytic model (:class:`shardkit.report.analytic.AnalyticModel`) of a pipelined
     step: what :func:`shardkit.report.analytic.analytic_costs` returns for a recipe with a
@@ -191,6 +193,16 @@ def pipeline_model(
     item, times the items a stage holds at once (:func:`in_flight`), plus one micro-batch's
     logits. Wire: :func:`pipeline_costs`.
 
+    With a ``tensor`` axis of size ``t`` (TP+SP inside each stage, ``dp_tp_sp_pp``): the
+    layer stack and the vocab-parallel tables are split over ``t`` (the rest, e.g. GPT's
+    position table, is not); activations are Megatron's ``tp_sp`` at ``t``; the
+    stage-to-stage permutes move ``b·s·h/t`` (the sequence is split); and every layer run
+    in a tick (``(v·m + p − 1)·L/(p·v)`` per device, the bubble's ticks included: every
+    stage computes in every tick) adds TP+SP's all-gathers and reduce-scatters of
+    ``b·s·h``, as :func:`shardkit.report.analytic.wire_bytes_hybrid` counts them for
+    ``dp_tp_sp``, and each of the ``m`` micro-batches the vocab-parallel embedding's, head's
+    and cross-entropy's.
+
     Args:
       par: the recipe's :class:`shardkit.recipes.recipe.Parallelism` (``stage > 1``).
       workload: the step's :class:`shardkit.workload.Workload`.
@@ -198,9 +210,23 @@ def pipeline_model(
         (what ``shardkit.parallel.cli.options`` gives; a pipelined step's ``.pipeline``).
       param_bytes, optimizer_bytes: all parameters / optimizer state, unsharded.
       stack_param_bytes, stack_optimizer_bytes: the layer stack's part of them.
+      tensor_rest_bytes: bytes of the non-layer parameters split over ``tensor`` (default:
+        ``vocab_tables`` vocabulary tables, ``vocab·d_model·B`` each).
+      vocab_tables: vocabulary tables among the parameters: 1 tied (GPT), 2 untied.
 
     Raises:
-      ShardingError: a tensor, sequence or TSP axis next to ``stage`` (not modelled).
+      ShardingError: a sequence or TSP axis next to ``stage``, a tensor axis without
+        sequence parallelism or with ``fsdp`` (not modelled).
+
+    Example:
+      >>> from shardkit import recipes
+      >>> from shardkit.workload import Workload
+      >>> par = recipes.get("dp_tp_sp_pp").parallelism({"data": 2, "stage": 2, "tensor": 2})
+      >>> w = Workload(batch=8, seq=16, layers=4, d_model=64, n_heads=4, vocab=256)
+      >>> m = pipeline_model(par, w, pipeline={"microbatches": 2}, param_bytes=1e6,
+      ...                    optimizer_bytes=2e6, stack_param_bytes=8e5, stack_optimizer_bytes=16e5)
+      >>> m.wire_bytes_by_kind["collective-permute"]  # 2·(3 − 1) ticks × 2·16·64·4/2 B
+      16384.0
     """
     from shardkit.errors import ShardingError
     from shardkit.report.analytic import (
@@ -209,47 +235,65 @@ def pipeline_model(
         megatron_activations_per_layer,
     )
 
-    if par.tensor > 1 or par.sequence > 1 or par.tsp > 1:
+    p, f, d, t = par.stage, par.fsdp, par.data, par.tensor
+    if par.sequence > 1 or par.tsp > 1 or (t > 1 and (par.tensor_kind != "tp_sp" or f > 1)):
         raise ShardingError(
-            f"{label}: the analytic pipeline model covers stage × data × fsdp, got {par}."
+            f"{label}: the analytic pipeline model covers stage × data × fsdp, and stage × "
+            f"data × tensor with sequence parallelism (TP+SP, dp_tp_sp_pp), got {par}.\nFix: "
+            "one of those layouts, or read the compiled wire bytes (plan.report) alone."
         )
-    p, f, d = par.stage, par.fsdp, par.data
     m = int(pipeline["microbatches"])
     schedule = pipeline.get("schedule", "1f1b")
     v = int(pipeline.get("virtual_stages") or 1) if schedule == "interleaved" else 1
     unit = pipeline.get("unit")
     nb = bytes_per_value
     rest_p, rest_o = param_bytes - stack_param_bytes, optimizer_bytes - stack_optimizer_bytes
-    state = (stack_param_bytes / p + rest_p) / f
+    # Per device before fsdp: the stack and the rest's tensor-split part (the vocab-parallel
+    # tables) over t; the rest's other part (norms, a position table) whole.
+    split = 0.0
+    if t > 1:
+        split = tensor_rest_bytes
+        if split is None:
+            split = vocab_tables * (workload.vocab or 0) * (workload.d_model or 0) * nb
+        split = min(split, rest_p)
+    rest_dev_p = rest_p - split * (t - 1) / t
+    rest_dev_o = rest_o - (split / rest_p if rest_p else 0.0) * rest_o * (t - 1) / t
+    state = (stack_param_bytes / (p * t) + rest_dev_p) / f
     opt_degree = f * (d if par.data_kind == "zero1" else 1)
     notes = [
         f"{label} as {par}: {schedule}, m={m}, v={v}, U={unit}, B = {nb} bytes per value",
         f"state: the stage's 1/{p} of the stack ({stack_param_bytes:,.0f} B) + the rest "
         f"({rest_p:,.0f} B, replicated over stage), / fsdp {f}; optimizer likewise / {opt_degree}",
     ]
+    if t > 1:
+        notes.append(f"tensor {t}: the stack / {t} (its norms and biases counted as split), the "
+                     f"rest's {split:,.0f} B of vocabulary tables / {t}, its other "
+                     f"{rest_p - split:,.0f} B whole")  # fmt: skip
     b = workload.batch / (m * d * f)
     activations, act_bytes = 0.0, 0.0
     if workload.has_dims:
         s, h = workload.seq, workload.d_model
-        mode = "full_recompute" if (workload.remat or "none") == "full" else "none"
-        per_layer = megatron_activations_per_layer(s, b, h, workload.n_heads, mode=mode,
+        remat = (workload.remat or "none") == "full"
+        mode = "full_recompute" if remat else "tp_sp" if t > 1 else "none"
+        per_layer = megatron_activations_per_layer(s, b, h, workload.n_heads, t=t, mode=mode,
                                                    bytes_per_value=nb)  # fmt: skip
         items = in_flight(schedule, p, m, v)
         layers = workload.layers / (p * v)
-        activations = items * layers * per_layer + b * s * workload.vocab * nb
-        act_bytes = b * s * h * nb
+        activations = items * layers * per_layer + b * s * workload.vocab * nb / t
+        act_bytes = b * s * h * nb / t
         notes.append(
             f"activations: {items} items in flight × {layers:g} layers × Megatron '{mode}' at "
-            f"b={b:g}, s={s}, + one micro-batch's logits; a guide, not a bound"
+            f"b={b:g}, s={s}, t={t}, + one micro-batch's logits / {t}; a guide, not a bound"
         )
     else:
         notes.append("activations and stage-to-stage bytes: not modelled (no model dimensions)")
     costs = pipeline_costs(
         schedule, stages=p, microbatches=m, virtual=v, unit=unit, fsdp=f, data=d,
-        stack_param_bytes=stack_param_bytes, rest_param_bytes=rest_p, activation_bytes=act_bytes,
+        stack_param_bytes=stack_param_bytes / t, rest_param_bytes=rest_dev_p,
+        activation_bytes=act_bytes,
     )  # fmt: skip
     memory = AnalyticMemory(params=state, grads=state,
-                            optimizer=(stack_optimizer_bytes / p + rest_o) / opt_degree,
+                            optimizer=(stack_optimizer_bytes / (p * t) + rest_dev_o) / opt_degree,
                             activations=activations)  # fmt: skip
     wire = {k: x for k, x in costs.wire_bytes_by_kind.items() if x}
     # By wire term: stage-to-stage permutes; ZeroPP's gathers per unit; its reduce-scatter
@@ -259,5 +303,41 @@ def pipeline_model(
     terms: dict[str, float] = {}
     for kind, x in wire.items():
         terms[names[kind]] = terms.get(names[kind], 0.0) + x
+    if t > 1 and workload.has_dims:
+        tp_wire, tp_notes = _tensor_wire(workload, t=t, b=b, ticks=v * m + p - 1,
+                                         layers=workload.layers / (p * v), microbatches=m,
+                                         bytes_per_value=nb, terms=terms)  # fmt: skip
+        for kind, x in tp_wire.items():
+            wire[kind] = wire.get(kind, 0.0) + x
+        notes += tp_notes
+    elif t > 1:
+        notes.append("tensor activation traffic: not modelled (no model dimensions)")
     return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=(*notes, *costs.notes),
                          wire_terms=terms)  # fmt: skip
+
+
+def _tensor_wire(workload: Any, *, t: int, b: float, ticks: int, layers: float,
+                 microbatches: int, bytes_per_value: int,
+                 terms: dict[str, float]) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+    """TP+SP's wire bytes by kind (and by term into ``terms``) of a pipelined step, with the
+    formula of the unpipelined ``dp_tp_sp`` (:func:`shardkit.report.analytic.wire_bytes_hybrid`
+    on the tensor axis alone): ``ticks·layers`` layer runs of a ``b``-row micro-batch, and
+    the embedding, head and loss once per micro-batch."""
+    from shardkit.report.analytic import _hybrid
+
+    w, runs = workload, ticks * layers
+    out: dict[str, float] = {}
+    notes = [f"tensor {t}: {ticks} ticks × {layers:g} layers = {runs:g} layer runs of b={b:g} "
+             f"rows, and {microbatches} × the embedding, head and loss (TP+SP, as dp_tp_sp)"]  # fmt: skip
+    for n, vocab, scale in ((runs, None, 1), (0, w.vocab, microbatches)):
+        part: dict[str, float] = {}
+        wire, why = _hybrid({"tensor": t}, psi=0.0, nbytes=bytes_per_value, layers=n, b=b,
+                            s=w.seq, h=w.d_model, vocab=vocab, h_kv=None, data_kind="dp",
+                            tensor_kind="tp_sp", recompute=(w.remat or "none") == "full",
+                            terms=part)  # fmt: skip
+        for kind, x in wire.items():
+            out[kind] = out.get(kind, 0.0) + scale * x
+        for term, x in part.items():
+            terms[term] = terms.get(term, 0.0) + scale * x
+        notes += [f"{note} (× {scale})" if scale != 1 else note for note in why]
+    return out, notes

@@ -335,11 +335,15 @@ def build_report(
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
         stack = {k: sum(_full_bytes(r) for r in rows if r.kind == k and r.logical[:1] == ("layers",))
                  for k in ("param", "optimizer")}  # fmt: skip
+        # the non-layer parameters split over tensor (a pipeline's vocab-parallel tables)
+        split = sum(_full_bytes(r) for r in rows if r.kind == "param" and r.logical[:1] !=
+                    ("layers",) and any("tensor" in a for a in r.mesh_axes))  # fmt: skip
         try:
             analytic = analytic_costs(
                 recipe, mesh, workload=workload,
                 param_bytes=full["param"], optimizer_bytes=full["optimizer"], pipeline=pipeline,
                 stack_param_bytes=stack["param"], stack_optimizer_bytes=stack["optimizer"],
+                tensor_rest_bytes=split,
             )  # fmt: skip
             if model_config is not None:  # a reference model: its phases set the total
                 analytic = with_phases(analytic, model_config, recipe, mesh, workload)

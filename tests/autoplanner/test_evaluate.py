@@ -59,3 +59,17 @@ def test_the_logits_layout_moves_the_head_phase_the_way_its_gathers_say(vocab, b
                          budget=2**40).memory for layout in ("vocab", "tokens")}  # fmt: skip
     other = "vocab" if smaller == "tokens" else "tokens"
     assert mem[smaller] < mem[other]
+
+
+def test_the_3d_pipeline_state_is_the_stage_share_split_over_tensor(tiny):
+    # dp_tp_sp_pp on data 2 × stage 2 × tensor 2: the 2-layer stack / (p·t), the tied
+    # vocab table (vocab-parallel) / t, the rest (position table, final norm) whole;
+    # params, grads and Adam's m and v: 16 bytes per value.
+    cfg = tiny.model.config
+    stack, table = cfg.n_layers * cfg._layer_params(), cfg.vocab * cfg.d_model
+    per_device = stack / 4 + table / 2 + (PSI - stack - table)
+    mesh = (("data", 2), ("stage", 2), ("tensor", 2))
+    got = prune(tiny, Candidate("dp_tp_sp_pp", mesh, microbatches=2), budget=2**30)
+    assert isinstance(got, Analytic), got
+    assert got.state == pytest.approx(16 * per_device, rel=1e-3)
+    assert got.wire > 0

@@ -154,3 +154,18 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
     assert lines[0].startswith("#1's analytic memory is")
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
         e["term"] for e in r.best.evidence.explanations]
+
+
+def test_the_3d_pipeline_is_estimated_and_compiled_like_the_other_pipelines(cache):
+    # dp_tp_sp_pp has an analytic model (data × stage × tensor, TP+SP per stage): on 8
+    # devices its one mesh, 2 × 2 × 2, with m = p = 2 micro-batches of 8 / (2·2) rows,
+    # passes the analytic checks and is compiled, not pruned for want of an estimate.
+    r = plan("gpt-tiny", cache, recipes=["dp_tp_sp_pp"], max_compiles=1)
+    assert not [x for x in r.rejected if x.stage == "analytic"]
+    best = r.best
+    assert best.candidate.mesh_sizes == {"data": 2, "stage": 2, "tensor": 2}
+    assert best.candidate.microbatches in (2, 4)
+    # The stage-to-stage permutes alone: 2·(m + p − 1 − 1) ticks × (8/(m·2))·(32/2)·64·4 B.
+    m = best.candidate.microbatches
+    assert best.analytic.wire > 2 * (m + 2 - 2) * (8 // (m * 2)) * 16 * 64 * 4
+    assert best.evidence.memory["total"] > 0

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 import shardkit as sk
-from shardkit import train
+from shardkit import models, train
 from shardkit.errors import ShardingError
 from shardkit.models import get
 from shardkit.parallel.stages import reference_stages, train_step
@@ -64,3 +64,66 @@ def test_report_of_a_pipelined_step_counts_the_stage_share():
     measured = report.wire_bytes_by_kind["collective-permute"]
     assert report.analytic.wire_bytes_by_kind["collective-permute"] == pytest.approx(measured,
                                                                                      rel=0.1)  # fmt: skip
+
+
+def test_3d_state_splits_the_stack_and_the_vocab_tables_over_tensor():
+    # dp_tp_sp_pp on data 2 × stage 2 × tensor 2: the stack's 800 B / (p·t); of the rest's
+    # 200 B the 120 B of tables / t, the other 80 B whole. Adam's state: twice each.
+    model = analytic_costs("dp_tp_sp_pp", {"data": 2, "stage": 2, "tensor": 2},
+                           workload=Workload(batch=16), tensor_rest_bytes=120.0,
+                           pipeline={"microbatches": 8, "schedule": "1f1b"}, **STATE)  # fmt: skip
+    assert model.memory.params == pytest.approx(800 / 4 + 120 / 2 + 80)
+    assert model.memory.optimizer == pytest.approx(1600 / 4 + 240 / 2 + 160)
+
+
+def test_a_stage_and_tensor_layout_without_sequence_parallelism_is_not_modelled():
+    import dataclasses
+
+    from shardkit import recipes
+    from shardkit.rules import Rules
+
+    tp_pp = dataclasses.replace(recipes.get("dp_tp_sp_pp"), name="dp_tp_pp",
+                                activation_rules=Rules([("batch", "data")]))  # fmt: skip
+    with pytest.raises(ShardingError, match=r"tensor with sequence parallelism .* got .*"
+                                            r"tensor_kind='tp'.*\nFix: "):  # fmt: skip
+        analytic_costs(tp_pp, {"data": 2, "stage": 2, "tensor": 2}, workload=Workload(batch=16),
+                       pipeline={"microbatches": 8}, **STATE)  # fmt: skip
+
+
+def _3d_report(name, m=4, batch=16, seq=16, layers=4):
+    model = get(name, n_layers=layers)
+    plan = sk.Plan("dp_tp_sp_pp", devices=jax.devices()[:8])  # data 2 × stage 2 × tensor 2
+    return models.report(plan, model, batch=batch, seq=seq,
+                         pipeline={"microbatches": m, "schedule": "1f1b"})  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_3d_report_matches_hand_counts_and_the_compiled_program(name):
+    report = _3d_report(name)
+    a, h = report.analytic, get(name).config.d_model
+    p = t = d = 2
+    m, layers, s = 4, 4, 16
+    b = 16 // (m * d)  # a micro-batch's rows on one device
+    ticks = m + p - 1
+    bsh = b * s * h * 4 * (t - 1) / t  # one TP+SP all-gather or reduce-scatter of b·s·h
+    # Hand counts. Permutes: the micro-batch's activation, split along the sequence over t,
+    # forward and backward after every tick but the last.
+    assert a.wire_bytes_by_kind["collective-permute"] == 2 * (ticks - 1) * b * (s // t) * h * 4
+    # TP+SP: per layer run (every stage in every tick) 2 pairs forward and 2 backward; per
+    # micro-batch the embedding's output and the head's input gradient.
+    runs = ticks * layers // p
+    for kind in ("reduce-scatter", "all-gather"):
+        assert a.wire_bytes_by_kind[kind] == pytest.approx((4 * runs + 2 * m) * bsh)
+    # The plan's own placement: what one device holds of the parameters.
+    held = sum(r.bytes_per_device for r in report.params if r.kind == "param")
+    assert a.memory.params == pytest.approx(held, rel=0.01)  # norms, biases: counted as split
+    measured, want = report.wire_bytes_by_kind, a.wire_bytes_by_kind
+    assert measured["collective-permute"] == pytest.approx(want["collective-permute"])
+    assert measured["all-reduce"] == pytest.approx(want["all-reduce"], rel=0.15)
+    # Every term off by more than 10 % is explained (the re-gathers of the backward, Llama's
+    # per-projection reduce-scatters: as in dp_tp_sp), and the terms add up.
+    explained = {e.term for e in report.explanations}
+    for term in report.wire_terms:
+        if term.analytic_bytes and abs(term.ratio - 1) > 0.10:
+            assert term.term in explained, term
+    assert sum(a.wire_terms.values()) == pytest.approx(sum(a.wire_bytes_by_kind.values()))

@@ -119,19 +119,7 @@ def test_explanations_of_other_terms_group_by_source_with_runs():
 # ---------------------------------------------------------------- analytic terms
 
 
-#: Recipes the analytic model does not cover yet: a pipeline with a tensor axis.
-NO_ANALYTIC_MODEL = {"dp_tp_sp_pp"}
-
-
-def test_a_recipe_without_an_analytic_model_says_which_layouts_it_covers():
-    cfg = models.CONFIGS["gpt-small"]
-    for recipe in NO_ANALYTIC_MODEL:
-        with pytest.raises(ShardingError, match=r"covers stage × data × fsdp, got .*tensor=2"):
-            analytic_model(cfg, recipe, recipes.get(recipe).axis_sizes(8), batch=8, seq=512,
-                           remat="full", pipeline={"microbatches": 4, "schedule": "1f1b"})  # fmt: skip
-
-
-@pytest.mark.parametrize("recipe", [r for r in recipes.names() if r not in NO_ANALYTIC_MODEL])
+@pytest.mark.parametrize("recipe", recipes.names())
 def test_analytic_terms_split_the_analytic_wire_bytes(recipe):
     cfg = models.CONFIGS["gpt-small"]
     m = analytic_model(cfg, recipe, recipes.get(recipe).axis_sizes(8), batch=8, seq=512,
