@@ -1,0 +1,36 @@
+"""The suite's own setup (tests/conftest.py) does not change what the tests measure."""
+
+import json
+import os
+import subprocess
+import sys
+
+PROBE = """
+import json, shardkit as sk
+sk.emulate_devices(8)
+from shardkit import models
+out = {}
+for recipe in ("fsdp", "dp_tp_sp", "dp_pp"):
+    r = models.report(sk.Plan(recipe), models.get("gpt-tiny"), batch=16, seq=64)
+    out[recipe] = [r.memory.temp, r.memory.arguments,
+                   sorted((c.kind, c.pass_, c.source, list(c.shape), c.wire_bytes, c.count) for c in r.collectives)]
+print(json.dumps(out))
+"""
+
+
+def measured(xla_flags: str) -> dict:
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
+                         check=True).stdout  # fmt: skip
+    return json.loads(out.splitlines()[-1])
+
+
+def test_llvm_level_0_leaves_memory_and_collectives_as_they_are():
+    # LLVM's optimisation level acts after XLA's HLO passes and buffer assignment: the
+    # compiled memory and every collective (kind, pass, source line, shape, bytes) of a
+    # data, fsdp, tensor+sequence and pipeline step are the same at level 0 and default.
+    o0 = measured(os.environ["XLA_FLAGS"])
+    assert "--xla_backend_optimization_level=0" in os.environ["XLA_FLAGS"]
+    default = measured(os.environ["XLA_FLAGS"].replace("--xla_backend_optimization_level=0", ""))
+    assert o0 == default
+    assert all(o0[r][2] for r in o0)  # each step moves something: the comparison is not empty
