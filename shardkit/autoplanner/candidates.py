@@ -123,7 +123,7 @@ def enumerate_candidates(
     A pipelining recipe gets ``m ∈ {p, 2p, 4p}`` micro-batches (those that divide the
     batch evenly over its data replicas); a batch that allows none leaves it out here
     and the planner says so. A mesh on which the recipe's logits layout is a choice
-    (``Recipe.vocab_gather_axes``) gets both layouts.
+    (``Recipe.vocab_gather_axes``, and no ``stage`` axis) gets both layouts.
     """
     out = []
     remats, precisions = tuple(remats), tuple(precisions)
@@ -137,7 +137,10 @@ def enumerate_candidates(
                 counts = _microbatch_counts(stages, batch, math.prod(sizes) // stages) or [None]
             else:
                 counts = [None]
-            layouts = LOGITS if recipe.vocab_gather_axes(dict(mesh)) else (None,)
+            # A pipeline's head runs in its last stage's own layout, whatever the rules
+            # say (dp_tp_sp_pp compiles the same program under both): no choice there.
+            choice = recipe.vocab_gather_axes(dict(mesh)) and not stages
+            layouts = LOGITS if choice else (None,)
             for m, remat, logits, precision in itertools.product(counts, remats, layouts,
                                                                  precisions):  # fmt: skip
                 out.append(Candidate(name, mesh, remat, m, precision, logits))

@@ -54,6 +54,11 @@ def test_the_logits_layout_is_a_dimension_only_where_the_recipe_makes_it_a_choic
         ("dp", None), ("tp", None), ("fsdp", "vocab"), ("fsdp", "tokens")}
     assert Candidate("fsdp", (("fsdp", 8),), logits="tokens").recipe_object().logits == "tokens"
     assert Candidate("fsdp", (("fsdp", 8),)).recipe_object().logits == "auto"
+    # dp_tp_sp_pp's rules split the vocabulary over tensor, which splits the tokens too,
+    # but its pipeline's head ignores the layout (measured: the same wire and temp under
+    # both on gpt-tiny data=2×stage=2×tensor=2): one candidate per mesh, not two.
+    got = enumerate_candidates(8, 8, recipe_names=["dp_tp_sp_pp"], remats=["none"])
+    assert got and {c.logits for c in got} == {None}
 
 
 def test_a_logits_layout_shows_in_the_label_and_survives_json():
