@@ -32,6 +32,10 @@ def test_pipelines_get_p_2p_4p_microbatches_that_split_the_batch():
     # stage=4 x data=2: 8 rows -> m in {4, 8} (16 does not divide 8 rows).
     assert got == {((("stage", 2), ("data", 4)), 2), ((("stage", 2), ("data", 4)), 4),
                    ((("stage", 4), ("data", 2)), 4), ((("stage", 4), ("data", 2)), 8)}  # fmt: skip
+    # A batch of 64: 16 and 32 rows per replica take all three, 4p included.
+    got = {(dict(c.mesh)["stage"], c.microbatches)
+           for c in enumerate_candidates(8, 64, recipe_names=["dp_pp"], remats=["none"])}  # fmt: skip
+    assert got == {(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)}
 
 
 def test_a_batch_too_small_to_pipeline_leaves_one_candidate_to_reject():
