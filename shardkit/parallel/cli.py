@@ -45,8 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step (default: the number of stages)")  # fmt: skip
     g.add_argument("--schedule", default=None,
-                   help=f"one of {', '.join(SCHEDULES)} (default 1f1b); interleaved keeps the "
-                   "layer stack in its order while training (checkpoints in layer order)")  # fmt: skip
+                   help=f"one of {', '.join(SCHEDULES)} (default 1f1b); interleaved trains the layer "
+                   "stack stored in the schedule's order (checkpoints stay in layer order)")  # fmt: skip
     g.add_argument("--virtual-stages", type=int, default=None,
                    help="model chunks per stage (interleaved; default 2)")  # fmt: skip
     g.add_argument("--unit", type=int, default=None,
