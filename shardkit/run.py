@@ -122,6 +122,10 @@ def run(
         from shardkit.parallel.cli import step_for
 
         step = step_for(spec, tx, plan, abstract, pipeline) or step
+    # interleaved: the stack trained in the schedule's order, saved in layer order
+    to_stored, to_layers = getattr(step, "to_stored", None), getattr(step, "to_layers", None)
+    if to_stored is not None:
+        state = to_stored(state)
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq, precision=plan.precision)
     report = plan.report(
@@ -153,7 +157,8 @@ def run(
             on_step(i, loss, tokens_per_s)
         if checkpoint_dir and (i + 1 == steps or (save_every and (i + 1) % save_every == 0)):
             position = _data_state(spec.name, batch, seq, seed, i + 1)
-            checkpoint.save(plan, checkpoint_dir, state, step=i + 1, data_state=position,
+            saved = state if to_layers is None else to_layers(state)
+            checkpoint.save(plan, checkpoint_dir, saved, step=i + 1, data_state=position,
                             metrics={"loss": loss})  # fmt: skip
     if checkpoint_dir:
         checkpoint.wait(checkpoint_dir)

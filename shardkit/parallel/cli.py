@@ -4,6 +4,12 @@
 A recipe with a ``stage`` axis trains with the pipelined step (``M`` defaults to the
 number of stages); the flags with any other recipe are an error that names the fix.
 
+Under ``interleaved`` (``V > 1``) the step takes the layer stack stored in the schedule's
+order (``stack_order="interleaved"``): in layer order it would reorder the stack and its
+gradient across stages every step (all-gathers, 2.6x the analytic wire on gpt-small). The
+step carries ``to_stored`` / ``to_layers``, run once on the state as it enters the loop
+and wherever it leaves it (a checkpoint stays in layer order, for any schedule or recipe).
+
 Example:
   >>> import argparse
   >>> p = argparse.ArgumentParser()
@@ -17,8 +23,16 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+import jax
+
 from shardkit.parallel.schedules import SCHEDULES
-from shardkit.parallel.stages import NotPipelinableError, reference_stages, train_step
+from shardkit.parallel.stages import (
+    NotPipelinableError,
+    from_interleaved,
+    reference_stages,
+    to_interleaved,
+    train_step,
+)
 
 __all__ = ["add_arguments", "options", "step_for"]
 
@@ -30,7 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--microbatches", type=int, default=None,
                    help="micro-batches per step (default: the number of stages)")  # fmt: skip
-    g.add_argument("--schedule", default=None, help=f"one of {', '.join(SCHEDULES)} (default 1f1b)")
+    g.add_argument("--schedule", default=None,
+                   help=f"one of {', '.join(SCHEDULES)} (default 1f1b); interleaved trains the layer "
+                   "stack stored in the schedule's order (checkpoints stay in layer order)")  # fmt: skip
     g.add_argument("--virtual-stages", type=int, default=None,
                    help="model chunks per stage (interleaved; default 2)")  # fmt: skip
     g.add_argument("--unit", type=int, default=None,
@@ -50,6 +66,12 @@ def options(args: argparse.Namespace) -> dict[str, Any] | None:
 
 def step_for(model: Any, tx: Any, plan: Any, abstract: Any, opts: dict[str, Any] | None):
     """The pipelined train step for a plan with a ``stage`` axis, else ``None``.
+
+    Under ``interleaved`` with ``virtual_stages > 1`` the step takes the stack stored in
+    the schedule's order: pass the state through ``step.to_stored`` once before the
+    first step and through ``step.to_layers`` to save or read it per layer. Other steps
+    have ``to_stored = to_layers = None`` (the state is used as is). ``opts`` may name
+    ``stack_order="layers"`` to keep the layer order (to measure what it costs).
 
     Raises:
       NotPipelinableError: pipeline flags with a recipe that has no ``stage`` axis, or a
@@ -72,4 +94,24 @@ def step_for(model: Any, tx: Any, plan: Any, abstract: Any, opts: dict[str, Any]
         )
     opts = dict(opts or {"schedule": "1f1b", "virtual_stages": 1, "unit": None})
     opts["microbatches"] = opts.get("microbatches") or int(stages)
-    return train_step(reference_stages(model), tx, plan, abstract, **opts)
+    v = int(opts.get("virtual_stages") or 1)
+    interleaved = opts.get("schedule") == "interleaved" and v > 1
+    order = opts.pop("stack_order", None) or ("interleaved" if interleaved else "layers")
+    stored = order == "interleaved" and interleaved
+    step = train_step(reference_stages(model), tx, plan, abstract, **opts, stack_order=order)
+    step.to_stored = _reorder(to_interleaved, plan, int(stages), v, abstract) if stored else None
+    step.to_layers = _reorder(from_interleaved, plan, int(stages), v, abstract) if stored else None
+    return step
+
+
+def _reorder(convert: Any, plan: Any, stages: int, virtual: int, abstract: Any):
+    """``convert`` (:func:`to_interleaved` / :func:`from_interleaved`) of a whole state,
+    jitted once, its output laid out as ``abstract`` lays the state."""
+    shardings = jax.tree.map(lambda x: x.sharding, getattr(abstract, "tree", abstract))
+    fn = jax.jit(lambda state: convert(state, stages, virtual), out_shardings=shardings)
+
+    def apply(state: Any) -> Any:
+        with jax.set_mesh(plan.mesh):
+            return fn(state)
+
+    return apply
