@@ -153,31 +153,6 @@ class Plan:
         from shardkit.parallel.tsp import check_layout  # TSP's own checks (issue 11)
 
         check_layout(self.recipe, mesh.shape)
-        self._check_explicit_pipeline()
-
-    def _check_explicit_pipeline(self) -> None:
-        """Refuse a pipeline that leaves axes to XLA inside its stages (dp_tp_sp_pp's
-        ``tensor``) on Explicit axes: there JAX types every value's sharding, and a stage's
-        ops (the embedding lookup in a vocabulary split over ``tensor``) cannot be typed."""
-        mesh = self.mesh
-        from shardkit.parallel.pipeline import STAGE, spec_axes
-
-        if not is_explicit(mesh) or int(mesh.shape.get(STAGE, 1)) < 2:
-            return
-        spec = tuple(self.batch_sharding((mesh.size, mesh.size)).spec)
-        batch = spec_axes(spec[0]) if spec else ()
-        left = [f"{a!r} ({n})" for a, n in mesh.shape.items() if n > 1 and a not in (STAGE, *batch)]
-        if left:
-            sizes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
-            raise ShardingError(
-                f"{self.recipe.name} on Explicit mesh axes ({sizes}): the pipeline leaves "
-                f"{', '.join(left)} to XLA inside each stage, and under Explicit axes JAX must type "
-                "every value's sharding there, which the stages' ops (the embedding lookup "
-                "in a vocabulary split over those axes) do not allow.\nFix: an Auto mesh: "
-                f"sk.Plan({self.recipe.name!r}) without explicit=True, or "
-                "sk.make_mesh(sizes) (jax.make_mesh's axes are Explicit unless "
-                "axis_types=(AxisType.Auto,) * n)."
-            )
 
     # -- rules -------------------------------------------------------------------------
     @property

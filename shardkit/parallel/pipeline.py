@@ -69,6 +69,7 @@ from shardkit.annotate.constrain import (
     activation_rules,
     current_activation_rules,
     current_param_rules,
+    is_explicit,
     param_rules,
 )
 from shardkit.attention import use_attention
@@ -323,8 +324,20 @@ def value_and_grad(
         m_specs = lambda t: jax.tree.map(lambda sp: _only(sp, manual), t, is_leaf=is_spec)  # noqa: E731
         out_specs = (PartitionSpec(), (m_specs(s_specs), m_specs(r_specs)))
         in_specs = (m_specs(s_specs), m_specs(r_specs), jax.tree.map(lambda _: b_spec, batch))
-        fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                           axis_names=set(manual), check_vma=False)  # fmt: skip
+        if auto and is_explicit(mesh):
+            # Explicit axes: JAX types every value's sharding, and a stage's ops on the
+            # axes left to XLA (an embedding lookup in a vocabulary split over tensor)
+            # cannot be typed. Inside auto_axes those axes are Auto, as on an Auto mesh.
+            def manual_stages(*args):
+                return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
+                                     in_specs=in_specs, out_specs=out_specs,
+                                     axis_names=set(manual), check_vma=False)(*args)  # fmt: skip
+
+            fn = jax.sharding.auto_axes(manual_stages, axes=tuple(sorted(auto)),
+                                        out_sharding=(PartitionSpec(), (s_specs, r_specs)))  # fmt: skip
+        else:
+            fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                               axis_names=set(manual), check_vma=False)  # fmt: skip
         loss, (d_stack, d_rest) = fn(stack, rest, batch)
         if perm is not None:
             inverse = np.argsort(perm)
