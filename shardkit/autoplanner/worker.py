@@ -18,6 +18,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
+from shardkit.devices import compile_only_env
+
 __all__ = ["compile_elsewhere"]
 
 
@@ -42,7 +44,8 @@ def compile_elsewhere(job: dict, *, timeout_s: float | None = None) -> Iterator[
 
 
 def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    # Compile only, never run: LLVM at level 0 (shardkit.devices.COMPILE_ONLY_XLA_FLAGS)
+    env = compile_only_env({**os.environ, "JAX_PLATFORMS": "cpu"})
     proc = subprocess.Popen([sys.executable, "-m", "shardkit.autoplanner.worker"], env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip

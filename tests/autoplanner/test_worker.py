@@ -42,3 +42,28 @@ def test_a_worker_that_dies_gives_up_that_candidate_only(monkeypatch):
     got = list(worker.compile_elsewhere(job, timeout_s=120))
     assert [g["index"] for g in got] == [0, 1]
     assert all("compiling process stopped (exit status 1" in g["pruned"] for g in got)
+
+
+def test_a_worker_compiles_at_llvm_level_0_whatever_the_callers_flags(monkeypatch):
+    # Workers compile and never run: LLVM level 0 (tests/test_devices.py shows it leaves
+    # memory and collectives as they are), next to the flags the caller already set.
+    import subprocess
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def popen(cmd, env, **kw):
+        seen.update(env)
+        raise Stop
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/nowhere")
+    monkeypatch.setattr(subprocess, "Popen", popen)
+    try:
+        next(worker._run({"candidates": ["a"]}, None))
+    except Stop:
+        pass
+    assert seen["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/nowhere",
+                                         "--xla_backend_optimization_level=0"]  # fmt: skip
+    assert seen["JAX_PLATFORMS"] == "cpu"
