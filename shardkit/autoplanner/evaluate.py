@@ -163,7 +163,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             if leaf.axes is not None and leaf.kind != "scalar":
                 spec = rules.spec(leaf.axes, leaf.shape, mesh, path=leaf.path)
                 axes = {a for e in spec for a in (e if isinstance(e, tuple) else (e,))}
-                if leaf.kind == "param" and "tensor" in axes and leaf.axes[0] != "layers":
+                tensor = any(recipe.axis_role(a) == "tensor" for a in axes if a)
+                if leaf.kind == "param" and tensor and leaf.axes[0] != "layers":
                     split += math.prod(leaf.shape) * leaf.info.dtype.itemsize
         recipe.activation_rules.spec(("batch", "length"), (subject.batch, subject.seq), mesh,
                                      path="batch")  # fmt: skip

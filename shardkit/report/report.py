@@ -335,9 +335,11 @@ def build_report(
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
         stack = {k: sum(_full_bytes(r) for r in rows if r.kind == k and r.logical[:1] == ("layers",))
                  for k in ("param", "optimizer")}  # fmt: skip
-        # the non-layer parameters split over tensor (a pipeline's vocab-parallel tables)
+        # the non-layer parameters split over a tensor axis (a pipeline's vocab-parallel
+        # tables), the axis's role read from the recipe's rules
         split = sum(_full_bytes(r) for r in rows if r.kind == "param" and r.logical[:1] !=
-                    ("layers",) and any("tensor" in a for a in r.mesh_axes))  # fmt: skip
+                    ("layers",) and any(recipe.axis_role(a) == "tensor" for e in r.mesh_axes
+                                        for a in e))  # fmt: skip
         try:
             analytic = analytic_costs(
                 recipe, mesh, workload=workload,
