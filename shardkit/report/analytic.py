@@ -344,8 +344,8 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:  # fmt
     reduce-scattered backward, plus the cross-entropy's 3 all-reduces of ``T_g`` f32
     statistics; in exchange the head's weight (``vocab × d_model``) computes on its
     shard: one all-gather and one reduction of it fewer. Measured against the
-    ``tokens`` layout on gpt-small and llama-small over fsdp 8: −118 / −72 MiB of
-    all-gathers and of reduce-scatters each, the formula −118 / −71.
+    ``tokens`` layout on gpt-small and llama-small over fsdp 8: −118.4 / −71.5 MiB of
+    all-gathers and of reduce-scatters each, the formula −118.4 / −71.5.
     """
     tokens = w.batch * w.seq
     spec = recipe.step_activation_rules(mesh, tokens=tokens, vocab=w.vocab).spec(
