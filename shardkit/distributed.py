@@ -9,7 +9,8 @@ explicitly.
 
 When a process dies, JAX's coordination service notices (within
 ``heartbeat_timeout_seconds`` for a lost peer, at once for a lost coordinator) and ends
-every other process with a C++ fatal error and stack trace. ``initialize(guard=True)``
+every other process with a C++ fatal error and stack trace (or gloo, the CPU
+collectives, ends it first on a half-received message). ``initialize(guard=True)``
 routes this process's stderr through a small watcher process that swallows that stack
 trace and prints one line instead, naming the dead process and the checkpoint to
 restart from (the directory of the last ``checkpoint.save``).
@@ -176,6 +177,9 @@ import os, re, sys
 me, n = sys.argv[1], sys.argv[2]
 CONTROL = b"\x00shardkit-checkpoint="
 FATAL = b"Terminating process because the JAX distributed service detected fatal errors"
+# A peer killed mid-message can also end this process inside gloo (CPU collectives): a
+# size check on the half-received message throws and C++ terminates (seen in CI).
+GLOO = (b"instance of 'gloo::", b"[enforce fail at external/gloo/")
 out = sys.stdout.buffer
 directory, fatal, pending, recent = None, False, b"", []
 def last_step(d):
@@ -208,7 +212,7 @@ while True:
         if line.startswith(CONTROL):
             directory = line[len(CONTROL):].decode(errors="replace")
             continue
-        if FATAL in line:
+        if FATAL in line or any(g in line for g in GLOO):
             fatal = True
         if fatal:
             recent.append(line)
