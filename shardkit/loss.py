@@ -36,6 +36,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
@@ -48,7 +49,14 @@ from shardkit.annotate.constrain import (
 )
 from shardkit.replicas import ReplicaView, per_replica
 
-__all__ = ["ChunkError", "auto_chunks", "chunked_cross_entropy", "cross_entropy", "head_view"]
+__all__ = [
+    "ChunkError",
+    "auto_chunks",
+    "chunked_cross_entropy",
+    "cross_entropy",
+    "head_loss_and_grad",
+    "head_view",
+]
 
 #: Logical axes of the logits of the reference models.
 LOGITS = ("batch", "length", "vocab")
@@ -420,3 +428,117 @@ def chunked_cross_entropy(
 
     _, losses = jax.lax.scan(body, None, (split(hidden), split(targets)))  # [c, *lead, size]
     return jnp.moveaxis(losses, 0, k + 1).reshape(targets.shape)
+
+
+#: Vocabulary chunks :func:`head_loss_and_grad` writes the weight's gradient in.
+HEAD_GRAD_CHUNKS = 8
+
+
+def head_loss_and_grad(
+    hidden: jax.Array,
+    targets: jax.Array,
+    weight: jax.Array,
+    acc: jax.Array,
+    *,
+    vocab_axis: int = 0,
+    scale: float | jax.Array = 1.0,
+    dtype: Any = None,
+    chunks: int = HEAD_GRAD_CHUNKS,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``scale`` × the mean cross-entropy of ``hidden · weight``, its gradient for
+    ``hidden``, and ``acc`` plus its gradient for ``weight``, added in place.
+
+    ``jax.value_and_grad`` of the head, then ``acc + grad``, holds the weight's gradient
+    twice (XLA writes a matrix product into a fresh buffer; only GPU backends fuse the
+    add into it): for GPT-2-small's tied table, 147 MiB twice, plus the logits' gradient
+    and its transpose. Here the backward runs ``chunks`` slices of the vocabulary at a
+    time (a Python loop, so XLA's cost analysis sees every product): each slice's
+    gradient is added into ``acc`` where it belongs, so the extra memory is one slice's
+    logits gradient and weight gradient. The forward keeps the whole f32 logits (the
+    backward reads them; nothing is computed twice). Used by the pipeline's last stage,
+    where a running sum of the head's gradient exists anyway
+    (:class:`shardkit.parallel.stages.Stages` ``post_grad``).
+
+    Args:
+      hidden: ``[*tokens, d]``.
+      targets: integer ``[*tokens]``.
+      weight: ``[vocab, d]`` (``vocab_axis=0``, a tied embedding table) or ``[d, vocab]``
+        (``vocab_axis=1``, a head's kernel), in its stored dtype.
+      acc: the running gradient of ``weight`` (its shape; any float dtype).
+      vocab_axis: where the vocabulary is in ``weight``.
+      scale: multiplies the loss and both gradients (e.g. ``1/micro-batches``).
+      dtype: the products' dtype (default ``hidden``'s); the logits are scored in f32.
+      chunks: vocabulary slices of the backward (uneven when they do not divide it).
+
+    Returns:
+      ``(loss, d_hidden, acc + d_weight)``, each gradient of ``scale · loss``.
+
+    Raises:
+      ShardingError: a weight that is not 2-D, shapes that do not match; ``ChunkError``:
+        ``chunks`` not a positive int.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> h = jax.random.normal(jax.random.key(0), (2, 5, 4))
+      >>> w = jax.random.normal(jax.random.key(1), (10, 4))
+      >>> t = jnp.arange(10).reshape(2, 5)
+      >>> f = lambda w, h: cross_entropy(jnp.einsum("...d,vd->...v", h, w), t).mean()
+      >>> want, (dw, dh) = jax.value_and_grad(f, argnums=(0, 1))(w, h)
+      >>> loss, d_h, acc = head_loss_and_grad(h, t, w, jnp.ones_like(w), chunks=3)
+      >>> bool(jnp.allclose(loss, want)), bool(jnp.allclose(d_h, dh, atol=1e-6))
+      (True, True)
+      >>> bool(jnp.allclose(acc, 1 + dw, atol=1e-6))
+      True
+    """
+    if weight.ndim != 2 or vocab_axis not in (0, 1):
+        raise errors.ShardingError(
+            f"head_loss_and_grad: weight {weight.shape} with vocab_axis={vocab_axis}; the "
+            "head's weight is 2-D, its vocabulary on axis 0 or 1.\nFix: weight [vocab, d] "
+            "with vocab_axis=0, or [d, vocab] with vocab_axis=1."
+        )
+    if acc.shape != weight.shape or hidden.shape[:-1] != targets.shape:
+        raise errors.ShardingError(
+            f"head_loss_and_grad: hidden {hidden.shape}, targets {targets.shape}, weight "
+            f"{weight.shape}, acc {acc.shape}.\nFix: hidden [*tokens, d], targets [*tokens], "
+            "acc the weight's shape."
+        )
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ChunkError(
+            f"head_loss_and_grad: chunks={chunks!r}.\nFix: a positive int (slices of the "
+            f"vocabulary, {HEAD_GRAD_CHUNKS} by default; uneven slices are fine)."
+        )
+    dtype = hidden.dtype if dtype is None else dtype
+    vocab = weight.shape[vocab_axis]
+    w = weight.astype(dtype)
+    to_logits = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
+    to_hidden = "...v,vd->...d" if vocab_axis == 0 else "...v,dv->...d"
+    to_weight = "...v,...d->vd" if vocab_axis == 0 else "...v,...d->dv"
+    logits = jnp.einsum(to_logits, hidden, w).astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    g = scale / targets.size  # d loss / d (each token's cross-entropy)
+    d_hidden = jnp.zeros(hidden.shape, jnp.float32)
+    target = jnp.zeros(targets.shape, jnp.float32)  # each token's target logit
+    bounds = np.linspace(0, vocab, min(chunks, vocab) + 1).round().astype(int)
+    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        # The slice starts at lo + a 0 that XLA cannot prove (no x is both NaN and
+        # infinite), read from the hidden states' gradient the previous slice added to:
+        # so each slice of the weight and the logits is taken after that slice. Left
+        # free, XLA takes them all at once (measured: 8 weight slices live together, as
+        # big as the gradient this function spares; it folds |x| < 0 to false). Read
+        # from ``acc`` instead, XLA copies ``acc`` once per slice.
+        x = d_hidden.reshape(-1)[0]
+        start = lo + (jnp.isnan(x) & jnp.isinf(x)).astype(jnp.int32)
+        size = hi - lo
+        part_logits = jax.lax.dynamic_slice_in_dim(logits, start, size, -1)
+        probs = jnp.exp(part_logits - log_z[..., None])
+        hot = targets[..., None] == start + jnp.arange(size)
+        target = target + jnp.sum(jnp.where(hot, part_logits, 0.0), -1)
+        d_logits = ((probs - hot.astype(jnp.float32)) * g).astype(dtype)
+        part = jax.lax.dynamic_slice_in_dim(w, start, size, vocab_axis)
+        d_hidden = d_hidden + jnp.einsum(to_hidden, d_logits, part,
+                                         preferred_element_type=jnp.float32)  # fmt: skip
+        d_part = jnp.einsum(to_weight, d_logits, hidden).astype(acc.dtype)
+        old = jax.lax.dynamic_slice_in_dim(acc, start, size, vocab_axis)
+        acc = jax.lax.dynamic_update_slice_in_dim(acc, old + d_part, start, vocab_axis)
+    loss = jnp.mean(log_z - target) * scale
+    return loss, d_hidden.astype(hidden.dtype), acc

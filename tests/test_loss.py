@@ -110,3 +110,88 @@ def test_auto_chunks_bounds_chunk_logits():
         assert vocab / c <= 8 * d
         smaller = [k for k in range(1, c) if length % k == 0 and (length // k) % quantum == 0]
         assert all(vocab / k > 8 * d for k in smaller)
+
+
+# --- head_loss_and_grad: the pipeline's last stage adds the head's gradient in place ---
+
+
+def _head_reference(h, t, w, vocab_axis, scale, dtype):
+    """optax's cross-entropy of the whole logits, differentiated by JAX (an independent path)."""
+    eq = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
+
+    def loss(w, h):
+        logits = jnp.einsum(eq, h.astype(dtype), w.astype(dtype)).astype(jnp.float32)
+        return scale * optax.softmax_cross_entropy_with_integer_labels(logits, t).mean()
+
+    return jax.value_and_grad(loss, argnums=(0, 1))(w, h)
+
+
+@pytest.mark.parametrize("vocab_axis, chunks", [(0, 8), (1, 3), (0, 1), (1, 64)])
+def test_head_loss_and_grad_matches_jax(vocab_axis, chunks):
+    # 37 words: uneven slices for 3 and 8, one per word and more slices than words for 64.
+    vocab, d = 37, 16
+    k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
+    h = jax.random.normal(k1, (2, 5, d))
+    w = jax.random.normal(k2, (vocab, d) if vocab_axis == 0 else (d, vocab))
+    t = jax.random.randint(k3, (2, 5), 0, vocab)
+    acc = jax.random.normal(k4, w.shape)
+    want, (dw, dh) = _head_reference(h, t, w, vocab_axis, 0.25, jnp.float32)
+    loss, d_h, new_acc = sk.loss.head_loss_and_grad(h, t, w, acc, vocab_axis=vocab_axis,
+                                                    scale=0.25, chunks=chunks)  # fmt: skip
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+    np.testing.assert_allclose(d_h, dh, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(new_acc, acc + dw, rtol=0, atol=1e-6)
+
+
+def test_head_loss_and_grad_in_bf16_keeps_an_f32_sum():
+    vocab, d = 64, 32
+    k1, k2, k3 = jax.random.split(jax.random.key(2), 3)
+    h = jax.random.normal(k1, (4, 8, d)).astype(jnp.bfloat16)
+    w = jax.random.normal(k2, (vocab, d)) / 4  # f32, as stored
+    t = jax.random.randint(k3, (4, 8), 0, vocab)
+    want, (dw, dh) = _head_reference(h, t, w, 0, 1.0, jnp.bfloat16)
+    loss, d_h, acc = sk.loss.head_loss_and_grad(h, t, w, jnp.zeros_like(w), dtype=jnp.bfloat16)
+    assert d_h.dtype == jnp.bfloat16 and acc.dtype == jnp.float32
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(d_h, np.float32), np.asarray(dh, np.float32),
+                               rtol=0, atol=2e-2 * float(jnp.abs(dh).max()))  # fmt: skip
+    np.testing.assert_allclose(acc, dw, rtol=0, atol=2e-2 * float(jnp.abs(dw).max()))
+
+
+def test_head_loss_and_grad_never_holds_the_weight_gradient_whole():
+    # Compiled temporaries, the running sum donated: value_and_grad + add holds a new
+    # vocab × d gradient next to the sum (XLA's CPU backend writes a product into a fresh
+    # buffer); in place, one slice's gradient and the f32 logits are all there is.
+    vocab, d, tokens = 4096, 256, 128
+    grad_bytes, logits_bytes = vocab * d * 4, tokens * vocab * 4  # 4 MiB, 2 MiB
+    h = jax.ShapeDtypeStruct((1, tokens, d), jnp.float32)
+    t = jax.ShapeDtypeStruct((1, tokens), jnp.int32)
+    w = jax.ShapeDtypeStruct((vocab, d), jnp.float32)
+
+    def jax_path(h, t, w, acc):
+        (loss, (dw, dh)) = _head_reference(h, t, w, 0, 1.0, jnp.float32)
+        return loss, dh, acc + dw
+
+    def in_place(h, t, w, acc):
+        return sk.loss.head_loss_and_grad(h, t, w, acc, chunks=8)
+
+    def temp(fn):
+        compiled = jax.jit(fn, donate_argnums=3).lower(h, t, w, w).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    assert temp(jax_path) >= grad_bytes + logits_bytes  # measured 8 MiB: + d logits twice
+    # The f32 logits, and one slice of 8 at a time: the weight's slice and its gradient,
+    # the slice's probabilities, logits gradient and that transposed (measured 3.5 MiB).
+    one_slice = 2 * grad_bytes / 8 + 3 * logits_bytes / 8
+    assert temp(in_place) <= logits_bytes + one_slice
+
+
+def test_head_loss_and_grad_bad_shapes_raise():
+    h, t = jnp.ones((2, 3, 4)), jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(sk.ShardingError, match=r"(?s)weight \(4, 10, 1\).*Fix: weight \[vocab, d\]"):
+        sk.loss.head_loss_and_grad(h, t, jnp.ones((4, 10, 1)), jnp.ones((4, 10, 1)))
+    with pytest.raises(sk.ShardingError, match=r"(?s)acc \(10, 4\).*acc the weight's shape"):
+        sk.loss.head_loss_and_grad(h, t, jnp.ones((4, 10)), jnp.ones((10, 4)), vocab_axis=1)
+    with pytest.raises(ChunkError, match=r"chunks=0.*\n.*positive int"):
+        sk.loss.head_loss_and_grad(h, t, jnp.ones((4, 10)), jnp.ones((4, 10)), vocab_axis=1,
+                                   chunks=0)  # fmt: skip

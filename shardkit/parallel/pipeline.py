@@ -206,6 +206,7 @@ def value_and_grad(
     auto_axes: tuple[str, ...] = (),
     stack_order: str = "layers",
     stage_axis: str = STAGE,
+    post_grad: Callable[..., tuple[jax.Array, Any, jax.Array]] | None = None,
 ) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
     """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
 
@@ -240,6 +241,13 @@ def value_and_grad(
         :func:`shardkit.parallel.stages.to_interleaved`): nothing moves, and the gradient
         comes back in the same order.
       stage_axis: the pipeline's mesh axis.
+      post_grad: optional ``(rest, y, microbatch, d_rest, scale) -> (scale·loss, d_rest +
+        scale·∂loss/∂rest, scale·∂loss/∂y)``, the last stage's loss and gradients added
+        into the running sum ``d_rest`` (e.g. with :func:`shardkit.loss.head_loss_and_grad`,
+        which writes a vocabulary head's gradient in place, slice by slice). Without it
+        the engine runs ``jax.value_and_grad(post_fn)`` and adds: on CPU XLA then holds
+        the head's gradient twice, the sum and the new term. Not used with ``auto_axes``
+        (a vocabulary split over an axis left to XLA would be resliced per chunk).
 
     Returns:
       the loss (the mean over the whole batch) and the gradients of ``stack`` and ``rest``,
@@ -319,7 +327,8 @@ def value_and_grad(
             rules = (_auto_rules(current_activation_rules(), manual),
                      _auto_rules(current_param_rules(), manual))  # fmt: skip
         body = _Body(layer_fn, pre_fn, post_fn, sched, mesh, stage_axis, s_specs, r_specs,
-                     b_axes, n_shards, unit, auto, rules)  # fmt: skip
+                     b_axes, n_shards, unit, auto, rules,
+                     None if auto else post_grad)  # fmt: skip
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         m_specs = lambda t: jax.tree.map(lambda sp: _only(sp, manual), t, is_leaf=is_spec)  # noqa: E731
         out_specs = (PartitionSpec(), (m_specs(s_specs), m_specs(r_specs)))
@@ -369,8 +378,9 @@ class _Body:
 
     def __init__(self, layer_fn, pre_fn, post_fn, sched: Schedule, mesh, stage_axis,
                  s_specs, r_specs, b_axes, n_shards, unit, auto=frozenset(),
-                 rules=None):  # fmt: skip
+                 rules=None, post_grad=None):  # fmt: skip
         self.layer_fn, self.pre_fn, self.post_fn = layer_fn, pre_fn, post_fn
+        self.post_grad = post_grad
         self.rules = rules or (None, None)
         self.skip = frozenset({stage_axis}) | auto  # axes the engine never gathers over
         self.sched, self.mesh, self.stage = sched, mesh, stage_axis
@@ -511,6 +521,8 @@ class _Body:
                     # The accumulator goes through the cond: one running sum, updated in
                     # place, never a full-size gradient (the head's) per tick.
                     def loss_and_grads(d_rest, y=y, i=i):
+                        if self.post_grad is not None:
+                            return self.post_grad(rest_g, y, mb_at(i), d_rest, scale)
                         grad_fn = jax.value_and_grad(head, argnums=(0, 1))
                         val, (dr, dy) = grad_fn(rest_g, y, mb_at(i))
                         return val, jax.tree.map(jnp.add, d_rest, dr), dy

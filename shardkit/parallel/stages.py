@@ -49,6 +49,7 @@ from shardkit.parallel.schedules import PipelineError
 __all__ = [
     "Stages",
     "from_interleaved",
+    "head_post_grad",
     "linen_layer",
     "nnx_layer",
     "reference_stages",
@@ -81,6 +82,11 @@ class Stages:
     layer: Callable[[Any, jax.Array], jax.Array]
     post: Callable[[Any, jax.Array, Any], jax.Array]
     key: str = "layers"
+    #: Optional: ``post``'s loss and gradients added into a running sum, ``(rest, y, mb,
+    #: d_rest, scale) -> (scale·loss, d_rest + scale·∂loss/∂rest, scale·∂loss/∂y)``; the
+    #: pipeline's last stage calls it instead of ``jax.value_and_grad(post)`` plus an add
+    #: (see :func:`head_post_grad`: a vocabulary head's gradient written in place).
+    post_grad: Callable[..., tuple[jax.Array, Any, jax.Array]] | None = None
 
     def split(self, params: Any) -> tuple[Any, Any]:
         """``(params[key], the rest)``; raises ``NotPipelinableError`` if there is no stack."""
@@ -233,7 +239,7 @@ def value_and_grad(
         stages.layer, stages.pre, stages.post, mesh=mesh, microbatches=microbatches,
         schedule=schedule, virtual_stages=virtual_stages, unit=unit,
         stack_specs=s_specs, rest_specs=r_specs, batch_axes=batch_axes, auto_axes=auto_axes,
-        stack_order=stack_order,
+        stack_order=stack_order, post_grad=stages.post_grad,
     )  # fmt: skip
 
     def fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:
@@ -329,6 +335,54 @@ def from_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers
                     lambda n: np.argsort(pipeline.interleaved_order(n, stages, virtual)))  # fmt: skip
 
 
+def head_post_grad(
+    norm: Callable[[Any, jax.Array], jax.Array],
+    *,
+    norm_key: str,
+    head_key: str,
+    vocab_axis: int,
+    dtype: Callable[[], Any] | None = None,
+) -> Callable[..., tuple[jax.Array, Any, jax.Array]]:
+    """A :class:`Stages` ``post_grad`` for ``post = cross-entropy(head(norm(y)))``.
+
+    ``norm(norm_params, y)`` is the final norm (``rest[norm_key]`` its parameters);
+    ``rest[head_key]`` holds the head's one weight, ``[vocab, d]`` (``vocab_axis=0``, a
+    tied embedding table) or ``[d, vocab]`` (``vocab_axis=1``); ``dtype()`` gives the
+    products' dtype when traced (default the norm's output dtype). The head's gradient is
+    written into the running sum in vocabulary slices (:func:`shardkit.loss.
+    head_loss_and_grad`), so the last stage never holds it twice; the loss is the mean
+    cross-entropy of ``mb["targets"]``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> norm = lambda p, y: y * p["g"]
+      >>> rest = {"ln": {"g": jnp.ones(4)}, "head": {"w": jnp.ones((4, 10))}}
+      >>> pg = head_post_grad(norm, norm_key="ln", head_key="head", vocab_axis=1)
+      >>> mb = {"targets": jnp.zeros((2, 3), jnp.int32)}
+      >>> zeros = jax.tree.map(jnp.zeros_like, rest)
+      >>> loss, d_rest, dy = pg(rest, jnp.ones((2, 3, 4)), mb, zeros, 1.0)
+      >>> round(float(loss), 4), d_rest["head"]["w"].shape   # uniform over 10: log 10
+      (2.3026, (4, 10))
+    """
+    from shardkit.loss import head_loss_and_grad
+
+    def post_grad(rest: Any, y: jax.Array, mb: Any, d_rest: Any, scale: Any):
+        z, pull = jax.vjp(norm, rest[norm_key], y)
+        (weight,), w_def = jax.tree.flatten(rest[head_key])
+        (acc,) = jax.tree.leaves(d_rest[head_key])
+        loss, dz, acc = head_loss_and_grad(
+            z, mb["targets"], weight, acc, vocab_axis=vocab_axis, scale=scale,
+            dtype=None if dtype is None else dtype(),
+        )  # fmt: skip
+        d_norm, dy = pull(dz)
+        out = {k: d_rest[k] for k in d_rest}
+        out[norm_key] = jax.tree.map(jnp.add, d_rest[norm_key], d_norm)
+        out[head_key] = jax.tree.unflatten(w_def, [acc])
+        return loss, out, dy
+
+    return post_grad
+
+
 def reference_stages(model: Any) -> Stages:
     """The reference GPT (linen) or Llama (NNX) cut into embedding, blocks and head.
 
@@ -380,7 +434,15 @@ def reference_stages(model: Any) -> Stages:
             table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
             return loss_of(jnp.einsum("...d,vd->...v", y, table), mb)
 
-        return Stages(pre, layer, post)
+        def final_norm(params: Any, y: jax.Array) -> jax.Array:
+            norm = nn.LayerNorm(
+                epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype
+            )
+            return norm.apply({"params": params}, y)
+
+        post_grad = head_post_grad(final_norm, norm_key="ln_f", head_key="wte", vocab_axis=0,
+                                   dtype=lambda: cfg.compute_dtype)  # fmt: skip
+        return Stages(pre, layer, post, post_grad=post_grad)
 
     from shardkit.models.llama import rope_tables
 
@@ -400,4 +462,9 @@ def reference_stages(model: Any) -> Stages:
         y = nnx.merge(graphdef("norm"), rest["norm"])(y)
         return loss_of(nnx.merge(graphdef("head"), rest["head"])(y), mb)
 
-    return Stages(pre, remat(block), post)
+    def final_norm(params: Any, y: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef("norm"), params)(y)
+
+    post_grad = head_post_grad(final_norm, norm_key="norm", head_key="head", vocab_axis=1,
+                               dtype=lambda: cfg.compute_dtype)  # fmt: skip
+    return Stages(pre, remat(block), post, post_grad=post_grad)
