@@ -478,6 +478,12 @@ def test_tp_sp_wire_matches_the_compiled_program(name, projections, remat):
         # compiled: the same, but for the token ids the lookup and the loss gather (int32,
         # 1.5 KiB here)
         assert measured[kind] == pytest.approx(x, rel=0.005)
+    # The head's input is gathered by the loss code: a 'logits / loss collectives' term,
+    # with the cross-entropy's 3 all-reduces of b·s (f32, 2·(t−1)/t each).
+    head = one + 3 * 2 * ring(t) * (batch // 2) * seq * 4
+    assert r.analytic.wire_terms["logits / loss collectives"] == pytest.approx(head)
+    term = next(w for w in r.wire_terms if w.term == "logits / loss collectives")
+    assert term.bytes == pytest.approx(head, rel=0.05)  # measured: 1.014×
 
 
 @pytest.mark.parametrize("name, projections, remat", [("gpt-tiny", 2, "full"),
