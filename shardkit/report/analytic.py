@@ -438,7 +438,8 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     never from its name. State: ``param_bytes`` (and as many gradient bytes) divided by
     the degrees that shard parameters (tensor × fsdp), ``optimizer_bytes`` by those that
     shard optimizer state (× data under ZeRO-1). Wire: the ring model of
-    :func:`wire_bytes_hybrid`. Activations (Megatron, Korthikanti et al. 2022, plus the
+    :func:`wire_bytes_hybrid` (a layer's column-parallel projections for the tensor
+    axis's collectives: ``workload.in_projections``). Activations (Megatron, Korthikanti et al. 2022, plus the
     logits) and the tensor/sequence activation traffic need the workload's dimensions;
     without them they are left out, and a note says so.
 
@@ -636,7 +637,9 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (or anything with ``vocab``,
-        ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``remat``, ``param_count()``).
+        ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``remat``, ``param_count()``;
+        ``in_projections``, the layer's column-parallel projections for the tensor
+        collectives, defaults to 2, fused).
       recipe: a ``Recipe`` or a registered recipe's name.
       mesh: mesh axis sizes; axes the recipe does not declare must be absent or 1.
       batch: global batch; seq: sequence length.
