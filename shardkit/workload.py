@@ -33,6 +33,10 @@ class Workload:
       layers, d_model, n_heads, n_kv_heads, vocab: the model's dimensions, for the
         activation terms (Megatron's per-layer activations, tensor- and
         sequence-parallel collectives, the logits); ``None`` where unknown.
+      in_projections: a layer's column-parallel projections (the matmuls that read the
+        attention's or the MLP's input), each reducing its input's gradient on its own
+        under tensor parallelism: 2 fused (GPT's ``qkv`` and ``up``, Megatron's), 5 for
+        Llama's separate ``wq``, ``wk``, ``wv``, ``gate`` and ``up``.
       remat: ``"none"``, ``"full"`` or ``"save_dots"``; ``None`` where the model's own
         code decides (a user's model).
       precision: ``"f32"`` (every value 4 bytes) or ``"bf16"`` (mixed precision:
@@ -47,6 +51,7 @@ class Workload:
     n_heads: int | None = None
     n_kv_heads: int | None = None
     vocab: int | None = None
+    in_projections: int = 2
     remat: str | None = "none"
     precision: str = "f32"
     model: str | None = None
@@ -78,6 +83,7 @@ class Workload:
             n_heads=config.n_heads,
             n_kv_heads=getattr(config, "n_kv_heads", config.n_heads),
             vocab=config.vocab,
+            in_projections=getattr(config, "in_projections", 2),
             remat=remat or getattr(config, "remat", "none") or "none",
             precision=_precision_of(getattr(config, "dtype", None), precision),
             model=model,

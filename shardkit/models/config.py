@@ -129,6 +129,20 @@ class ModelConfig:
         """Width of one attention head: ``d_model // n_heads``."""
         return self.d_model // self.n_heads
 
+    @property
+    def in_projections(self) -> int:
+        """A layer's column-parallel projections, the matmuls that read the attention's or
+        the MLP's input: GPT 2 (the fused ``qkv`` and ``up``), Llama 5 (``wq``, ``wk``,
+        ``wv``, ``gate`` and ``up``, each its own kernel). Under tensor parallelism each
+        reduces its input's gradient on its own (the analytic wire model,
+        :func:`shardkit.report.analytic.wire_bytes_hybrid`).
+
+        Example:
+          >>> CONFIGS["gpt-tiny"].in_projections, CONFIGS["llama-tiny"].in_projections
+          (2, 5)
+        """
+        return 2 if self.family == "gpt" else 5
+
     def _layer_params(self) -> int:
         d, f, hd = self.d_model, self.d_ff, self.head_dim
         if self.family == "gpt":

@@ -169,7 +169,10 @@ def tp_sp() -> Recipe:
     As ``tp``, and the regions between the tensor-parallel blocks (LayerNorm, residual,
     dropout) are split along ``length`` over ``tensor``: activation memory per layer
     drops from sbh(10 + 24/t + 5as/(ht)) to sbh(34/t + 5as/(ht)); each all-reduce
-    becomes a reduce-scatter plus an all-gather of the same total volume.
+    becomes a reduce-scatter, and the column-parallel projections' inputs are
+    all-gathered, forward and again backward for the weight gradients: 6 all-gathers a
+    layer, 1.25× TP's bytes with fused projections and no remat
+    (:func:`shardkit.report.analytic.wire_bytes`).
     """
     return Recipe(
         name="tp_sp",

@@ -160,7 +160,7 @@ def megatron_activations_per_layer(
 def wire_bytes(recipe_kind: str, *, psi: float, n: int, bytes_per_value: float = 4,
                layers: int | None = None, b: float | None = None, s: float | None = None,
                h: float | None = None, vocab: int | None = None, t: int | None = None,
-               h_kv: float | None = None) -> dict[str, float]:  # fmt: skip
+               h_kv: float | None = None, in_projections: int = 2) -> dict[str, float]:  # fmt: skip
     """Ring wire bytes per device per step of one pure layout, by collective kind.
 
     - ``dp``: gradient all-reduce, ``2Ψ·B·(N−1)/N``.
@@ -168,14 +168,25 @@ def wire_bytes(recipe_kind: str, *, psi: float, n: int, bytes_per_value: float =
       each (the same 2Ψ as DP).
     - ``fsdp``/``zero3``: all-gather of the weights forward and again backward,
       ``2Ψ·B·(N−1)/N``, and a gradient reduce-scatter, ``Ψ·B·(N−1)/N`` (3Ψ in all).
-    - ``tp`` (Megatron, degree ``t``, default ``n``): per layer 2 all-reduces of ``b·s·h``
-      forward (after attention, after the MLP) and 2 backward (their inputs' gradients).
-      With ``vocab`` given the embedding and loss are vocab-parallel and add the embedding
-      output's all-reduce (forward), the head input-gradient all-reduce (backward), both of
-      ``b·s·h``, and the cross-entropy's 3 forward all-reduces of ``b·s`` (max logit, target
-      logit, sum of exponentials; its backward is local).
-    - ``tp_sp``: the same volume; each ``b·s·h`` all-reduce becomes a reduce-scatter +
-      all-gather pair (half the bytes each); the cross-entropy's stay all-reduces.
+    - ``tp`` (Megatron, degree ``t``, default ``n``): per layer, all-reduces of ``b·s·h``
+      partial sums: the 2 row-parallel outputs forward (after attention, after the MLP)
+      and, backward, the input gradient of each of the ``in_projections`` column-parallel
+      projections (2 fused, GPT's ``qkv`` and ``up`` as Megatron's; Llama's separate
+      ``wq``, ``wk``, ``wv``, ``gate`` and ``up`` reduce 5: XLA does not add them up
+      first). With ``vocab`` given the embedding and loss are vocab-parallel and add the
+      embedding output's all-reduce (forward), the head input-gradient all-reduce
+      (backward), both of ``b·s·h``, and the cross-entropy's 3 forward all-reduces of
+      ``b·s`` (max logit, target logit, sum of exponentials; its backward is local).
+    - ``tp_sp`` (Megatron-SP): each ``b·s·h`` all-reduce becomes a reduce-scatter (the
+      sequence stays split between the blocks), and per layer 6 all-gathers of ``b·s·h``:
+      the 2 column-parallel inputs forward, the 2 row-parallel outputs' gradients
+      backward (the forward reduce-scatters' transposes) and the 2 inputs again backward
+      for the weight gradients (Megatron-SP keeps only their sequence shard, and so does
+      XLA's program). ``6 + 2 + in_projections`` collectives of half an all-reduce's bytes
+      a layer: fused, 1.25× TP's volume. With ``vocab`` the embedding's output is
+      reduce-scattered forward and its gradient gathered backward, the head's input
+      gathered forward and its gradient reduce-scattered backward; the cross-entropy's
+      stay all-reduces.
     - ``cp`` (context parallel, all-gather attention): gradient all-reduce as DP, plus per
       layer an all-gather of K and V forward and a reduce-scatter of dK, dV backward,
       ``2·b·s·h_kv·B·(N−1)/N`` each (a ring permute moves the same bytes).
@@ -187,6 +198,8 @@ def wire_bytes(recipe_kind: str, *, psi: float, n: int, bytes_per_value: float =
       layers, b, s, h: layers, global batch, full sequence, hidden size (tp, tp_sp, cp).
       vocab: count the vocab-parallel embedding and loss (tp, tp_sp); t: tensor degree.
       h_kv: width of K (and of V) for cp, ``n_kv_heads·head_dim``; defaults to ``h``.
+      in_projections: a layer's column-parallel projections (tp, tp_sp): 2 fused (GPT),
+        5 for Llama (``ModelConfig.in_projections``).
 
     Returns:
       ``{kind: bytes}`` for the kinds with traffic.
@@ -205,7 +218,7 @@ def wire_bytes(recipe_kind: str, *, psi: float, n: int, bytes_per_value: float =
     data_kind = recipe_kind if axis == "data" else "dp"
     tensor_kind = recipe_kind if axis == "tensor" else "tp"
     return _hybrid({axis: size}, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
-                   tensor_kind)[0]  # fmt: skip
+                   tensor_kind, in_projections=in_projections)[0]  # fmt: skip
 
 
 def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_value: float = 4,
@@ -213,8 +226,8 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
                       h: float | None = None, vocab: int | None = None, h_kv: float | None = None,
                       data_kind: Literal["dp", "zero1", "zero2"] = "dp",
                       tensor_kind: Literal["tp", "tp_sp"] = "tp",
-                      recompute: bool = False,
-                      attention: str = "allgather") -> dict[str, float]:  # fmt: skip
+                      recompute: bool = False, attention: str = "allgather",
+                      in_projections: int = 2) -> dict[str, float]:  # fmt: skip
     """Ring wire bytes per device per step of a layout over several mesh axes, by kind.
 
     The parts add up, each over its own group, nested ``data ⊃ sequence ⊃ fsdp ⊃ tensor``:
@@ -232,13 +245,17 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
 
     Args:
       axis_sizes: mesh axis sizes, e.g. ``{"data": 2, "fsdp": 4}``; missing axes are 1.
-      psi, bytes_per_value, layers, b, s, h, vocab, h_kv: as :func:`wire_bytes`
-        (``b`` and ``s`` are the global batch and the full sequence).
+      psi, bytes_per_value, layers, b, s, h, vocab, h_kv, in_projections: as
+        :func:`wire_bytes` (``b`` and ``s`` are the global batch and the full sequence).
       data_kind: what the data axis runs: ``dp``, ``zero1`` or ``zero2``.
       tensor_kind: what the tensor axis runs: ``tp`` or ``tp_sp``.
       recompute: full activation recomputation (remat) re-runs every layer's forward,
         and with it the forward activation collectives of ``tensor`` and ``sequence``
-        (6 instead of 4 b·s·h all-reduces per layer under TP; Korthikanti et al. 2022).
+        that the backward needs: under TP and TP+SP the attention output's reduction
+        (not the MLP's: nothing reads the layer's output, XLA drops it), so
+        ``3 + in_projections`` reductions of ``b·s·h`` per layer instead of
+        ``2 + in_projections``; under TP+SP also the 2 inputs' all-gathers, which then
+        serve the weight gradients in place of the re-gathers (6 all-gathers either way).
       attention: how ``sequence`` moves K/V: ``"allgather"`` (all-gather forward,
         reduce-scatter backward) or ``"ring"`` (collective-permutes, the same bytes).
 
@@ -253,11 +270,12 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
       {'all-gather': 6000000.0, 'reduce-scatter': 3000000.0, 'all-reduce': 1000000.0}
     """
     return _hybrid(axis_sizes, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
-                   tensor_kind, recompute, attention)[0]  # fmt: skip
+                   tensor_kind, recompute, attention, in_projections=in_projections)[0]  # fmt: skip
 
 
 def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind,
-            recompute=False, attention="allgather", activations=True, terms=None):  # fmt: skip
+            recompute=False, attention="allgather", activations=True, terms=None,
+            in_projections=2, head_term="logits / loss collectives"):  # fmt: skip
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`.
 
     ``activations=False`` leaves out the tensor and sequence axes' activation traffic
@@ -265,8 +283,11 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
     receives the same bytes by wire term (:mod:`shardkit.report.wire_terms`): FSDP's
     and ZeRO's parameter all-gathers are ``weight all-gathers``; FSDP's reduce-scatter
     and the replicas' all-reduce (or ZeRO's reduce-scatter) ``gradient reductions``;
-    TP's b·s·h all-reduces (or SP's pairs) ``activation collectives``; the
-    vocab-parallel cross-entropy's b·s all-reduces ``logits / loss collectives``; the
+    TP's b·s·h all-reduces (or SP's reduce-scatters and all-gathers) ``activation
+    collectives``, but for the head's input gathered forward under TP+SP, which is
+    ``logits / loss collectives`` with the vocab-parallel cross-entropy's b·s all-reduces
+    (the loss code gathers it; ``head_term`` names another term where other code
+    gathers it); the
     sequence axis's K/V traffic ``context-parallel K/V``.
     """
     unknown = sorted(set(axis_sizes) - set(_AXES))
@@ -309,14 +330,38 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
                      "model dimensions (layers, d_model, seq)")  # fmt: skip
     if t > 1 and activations:
         bsh = b / (d * f) * (s / c) * h
-        # Full recomputation re-runs each layer's forward, its 2 all-reduces included.
-        n_ar = (6 if recompute else 4) * layers + (2 if vocab is not None else 0)
         act = "activation collectives"
+        # Per layer, the reductions of b·s·h partial sums: the 2 row-parallel outputs
+        # (attention's out, the MLP's down) forward, the recomputed attention output under
+        # remat (the MLP's is dead code there: the backward reads no layer output), and
+        # each column-parallel projection's input gradient backward (2 fused, Llama's 5).
+        n_red = (2 + in_projections + (1 if recompute else 0)) * layers
+        head_note = ""
         if tensor_kind == "tp":
-            add("all-reduce", n_ar * bsh, t, 2, f"{n_ar} all-reduces of b·s·h, Megatron TP", act)
+            n_ar = n_red + (2 if vocab is not None else 0)  # embedding output, head input grad
+            if vocab is not None:
+                head_note = " + embedding output and head input gradient"
+            add("all-reduce", n_ar * bsh, t, 2, f"{n_ar} all-reduces of b·s·h, Megatron TP: "
+                f"per layer 2 forward{' + 1 recomputed' if recompute else ''} + "
+                f"{in_projections} input gradients{head_note}", act)  # fmt: skip
         else:
-            for kind in ("reduce-scatter", "all-gather"):
-                add(kind, n_ar * bsh, t, 1, f"{n_ar} pairs for b·s·h all-reduces, TP+SP", act)
+            # TP+SP gathers each column-parallel input from its sequence shards forward,
+            # gathers the 2 row-parallel outputs' gradients backward (the transposes of the
+            # forward reduce-scatters) and gathers the 2 inputs again for the weight
+            # gradients (Megatron-SP keeps only its shard; under remat the recomputed
+            # forward's gathers serve instead): 6 all-gathers a layer either way.
+            add("all-gather", 6 * layers * bsh, t, 1, f"{6 * layers} all-gathers of b·s·h, "
+                "TP+SP: per layer 2 inputs forward, 2 output gradients backward, 2 inputs "
+                f"again ({'recomputed' if recompute else 'for the weight gradients'})", act)
+            add("reduce-scatter", n_red * bsh, t, 1, f"{n_red} reduce-scatters of b·s·h, "
+                f"TP+SP: per layer 2 outputs forward{' + 1 recomputed' if recompute else ''} + "
+                f"{in_projections} input gradients", act)  # fmt: skip
+            if vocab is not None:  # vocab-parallel embedding and head, Megatron-SP's pairs
+                add("reduce-scatter", 2 * bsh, t, 1, "2 of b·s·h, the embedding's output "
+                    "forward and the head's input gradient backward", act)  # fmt: skip
+                add("all-gather", bsh, t, 1, "b·s·h, the embedding output's gradient "
+                    "backward", act)  # fmt: skip
+                add("all-gather", bsh, t, 1, "b·s·h, the head's input forward", head_term)
         if vocab is not None:
             add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s",
                 "logits / loss collectives")  # fmt: skip
@@ -337,7 +382,7 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
 def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:  # fmt: skip
     """Add the wire of a head that computes in the vocabulary layout over a data or fsdp
     axis (:meth:`Recipe.step_activation_rules`; a tensor axis's is in :func:`_hybrid`'s
-    TP+SP pairs) to ``wire`` and ``terms``, and return its notes.
+    TP+SP collectives of the head) to ``wire`` and ``terms``, and return its notes.
 
     Each device gathers the hidden states of the ``T_g`` tokens of the ``g`` devices that
     split the vocabulary, ``T_g·h·A·(g−1)/g`` forward (A: activation bytes) and as many
@@ -393,7 +438,8 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     never from its name. State: ``param_bytes`` (and as many gradient bytes) divided by
     the degrees that shard parameters (tensor × fsdp), ``optimizer_bytes`` by those that
     shard optimizer state (× data under ZeRO-1). Wire: the ring model of
-    :func:`wire_bytes_hybrid`. Activations (Megatron, Korthikanti et al. 2022, plus the
+    :func:`wire_bytes_hybrid` (a layer's column-parallel projections for the tensor
+    axis's collectives: ``workload.in_projections``). Activations (Megatron, Korthikanti et al. 2022, plus the
     logits) and the tensor/sequence activation traffic need the workload's dimensions;
     without them they are left out, and a note says so.
 
@@ -481,7 +527,8 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     wire, wire_notes = _hybrid(par.sizes(), psi, nb, w.layers, w.batch, w.seq, w.d_model,
                                w.vocab, h_kv, par.data_kind, par.tensor_kind,
                                recompute=remat == "full", attention=attention,
-                               activations=w.has_dims, terms=terms)  # fmt: skip
+                               activations=w.has_dims, terms=terms,
+                               in_projections=w.in_projections)  # fmt: skip
     if w.has_dims:
         wire_notes += _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms)
     notes = (
@@ -590,7 +637,9 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (or anything with ``vocab``,
-        ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``remat``, ``param_count()``).
+        ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``remat``, ``param_count()``;
+        ``in_projections``, the layer's column-parallel projections for the tensor
+        collectives, defaults to 2, fused).
       recipe: a ``Recipe`` or a registered recipe's name.
       mesh: mesh axis sizes; axes the recipe does not declare must be absent or 1.
       batch: global batch; seq: sequence length.

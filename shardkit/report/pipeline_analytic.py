@@ -200,8 +200,10 @@ def pipeline_model(
     in a tick (``(v·m + p − 1)·L/(p·v)`` per device, the bubble's ticks included: every
     stage computes in every tick) adds TP+SP's all-gathers and reduce-scatters of
     ``b·s·h``, as :func:`shardkit.report.analytic.wire_bytes_hybrid` counts them for
-    ``dp_tp_sp``, and each of the ``m`` micro-batches the vocab-parallel embedding's, head's
-    and cross-entropy's.
+    ``dp_tp_sp`` (6 all-gathers, the backward's re-gathers included, and ``2 +
+    in_projections`` reduce-scatters a layer, one more under remat), and each of the ``m``
+    micro-batches the vocab-parallel embedding's, head's and cross-entropy's (the head's
+    input gather is the stage's code here: ``activation collectives``).
 
     Args:
       par: the recipe's :class:`shardkit.recipes.recipe.Parallelism` (``stage > 1``).
@@ -334,7 +336,8 @@ def _tensor_wire(workload: Any, *, t: int, b: float, ticks: int, layers: float,
         wire, why = _hybrid({"tensor": t}, psi=0.0, nbytes=bytes_per_value, layers=n, b=b,
                             s=w.seq, h=w.d_model, vocab=vocab, h_kv=None, data_kind="dp",
                             tensor_kind="tp_sp", recompute=(w.remat or "none") == "full",
-                            terms=part)  # fmt: skip
+                            terms=part, in_projections=w.in_projections,
+                            head_term="activation collectives")  # fmt: skip
         for kind, x in wire.items():
             out[kind] = out.get(kind, 0.0) + scale * x
         for term, x in part.items():

@@ -15,7 +15,7 @@ state's parameters (:class:`ParamMatch`):
   and its cross-entropy: vocab-parallel statistics, hidden states gathered for it);
 - ``other collectives``: reductions of scalars (the gradient norm, the loss's mean);
 - ``activation collectives``: the rest (tensor and sequence parallelism's b·s·h
-  all-reduces or reduce-scatter/all-gather pairs, a vocab-parallel embedding lookup).
+  all-reduces, or reduce-scatters and all-gathers, a vocab-parallel embedding lookup).
 
 The analytic value of each term comes from the formulas of
 :mod:`shardkit.report.analytic` (``AnalyticModel.wire_terms``, recorded term by term as

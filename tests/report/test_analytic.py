@@ -115,15 +115,39 @@ def test_wire_tp_hand_computed():
     got = wire_bytes("tp", vocab=v, **kw)
     assert got == {"all-reduce": pytest.approx(layer_ar + embed_head_ar + loss_ar)}
     assert wire_bytes("tp", **{**kw, "n": 99}, t=t) == wire_bytes("tp", **kw)  # t overrides n
+    # Llama's q, k, v, gate and up are 5 kernels, each input gradient reduced on its own:
+    # 2 forward + 5 backward all-reduces a layer.
+    llama = wire_bytes("tp", in_projections=5, **kw)["all-reduce"]
+    assert llama == pytest.approx(layer_ar * (2 + 5) / 4)
 
 
 @pytest.mark.parametrize("vocab", [None, 50])
-def test_wire_tp_sp_same_total_as_tp(vocab):
-    tp = wire_bytes("tp", psi=PSI, n=4, vocab=vocab, **ACT)
-    sp = wire_bytes("tp_sp", psi=PSI, n=4, vocab=vocab, **ACT)
-    assert sum(sp.values()) == pytest.approx(sum(tp.values()))
-    assert sp["reduce-scatter"] == pytest.approx(sp["all-gather"])
-    assert ("all-reduce" in sp) == (vocab is not None)  # only the loss's b·s all-reduces
+@pytest.mark.parametrize("projections", [2, 5])  # fused qkv and up (GPT); Llama's 5 kernels
+def test_wire_tp_sp_hand_computed(vocab, projections):
+    # Megatron-SP per layer, each collective (t−1)/t of b·s·h values: forward, the 2
+    # column-parallel inputs (attention's, the MLP's) all-gathered and the 2 row-parallel
+    # outputs reduce-scattered; backward, the 2 output gradients all-gathered (the
+    # transposes of the forward reduce-scatters), the 2 inputs all-gathered again for
+    # the weight gradients (only their sequence shard is kept), and each column-parallel
+    # projection's input gradient reduce-scattered. With the vocabulary: the embedding's
+    # output reduce-scattered forward and its gradient gathered backward, the head's input
+    # gathered forward and its gradient reduce-scattered backward; the cross-entropy's 3
+    # all-reduces of b·s as under TP.
+    layers, b, s, h, t = 2, 4, 16, 32, 4
+    one = ring(t) * b * s * h * 4
+    gathers, scatters = (2 + 2 + 2) * layers, (2 + projections) * layers
+    if vocab is not None:
+        gathers, scatters = gathers + 2, scatters + 2
+    want = {"all-gather": gathers * one, "reduce-scatter": scatters * one}
+    if vocab is not None:
+        want["all-reduce"] = 3 * 2 * ring(t) * b * s * 4
+    got = wire_bytes("tp_sp", psi=PSI, n=t, layers=layers, b=b, s=s, h=h, vocab=vocab,
+                     in_projections=projections)  # fmt: skip
+    assert got == pytest.approx(want)
+    # TP's all-reduces are the reductions alone, twice the bytes each: no re-gathers.
+    tp = wire_bytes("tp", psi=PSI, n=t, layers=layers, b=b, s=s, h=h, vocab=vocab,
+                    in_projections=projections)  # fmt: skip
+    assert tp["all-reduce"] == pytest.approx(2 * want["reduce-scatter"] + want.get("all-reduce", 0))
 
 
 def test_wire_cp():
@@ -335,11 +359,21 @@ def test_analytic_model_errors():
     assert analytic_model(cfg, "dp", {"data": 8, "tensor": 1}, batch=8, seq=32)
 
 
-def test_full_recompute_reruns_forward_tensor_collectives():
-    kw = dict(psi=1e6, layers=2, b=4, s=8, h=16)
+@pytest.mark.parametrize("projections", [2, 5])
+def test_full_recompute_reruns_forward_tensor_collectives(projections):
+    # The recomputed forward reduces the attention's output again (the MLP's output is
+    # read by nothing in the backward: XLA drops its reduction), so 3 + P reductions a
+    # layer instead of 2 + P. Under TP+SP the recomputed input gathers replace the 2
+    # backward re-gathers: still 6 all-gathers a layer.
+    kw = dict(psi=1e6, layers=2, b=4, s=8, h=16, in_projections=projections)
     plain = wire_bytes_hybrid({"tensor": 4}, **kw)["all-reduce"]
     again = wire_bytes_hybrid({"tensor": 4}, recompute=True, **kw)["all-reduce"]
-    assert again == pytest.approx(plain * 6 / 4)  # 6 all-reduces per layer instead of 4
+    assert again == pytest.approx(plain * (3 + projections) / (2 + projections))
+    sp = [wire_bytes_hybrid({"tensor": 4}, tensor_kind="tp_sp", recompute=r, **kw)
+          for r in (False, True)]  # fmt: skip
+    assert sp[1]["reduce-scatter"] == pytest.approx(
+        sp[0]["reduce-scatter"] * (3 + projections) / (2 + projections))
+    assert sp[1]["all-gather"] == pytest.approx(sp[0]["all-gather"])
 
 
 def test_ring_attention_moves_the_same_bytes_by_permutes():
@@ -402,10 +436,72 @@ def test_vocab_split_head_moves_hidden_states_instead_of_its_weight():
 
 
 def test_vocab_split_head_over_the_tensor_axis_is_the_tp_sp_pairs_only():
-    # dp_tp_sp's head is vocab-split over tensor, whose b·s·h pairs _hybrid counts: the
-    # head layout adds nothing on top, whichever layout the recipe asks for.
+    # dp_tp_sp's head is vocab-split over tensor, whose b·s·h all-gather and
+    # reduce-scatter _hybrid counts: the head layout adds nothing on top, whichever
+    # layout the recipe asks for.
     mesh = {"data": 2, "tensor": 4}
     cfg = CONFIGS["gpt-tiny"]
     got = [analytic_model(cfg, recipes.get("dp_tp_sp").with_logits(layout), mesh, batch=8,
                           seq=64).wire_bytes_by_kind for layout in ("tokens", "vocab")]  # fmt: skip
     assert got[0] == got[1]
+
+
+# ------------------------------------------------- TP+SP against the compiled program
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+@pytest.mark.parametrize("name, projections", [("gpt-tiny", 2), ("llama-tiny", 5)])
+def test_tp_sp_wire_matches_the_compiled_program(name, projections, remat):
+    # dp_tp_sp on data 2 × tensor 4, 2 layers: every all-gather and reduce-scatter moves
+    # (t−1)/t of one tensor group's b·s·h. Per layer, all-gathers: 2 inputs forward, 2
+    # output gradients backward, 2 inputs again backward (re-gathered for the weight
+    # gradients; under remat the recomputed forward's gathers serve instead). Reduce-
+    # scatters: 2 outputs forward, 1 recomputed under remat (the attention's: the MLP's
+    # output is dead code there), 1 per column-parallel projection's input gradient (GPT
+    # fuses qkv: 2; Llama's wq, wk, wv, gate, up: 5). The embedding and the head add one
+    # of each. Vocabulary 4096: the lookup reduce-scatters its partial embeddings (at 256,
+    # XLA gathers the 64 KiB table instead, as many bytes but weight traffic).
+    import shardkit as sk
+    from shardkit import models
+
+    batch, seq, layers, t = 8, 64, 2, 4
+    cfg = CONFIGS[name]
+    one = ring(t) * (batch // 2) * seq * cfg.d_model * 4
+    want = {"all-gather": (6 * layers + 2) * one,
+            "reduce-scatter": ((2 + (remat == "full") + projections) * layers + 2) * one}  # fmt: skip
+    r = models.report(sk.Plan("dp_tp_sp"), models.get(name, vocab=4096, remat=remat),
+                      batch=batch, seq=seq)  # fmt: skip
+    assert r.mesh == {"data": 2, "tensor": 4}
+    analytic, measured = r.analytic.wire_bytes_by_kind, r.wire_bytes_by_kind
+    for kind, x in want.items():
+        assert analytic[kind] == pytest.approx(x)
+        # compiled: the same, but for the token ids the lookup and the loss gather (int32,
+        # 1.5 KiB here)
+        assert measured[kind] == pytest.approx(x, rel=0.005)
+    # The head's input is gathered by the loss code: a 'logits / loss collectives' term,
+    # with the cross-entropy's 3 all-reduces of b·s (f32, 2·(t−1)/t each).
+    head = one + 3 * 2 * ring(t) * (batch // 2) * seq * 4
+    assert r.analytic.wire_terms["logits / loss collectives"] == pytest.approx(head)
+    term = next(w for w in r.wire_terms if w.term == "logits / loss collectives")
+    assert term.bytes == pytest.approx(head, rel=0.05)  # measured: 1.014×
+
+
+@pytest.mark.parametrize("name, projections, remat", [("gpt-tiny", 2, "full"),
+                                                      ("llama-tiny", 5, "none")])  # fmt: skip
+def test_tp_wire_matches_the_compiled_program(name, projections, remat):
+    # tp on tensor 8, 2 layers: all-reduces of b·s·h, 2·(t−1)/t of it each. Per layer 2
+    # outputs forward, 1 recomputed under remat (the attention's; nothing reads the MLP's),
+    # 1 per column-parallel projection's input gradient; the embedding's output and the
+    # head's input gradient; the cross-entropy's 3 all-reduces of b·s (the compiled
+    # program's small reductions differ from them by a few KiB, within the tolerance).
+    import shardkit as sk
+    from shardkit import models
+
+    batch, seq, layers, t = 8, 64, 2, 8
+    cfg = CONFIGS[name]
+    one = 2 * ring(t) * batch * seq * cfg.d_model * 4
+    want = ((2 + (remat == "full") + projections) * layers + 2) * one + 3 * one / cfg.d_model
+    r = models.report(sk.Plan("tp"), models.get(name, remat=remat), batch=batch, seq=seq)
+    assert r.mesh == {"tensor": t}
+    assert r.analytic.wire_bytes_by_kind["all-reduce"] == pytest.approx(want)
+    assert r.wire_bytes_by_kind["all-reduce"] == pytest.approx(want, rel=0.005)
