@@ -14,8 +14,9 @@ runs ``jax.vjp`` of its layers on one micro-batch and keeps the residuals in a b
 (the schedule allocates slots, so ``1f1b`` keeps at most ``2p − 1`` micro-batches, whatever
 ``m``); activations go to the next stage and gradients to the previous one by
 ``jax.lax.ppermute`` (collective-permutes between neighbouring stages only). The loss is
-computed on the last stage as each micro-batch leaves it. Gradients are exact: the same
-per-micro-batch vjps a single device would run, summed.
+computed on the last stage as each micro-batch leaves it (with ``post_grad``, its
+gradients are added into the running sum in place: a vocabulary head's, slice by slice).
+Gradients are exact: the same per-micro-batch vjps a single device would run, summed.
 
 Other mesh axes are handled explicitly, so their traffic is what the formula says:
 
