@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -132,6 +133,17 @@ def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Arra
         axes = tuple(a for a in spec_axes(entry) if a not in skip)
         if axes:
             x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
+    return x
+
+
+def _gather_major(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
+    """``_gather``, each all-gather along a new leading axis, moved into place after."""
+    for d, entry in enumerate(_full_spec(spec, x.ndim)):
+        axes = tuple(a for a in spec_axes(entry) if a not in skip)
+        if axes:
+            g = jax.lax.all_gather(x, axes, axis=0, tiled=False)
+            g = jnp.moveaxis(g, 0, d)
+            x = g.reshape(*x.shape[:d], -1, *x.shape[d + 1:])
     return x
 
 
@@ -464,7 +476,7 @@ class _Body:
 
         def gather_pieces(shards):
             if per_layer:
-                return [[_gather(x[layer], sp, self.skip) for x, sp in zip(shards, tail_spec,
+                return [[_gather_major(x[layer], sp, self.skip) for x, sp in zip(shards, tail_spec,
                                                                           strict=True)]
                         for layer in range(n_local)]  # fmt: skip
             return [[chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec,
@@ -484,7 +496,7 @@ class _Body:
         recv_f, recv_b = zeros_x, zeros_x
         # Per piece: the vjp's tree, which of its leaves are the piece's weights (not stored:
         # the backward passes them again), which are the piece's input (see `tie`).
-        res_defs, is_w, is_x = None, None, None
+        res_defs, is_w = None, None
         ring = sched.ring
         read_slots = jnp.asarray(sched.read_slots())
         # Residuals (and d loss / d y) of the last ``ring`` forwards, one array per slot: the
@@ -540,21 +552,18 @@ class _Body:
                                         lambda r=recv_f: r)  # fmt: skip
                 y, pieces = x_in, []
                 for w_k in select(w_g, k):
-                    x_k = y
-                    y, vjp = jax.vjp(piece_fn, w_k, x_k)
+                    y, vjp = jax.vjp(piece_fn, w_k, y)
                     leaves, tdef = jax.tree.flatten(vjp)
                     pieces.append((tdef, leaves,
                                    [next((q for q, w in enumerate(w_k) if leaf is w), None)
-                                    for leaf in leaves],
-                                   [leaf is x_k for leaf in leaves]))  # fmt: skip
+                                    for leaf in leaves]))  # fmt: skip
                 if res_defs is None:
                     res_defs = [tdef for tdef, *_ in pieces]
-                    is_w = [flags for _, _, flags, _ in pieces]
-                    is_x = [ties for *_, ties in pieces]
+                    is_w = [flags for *_, flags in pieces]
                     store = [[[None] * ring for _ in leaves] for _, leaves, *_ in pieces]
-                if [flags for _, _, flags, _ in pieces] != is_w:
+                if [flags for *_, flags in pieces] != is_w:
                     raise PipelineError("The layer's vjp residuals differ between ticks.")
-                for q, (_, leaves, flags, _) in enumerate(pieces):
+                for q, (_, leaves, flags) in enumerate(pieces):
                     for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
                         if f is None:
                             store[q][n][t % ring] = leaf
@@ -596,37 +605,36 @@ class _Body:
                           for q, w_k in enumerate(select(w_g, k))]  # fmt: skip
 
                 if v == 1:
-                    # The tick's backward and its add into the running weight gradient run
-                    # inside one cond. Left in the open, XLA fuses every tick's `d_acc + d_w`
-                    # into one elementwise fusion with an operand per tick, and computes each
-                    # tick's weight-gradient dots early: on gpt-small (p = 4, m = 16) 42 such
-                    # 9 MiB dots were live at once. A cond is one instruction to the
-                    # scheduler, its result the updated sum, so the next tick's add waits.
-                    def backward(d_acc, leaves, g_in, t=t, res_defs=res_defs, is_x=is_x):
-                        g, d_acc = g_in, list(d_acc)
-                        for q in reversed(range(len(leaves))):
-                            # A piece's input is tied (+ 0 that XLA cannot prove is 0) to
-                            # the gradient coming into it: left free, XLA recomputes every
-                            # layer's rematerialised forward at the start of the backward
-                            # (its inputs are all there) and holds them all (gpt-7b: 8
-                            # layers' attention probabilities, 12 GiB).
-                            g0 = g.reshape(-1)[0]
-                            zero = (s == -1 - t) & (g0 == g0)
-                            lv = [x + zero.astype(x.dtype) if tie else x
-                                  for x, tie in zip(leaves[q], is_x[q], strict=True)]  # fmt: skip
-                            d_w, g = jax.tree.unflatten(res_defs[q], lv)(g)
-                            for n, dw in enumerate(d_w):
-                                d_acc[n] = (d_acc[n].at[0, q].add(dw) if per_layer
-                                            else d_acc[n] + dw[None])  # fmt: skip
+                    # Each piece's (layer's) backward and its add into the running weight
+                    # gradient run inside a cond of their own, chained by the gradient.
+                    # Left in the open, XLA fuses every tick's `d_acc + d_w` into one
+                    # elementwise fusion with an operand per tick, and computes each tick's
+                    # weight-gradient dots early: on gpt-small (p = 4, m = 16) 42 such 9 MiB
+                    # dots were live at once. A cond is one instruction to the scheduler,
+                    # its result the updated sum, so the next add waits. One cond per layer,
+                    # not per tick: inside one cond for the stage, XLA ran every layer's
+                    # work that does not need the incoming gradient first and held it all:
+                    # the rematerialised forwards (gpt-7b, zeropp: 8 layers' attention
+                    # probabilities, 12 GiB) and the transposed weights the input
+                    # gradients' dots read (2 GiB).
+                    def backward(d_acc, lv, g, q, res_defs=res_defs):
+                        d_w, g = jax.tree.unflatten(res_defs[q], lv)(g)
+                        d_acc = list(d_acc)
+                        for n, dw in enumerate(d_w):
+                            d_acc[n] = (d_acc[n].at[0, q].add(dw) if per_layer
+                                        else d_acc[n] + dw[None])  # fmt: skip
                         return d_acc, g
 
-                    def idle(d_acc, leaves, g_in):
-                        return d_acc, jnp.zeros_like(g_in)
+                    def idle(d_acc, lv, g):
+                        return d_acc, jnp.zeros_like(g)
 
                     # Where every stage works, `valid` is a constant and XLA would inline the
                     # cond; `s != -1 - t` (always true) keeps the predicate opaque to it.
                     busy = valid & (s != -1 - t)
-                    d_acc, d_x = jax.lax.cond(busy, backward, idle, d_acc, leaves, g_in)
+                    d_x = g_in
+                    for q in reversed(range(len(leaves))):
+                        d_acc, d_x = jax.lax.cond(busy, partial(backward, q=q), idle, d_acc,
+                                                  leaves[q], d_x)  # fmt: skip
                 else:
                     # Interleaved: each tick updates its chunk of the sum in place (a dynamic
                     # update, which XLA does not fuse across ticks); in a cond, as above, the
