@@ -137,7 +137,14 @@ def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Arra
 
 
 def _gather_major(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
-    """``_gather``, each all-gather along a new leading axis, moved into place after."""
+    """``_gather``, each all-gather along a new leading axis, moved into place after.
+
+    Gathering a dimension other than the first, XLA's CPU backend lays the all-gather's
+    result out with that dimension major; the dots want it row-major, so XLA kept both
+    (gpt-7b's MLP down projection and attention output, per stage: 2.5 GiB under zeropp).
+    Gathered as ``[F, ...]`` and moved into place, the move is the one copy and the
+    all-gather's result dies with it. Same bytes on the wire.
+    """
     for d, entry in enumerate(_full_spec(spec, x.ndim)):
         axes = tuple(a for a in spec_axes(entry) if a not in skip)
         if axes:
@@ -461,12 +468,13 @@ class _Body:
 
         # The stage's weights are *pieces*, each a list of leaves run by one vjp. Without
         # virtual stages, one piece per layer, each layer's weights gathered on their own
-        # (a slice of the local shard, then the all-gather): a layer slice of the gathered
-        # stack is a copy on XLA's CPU backend, and XLA computes each slice once for every
-        # tick of the unit (they are the same expression), so the slices of the forwards and
-        # of the backwards held the stage's weights twice more, the whole step (gpt-7b,
-        # zeropp, stage 4 x fsdp 16: 6 GiB each). Interleaved (or a layer axis sharded over
-        # an axis the engine gathers): one piece, the gathered stack cut into chunks.
+        # (a slice of the local shard, then the all-gather), and a backward per layer (its
+        # own cond, below). A stage's vjp was a scan over the gathered stack: its layer
+        # slices are copies on XLA's CPU backend, the forwards' computed once for the unit
+        # (the same expression every tick) and held, the backwards' all made at the start
+        # of each backward (gpt-7b, zeropp, stage 4 x fsdp 16: 6 GiB each). Interleaved (or a
+        # layer axis sharded over an axis the engine gathers): one piece, the gathered stack
+        # cut into chunks, whose chunk a tick runs is dynamic.
         n_local = int(np.shape(s_flat[0])[0])
         per_layer = v == 1 and all(
             not [a for a in spec_axes(_full_spec(sp, np.ndim(x))[0]) if a not in self.skip]
@@ -494,8 +502,8 @@ class _Body:
         d_rest = zeros_rest
         loss = jnp.zeros((), jnp.float32)
         recv_f, recv_b = zeros_x, zeros_x
-        # Per piece: the vjp's tree, which of its leaves are the piece's weights (not stored:
-        # the backward passes them again), which are the piece's input (see `tie`).
+        # Per piece: the vjp's tree and which of its leaves are the piece's weights (not
+        # stored: the backward passes them again).
         res_defs, is_w = None, None
         ring = sched.ring
         read_slots = jnp.asarray(sched.read_slots())
