@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 import jax
@@ -134,24 +133,6 @@ def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Arra
         axes = tuple(a for a in spec_axes(entry) if a not in skip)
         if axes:
             x = jax.lax.all_gather(x, axes, axis=d, tiled=True)
-    return x
-
-
-def _gather_major(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
-    """``_gather``, each all-gather along a new leading axis, moved into place after.
-
-    Gathering a dimension other than the first, XLA's CPU backend lays the all-gather's
-    result out with that dimension major; the dots want it row-major, so XLA kept both
-    (gpt-7b's MLP down projection and attention output, per stage: 2.5 GiB under zeropp).
-    Gathered as ``[F, ...]`` and moved into place, the move is the one copy and the
-    all-gather's result dies with it. Same bytes on the wire.
-    """
-    for d, entry in enumerate(_full_spec(spec, x.ndim)):
-        axes = tuple(a for a in spec_axes(entry) if a not in skip)
-        if axes:
-            g = jax.lax.all_gather(x, axes, axis=0, tiled=False)
-            g = jnp.moveaxis(g, 0, d)
-            x = g.reshape(*x.shape[:d], -1, *x.shape[d + 1:])
     return x
 
 
@@ -467,35 +448,6 @@ class _Body:
         def chunked(w):  # local [L/p, ...] -> [v, L/(p·v), ...]
             return w.reshape(v, w.shape[0] // v, *w.shape[1:])
 
-        # The stage's weights are *pieces*, each a list of leaves run by one vjp. Without
-        # virtual stages, one piece per layer, each layer's weights gathered on their own
-        # (a slice of the local shard, then the all-gather), and a backward per layer (its
-        # own cond, below). A stage's vjp was a scan over the gathered stack: its layer
-        # slices are copies on XLA's CPU backend, the forwards' computed once for the unit
-        # (the same expression every tick) and held, the backwards' all made at the start
-        # of each backward (gpt-7b, zeropp, stage 4 x fsdp 16: 6 GiB each). Interleaved (or a
-        # layer axis sharded over an axis the engine gathers): one piece, the gathered stack
-        # cut into chunks, whose chunk a tick runs is dynamic.
-        n_local = int(np.shape(s_flat[0])[0])
-        per_layer = v == 1 and all(
-            not [a for a in spec_axes(_full_spec(sp, np.ndim(x))[0]) if a not in self.skip]
-            for x, sp in zip(s_flat, s_spec, strict=True))  # fmt: skip
-        tail_spec = [PartitionSpec(*_full_spec(sp, np.ndim(x))[1:])
-                     for x, sp in zip(s_flat, s_spec, strict=True)]  # fmt: skip
-
-        def gather_pieces(shards):
-            if per_layer:
-                return [[_gather_major(x[layer], sp, self.skip) for x, sp in zip(shards, tail_spec,
-                                                                          strict=True)]
-                        for layer in range(n_local)]  # fmt: skip
-            return [[chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec,
-                                                                         strict=True)]]  # fmt: skip
-
-        def piece_fn(w, x):
-            if per_layer:
-                return self.layer_fn(jax.tree.unflatten(s_def, w), x)
-            return self._stage_fn(jax.tree.unflatten(s_def, w), x)
-
         windows = set(self._windows())
         d_stack_sharded = [jnp.zeros_like(x) for x in s_flat]
         d_acc = None
@@ -503,29 +455,23 @@ class _Body:
         d_rest = zeros_rest
         loss = jnp.zeros((), jnp.float32)
         recv_f, recv_b = zeros_x, zeros_x
-        # Per piece: the vjp's tree and which of its leaves are the piece's weights (not
-        # stored: the backward passes them again).
-        res_defs, is_w = None, None
+        res_def, is_w = None, None
         ring = sched.ring
         read_slots = jnp.asarray(sched.read_slots())
         # Residuals (and d loss / d y) of the last ``ring`` forwards, one array per slot: the
         # forward at tick t writes slot t mod ring (static, no in-place update to order),
-        # a backward selects the slot its item was written to. ``store[piece][leaf]``, and
-        # ``store_dy`` for d loss / d y.
-        store: list[list[list[jax.Array | None]]] | None = None
-        store_dy: list[jax.Array | None] = [None] * ring
+        # a backward selects the slot its item was written to.
+        store: list[list[jax.Array | None]] | None = None
 
         def flush(d_acc):
             for n, (g, sp) in enumerate(zip(d_acc, s_spec, strict=True)):
                 g = g.reshape(-1, *g.shape[2:])
                 d_stack_sharded[n] = d_stack_sharded[n] + _scatter(g, sp, self.skip)
 
-        def select(w_g, k):  # the pieces a tick runs (chunk k of the stage's)
-            if per_layer:
-                return w_g
+        def select(tree_flat, k):
             if v == 1:
-                return [[x[0] for x in w_g[0]]]
-            return [[jax.lax.dynamic_index_in_dim(x, k, 0, False) for x in w_g[0]]]
+                return [x[0] for x in tree_flat]
+            return [jax.lax.dynamic_index_in_dim(x, k, 0, False) for x in tree_flat]
 
         for t in range(sched.ticks):
             if t in windows:  # a new scheduling unit: gather its weights once
@@ -542,13 +488,10 @@ class _Body:
                     g0 = d_stack_sharded[0].reshape(-1)[0]
                     zero = ((s == -1 - t) & (g0 == g0)).astype(s_flat[0].dtype)
                 shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
-                w_g = gather_pieces(shards)
-                # The unit's weight gradient, [v, L/(p·v), ...] per leaf (one array per leaf,
-                # each layer's part added in place: per-layer arrays take the layouts XLA
-                # gives the weight-gradient dots and the reduce-scatter, and XLA copied all
-                # of them at the start of every backward to add in row-major order).
-                d_acc = [jnp.zeros((1, n_local, *x.shape), x.dtype) if per_layer
-                         else jnp.zeros_like(x) for x in w_g[0]]  # fmt: skip
+                w_g = [
+                    chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec, strict=True)
+                ]
+                d_acc = [jnp.zeros_like(x) for x in w_g]
             has_f = bool(np_tables["f_valid"][t].any())
             has_b = bool(np_tables["b_valid"][t].any())
             if has_f:
@@ -559,23 +502,20 @@ class _Body:
                 if np_tables["f_first"][t].any():
                     x_in = jax.lax.cond(at("f_first", t), lambda i=i: self.pre_fn(rest_g, mb_at(i)),
                                         lambda r=recv_f: r)  # fmt: skip
-                y, pieces = x_in, []
-                for w_k in select(w_g, k):
-                    y, vjp = jax.vjp(piece_fn, w_k, y)
-                    leaves, tdef = jax.tree.flatten(vjp)
-                    pieces.append((tdef, leaves,
-                                   [next((q for q, w in enumerate(w_k) if leaf is w), None)
-                                    for leaf in leaves]))  # fmt: skip
-                if res_defs is None:
-                    res_defs = [tdef for tdef, *_ in pieces]
-                    is_w = [flags for *_, flags in pieces]
-                    store = [[[None] * ring for _ in leaves] for _, leaves, *_ in pieces]
-                if [flags for *_, flags in pieces] != is_w:
+                w_k = select(w_g, k)
+                y, vjp = jax.vjp(lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x),
+                                 w_k, x_in)  # fmt: skip
+                leaves, tdef = jax.tree.flatten(vjp)
+                # Residuals that *are* the weights are not stored: the backward passes them again.
+                flags = [next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves]
+                if res_def is None:
+                    res_def, is_w = tdef, flags
+                    store = [[None] * ring for _ in range(len(leaves) + 1)]  # + d loss / d y
+                if flags != is_w or len(leaves) != len(is_w):
                     raise PipelineError("The layer's vjp residuals differ between ticks.")
-                for q, (_, leaves, flags) in enumerate(pieces):
-                    for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
-                        if f is None:
-                            store[q][n][t % ring] = leaf
+                for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
+                    if f is None:
+                        store[n][t % ring] = leaf
                 if np_tables["f_last"][t].any():
                     last = at("f_last", t)
 
@@ -593,7 +533,7 @@ class _Body:
 
                     val, d_rest, dy = jax.lax.cond(last, loss_and_grads, none, d_rest)
                     loss = loss + val.astype(jnp.float32)
-                    store_dy[t % ring] = dy
+                    store[-1][t % ring] = dy
                 if p > 1:
                     recv_f = jax.lax.ppermute(y, stage, fwd_perm)
             if has_b:
@@ -608,48 +548,35 @@ class _Body:
 
                 g_in = recv_b
                 if np_tables["b_last"][t].any():
-                    g_in = jnp.where(at("b_last", t), read(store_dy), recv_b)
-                leaves = [[w_k[f] if f is not None else read(store[q][n])
-                           for n, f in enumerate(is_w[q])]
-                          for q, w_k in enumerate(select(w_g, k))]  # fmt: skip
+                    g_in = jnp.where(at("b_last", t), read(store[-1]), recv_b)
+                w_k = select(w_g, k)
+                leaves = [w_k[f] if f is not None else read(store[n])
+                          for n, f in enumerate(is_w)]  # fmt: skip
 
                 if v == 1:
-                    # Each piece's (layer's) backward and its add into the running weight
-                    # gradient run inside a cond of their own, chained by the gradient.
-                    # Left in the open, XLA fuses every tick's `d_acc + d_w` into one
-                    # elementwise fusion with an operand per tick, and computes each tick's
-                    # weight-gradient dots early: on gpt-small (p = 4, m = 16) 42 such 9 MiB
-                    # dots were live at once. A cond is one instruction to the scheduler,
-                    # its result the updated sum, so the next add waits. One cond per layer,
-                    # not per tick: inside one cond for the stage, XLA ran every layer's
-                    # work that does not need the incoming gradient first and held it all:
-                    # the rematerialised forwards (gpt-7b, zeropp: 8 layers' attention
-                    # probabilities, 12 GiB) and the transposed weights the input
-                    # gradients' dots read (2 GiB).
-                    def backward(d_acc, lv, g, q, res_defs=res_defs):
-                        d_w, g = jax.tree.unflatten(res_defs[q], lv)(g)
-                        d_acc = list(d_acc)
-                        for n, dw in enumerate(d_w):
-                            d_acc[n] = (d_acc[n].at[0, q].add(dw) if per_layer
-                                        else d_acc[n] + dw[None])  # fmt: skip
-                        return d_acc, g
+                    # The tick's backward and its add into the running weight gradient run
+                    # inside one cond. Left in the open, XLA fuses every tick's `d_acc + d_w`
+                    # into one elementwise fusion with an operand per tick, and computes each
+                    # tick's weight-gradient dots early: on gpt-small (p = 4, m = 16) 42 such
+                    # 9 MiB dots were live at once. A cond is one instruction to the
+                    # scheduler, its result the updated sum, so the next tick's add waits.
+                    def backward(d_acc, leaves, g_in, res_def=res_def):
+                        d_w, d_x = jax.tree.unflatten(res_def, leaves)(g_in)
+                        return [acc + g[None] for acc, g in zip(d_acc, d_w, strict=True)], d_x
 
-                    def idle(d_acc, lv, g):
-                        return d_acc, jnp.zeros_like(g)
+                    def idle(d_acc, leaves, g_in):
+                        return d_acc, jnp.zeros_like(g_in)
 
                     # Where every stage works, `valid` is a constant and XLA would inline the
                     # cond; `s != -1 - t` (always true) keeps the predicate opaque to it.
                     busy = valid & (s != -1 - t)
-                    d_x = g_in
-                    for q in reversed(range(len(leaves))):
-                        d_acc, d_x = jax.lax.cond(busy, partial(backward, q=q), idle, d_acc,
-                                                  leaves[q], d_x)  # fmt: skip
+                    d_acc, d_x = jax.lax.cond(busy, backward, idle, d_acc, leaves, g_in)
                 else:
                     # Interleaved: each tick updates its chunk of the sum in place (a dynamic
                     # update, which XLA does not fuse across ticks); in a cond, as above, the
                     # compiled temp is higher (measured: 10.1 vs 8.4 MiB on the engine tests'
                     # matmul stack with H = 256, p = 4, v = 2, m = 16).
-                    d_w, d_x = jax.tree.unflatten(res_defs[0], leaves[0])(g_in)
+                    d_w, d_x = jax.tree.unflatten(res_def, leaves)(g_in)
                     for n, g in enumerate(d_w):
                         g = jnp.where(valid, g, jnp.zeros_like(g))
                         cur = jax.lax.dynamic_index_in_dim(d_acc[n], k, 0, False)

@@ -118,8 +118,8 @@ class ParamMatch:
                 for i, whole in zip(split, mask, strict=True):
                     dims[i] = full[i] if whole else shard[i]
                 forms = [tuple(dims)]
-                # A split dimension gathered along a new leading axis, [F, ...] (the
-                # pipeline gathers a layer's weights so, and moves the axis in place).
+                # A split dimension gathered along a new leading axis, [F, ...]
+                # (``all_gather(..., tiled=False)``, the axis moved into place after).
                 forms += [(full[i] // shard[i], *dims) for i, whole in
                           zip(split, mask, strict=True) if not whole]  # fmt: skip
                 for form in forms:

@@ -38,8 +38,8 @@ def test_param_match_knows_a_weight_by_its_layer_slice_whole_sharded_or_transpos
     assert params.rows((1, 64, 256)) == (UP,)  # 1s do not count
     assert params.rows((256, 64)) == (UP,)  # transposed
     assert params.rows((8, 256)) == (UP,)  # the stored shard of one layer
-    # gathered along a new leading axis of the 8 fsdp shards (the pipeline's per-layer
-    # gathers), with and without the layers
+    # gathered along a new leading axis of the 8 fsdp shards (all_gather(tiled=False)),
+    # with and without the layers
     assert params.rows((8, 8, 256)) == (UP,) and params.rows((8, 2, 8, 256)) == (UP,)
     assert params.rows((512, 64)) == (WTE,)
     assert params.rows((8, 512, 64)) == ()  # an activation
@@ -263,14 +263,3 @@ def test_cp_zigzag_reorder_is_the_permutes_beyond_the_ring():
     assert "the analytic formula's traffic is 252 runs of collective-permute" in why
     assert "beyond it:" in why and "attention.py" in why and "_zigzag" in why
 
-
-def test_zeropp_layer_gathers_are_weight_all_gathers():
-    # The pipeline gathers each layer's weights along a new leading axis ([F, shard]) and
-    # moves it into place; those are the stage's weights, not activations (measured
-    # before ParamMatch knew the form: 0.33x of the analytic weight all-gathers, the rest
-    # 148,608 B of "activation collectives" on a layout without tensor or sequence axes).
-    plan = sk.Plan("zeropp", devices=jax.devices()[:8])
-    r = models.report(plan, models.get("gpt-tiny", remat="full"), batch=8, seq=32)
-    terms = {t.term: t for t in r.wire_terms}
-    assert "activation collectives" not in terms
-    assert terms["weight all-gathers"].ratio == pytest.approx(1.0, abs=0.05)
