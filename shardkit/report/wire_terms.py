@@ -88,10 +88,9 @@ class ParamMatch:
     """The parameters a collective's array may be: by shape, per layer for stacked ones.
 
     ``of(rows)`` indexes every shape a parameter can have on the wire: its stored shard,
-    the whole array, and each partly gathered form (some of its split dimensions whole,
-    or one gathered along a new leading axis of its size), without the leading
-    ``layers`` dimension of a stacked weight and without 1s, and each of those
-    transposed.
+    the whole array, and each partly gathered form (some of its split dimensions whole),
+    without the leading ``layers`` dimension of a stacked weight and without 1s, and
+    each of those transposed.
 
     Example:
       >>> from shardkit.report.report import ParamRow
@@ -117,15 +116,9 @@ class ParamMatch:
                 dims = list(shard)
                 for i, whole in zip(split, mask, strict=True):
                     dims[i] = full[i] if whole else shard[i]
-                forms = [tuple(dims)]
-                # A split dimension gathered along a new leading axis, [F, ...]
-                # (``all_gather(..., tiled=False)``, the axis moved into place after).
-                forms += [(full[i] // shard[i], *dims) for i, whole in
-                          zip(split, mask, strict=True) if not whole]  # fmt: skip
-                for form in forms:
-                    shapes.add(form)
-                    if _layered(r):
-                        shapes.add(_drop_layer(form, len(form) - len(dims)))
+                shapes.add(tuple(dims))
+                if _layered(r):
+                    shapes.add(tuple(dims[1:]))
             for s in shapes:
                 for key in (_squeeze(s), ("T", *sorted(_squeeze(s)))):
                     if len(key) > 1 and r not in index[key]:
@@ -162,11 +155,6 @@ class ParamMatch:
             if rows:
                 return rows[0]
         return None
-
-
-def _drop_layer(form: tuple[int, ...], lead: int) -> tuple[int, ...]:
-    """``form`` without the stacked ``layers`` dimension (after ``lead`` new leading axes)."""
-    return form[:lead] + form[lead + 1 :]
 
 
 def _is_shard(row: Any, dims: tuple[int, ...]) -> bool:
