@@ -425,20 +425,17 @@ def reference_stages(model: Any) -> Stages:
 
         layer = remat(linen_layer(Block(cfg)))
 
-        def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
+        def final_norm(params: Any, y: jax.Array) -> jax.Array:
             # Built when traced: the compute dtype is the plan's (sk.compute_dtype()).
             norm = nn.LayerNorm(
                 epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype
             )
-            y = norm.apply({"params": rest["ln_f"]}, y)
+            return norm.apply({"params": params}, y)
+
+        def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
+            y = final_norm(rest["ln_f"], y)
             table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
             return loss_of(jnp.einsum("...d,vd->...v", y, table), mb)
-
-        def final_norm(params: Any, y: jax.Array) -> jax.Array:
-            norm = nn.LayerNorm(
-                epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype
-            )
-            return norm.apply({"params": params}, y)
 
         post_grad = head_post_grad(final_norm, norm_key="ln_f", head_key="wte", vocab_axis=0,
                                    dtype=lambda: cfg.compute_dtype)  # fmt: skip
@@ -458,12 +455,12 @@ def reference_stages(model: Any) -> Stages:
         cos, sin = rope_tables(x.shape[1], cfg.head_dim)
         return nnx.merge(graphdef("layers"), state)(x, cos, sin)
 
-    def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
-        y = nnx.merge(graphdef("norm"), rest["norm"])(y)
-        return loss_of(nnx.merge(graphdef("head"), rest["head"])(y), mb)
-
     def final_norm(params: Any, y: jax.Array) -> jax.Array:
         return nnx.merge(graphdef("norm"), params)(y)
+
+    def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
+        y = final_norm(rest["norm"], y)
+        return loss_of(nnx.merge(graphdef("head"), rest["head"])(y), mb)
 
     post_grad = head_post_grad(final_norm, norm_key="norm", head_key="head", vocab_axis=1,
                                dtype=lambda: cfg.compute_dtype)  # fmt: skip
