@@ -26,8 +26,22 @@ from bench_util import MIB, emit, parser
 
 
 def autoplan(model: str, devices: int, extra: list[str]) -> tuple[dict, float]:
-    cmd = [sys.executable, "-m", "shardkit.cli", "autoplan", "--model", model, "--devices",
-           str(devices), "--memory-gb", "80", "--hardware", "h100", "--json", *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "autoplan",
+        "--model",
+        model,
+        "--devices",
+        str(devices),
+        "--memory-gb",
+        "80",
+        "--hardware",
+        "h100",
+        "--json",
+        *extra,
+    ]
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "JAX_PLATFORMS": "cpu", "SHARDKIT_CACHE_DIR": cache}
         start = time.perf_counter()
@@ -55,21 +69,51 @@ def main(argv=None) -> None:
         got, seconds = autoplan(model, n, extra)
         ranked = got["candidates"]
         best = ranked[0]
-        ratios = [c["analytic_memory_per_device_bytes"] / c["memory_per_device_bytes"]["total"]
-                  for c in ranked]  # fmt: skip
+        ratios = [
+            c["analytic_memory_per_device_bytes"] / c["memory_per_device_bytes"]["total"]
+            for c in ranked
+        ]
         off = [c for c in ranked if not 0.8 <= c["analytic_over_compiled_memory"] <= 1.25]
         itemised = sum(bool(c["memory_terms"]) and bool(c["memory_explanations"]) for c in off)
         layout = f"{best['recipe']} " + "×".join(f"{k}={v}" for k, v in best["mesh"].items())
-        rows.append([n, layout, best["remat"], best["memory_per_device_bytes"]["total"] * MIB,
-                     best["step_time_s"] * 1e3, best["mfu"], len(ranked), len(got["rejected"]),
-                     f"{discordant(ranked)} of {len(ranked) * (len(ranked) - 1) // 2}",
-                     f"{min(ratios):.2f}–{max(ratios):.2f}", f"{itemised} of {len(off)}",
-                     seconds])  # fmt: skip
+        rows.append(
+            [
+                n,
+                layout,
+                best["remat"],
+                best["memory_per_device_bytes"]["total"] * MIB,
+                best["step_time_s"] * 1e3,
+                best["mfu"],
+                len(ranked),
+                len(got["rejected"]),
+                f"{discordant(ranked)} of {len(ranked) * (len(ranked) - 1) // 2}",
+                f"{min(ratios):.2f}–{max(ratios):.2f}",
+                f"{itemised} of {len(off)}",
+                seconds,
+            ]
+        )
         details[n] = got
-    emit("autoplan", f"Auto-planner: {model} on H100s (80 GiB), compile only, empty cache",
-         ["devices", "chosen layout", "remat", "MiB/device", "step ms (roofline)", "MFU",
-          "ranked", "rejected", "wire order disagreements", "analytic/compiled memory",
-          "gap itemised", "seconds"], rows, args.out, extra={"runs": details})  # fmt: skip
+    emit(
+        "autoplan",
+        f"Auto-planner: {model} on H100s (80 GiB), compile only, empty cache",
+        [
+            "devices",
+            "chosen layout",
+            "remat",
+            "MiB/device",
+            "step ms (roofline)",
+            "MFU",
+            "ranked",
+            "rejected",
+            "wire order disagreements",
+            "analytic/compiled memory",
+            "gap itemised",
+            "seconds",
+        ],
+        rows,
+        args.out,
+        extra={"runs": details},
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,14 @@ def markdown(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
-def emit(name: str, title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]],
-         out: Path, extra: dict[str, Any] | None = None) -> str:  # fmt: skip
+def emit(
+    name: str,
+    title: str,
+    headers: Sequence[str],
+    rows: Sequence[Sequence[Any]],
+    out: Path,
+    extra: dict[str, Any] | None = None,
+) -> str:
     """Print the table (with its provenance) and write ``out/name.json``."""
     info = machine()
     table = markdown(headers, rows)
@@ -63,8 +69,14 @@ def emit(name: str, title: str, headers: Sequence[str], rows: Sequence[Sequence[
     )
     print(text, flush=True)
     out.mkdir(parents=True, exist_ok=True)
-    payload = {"title": title, "headers": list(headers), "rows": [list(r) for r in rows],
-               "machine": info, "markdown": text, **(extra or {})}  # fmt: skip
+    payload = {
+        "title": title,
+        "headers": list(headers),
+        "rows": [list(r) for r in rows],
+        "machine": info,
+        "markdown": text,
+        **(extra or {}),
+    }
     (out / f"{name}.json").write_text(json.dumps(payload, indent=2, default=str))
     return text
 

@@ -53,15 +53,26 @@ def main(argv=None) -> None:
         scan_s, resolve_s = min(compile_seconds(depth, scan=True) for _ in range(repeats))
         unrolled_s, _ = compile_seconds(depth, scan=False)
         scanned[depth] = scan_s
-        rows.append([depth, scan_s, unrolled_s, unrolled_s / scan_s, resolve_s * 1e3,
-                     resolve_s / scan_s])  # fmt: skip
+        rows.append(
+            [depth, scan_s, unrolled_s, unrolled_s / scan_s, resolve_s * 1e3, resolve_s / scan_s]
+        )
     growth = scanned[depths[-1]] / scanned[depths[0]]
-    emit("compile_scaling",
-         f"Compile time vs depth (FSDP, 8 devices): scanned {depths[-1]} layers = "
-         f"{growth:.2f}× scanned {depths[0]} layers",
-         ["layers", "scanned s", "unrolled s", "unrolled/scanned", "rule resolution ms",
-          "resolution share of scanned compile"], rows, args.out,
-         extra={"scanned_growth": growth})  # fmt: skip
+    emit(
+        "compile_scaling",
+        f"Compile time vs depth (FSDP, 8 devices): scanned {depths[-1]} layers = "
+        f"{growth:.2f}× scanned {depths[0]} layers",
+        [
+            "layers",
+            "scanned s",
+            "unrolled s",
+            "unrolled/scanned",
+            "rule resolution ms",
+            "resolution share of scanned compile",
+        ],
+        rows,
+        args.out,
+        extra={"scanned_growth": growth},
+    )
 
 
 if __name__ == "__main__":

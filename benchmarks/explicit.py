@@ -23,8 +23,9 @@ from bench_util import MIB, emit, parser
 DEVICES = {"pp": (4, 4), "dp_pp": (8, 2), "zeropp": (8, 2), "tp": (4, None), "tp_sp": (4, None)}
 
 
-def measure(recipe: str, model_name: str, explicit: bool, *, batch: int, seq: int,
-            layers: int | None) -> dict:  # fmt: skip
+def measure(
+    recipe: str, model_name: str, explicit: bool, *, batch: int, seq: int, layers: int | None
+) -> dict:
     import jax
 
     import shardkit as sk
@@ -45,11 +46,20 @@ def measure(recipe: str, model_name: str, explicit: bool, *, batch: int, seq: in
         step = parallel.train_step(stages, tx, plan, abstract, microbatches=microbatches)
     compiled = plan.jit(step, state=abstract).lower(abstract, token_batch(batch, seq)).compile()
     ma = compiled.memory_analysis()
-    total = (ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
-             - ma.alias_size_in_bytes)  # fmt: skip
+    total = (
+        ma.argument_size_in_bytes
+        + ma.output_size_in_bytes
+        + ma.temp_size_in_bytes
+        - ma.alias_size_in_bytes
+    )
     wire = sum(wire_bytes_by_kind(parse_collectives(compiled.as_text())).values())
-    return {"total": total, "wire": wire, "mesh": dict(plan.mesh.shape),
-            "in": compiled.input_shardings, "out": compiled.output_shardings}  # fmt: skip
+    return {
+        "total": total,
+        "wire": wire,
+        "mesh": dict(plan.mesh.shape),
+        "in": compiled.input_shardings,
+        "out": compiled.output_shardings,
+    }
 
 
 def _spec(sharding) -> tuple:
@@ -60,8 +70,9 @@ def _spec(sharding) -> tuple:
     return spec
 
 
-def tied_table_wire(explicit: bool, vocab: int = 50304, d: int = 768, batch: int = 8,
-                    seq: int = 256) -> dict:  # fmt: skip
+def tied_table_wire(
+    explicit: bool, vocab: int = 50304, d: int = 768, batch: int = 8, seq: int = 256
+) -> dict:
     """Wire bytes of the gradient of a tied table (lookup + logits) under dp on 8 devices,
     read through ``sk.per_replica``, typed by hand (no ``auto_axes``) under Explicit axes."""
     import jax
@@ -77,8 +88,9 @@ def tied_table_wire(explicit: bool, vocab: int = 50304, d: int = 768, batch: int
     def lookup(t, ids):
         if not explicit:
             return jnp.take(t, ids, axis=0)
-        spec = rules.spec(("batch", "length", "embed"), shape=(*ids.shape, d),
-                          mesh=context.active_mesh())  # fmt: skip
+        spec = rules.spec(
+            ("batch", "length", "embed"), shape=(*ids.shape, d), mesh=context.active_mesh()
+        )
         return t.at[ids].get(out_sharding=spec)
 
     def loss(table, ids):
@@ -92,8 +104,10 @@ def tied_table_wire(explicit: bool, vocab: int = 50304, d: int = 768, batch: int
             NamedSharding(mesh, PartitionSpec()),
             NamedSharding(mesh, PartitionSpec("data")),
         )
-        args = (jax.ShapeDtypeStruct((vocab, d), jnp.float32),
-                jax.ShapeDtypeStruct((batch, seq), jnp.int32))  # fmt: skip
+        args = (
+            jax.ShapeDtypeStruct((vocab, d), jnp.float32),
+            jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+        )
         compiled = jax.jit(jax.grad(loss), in_shardings=shardings).lower(*args).compile()
     return wire_bytes_by_kind(parse_collectives(compiled.as_text()))
 
@@ -120,8 +134,11 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=None, help="override the layer count")
     p.add_argument("--recipes", default=None, help="comma-separated recipes (default: all)")
     p.add_argument("--models", default=None, help="comma-separated models")
-    p.add_argument("--per-replica", action="store_true",
-                   help="only the tied-table gradient under per_replica, Auto vs Explicit types")  # fmt: skip
+    p.add_argument(
+        "--per-replica",
+        action="store_true",
+        help="only the tied-table gradient under per_replica, Auto vs Explicit types",
+    )
     args = p.parse_args(argv)
     import shardkit as sk
 
@@ -130,21 +147,46 @@ def main(argv=None) -> None:
         rows = []
         for mode in (False, True):
             wire = tied_table_wire(mode)
-            rows.append(["Explicit, typed" if mode else "Auto", sk.per_replica.__name__,
-                         *(wire.get(k, 0.0) * MIB for k in ("all-reduce", "all-gather"))])  # fmt: skip
+            rows.append(
+                [
+                    "Explicit, typed" if mode else "Auto",
+                    sk.per_replica.__name__,
+                    *(wire.get(k, 0.0) * MIB for k in ("all-reduce", "all-gather")),
+                ]
+            )
         title = "A tied 50304 × 768 table's gradient under dp on 8 devices (compile only)"
-        emit("explicit_per_replica", title, ["axes", "read through", "all-reduce MiB",
-             "all-gather MiB"], rows, args.out)  # fmt: skip
+        emit(
+            "explicit_per_replica",
+            title,
+            ["axes", "read through", "all-reduce MiB", "all-gather MiB"],
+            rows,
+            args.out,
+        )
         return
     # --tiny: a smoke run (gpt-tiny, one recipe).
-    names = args.models.split(",") if args.models else (
-        ["gpt-tiny"] if args.tiny else ["gpt-small", "llama-small"])  # fmt: skip
+    names = (
+        args.models.split(",")
+        if args.models
+        else (["gpt-tiny"] if args.tiny else ["gpt-small", "llama-small"])
+    )
     batch, seq = (8, 32) if args.tiny else (8, 256)
-    recipes = args.recipes.split(",") if args.recipes else (
-        ["zero1"] if args.tiny else sk.recipes.names())  # fmt: skip
-    headers = ["model", "recipe", "mesh", "Auto MiB/device", "Explicit MiB/device",
-               "memory E/A", "Auto wire MiB", "Explicit wire MiB", "wire E/A",
-               "same in/out shardings"]  # fmt: skip
+    recipes = (
+        args.recipes.split(",")
+        if args.recipes
+        else (["zero1"] if args.tiny else sk.recipes.names())
+    )
+    headers = [
+        "model",
+        "recipe",
+        "mesh",
+        "Auto MiB/device",
+        "Explicit MiB/device",
+        "memory E/A",
+        "Auto wire MiB",
+        "Explicit wire MiB",
+        "wire E/A",
+        "same in/out shardings",
+    ]
     rows = []
     for name in names:
         for recipe in recipes:
@@ -153,15 +195,25 @@ def main(argv=None) -> None:
                 a = measure(recipe, name, False, **kw)
                 e = measure(recipe, name, True, **kw)
             except Exception as err:  # noqa: BLE001 (a row that says why)
-                rows.append([name, recipe, "—", f"{type(err).__name__}: {err}"[:160],
-                             *["—"] * 6])  # fmt: skip
+                rows.append([name, recipe, "—", f"{type(err).__name__}: {err}"[:160], *["—"] * 6])
                 print(rows[-1], file=sys.stderr, flush=True)
                 continue
             same = same_shardings(a["in"], e["in"]) and same_shardings(a["out"], e["out"])
             mesh = "×".join(f"{k}={v}" for k, v in a["mesh"].items())
-            rows.append([name, recipe, mesh, a["total"] * MIB, e["total"] * MIB,
-                         ratio(e["total"], a["total"]), a["wire"] * MIB, e["wire"] * MIB,
-                         ratio(e["wire"], a["wire"]), "yes" if same else "NO"])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    recipe,
+                    mesh,
+                    a["total"] * MIB,
+                    e["total"] * MIB,
+                    ratio(e["total"], a["total"]),
+                    a["wire"] * MIB,
+                    e["wire"] * MIB,
+                    ratio(e["wire"], a["wire"]),
+                    "yes" if same else "NO",
+                ]
+            )
             print(rows[-1], flush=True)
             title = "Explicit axes against Auto axes (compile only), batch "
             title += f"{batch} × {seq} tokens" + (f", {args.layers} layers" if args.layers else "")

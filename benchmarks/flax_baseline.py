@@ -76,7 +76,7 @@ LAYOUTS: dict[str, tuple[dict[str, int], list[tuple[str, Any]]]] = {
             ("vocab", "tensor"),
             ("length", "tensor"),
         ],
-    ),  # fmt: skip
+    ),
     "dp_fsdp": ({"data": 2, "fsdp": -1}, [("batch", ("data", "fsdp")), ("embed", "fsdp")]),
     "fsdp_tp": (
         {"fsdp": -1, "tensor": 4},
@@ -87,7 +87,7 @@ LAYOUTS: dict[str, tuple[dict[str, int], list[tuple[str, Any]]]] = {
             ("mlp", "tensor"),
             ("vocab", "tensor"),
         ],
-    ),  # fmt: skip
+    ),
 }
 
 INIT_STD = 0.02

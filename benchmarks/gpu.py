@@ -37,8 +37,10 @@ def main(argv=None) -> int:
 
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if not gpus:
-        print(f"benchmarks/gpu.py: no GPU here (backend {jax.default_backend()}); "
-              "run it on a machine with an NVIDIA GPU and jax[cuda].")  # fmt: skip
+        print(
+            f"benchmarks/gpu.py: no GPU here (backend {jax.default_backend()}); "
+            "run it on a machine with an NVIDIA GPU and jax[cuda]."
+        )
         return 0
     import shardkit as sk
     from shardkit import train
@@ -67,11 +69,24 @@ def main(argv=None) -> int:
     flops = model.config.flops_per_token(seq) * tokens_per_s
     peak = peak_flops(gpus[0].device_kind)
     mfu = flops / peak if peak else float("nan")
-    emit("gpu", f"{name} bf16 on one {gpus[0].device_kind}",
-         ["model", "batch", "seq", "step ms (median)", "tokens/s", "TFLOP/s", "peak TFLOP/s",
-          "MFU"],
-         [[name, args.batch, seq, step_s * 1e3, tokens_per_s, flops / 1e12,
-           (peak or float("nan")) / 1e12, mfu]], args.out)  # fmt: skip
+    emit(
+        "gpu",
+        f"{name} bf16 on one {gpus[0].device_kind}",
+        ["model", "batch", "seq", "step ms (median)", "tokens/s", "TFLOP/s", "peak TFLOP/s", "MFU"],
+        [
+            [
+                name,
+                args.batch,
+                seq,
+                step_s * 1e3,
+                tokens_per_s,
+                flops / 1e12,
+                (peak or float("nan")) / 1e12,
+                mfu,
+            ]
+        ],
+        args.out,
+    )
     return 0
 
 

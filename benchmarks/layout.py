@@ -37,21 +37,38 @@ from shardkit.models import get  # noqa: E402
 #: (recipe, devices). The Flax baseline covers the recipes in ``flax_baseline.LAYOUTS``;
 #: the others are shardkit only (ZeRO-1 needs optimizer rules Flax's derivation lacks).
 RECIPES = (
-    ("dp", 8), ("fsdp", 8), ("tp", 4), ("tp_sp", 4), ("zero1", 8), ("dp_fsdp", 8),
+    ("dp", 8),
+    ("fsdp", 8),
+    ("tp", 4),
+    ("tp_sp", 4),
+    ("zero1", 8),
+    ("dp_fsdp", 8),
     ("fsdp_tp", 8),
-)  # fmt: skip
+)
 TINY_RECIPES = (("dp", 8), ("fsdp", 8), ("tp", 4))  # --tiny: a smoke test of every path
 BATCH = 8
 
 HEADERS = (
-    "recipe", "mesh",
-    "shardkit total MiB", "Flax total MiB", "Flax/shardkit total", "shardkit unrolled total MiB",
-    "analytic total MiB", "shardkit/analytic total", "analytic peak phase",
-    "shardkit state MiB", "analytic state MiB", "shardkit/analytic state",
-    "shardkit wire MiB", "Flax wire MiB", "Flax/shardkit wire",
-    "analytic wire MiB", "shardkit/analytic wire",
-    "Flax pinned total MiB", "Flax pinned wire MiB",
-)  # fmt: skip
+    "recipe",
+    "mesh",
+    "shardkit total MiB",
+    "Flax total MiB",
+    "Flax/shardkit total",
+    "shardkit unrolled total MiB",
+    "analytic total MiB",
+    "shardkit/analytic total",
+    "analytic peak phase",
+    "shardkit state MiB",
+    "analytic state MiB",
+    "shardkit/analytic state",
+    "shardkit wire MiB",
+    "Flax wire MiB",
+    "Flax/shardkit wire",
+    "analytic wire MiB",
+    "shardkit/analytic wire",
+    "Flax pinned total MiB",
+    "Flax pinned wire MiB",
+)
 
 
 def _log(msg: str) -> None:
@@ -95,15 +112,26 @@ def row(model, unrolled, tx, recipe: str, n: int, seq: int) -> tuple[list, dict]
     fl_total, _, fl_wire, _ = flax or (None,) * 4
     pin_total, _, pin_wire, _ = pinned or (None,) * 4
     cells = [
-        recipe, "×".join(f"{k}{v}" for k, v in report.mesh.items()),
-        _mib(sk_total), _mib(fl_total), _ratio(fl_total, sk_total), _mib(flat.memory.total),
-        _mib(a.memory.total), _ratio(sk_total, a.memory.total),
+        recipe,
+        "×".join(f"{k}{v}" for k, v in report.mesh.items()),
+        _mib(sk_total),
+        _mib(fl_total),
+        _ratio(fl_total, sk_total),
+        _mib(flat.memory.total),
+        _mib(a.memory.total),
+        _ratio(sk_total, a.memory.total),
         a.memory.to_dict().get("peak_phase", "—"),
-        _mib(sk_state), _mib(a_state), _ratio(sk_state, a_state),
-        _mib(sk_wire), _mib(fl_wire), _ratio(fl_wire, sk_wire),
-        _mib(a_wire), _ratio(sk_wire, a_wire),
-        _mib(pin_total), _mib(pin_wire),
-    ]  # fmt: skip
+        _mib(sk_state),
+        _mib(a_state),
+        _ratio(sk_state, a_state),
+        _mib(sk_wire),
+        _mib(fl_wire),
+        _ratio(fl_wire, sk_wire),
+        _mib(a_wire),
+        _ratio(sk_wire, a_wire),
+        _mib(pin_total),
+        _mib(pin_wire),
+    ]
     detail = {
         "recipe": recipe,
         "mesh": report.mesh,
@@ -167,8 +195,14 @@ def main(argv=None) -> int:
         f"Layout quality: {model.name} (Ψ = {model.config.param_count():,}), seq {seq}, "
         f"batch {BATCH}, f32 AdamW, full remat, per device"
     )
-    text = emit("layout", title, HEADERS, rows, args.out,
-                extra={"details": details, "notes": notes, "seconds": elapsed})  # fmt: skip
+    text = emit(
+        "layout",
+        title,
+        HEADERS,
+        rows,
+        args.out,
+        extra={"details": details, "notes": notes, "seconds": elapsed},
+    )
     legend = (
         "analytic total = the largest phase peak (`shardkit.report.phases`: layers, head and "
         "loss, optimizer step), the phase named; "

@@ -53,38 +53,89 @@ def main() -> None:
             try:
                 devices, r = measure(name, recipe, seq)
             except ShardingError as e:
-                rows.append([name, recipe, "–", "skipped: " + str(e).splitlines()[0][:80],
-                             "", "", "", "", "", ""])  # fmt: skip
+                rows.append(
+                    [
+                        name,
+                        recipe,
+                        "–",
+                        "skipped: " + str(e).splitlines()[0][:80],
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                        "",
+                    ]
+                )
                 continue
             terms = {t.term: t for t in r.memory_terms}
             live = sum(t.bytes for k, t in terms.items() if k != "heap fragmentation")
             frag = terms["heap fragmentation"].bytes if "heap fragmentation" in terms else 0
             explained = {e.term for e in r.explanations}
-            off = [t for t in (*r.memory_terms, *r.wire_terms)
-                   if t.bytes and (t.ratio is None or abs(t.ratio - 1) > 0.1)]  # fmt: skip
-            wire_off = ", ".join(f"{t.term} {t.bytes * MIB:,.1f}"
-                                 + (f" ({t.ratio:.2f}×)" if t.ratio is not None else "")
-                                 for t in r.wire_terms if t in off) or "none"  # fmt: skip
+            off = [
+                t
+                for t in (*r.memory_terms, *r.wire_terms)
+                if t.bytes and (t.ratio is None or abs(t.ratio - 1) > 0.1)
+            ]
+            wire_off = (
+                ", ".join(
+                    f"{t.term} {t.bytes * MIB:,.1f}"
+                    + (f" ({t.ratio:.2f}×)" if t.ratio is not None else "")
+                    for t in r.wire_terms
+                    if t in off
+                )
+                or "none"
+            )
             unexplained = [t.term for t in off if t.term not in explained]
             phase = r.memory_peak_phase or ""
             mesh = "×".join(f"{k}{v}" for k, v in r.mesh.items())
-            largest = ", ".join(f"{t.term} {t.bytes * MIB:,.0f}"
-                                + (f" ({t.ratio:.2f}×)" if t.ratio is not None else "")
-                                for t in sorted(r.memory_terms, key=lambda t: -t.bytes)[:3])  # fmt: skip
-            rows.append([name, recipe, mesh, phase, r.memory.temp * MIB, live / r.memory.temp,
-                         frag * MIB, largest, wire_off, ", ".join(unexplained) or "none"])  # fmt: skip
+            largest = ", ".join(
+                f"{t.term} {t.bytes * MIB:,.0f}"
+                + (f" ({t.ratio:.2f}×)" if t.ratio is not None else "")
+                for t in sorted(r.memory_terms, key=lambda t: -t.bytes)[:3]
+            )
+            rows.append(
+                [
+                    name,
+                    recipe,
+                    mesh,
+                    phase,
+                    r.memory.temp * MIB,
+                    live / r.memory.temp,
+                    frag * MIB,
+                    largest,
+                    wire_off,
+                    ", ".join(unexplained) or "none",
+                ]
+            )
             details[f"{name}/{recipe}"] = {
-                "devices": devices, "mesh": r.mesh, "temp_bytes": r.memory.temp,
+                "devices": devices,
+                "mesh": r.mesh,
+                "temp_bytes": r.memory.temp,
                 "memory_terms": [t.to_json() for t in r.memory_terms],
                 "wire_terms": [t.to_json() for t in r.wire_terms],
                 "explanations": [e.to_json() for e in r.explanations],
-            }  # fmt: skip
-    emit("memory_terms", f"Temp memory at its peak and wire bytes, by term: {', '.join(names)}, "
-         f"seq {seq}, batch 8, f32 AdamW, full remat, per device",
-         ["model", "recipe", "mesh", "peak phase", "temp MiB", "live/temp", "fragmentation MiB",
-          "largest terms MiB (measured/analytic)", "wire terms off > 10 % MiB (measured/analytic)",
-          "unexplained > 10 %"],
-         rows, args.out, extra={"details": details})  # fmt: skip
+            }
+    emit(
+        "memory_terms",
+        f"Temp memory at its peak and wire bytes, by term: {', '.join(names)}, "
+        f"seq {seq}, batch 8, f32 AdamW, full remat, per device",
+        [
+            "model",
+            "recipe",
+            "mesh",
+            "peak phase",
+            "temp MiB",
+            "live/temp",
+            "fragmentation MiB",
+            "largest terms MiB (measured/analytic)",
+            "wire terms off > 10 % MiB (measured/analytic)",
+            "unexplained > 10 %",
+        ],
+        rows,
+        args.out,
+        extra={"details": details},
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,12 @@ def hand_written(plan, step, state, batch):
             return step(state, batch)
 
     with jax.set_mesh(plan.mesh):
-        return jax.jit(traced, in_shardings=(state_sh, batch_sh),
-                       out_shardings=(state_sh, None), donate_argnums=0)  # fmt: skip
+        return jax.jit(
+            traced,
+            in_shardings=(state_sh, batch_sh),
+            out_shardings=(state_sh, None),
+            donate_argnums=0,
+        )
 
 
 def measure(recipe: str, model_name: str, steps: int, seq: int) -> list:
@@ -79,8 +83,9 @@ def measure(recipe: str, model_name: str, steps: int, seq: int) -> list:
 
 def _signature(compiled) -> tuple:
     """Memory per device and every collective (kind, bytes, group): equal for one program."""
-    collectives = sorted((c.kind, c.bytes, c.group_size, c.count)
-                         for c in parse_collectives(compiled.as_text()))  # fmt: skip
+    collectives = sorted(
+        (c.kind, c.bytes, c.group_size, c.count) for c in parse_collectives(compiled.as_text())
+    )
     return memory_per_device(compiled), tuple(collectives)
 
 
@@ -92,9 +97,21 @@ def main(argv=None) -> None:
     steps = 3 if args.tiny else args.steps
     recipes = ("dp",) if args.tiny else ("dp", "fsdp", "tp")
     rows = [measure(r, model, steps, seq) for r in recipes]
-    emit("overhead", "Overhead: shardkit step vs the same sharding jitted by hand (A B A B)",
-         ["recipe", "model", "steps each", "shardkit ms (median)", "hand-written ms (median)",
-          "ratio (median of pairs)", "same program"], rows, args.out)  # fmt: skip
+    emit(
+        "overhead",
+        "Overhead: shardkit step vs the same sharding jitted by hand (A B A B)",
+        [
+            "recipe",
+            "model",
+            "steps each",
+            "shardkit ms (median)",
+            "hand-written ms (median)",
+            "ratio (median of pairs)",
+            "same program",
+        ],
+        rows,
+        args.out,
+    )
 
 
 if __name__ == "__main__":

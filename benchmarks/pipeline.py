@@ -50,13 +50,26 @@ def worker(spec: dict) -> dict:
         rep = models.report(plan, model, train.adamw(), batch=b, seq=s)
         d = rep.to_json()
         wire = sum(d["wire_bytes_by_kind"].values()) if "wire_bytes_by_kind" in d else None
-        return {"mesh": mesh, "total": d["memory_per_device_bytes"]["total"],
-                "temp": d["memory_per_device_bytes"]["temp"], "wire": wire,
-                "by_kind": d.get("wire_bytes_by_kind", {}),
-                "analytic_wire": sum(d.get("analytic_wire_bytes_by_kind", {}).values()) or None}  # fmt: skip
-    m = measure(plan, model, train.adamw(), batch=b, seq=s, microbatches=spec["m"],
-                schedule=spec["schedule"], virtual_stages=spec.get("v", 1), unit=spec.get("unit"),
-                stack_order=spec.get("order", "layers"))  # fmt: skip
+        return {
+            "mesh": mesh,
+            "total": d["memory_per_device_bytes"]["total"],
+            "temp": d["memory_per_device_bytes"]["temp"],
+            "wire": wire,
+            "by_kind": d.get("wire_bytes_by_kind", {}),
+            "analytic_wire": sum(d.get("analytic_wire_bytes_by_kind", {}).values()) or None,
+        }
+    m = measure(
+        plan,
+        model,
+        train.adamw(),
+        batch=b,
+        seq=s,
+        microbatches=spec["m"],
+        schedule=spec["schedule"],
+        virtual_stages=spec.get("v", 1),
+        unit=spec.get("unit"),
+        stack_order=spec.get("order", "layers"),
+    )
     p = plan.mesh.shape["stage"]
     weights = sum(m.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))
     want_w = sum(
@@ -68,37 +81,64 @@ def worker(spec: dict) -> dict:
     if plan.mesh.shape.get("tensor", 1) > 1:  # 3D: pipeline_model with its TP+SP terms
         from shardkit.report.analytic import analytic_model
 
-        a = analytic_model(model.config, recipe, dict(plan.mesh.shape), batch=b, seq=s,
-                           pipeline={"microbatches": spec["m"], "schedule": spec["schedule"],
-                                     "virtual_stages": spec.get("v", 1), "unit": spec.get("unit")})  # fmt: skip
-        return {"mesh": mesh, "total": m.memory["total"], "temp": m.memory["temp"],
-                "wire": sum(m.wire_bytes_by_kind.values()), "by_kind": m.wire_bytes_by_kind,
-                "analytic_wire": sum(a.wire_bytes_by_kind.values()),
-                "analytic_by_kind": a.wire_bytes_by_kind, "analytic_total": a.memory.total,
-                "micro": micro, "seq": s, "d_model": model.config.d_model,
-                "flops_ratio": m.flops / useful_flops(model, batch=b, seq=s, stages=p,
-                                                      devices=plan.mesh.size),
-                "analytic_flops_ratio": m.analytic.flops_ratio}  # fmt: skip
+        a = analytic_model(
+            model.config,
+            recipe,
+            dict(plan.mesh.shape),
+            batch=b,
+            seq=s,
+            pipeline={
+                "microbatches": spec["m"],
+                "schedule": spec["schedule"],
+                "virtual_stages": spec.get("v", 1),
+                "unit": spec.get("unit"),
+            },
+        )
+        return {
+            "mesh": mesh,
+            "total": m.memory["total"],
+            "temp": m.memory["temp"],
+            "wire": sum(m.wire_bytes_by_kind.values()),
+            "by_kind": m.wire_bytes_by_kind,
+            "analytic_wire": sum(a.wire_bytes_by_kind.values()),
+            "analytic_by_kind": a.wire_bytes_by_kind,
+            "analytic_total": a.memory.total,
+            "micro": micro,
+            "seq": s,
+            "d_model": model.config.d_model,
+            "flops_ratio": m.flops
+            / useful_flops(model, batch=b, seq=s, stages=p, devices=plan.mesh.size),
+            "analytic_flops_ratio": m.analytic.flops_ratio,
+        }
     return {
-        "mesh": mesh, "total": m.memory["total"], "temp": m.memory["temp"],
+        "mesh": mesh,
+        "total": m.memory["total"],
+        "temp": m.memory["temp"],
         "wire": sum(m.wire_bytes_by_kind.values()),
         "analytic_wire": sum(m.analytic.wire_bytes_by_kind.values()),
         "permute_ratio": m.ratio("collective-permute"),
-        "weights": weights, "analytic_weights": want_w,
-        "flops_ratio": m.flops / useful_flops(model, batch=b, seq=s, stages=p,
-                                              devices=plan.mesh.size),  # fmt: skip
-        "analytic_flops_ratio": m.analytic.flops_ratio, "bubble": m.analytic.bubble,
-        "by_kind": m.wire_bytes_by_kind, "micro": micro, "unit": unit, "seq": s,
+        "weights": weights,
+        "analytic_weights": want_w,
+        "flops_ratio": m.flops
+        / useful_flops(model, batch=b, seq=s, stages=p, devices=plan.mesh.size),
+        "analytic_flops_ratio": m.analytic.flops_ratio,
+        "bubble": m.analytic.bubble,
+        "by_kind": m.wire_bytes_by_kind,
+        "micro": micro,
+        "unit": unit,
+        "seq": s,
         "d_model": model.config.d_model,
-        "zeropp_beats_tp": zeropp_beats_tp(seq=s, unit=unit, micro_batch=max(micro, 1),
-                                           d_model=model.config.d_model),  # fmt: skip
-    }  # fmt: skip
+        "zeropp_beats_tp": zeropp_beats_tp(
+            seq=s, unit=unit, micro_batch=max(micro, 1), d_model=model.config.d_model
+        ),
+    }
 
 
 def run(spec: dict) -> dict:
     cmd = [sys.executable, __file__, "--worker", json.dumps(spec)]
-    proc = subprocess.run(cmd, capture_output=True, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
     if proc.returncode:
         return {"error": proc.stderr.strip().splitlines()[-1][:160]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -113,34 +153,83 @@ def main(argv=None) -> None:
         print(json.dumps(worker(json.loads(argv[1]))))
         return
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    small = {"model": "gpt-tiny", "overrides": {"n_layers": 8}, "seq": 16} if args.tiny else \
-        {"model": "gpt-small", "seq": 256}  # fmt: skip
+    small = (
+        {"model": "gpt-tiny", "overrides": {"n_layers": 8}, "seq": 16}
+        if args.tiny
+        else {"model": "gpt-small", "seq": 256}
+    )
     v = 2 if args.tiny else 3  # 12 layers: 4 stages × 3 chunks
     m = 4 if args.tiny else 16
     rows = []
     specs = [  # (label, spec)
-        ("pp gpipe", {**small, "recipe": "pp", "devices": 4, "schedule": "gpipe", "m": m,
-                      "batch": m}),
-        ("pp 1f1b", {**small, "recipe": "pp", "devices": 4, "schedule": "1f1b", "m": m,
-                     "batch": m}),
-        ("pp 1f1b, 2m", {**small, "recipe": "pp", "devices": 4, "schedule": "1f1b", "m": 2 * m,
-                         "batch": 2 * m}),
-        (f"pp interleaved v={v}", {**small, "recipe": "pp", "devices": 4,
-                                   "schedule": "interleaved", "v": v, "m": m, "batch": m}),
-        (f"pp interleaved v={v}, stored", {**small, "recipe": "pp", "devices": 4,
-                                           "schedule": "interleaved", "v": v, "m": m, "batch": m,
-                                           "order": "interleaved"}),  # the stack stored in its order
-    ]  # fmt: skip
+        (
+            "pp gpipe",
+            {**small, "recipe": "pp", "devices": 4, "schedule": "gpipe", "m": m, "batch": m},
+        ),
+        (
+            "pp 1f1b",
+            {**small, "recipe": "pp", "devices": 4, "schedule": "1f1b", "m": m, "batch": m},
+        ),
+        (
+            "pp 1f1b, 2m",
+            {**small, "recipe": "pp", "devices": 4, "schedule": "1f1b", "m": 2 * m, "batch": 2 * m},
+        ),
+        (
+            f"pp interleaved v={v}",
+            {
+                **small,
+                "recipe": "pp",
+                "devices": 4,
+                "schedule": "interleaved",
+                "v": v,
+                "m": m,
+                "batch": m,
+            },
+        ),
+        (
+            f"pp interleaved v={v}, stored",
+            {
+                **small,
+                "recipe": "pp",
+                "devices": 4,
+                "schedule": "interleaved",
+                "v": v,
+                "m": m,
+                "batch": m,
+                "order": "interleaved",
+            },
+        ),  # the stack stored in its order
+    ]
     for unit in (m,) if args.tiny else (m, m // 2, m // 4, 1):  # --tiny: a smoke run
-        specs.append((f"zeropp U={unit}", {**small, "recipe": "zeropp", "devices": 8,
-                      "schedule": "1f1b", "m": m // 2, "unit": min(unit, m // 2),
-                      "batch": 4 * (m // 2)}))  # fmt: skip
+        specs.append(
+            (
+                f"zeropp U={unit}",
+                {
+                    **small,
+                    "recipe": "zeropp",
+                    "devices": 8,
+                    "schedule": "1f1b",
+                    "m": m // 2,
+                    "unit": min(unit, m // 2),
+                    "batch": 4 * (m // 2),
+                },
+            )
+        )
     specs += [
-        ("3D dp_tp_sp_pp", {**small, "recipe": "dp_tp_sp_pp", "devices": 8, "schedule": "1f1b",
-                            "m": m // 2, "batch": 4 * (m // 2)}),
+        (
+            "3D dp_tp_sp_pp",
+            {
+                **small,
+                "recipe": "dp_tp_sp_pp",
+                "devices": 8,
+                "schedule": "1f1b",
+                "m": m // 2,
+                "batch": 4 * (m // 2),
+            },
+        ),
         ("fsdp", {**small, "recipe": "fsdp", "devices": 8, "batch": 2 * m}),
         ("dp_tp_sp", {**small, "recipe": "dp_tp_sp", "devices": 8, "batch": 2 * m}),
-    ]  # fmt: skip
+    ]
     if args.tiny:  # a smoke run: one row of each kind (schedules, ZeroPP, 3D, flat)
         skip = {"pp 1f1b, 2m", f"pp interleaved v={v}", "dp_tp_sp"}
         specs = [(label, spec) for label, spec in specs if label not in skip]
@@ -148,17 +237,49 @@ def main(argv=None) -> None:
         big = {"model": "gpt-7b", "seq": 2048, "overrides": {"remat": "full"}}
         for n in (64, 256):
             specs += [
-                (f"7b zeropp ({n})", {**big, "recipe": "zeropp", "devices": n, "schedule": "1f1b",
-                                      "m": 4, "batch": n, "mesh": {"stage": 4}}),
-                (f"7b 3D ({n})", {**big, "recipe": "dp_tp_sp_pp", "devices": n,
-                                  "schedule": "1f1b", "m": 4, "batch": n,
-                                  "mesh": {"stage": 4, "tensor": 4}}),
+                (
+                    f"7b zeropp ({n})",
+                    {
+                        **big,
+                        "recipe": "zeropp",
+                        "devices": n,
+                        "schedule": "1f1b",
+                        "m": 4,
+                        "batch": n,
+                        "mesh": {"stage": 4},
+                    },
+                ),
+                (
+                    f"7b 3D ({n})",
+                    {
+                        **big,
+                        "recipe": "dp_tp_sp_pp",
+                        "devices": n,
+                        "schedule": "1f1b",
+                        "m": 4,
+                        "batch": n,
+                        "mesh": {"stage": 4, "tensor": 4},
+                    },
+                ),
                 (f"7b fsdp ({n})", {**big, "recipe": "fsdp", "devices": n, "batch": n}),
                 (f"7b dp_tp_sp ({n})", {**big, "recipe": "dp_tp_sp", "devices": n, "batch": n}),
-            ]  # fmt: skip
-    headers = ["row", "recipe", "mesh", "total MiB/device", "temp MiB", "temp/gpipe", "wire MiB",
-               "analytic wire MiB", "wire/analytic", "AG+RS MiB", "analytic AG+RS MiB",
-               "FLOPs/useful", "1/(1-bubble)", "2sUb > 9h"]  # fmt: skip
+            ]
+    headers = [
+        "row",
+        "recipe",
+        "mesh",
+        "total MiB/device",
+        "temp MiB",
+        "temp/gpipe",
+        "wire MiB",
+        "analytic wire MiB",
+        "wire/analytic",
+        "AG+RS MiB",
+        "analytic AG+RS MiB",
+        "FLOPs/useful",
+        "1/(1-bubble)",
+        "2sUb > 9h",
+    ]
     title = "Pipelines (compile only): schedules, ZeroPP's unit, ZeroPP vs FSDP vs TP"
     gpipe_temp = None  # 1f1b's activation memory against gpipe's (same p, m, no remat)
     results = {}
@@ -174,30 +295,62 @@ def main(argv=None) -> None:
             if label == "pp gpipe":
                 gpipe_temp = r["temp"]
             vs_gpipe = r["temp"] / gpipe_temp if gpipe_temp and spec["recipe"] == "pp" else "—"
-            rows.append([
-                label, spec["recipe"], r["mesh"], fmt(r["total"]), fmt(r["temp"]), vs_gpipe,
-                fmt(r["wire"]), fmt(r.get("analytic_wire")),
-                r["wire"] / r["analytic_wire"] if r.get("analytic_wire") else "—",
-                fmt(r.get("weights")), fmt(r.get("analytic_weights")),
-                r.get("flops_ratio", "—"), r.get("analytic_flops_ratio", "—"),
-                r.get("zeropp_beats_tp", "—"),
-            ])  # fmt: skip
+            rows.append(
+                [
+                    label,
+                    spec["recipe"],
+                    r["mesh"],
+                    fmt(r["total"]),
+                    fmt(r["temp"]),
+                    vs_gpipe,
+                    fmt(r["wire"]),
+                    fmt(r.get("analytic_wire")),
+                    r["wire"] / r["analytic_wire"] if r.get("analytic_wire") else "—",
+                    fmt(r.get("weights")),
+                    fmt(r.get("analytic_weights")),
+                    r.get("flops_ratio", "—"),
+                    r.get("analytic_flops_ratio", "—"),
+                    r.get("zeropp_beats_tp", "—"),
+                ]
+            )
         emit("pipeline", title, headers, rows, args.out)  # after each row: partial runs keep rows
     name = "gpt-tiny" if args.tiny else "gpt-small"
     groups = [(name, 8, f"zeropp U={m}", "3D dp_tp_sp_pp", "fsdp")]
     if not args.tiny:
-        groups += [("gpt-7b", n, f"7b zeropp ({n})", f"7b 3D ({n})", f"7b fsdp ({n})")
-                   for n in (64, 256)]  # fmt: skip
-    emit("pipeline_3d", "ZeroPP vs 3D (dp_tp_sp_pp) vs FSDP (compile only, per device)",
-         COMPARE_HEADERS, [compare(g, results) for g in groups], args.out)  # fmt: skip
+        groups += [
+            ("gpt-7b", n, f"7b zeropp ({n})", f"7b 3D ({n})", f"7b fsdp ({n})") for n in (64, 256)
+        ]
+    emit(
+        "pipeline_3d",
+        "ZeroPP vs 3D (dp_tp_sp_pp) vs FSDP (compile only, per device)",
+        COMPARE_HEADERS,
+        [compare(g, results) for g in groups],
+        args.out,
+    )
 
 
 COMPARE_HEADERS = [
-    "model", "devices", "zeropp mesh", "3D mesh", "zeropp MiB", "3D MiB", "fsdp MiB",
-    "zeropp wire MiB", "3D wire MiB", "fsdp wire MiB", "least memory", "fewest wire bytes",
-    "zeropp AG+RS MiB", "3D AG+RS MiB", "2·s·U·b", "6h (engine)", "9h (paper)",
-    "ZeroPP < TP: predicted (6h, 9h)", "ZeroPP < TP: measured", "compile s (zeropp, 3D, fsdp)",
-]  # fmt: skip
+    "model",
+    "devices",
+    "zeropp mesh",
+    "3D mesh",
+    "zeropp MiB",
+    "3D MiB",
+    "fsdp MiB",
+    "zeropp wire MiB",
+    "3D wire MiB",
+    "fsdp wire MiB",
+    "least memory",
+    "fewest wire bytes",
+    "zeropp AG+RS MiB",
+    "3D AG+RS MiB",
+    "2·s·U·b",
+    "6h (engine)",
+    "9h (paper)",
+    "ZeroPP < TP: predicted (6h, 9h)",
+    "ZeroPP < TP: measured",
+    "compile s (zeropp, 3D, fsdp)",
+]
 
 
 def compare(group: tuple, results: dict) -> list:
@@ -212,14 +365,23 @@ def compare(group: tuple, results: dict) -> list:
     lhs = 2 * zpp["seq"] * zpp["unit"] * d3["micro"]
     h = zpp["d_model"]
     return [
-        model, n, zpp["mesh"], d3["mesh"], *(fmt(r["total"]) for r in rs),
+        model,
+        n,
+        zpp["mesh"],
+        d3["mesh"],
+        *(fmt(r["total"]) for r in rs),
         *(fmt(r["wire"]) for r in rs),
         names[min(range(3), key=lambda i: rs[i]["total"])],
         names[min(range(3), key=lambda i: rs[i]["wire"])],
-        fmt(weights(zpp)), fmt(weights(d3)), lhs, 6 * h, 9 * h,
-        f"{lhs > 6 * h}, {lhs > 9 * h}", weights(zpp) < weights(d3),
+        fmt(weights(zpp)),
+        fmt(weights(d3)),
+        lhs,
+        6 * h,
+        9 * h,
+        f"{lhs > 6 * h}, {lhs > 9 * h}",
+        weights(zpp) < weights(d3),
         ", ".join(f"{r['compile_s']:.0f}" for r in rs),
-    ]  # fmt: skip
+    ]
 
 
 if __name__ == "__main__":

@@ -33,12 +33,28 @@ def report(model: str, recipe: str, devices: int, seq: int, *extra: str) -> tupl
 
 
 def _report(model: str, recipe: str, devices: int, seq: int, *extra: str) -> tuple[dict, float]:
-    cmd = [sys.executable, "-m", "shardkit.cli", "report", "--model", model, "--recipe",
-           recipe, "--devices", str(devices), "--seq", str(seq), "--remat", "full", "--json",
-           *extra]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "report",
+        "--model",
+        model,
+        "--recipe",
+        recipe,
+        "--devices",
+        str(devices),
+        "--seq",
+        str(seq),
+        "--remat",
+        "full",
+        "--json",
+        *extra,
+    ]
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})  # fmt: skip
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, check=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
+    )
     return json.loads(proc.stdout), time.perf_counter() - start
 
 
@@ -53,12 +69,36 @@ def main(argv=None) -> None:
             mem, analytic = d["memory_per_device_bytes"], d["analytic_memory_per_device_bytes"]
             state = analytic["params"] + analytic["optimizer"]
             mesh = "×".join(f"{k}={v}" for k, v in d["mesh"].items())
-            rows.append([recipe, n, mesh, mem["arguments"] * MIB, state * MIB,
-                         mem["arguments"] / state, mem["total"] * MIB,
-                         d["ratios"].get("wire_bytes", float("nan")), seconds])  # fmt: skip
-    emit("planning", f"Planning {model} (seq {seq}, one sequence per device, full remat), compile only",
-         ["recipe", "devices", "mesh", "state MiB/device", "analytic state MiB",
-          "state ratio", "total MiB/device", "wire/analytic", "seconds"], rows, args.out)  # fmt: skip
+            rows.append(
+                [
+                    recipe,
+                    n,
+                    mesh,
+                    mem["arguments"] * MIB,
+                    state * MIB,
+                    mem["arguments"] / state,
+                    mem["total"] * MIB,
+                    d["ratios"].get("wire_bytes", float("nan")),
+                    seconds,
+                ]
+            )
+    emit(
+        "planning",
+        f"Planning {model} (seq {seq}, one sequence per device, full remat), compile only",
+        [
+            "recipe",
+            "devices",
+            "mesh",
+            "state MiB/device",
+            "analytic state MiB",
+            "state ratio",
+            "total MiB/device",
+            "wire/analytic",
+            "seconds",
+        ],
+        rows,
+        args.out,
+    )
     logits_layouts(model, seq, (8,) if args.tiny else (64, 128, 256, 512), args.out)
 
 
@@ -73,14 +113,32 @@ def logits_layouts(model: str, seq: int, counts: tuple[int, ...], out) -> None:
             )
             mem = d["memory_per_device_bytes"]
             grows = [w for w in d["warnings"] if w.startswith("activation grows")]
-            row += [mem["total"] * MIB, mem["temp"] * MIB, sum(d["wire_bytes_by_kind"].values()) * MIB,
-                    "yes" if grows else "no"]  # fmt: skip
+            row += [
+                mem["total"] * MIB,
+                mem["temp"] * MIB,
+                sum(d["wire_bytes_by_kind"].values()) * MIB,
+                "yes" if grows else "no",
+            ]
         rows.append(row)
-    emit("planning_logits", f"fsdp's logits layout, {model} (seq {seq}, one sequence per device, "
-         "full remat), compile only: split over the vocabulary (before) vs chosen per step (after)",
-         ["devices", "tokens per step", "vocab-split total MiB", "vocab-split temp MiB",
-          "vocab-split wire MiB", "lint: grows", "auto total MiB", "auto temp MiB", "auto wire MiB",
-          "auto lint: grows"], rows, out)  # fmt: skip
+    emit(
+        "planning_logits",
+        f"fsdp's logits layout, {model} (seq {seq}, one sequence per device, "
+        "full remat), compile only: split over the vocabulary (before) vs chosen per step (after)",
+        [
+            "devices",
+            "tokens per step",
+            "vocab-split total MiB",
+            "vocab-split temp MiB",
+            "vocab-split wire MiB",
+            "lint: grows",
+            "auto total MiB",
+            "auto temp MiB",
+            "auto wire MiB",
+            "auto lint: grows",
+        ],
+        rows,
+        out,
+    )
 
 
 if __name__ == "__main__":

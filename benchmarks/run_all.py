@@ -18,8 +18,18 @@ from pathlib import Path
 from bench_util import parser
 
 HERE = Path(__file__).resolve().parent
-SCRIPTS = ("layout", "memory_terms", "overhead", "compile_scaling", "planning", "pipeline", "tsp",
-           "explicit", "autoplan", "gpu")  # fmt: skip
+SCRIPTS = (
+    "layout",
+    "memory_terms",
+    "overhead",
+    "compile_scaling",
+    "planning",
+    "pipeline",
+    "tsp",
+    "explicit",
+    "autoplan",
+    "gpu",
+)
 #: Further tables a script writes, after its own.
 EXTRA_RESULTS = {"planning": ("planning_logits",), "pipeline": ("pipeline_3d",)}
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"

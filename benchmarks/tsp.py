@@ -37,11 +37,20 @@ from shardkit import models  # noqa: E402
 from shardkit.report.analytic import analytic_model, layer_params  # noqa: E402
 
 #: (recipe, mesh axis sizes) on 8 devices; batch 1 per data replica.
-HEAD_TO_HEAD = (("tp", {"tensor": 8}), ("tp_sp", {"tensor": 8}), ("cp", {"sequence": 8}),
-                ("tsp_gspmd", {"tsp": 8}), ("tsp", {"tsp": 8}))  # fmt: skip
-SWEEP = (("tp_sp", {"tensor": 8}), ("cp", {"sequence": 8}),
-         ("fsdp_cp", {"fsdp": 4, "sequence": 2}), ("tsp_gspmd", {"tsp": 8}),
-         ("tsp", {"tsp": 8}))  # fmt: skip
+HEAD_TO_HEAD = (
+    ("tp", {"tensor": 8}),
+    ("tp_sp", {"tensor": 8}),
+    ("cp", {"sequence": 8}),
+    ("tsp_gspmd", {"tsp": 8}),
+    ("tsp", {"tsp": 8}),
+)
+SWEEP = (
+    ("tp_sp", {"tensor": 8}),
+    ("cp", {"sequence": 8}),
+    ("fsdp_cp", {"fsdp": 4, "sequence": 2}),
+    ("tsp_gspmd", {"tsp": 8}),
+    ("tsp", {"tsp": 8}),
+)
 SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
@@ -70,13 +79,17 @@ def _measure(model_name: str, recipe: str, mesh: dict[str, int], seq: int) -> di
         by_kind[c.kind] += c.wire_bytes
     analytic = analytic_model(model.config, recipe, mesh, batch=batch, seq=seq, remat="full")
     return {
-        "recipe": recipe, "seq": seq, "batch": batch,
-        "state": mem.arguments, "temp": mem.temp,
+        "recipe": recipe,
+        "seq": seq,
+        "batch": batch,
+        "state": mem.arguments,
+        "temp": mem.temp,
         "total": mem.arguments + mem.output + mem.temp - mem.alias,
-        "wire": sum(by_kind.values()), "wire_by_kind": dict(by_kind),
+        "wire": sum(by_kind.values()),
+        "wire_by_kind": dict(by_kind),
         "analytic_wire": sum(analytic.wire_bytes_by_kind.values()),
         "compile_s": time.perf_counter() - t0,
-    }  # fmt: skip
+    }
 
 
 def crossover(rows: list[dict], key: str) -> int | None:
@@ -99,17 +112,34 @@ def main(argv=None) -> int:
     # 1. head to head at one sequence
     head = [measure(name, r, m, head_seq) for r, m in HEAD_TO_HEAD]
     by = {r["recipe"]: r for r in head}
-    rows = [[r["recipe"], r["state"] * MIB, r["temp"] * MIB, r["total"] * MIB, r["wire"] * MIB,
-             r["analytic_wire"] * MIB, r["wire"] / r["analytic_wire"]] for r in head]  # fmt: skip
+    rows = [
+        [
+            r["recipe"],
+            r["state"] * MIB,
+            r["temp"] * MIB,
+            r["total"] * MIB,
+            r["wire"] * MIB,
+            r["analytic_wire"] * MIB,
+            r["wire"] / r["analytic_wire"],
+        ]
+        for r in head
+    ]
     layer_mib = 4 * psi_l * MIB
     saved = (by["tsp_gspmd"]["temp"] - by["tsp"]["temp"]) * MIB
-    title = (f"TSP head to head: {name}, sequence {head_seq}, 8 devices, full remat "
-             "(per device, MiB)")  # fmt: skip
-    text = emit("tsp_head", title,
-                ["recipe", "state", "temp", "total", "wire", "analytic wire", "wire / analytic"],
-                rows, args.out)  # fmt: skip
-    print(f"temp saved by the paper's schedules over rules only: {saved:,.1f} MiB; one "
-          f"gathered layer's weights: {layer_mib:,.1f} MiB\n")  # fmt: skip
+    title = (
+        f"TSP head to head: {name}, sequence {head_seq}, 8 devices, full remat (per device, MiB)"
+    )
+    text = emit(
+        "tsp_head",
+        title,
+        ["recipe", "state", "temp", "total", "wire", "analytic wire", "wire / analytic"],
+        rows,
+        args.out,
+    )
+    print(
+        f"temp saved by the paper's schedules over rules only: {saved:,.1f} MiB; one "
+        f"gathered layer's weights: {layer_mib:,.1f} MiB\n"
+    )
 
     # 2. the sweep
     sweep = [measure(name, r, m, s) for s in seqs for r, m in SWEEP]
@@ -121,25 +151,63 @@ def main(argv=None) -> int:
             row = at[(r, s)]
             mark = ""
             if r == "tsp":
-                mark = ("yes" if tsp["wire"] < tp["wire"] else "no") + " / " + (
-                    "yes" if tsp["analytic_wire"] < tp["analytic_wire"] else "no")
-            rows.append([s, r, row["total"] * MIB, row["temp"] * MIB, row["wire"] * MIB,
-                         row["analytic_wire"] * MIB, row["wire"] / row["analytic_wire"], mark])  # fmt: skip
+                mark = (
+                    ("yes" if tsp["wire"] < tp["wire"] else "no")
+                    + " / "
+                    + ("yes" if tsp["analytic_wire"] < tp["analytic_wire"] else "no")
+                )
+            rows.append(
+                [
+                    s,
+                    r,
+                    row["total"] * MIB,
+                    row["temp"] * MIB,
+                    row["wire"] * MIB,
+                    row["analytic_wire"] * MIB,
+                    row["wire"] / row["analytic_wire"],
+                    mark,
+                ]
+            )
     measured, analytic = crossover(sweep, "wire"), crossover(sweep, "analytic_wire")
-    steps = (None if measured is None or analytic is None
-             else abs(seqs.index(measured) - seqs.index(analytic)))  # fmt: skip
-    title = (f"TSP sweep: {name}, 8 devices, batch 1 per data replica, full remat "
-             "(per device, MiB; 'TSP < TP+SP' measured / analytic)")  # fmt: skip
-    tail = (f"\nCrossover (TSP moves fewer bytes than TP+SP from this sequence on): measured "
-            f"{measured}, analytic {analytic} ({steps} sweep steps apart). Ψ_l = {psi_l:,}, "
-            f"Ψ_in = {psi_in:,}; temp saved by the paper's schedules at {head_seq}: "
-            f"{saved:,.1f} MiB (one gathered layer: {layer_mib:,.1f} MiB).\n")  # fmt: skip
-    sweep_text = emit("tsp", title,
-         ["seq", "recipe", "total", "temp", "wire", "analytic wire", "wire / analytic",
-          "TSP < TP+SP"], rows, args.out,
-         extra={"head_to_head": head, "sweep": sweep, "crossover_measured": measured,
-                "crossover_analytic": analytic, "crossover_steps_apart": steps,
-                "head_markdown": text})  # fmt: skip
+    steps = (
+        None
+        if measured is None or analytic is None
+        else abs(seqs.index(measured) - seqs.index(analytic))
+    )
+    title = (
+        f"TSP sweep: {name}, 8 devices, batch 1 per data replica, full remat "
+        "(per device, MiB; 'TSP < TP+SP' measured / analytic)"
+    )
+    tail = (
+        f"\nCrossover (TSP moves fewer bytes than TP+SP from this sequence on): measured "
+        f"{measured}, analytic {analytic} ({steps} sweep steps apart). Ψ_l = {psi_l:,}, "
+        f"Ψ_in = {psi_in:,}; temp saved by the paper's schedules at {head_seq}: "
+        f"{saved:,.1f} MiB (one gathered layer: {layer_mib:,.1f} MiB).\n"
+    )
+    sweep_text = emit(
+        "tsp",
+        title,
+        [
+            "seq",
+            "recipe",
+            "total",
+            "temp",
+            "wire",
+            "analytic wire",
+            "wire / analytic",
+            "TSP < TP+SP",
+        ],
+        rows,
+        args.out,
+        extra={
+            "head_to_head": head,
+            "sweep": sweep,
+            "crossover_measured": measured,
+            "crossover_analytic": analytic,
+            "crossover_steps_apart": steps,
+            "head_markdown": text,
+        },
+    )
     print(tail)
     result = args.out / "tsp.json"
     payload = json.loads(result.read_text())

@@ -73,10 +73,15 @@ def train_pipelined_and_report(
     abstract = plan.abstract_init(train.init_fn(net, tx), jax.random.key(0))
     state = plan.init(abstract)
     pipelined = parallel.stages.train_step(
-        parallel.stages.reference_stages(net), tx, plan, abstract,
-        microbatches=args.microbatches, schedule=args.schedule,
-        virtual_stages=args.virtual_stages, unit=args.unit,
-    )  # fmt: skip
+        parallel.stages.reference_stages(net),
+        tx,
+        plan,
+        abstract,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
+        virtual_stages=args.virtual_stages,
+        unit=args.unit,
+    )
     step = plan.jit(pipelined, state=abstract)
     source = MarkovSource(vocab=net.config.vocab)
     console = Console()

@@ -299,9 +299,14 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
       ShardingError: mismatched shapes, or a sequence the strategy cannot split
         (ring needs a multiple of 2N, allgather of N, N = size of the axis).
     """
-    grouped = (q.ndim == 4 and k.shape == v.shape and k.ndim == 4 and k.shape[2] > 0
-               and k.shape[:2] + k.shape[3:] == q.shape[:2] + q.shape[3:]
-               and q.shape[2] % k.shape[2] == 0)  # fmt: skip
+    grouped = (
+        q.ndim == 4
+        and k.shape == v.shape
+        and k.ndim == 4
+        and k.shape[2] > 0
+        and k.shape[:2] + k.shape[3:] == q.shape[:2] + q.shape[3:]
+        and q.shape[2] % k.shape[2] == 0
+    )
     if not grouped:
         raise ShardingError(
             f"causal_attention needs q [batch, seq, heads, head_dim] and k, v of one shape "
@@ -325,8 +330,9 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     kv_spec = spec
     if k.shape != q.shape:
         heads = spec[2] if len(spec) > 2 else None
-        split = math.prod(mesh.shape[a] for a in ((heads,) if isinstance(heads, str)
-                                                   else heads or ()))  # fmt: skip
+        split = math.prod(
+            mesh.shape[a] for a in ((heads,) if isinstance(heads, str) else heads or ())
+        )
         if k.shape[2] % split:  # the heads' devices do not divide K/V's: repeat them
             k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
         else:

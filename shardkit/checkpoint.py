@@ -212,9 +212,9 @@ def manifest(path: str | os.PathLike, step: int) -> dict[str, Any]:
 
     reader = _reader(os.fspath(path))
     try:
-        return reader.restore(
-            step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()})
-        )[_MANIFEST]
+        return reader.restore(step, args=ocp.args.Composite(**{_MANIFEST: ocp.args.JsonRestore()}))[
+            _MANIFEST
+        ]
     except Exception as e:  # orbax raises many kinds; all mean the same here
         raise CheckpointCorruptError(
             f"{path}/{step}: the shardkit manifest is missing or unreadable "
@@ -297,9 +297,12 @@ def save(
     import orbax.checkpoint as ocp
 
     manager = _manager(
-        os.fspath(path), keep=keep, keep_best=keep_best, best_metric=best_metric,
+        os.fspath(path),
+        keep=keep,
+        keep_best=keep_best,
+        best_metric=best_metric,
         best_mode=best_mode,
-    )  # fmt: skip
+    )
     if int(step) in manager.all_steps():
         raise CheckpointError(
             f"{path} already holds a checkpoint for step {step}.\n"
@@ -441,9 +444,10 @@ def _check_leaves(path: str, step: int, saved: list[dict], target: dict) -> None
             )
     if differ:
         problems.append(
-            f"{len(differ)} leaf(s) differ: " + "; ".join(differ[:_SHOW])
+            f"{len(differ)} leaf(s) differ: "
+            + "; ".join(differ[:_SHOW])
             + (" ..." if len(differ) > _SHOW else "")
-        )  # fmt: skip
+        )
     if problems:
         raise CheckpointMismatchError(
             f"{path}/{step} does not hold this state: " + ". ".join(problems) + ".\n"

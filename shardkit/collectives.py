@@ -16,5 +16,9 @@ Kind = Literal["all-reduce", "all-gather", "reduce-scatter", "all-to-all", "coll
 
 #: Every kind, in the order reports list them.
 KINDS: tuple[str, ...] = (
-    "all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
-)  # fmt: skip
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+)

@@ -40,9 +40,17 @@ from shardkit.errors import ShardingError
 from shardkit.rules import Rules
 
 __all__ = [
-    "AttentionStrategy", "LayerSchedule", "PRECISIONS", "Precision", "ShardingContext",
-    "active_mesh", "check_precision", "compute_dtype", "current", "using",
-]  # fmt: skip
+    "AttentionStrategy",
+    "LayerSchedule",
+    "PRECISIONS",
+    "Precision",
+    "ShardingContext",
+    "active_mesh",
+    "check_precision",
+    "compute_dtype",
+    "current",
+    "using",
+]
 
 AttentionStrategy = Literal["dense", "allgather", "ring"]
 #: How the layers' matmuls treat weights sharded over ``attention_axis``: ``"gspmd"``

@@ -108,8 +108,7 @@ def _logsumexp_jvp(primals, tangents):
     return y, jnp.sum(jnp.exp(x - y[..., None]) * dx, axis=-1)
 
 
-def auto_chunks(length: int, vocab: int, d_model: int, *, quantum: int = 1,
-                ratio: int = 8) -> int:  # fmt: skip
+def auto_chunks(length: int, vocab: int, d_model: int, *, quantum: int = 1, ratio: int = 8) -> int:
     """The chunk count :func:`chunked_cross_entropy` picks when given none.
 
     The fewest chunks that make one chunk's logits (``tokens/c × vocab`` values) at most
@@ -187,9 +186,14 @@ def _relayout_bwd(forward, backward, _, ct):
 _relayout.defvjp(_relayout_fwd, _relayout_bwd)
 
 
-def head_view(weight: jax.Array, weight_axes: Sequence[str | None], *, data: jax.Array,
-              data_axes: Sequence[str | None] = LOGITS[:-1],
-              reuse: ReplicaView | None = None) -> ReplicaView:  # fmt: skip
+def head_view(
+    weight: jax.Array,
+    weight_axes: Sequence[str | None],
+    *,
+    data: jax.Array,
+    data_axes: Sequence[str | None] = LOGITS[:-1],
+    reuse: ReplicaView | None = None,
+) -> ReplicaView:
     """The head's weight as the chunked loss reads it: a ``sk.ReplicaView``.
 
     The head computes in the layout the *activation* rules give the weight (its
@@ -233,8 +237,13 @@ def head_view(weight: jax.Array, weight_axes: Sequence[str | None], *, data: jax
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _replicate(w: jax.Array, spec: PartitionSpec, stored: PartitionSpec, axes: tuple[str, ...],
-               sizes: tuple[int, ...]) -> jax.Array:  # fmt: skip
+def _replicate(
+    w: jax.Array,
+    spec: PartitionSpec,
+    stored: PartitionSpec,
+    axes: tuple[str, ...],
+    sizes: tuple[int, ...],
+) -> jax.Array:
     """``w`` broadcast to ``[n, *w.shape]`` over the replica ``axes`` (as ``per_replica``).
 
     Its gradient, a sum over the replicas, is reduced in two stages: first over the
@@ -263,8 +272,12 @@ def _replicate_bwd(spec, stored, axes, sizes, _, ct):
 _replicate.defvjp(_replicate_fwd, _replicate_bwd)
 
 
-def _head_view(weight: Any, weight_axes: Sequence[str | None] | None, targets: jax.Array,
-               token_axes: Sequence[str | None]) -> ReplicaView:  # fmt: skip
+def _head_view(
+    weight: Any,
+    weight_axes: Sequence[str | None] | None,
+    targets: jax.Array,
+    token_axes: Sequence[str | None],
+) -> ReplicaView:
     if isinstance(weight, ReplicaView):
         return weight
     if weight_axes is None:
@@ -354,8 +367,9 @@ def chunked_cross_entropy(
         # Under TSP's schedules the head's vocabulary shards travel a ring instead.
         from shardkit.parallel.tsp_head import vocab_ring_cross_entropy
 
-        losses = vocab_ring_cross_entropy(hidden, targets, project, weight, weight_axes,
-                                          logits_axes)  # fmt: skip
+        losses = vocab_ring_cross_entropy(
+            hidden, targets, project, weight, weight_axes, logits_axes
+        )
         if losses is not None:
             return losses
     *lead, length = targets.shape
@@ -535,8 +549,9 @@ def head_loss_and_grad(
         target = target + jnp.sum(jnp.where(hot, part_logits, 0.0), -1)
         d_logits = ((probs - hot.astype(jnp.float32)) * g).astype(dtype)
         part = jax.lax.dynamic_slice_in_dim(w, start, size, vocab_axis)
-        d_hidden = d_hidden + jnp.einsum(to_hidden, d_logits, part,
-                                         preferred_element_type=jnp.float32)  # fmt: skip
+        d_hidden = d_hidden + jnp.einsum(
+            to_hidden, d_logits, part, preferred_element_type=jnp.float32
+        )
         d_part = jnp.einsum(to_weight, d_logits, hidden).astype(acc.dtype)
         old = jax.lax.dynamic_slice_in_dim(acc, start, size, vocab_axis)
         acc = jax.lax.dynamic_update_slice_in_dim(acc, old + d_part, start, vocab_axis)

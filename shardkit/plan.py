@@ -191,8 +191,9 @@ class Plan:
             precision=self.precision,
         )
 
-    def step_activation_rules(self, *, tokens: int | None = None,
-                              vocab: int | None = None) -> Rules:  # fmt: skip
+    def step_activation_rules(
+        self, *, tokens: int | None = None, vocab: int | None = None
+    ) -> Rules:
         """The activation rules of a step of ``tokens`` tokens over a ``vocab`` vocabulary."""
         sizes = {str(k): int(v) for k, v in self.mesh.shape.items()}
         return self.recipe.step_activation_rules(sizes, tokens=tokens, vocab=vocab)
@@ -458,8 +459,15 @@ class Plan:
         lowered = self.lower(step_fn, state, batch, *args, donate_state=donate_state, **jit_kwargs)
         return lowered.compile()
 
-    def report(self, step: Any, state: Any, batch: Any = None, *args: Any, itemise: bool = False,
-               **kwargs: Any) -> Report:  # fmt: skip
+    def report(
+        self,
+        step: Any,
+        state: Any,
+        batch: Any = None,
+        *args: Any,
+        itemise: bool = False,
+        **kwargs: Any,
+    ) -> Report:
         """A ``Report`` of a step under this plan: compiled (nothing runs), then read.
 
         ``plan.report(step_fn, state, batch, *extra)`` compiles a user's step for
@@ -551,8 +559,11 @@ class PlannedStep:
         if abstract is None:
             leaves = plan.leaves(state)
             # Leaves with a sharding already were planned (and checked) when created.
-            planned = [leaf for leaf, x in zip(leaves, jax.tree.leaves(state), strict=True)
-                       if plan._existing(x) is None]  # fmt: skip
+            planned = [
+                leaf
+                for leaf, x in zip(leaves, jax.tree.leaves(state), strict=True)
+                if plan._existing(x) is None
+            ]
             plan._warn_if_replicated(planned)
             treedef = jax.tree.structure(state)
             return jax.tree.unflatten(treedef, [NamedSharding(plan.mesh, x.spec) for x in leaves])
@@ -681,8 +692,12 @@ def _workload_of(batch: Any, precision: str = "f32") -> Workload | None:
     leaves = [x for x in jax.tree.leaves(batch) if np.shape(x)]
     if not leaves:
         return None
-    tokens = [x for x in leaves if len(np.shape(x)) == 2
-              and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)]  # fmt: skip
+    tokens = [
+        x
+        for x in leaves
+        if len(np.shape(x)) == 2
+        and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)
+    ]
     seq = int(np.shape(tokens[0])[1]) if tokens else None
     return Workload(batch=int(np.shape(leaves[0])[0]), seq=seq, precision=precision)
 

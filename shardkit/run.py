@@ -100,8 +100,9 @@ def run(
     if isinstance(recipe, Plan):
         plan = recipe
     else:
-        plan = Plan(get_recipe(recipe), devices=devices, annotations=annotations,
-                    precision=precision)  # fmt: skip
+        plan = Plan(
+            get_recipe(recipe), devices=devices, annotations=annotations, precision=precision
+        )
     vocab = spec.config.vocab if hasattr(spec, "config") else spec.vocab
     if vocab is None:
         raise ShardingError(
@@ -111,8 +112,9 @@ def run(
     source = MarkovSource(vocab=vocab, seed=seed)
     tx = train.adamw(learning_rate)
     abstract = plan.abstract_init(train.init_fn(spec, tx), jax.random.key(seed))
-    first_step, state = _resume(plan, abstract, checkpoint_dir, resume, steps, spec.name, batch,
-                                seq, seed)  # fmt: skip
+    first_step, state = _resume(
+        plan, abstract, checkpoint_dir, resume, steps, spec.name, batch, seq, seed
+    )
     if state is None:
         state = plan.init(abstract)
     first = plan.shard_batch(_local_batch(source, batch, seq, first_step))
@@ -129,9 +131,12 @@ def run(
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq, precision=plan.precision)
     report = plan.report(
-        compiled, abstract, workload=workload, model_config=getattr(spec, "config", None),
+        compiled,
+        abstract,
+        workload=workload,
+        model_config=getattr(spec, "config", None),
         pipeline=getattr(step, "pipeline", None),
-    )  # fmt: skip
+    )
 
     def step_fn(state, batch):
         with jax.set_mesh(plan.mesh):
@@ -158,8 +163,9 @@ def run(
         if checkpoint_dir and (i + 1 == steps or (save_every and (i + 1) % save_every == 0)):
             position = _data_state(spec.name, batch, seq, seed, i + 1)
             saved = state if to_layers is None else to_layers(state)
-            checkpoint.save(plan, checkpoint_dir, saved, step=i + 1, data_state=position,
-                            metrics={"loss": loss})  # fmt: skip
+            checkpoint.save(
+                plan, checkpoint_dir, saved, step=i + 1, data_state=position, metrics={"loss": loss}
+            )
     if checkpoint_dir:
         checkpoint.wait(checkpoint_dir)
     return RunResult(

@@ -68,9 +68,15 @@ class Workload:
 
     @classmethod
     def from_config(
-        cls, config: Any, *, batch: int, seq: int, model: str | None = None,
-        remat: str | None = None, precision: str | None = None,
-    ) -> Workload:  # fmt: skip
+        cls,
+        config: Any,
+        *,
+        batch: int,
+        seq: int,
+        model: str | None = None,
+        remat: str | None = None,
+        precision: str | None = None,
+    ) -> Workload:
         """A reference model's workload (``config`` is a ``ModelConfig`` or alike).
 
         ``precision`` is the plan's (default ``"f32"``); a config whose ``dtype`` is set
@@ -100,8 +106,14 @@ class Workload:
         config = getattr(model, "config", None)
         if config is not None:
             return cls.from_config(config, batch=batch, seq=seq, model=name, precision=precision)
-        return cls(batch=batch, seq=seq, model=name, remat=None, precision=precision,
-                   **getattr(model, "dims", {}))  # fmt: skip
+        return cls(
+            batch=batch,
+            seq=seq,
+            model=name,
+            remat=None,
+            precision=precision,
+            **getattr(model, "dims", {}),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -174,8 +174,11 @@ def test_grouped_kv_heads_match_repeated_and_cross_as_kv_heads(strategy):
         ring = [c for c in parse_collectives(hlo) if c.shape == block and c.group_size == n]
         assert sum(c.wire_bytes for c in ring) == (n - 1) * 2 * b * (s // n) * g * d * 4
         # no block of the query heads' width travels the ring
-        assert not [c for c in parse_collectives(hlo)
-                    if c.group_size == n and any(x[-2:] == (hq, d) for x in c.shapes)]  # fmt: skip
+        assert not [
+            c
+            for c in parse_collectives(hlo)
+            if c.group_size == n and any(x[-2:] == (hq, d) for x in c.shapes)
+        ]
 
 
 def test_masked_softmax_is_softmax_and_keeps_only_its_output():
@@ -195,8 +198,7 @@ def test_masked_softmax_is_softmax_and_keeps_only_its_output():
         return jnp.sum(masked_softmax(x, keep, jnp.float32) * g)
 
     np.testing.assert_allclose(mine(scores), ref(scores), rtol=1e-6)
-    np.testing.assert_allclose(jax.grad(mine)(scores), jax.grad(ref)(scores), rtol=1e-5,
-                               atol=1e-6)  # fmt: skip
+    np.testing.assert_allclose(jax.grad(mine)(scores), jax.grad(ref)(scores), rtol=1e-5, atol=1e-6)
     # bf16: the backward keeps the b·h·s·s probabilities at 2 bytes each, nothing else
     saved = saved_residuals(lambda x: jnp.sum(masked_softmax(x, keep, jnp.bfloat16)), scores)
     assert sum(a.size * a.dtype.itemsize for a, _ in saved) == b * h * s * s * 2

@@ -33,9 +33,15 @@ MESH_AXES = ["data", "fsdp", "tensor", "sequence", "nope"]
 
 # Junk of every kind, mixed into well-formed values so the deep code is reached too.
 scalars = st.one_of(
-    st.none(), st.booleans(), st.integers(-5, 16), st.floats(-2, 9), st.just(float("nan")),
-    st.sampled_from(NAMES + MESH_AXES), st.binary(max_size=4), st.text(max_size=4),
-)  # fmt: skip
+    st.none(),
+    st.booleans(),
+    st.integers(-5, 16),
+    st.floats(-2, 9),
+    st.just(float("nan")),
+    st.sampled_from(NAMES + MESH_AXES),
+    st.binary(max_size=4),
+    st.text(max_size=4),
+)
 junk = st.recursive(
     scalars,
     lambda inner: st.one_of(
@@ -51,11 +57,20 @@ shapes = st.one_of(st.lists(st.integers(-3, 24), max_size=4).map(tuple), junk)
 sizes = st.one_of(st.integers(-5, 9), st.sampled_from([-1, 1, 2, 4, 8]), scalars)
 axis_dicts = st.one_of(st.dictionaries(st.sampled_from(MESH_AXES), sizes, max_size=3), junk)
 rules = st.one_of(
-    st.lists(st.tuples(names, st.one_of(st.sampled_from(MESH_AXES), st.none(),
-                                        st.lists(st.sampled_from(MESH_AXES), max_size=2).map(tuple),
-                                        scalars)), max_size=4),
+    st.lists(
+        st.tuples(
+            names,
+            st.one_of(
+                st.sampled_from(MESH_AXES),
+                st.none(),
+                st.lists(st.sampled_from(MESH_AXES), max_size=2).map(tuple),
+                scalars,
+            ),
+        ),
+        max_size=4,
+    ),
     junk,
-)  # fmt: skip
+)
 DEVICES = jax.devices()
 devices = st.one_of(
     st.none(),
@@ -64,10 +79,12 @@ devices = st.one_of(
     junk,
 )
 patterns = st.one_of(
-    st.lists(st.tuples(st.one_of(st.sampled_from(["kernel$", "bias", "(", "a/b", ""]), junk),
-                       logical), max_size=3),
+    st.lists(
+        st.tuples(st.one_of(st.sampled_from(["kernel$", "bias", "(", "a/b", ""]), junk), logical),
+        max_size=3,
+    ),
     junk,
-)  # fmt: skip
+)
 policies = st.one_of(st.sampled_from(["replicate", "error", None]), junk)
 
 
@@ -95,15 +112,29 @@ def test_rules(pairs, strict):
 @given(logical, shapes, axis_dicts, junk)
 def test_rules_spec(axes, shape, mesh, path):
     r = sk.Rules([("batch", "data"), ("embed", "fsdp"), ("mlp", ("tensor", "data"))])
-    outcome(lambda: r.spec(axes, shape=shape, mesh=mesh, path=path),
-            "logical", "shape", "mesh", "dimension", "rule")  # fmt: skip
+    outcome(
+        lambda: r.spec(axes, shape=shape, mesh=mesh, path=path),
+        "logical",
+        "shape",
+        "mesh",
+        "dimension",
+        "rule",
+    )
 
 
 @SETTINGS
 @given(axis_dicts, devices, st.one_of(st.booleans(), junk), st.one_of(st.none(), axis_dicts))
 def test_make_mesh(axes, devs, explicit, dcn):
-    outcome(lambda: sk.make_mesh(axes, devices=devs, explicit=explicit, dcn=dcn),
-            "Mesh", "mesh", "axes", "devices", "dcn", "explicit", "device count")  # fmt: skip
+    outcome(
+        lambda: sk.make_mesh(axes, devices=devs, explicit=explicit, dcn=dcn),
+        "Mesh",
+        "mesh",
+        "axes",
+        "devices",
+        "dcn",
+        "explicit",
+        "device count",
+    )
 
 
 TREE = {"dense": {"kernel": np.zeros((4, 8)), "bias": np.zeros(8)}, "step": np.zeros(())}
@@ -160,13 +191,29 @@ def test_constrain(shape, axes, with_mesh, pairs):
 
 
 @SETTINGS
-@given(st.one_of(st.sampled_from(sk.recipes.names() + ["ddp"]), rules, junk),
-       st.one_of(st.none(), st.just(MESH), axis_dicts), devices, patterns, policies)  # fmt: skip
+@given(
+    st.one_of(st.sampled_from(sk.recipes.names() + ["ddp"]), rules, junk),
+    st.one_of(st.none(), st.just(MESH), axis_dicts),
+    devices,
+    patterns,
+    policies,
+)
 def test_plan(recipe, mesh, devs, annotations, policy):
-    outcome(lambda: sk.Plan(recipe, mesh, devices=devs, annotations=annotations,
-                            on_unmatched=policy),
-            "Plan", "recipe", "Rule", "mesh", "devices", "Annotation", "annotation",
-            "on_unmatched", "Mesh", "axes", "PathAxes", "pattern")  # fmt: skip
+    outcome(
+        lambda: sk.Plan(recipe, mesh, devices=devs, annotations=annotations, on_unmatched=policy),
+        "Plan",
+        "recipe",
+        "Rule",
+        "mesh",
+        "devices",
+        "Annotation",
+        "annotation",
+        "on_unmatched",
+        "Mesh",
+        "axes",
+        "PathAxes",
+        "pattern",
+    )
 
 
 def test_the_targets_drew_at_least_10000_examples():

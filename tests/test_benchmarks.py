@@ -10,16 +10,29 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = ["layout", "memory_terms", "overhead", "compile_scaling", "planning", "pipeline", "tsp",
-           "explicit", "autoplan", "gpu"]  # fmt: skip
+SCRIPTS = [
+    "layout",
+    "memory_terms",
+    "overhead",
+    "compile_scaling",
+    "planning",
+    "pipeline",
+    "tsp",
+    "explicit",
+    "autoplan",
+    "gpu",
+]
 
 
 def test_run_all_lists_every_script():
     on_disk = {p.stem for p in BENCH.glob("*.py")} - {"bench_util", "run_all", "flax_baseline"}
     assert on_disk == set(SCRIPTS)
     tree = ast.parse((BENCH / "run_all.py").read_text())
-    [listed] = [ast.literal_eval(n.value) for n in tree.body
-                if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SCRIPTS"]  # fmt: skip
+    [listed] = [
+        ast.literal_eval(n.value)
+        for n in tree.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SCRIPTS"
+    ]
     assert listed == tuple(SCRIPTS)
 
 
@@ -27,9 +40,12 @@ def test_run_all_lists_every_script():
 def test_benchmark_runs_tiny(name, tmp_path):
     proc = subprocess.run(
         [sys.executable, str(BENCH / f"{name}.py"), "--tiny", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=BENCH,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=BENCH,
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     if name == "gpu":  # no GPU in CI: it must say so and succeed
         assert "no GPU here" in proc.stdout

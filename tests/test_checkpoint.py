@@ -44,7 +44,10 @@ def _trained(model_name):
 @pytest.mark.parametrize("model_name", ["gpt-tiny", "llama-tiny"])
 def test_restore_into_three_other_layouts_is_bit_identical(model_name, tmp_path):
     plan, init, state = _trained(model_name)
-    saved = {k: np.asarray(v) for k, v in zip(checkpoint.leaf_paths(state), jax.tree.leaves(state), strict=True)}  # fmt: skip
+    saved = {
+        k: np.asarray(v)
+        for k, v in zip(checkpoint.leaf_paths(state), jax.tree.leaves(state), strict=True)
+    }
     saved_shardings = [x.sharding for x in jax.tree.leaves(state)]
     checkpoint.save(plan, tmp_path, state, step=1, data_state={"next_batch": 1})
     for recipe, n in LAYOUTS:
@@ -86,8 +89,15 @@ def test_keep_last_n_and_best_n_by_metric(tmp_path):
     plan = sk.Plan("dp")
     losses = {1: 5.0, 2: 1.0, 3: 4.0, 4: 3.0, 5: 6.0}  # step 2 is the best
     for step, loss in losses.items():
-        checkpoint.save(plan, tmp_path, {"x": jnp.full((8,), loss)}, step=step,
-                        metrics={"loss": loss}, keep=2, keep_best=1)  # fmt: skip
+        checkpoint.save(
+            plan,
+            tmp_path,
+            {"x": jnp.full((8,), loss)},
+            step=step,
+            metrics={"loss": loss},
+            keep=2,
+            keep_best=1,
+        )
     checkpoint.wait(tmp_path)
     assert checkpoint.steps(tmp_path) == [2, 4, 5]
 
@@ -95,7 +105,10 @@ def test_keep_last_n_and_best_n_by_metric(tmp_path):
 def _small_checkpoint(tmp_path):
     plan = sk.Plan("fsdp")
     shard = plan.shardings({"w": jnp.zeros((256, 256))})["w"]
-    state = {"b": jnp.ones((8,)), "w": jax.device_put(jnp.arange(256.0 * 256).reshape(256, 256), shard)}  # fmt: skip
+    state = {
+        "b": jnp.ones((8,)),
+        "w": jax.device_put(jnp.arange(256.0 * 256).reshape(256, 256), shard),
+    }
     checkpoint.save(plan, tmp_path, state, step=5, block=True)
     like = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
@@ -106,15 +119,28 @@ def _small_checkpoint(tmp_path):
 @pytest.mark.parametrize(
     "change, names",
     [
-        (lambda like: {**like, "w": jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=like["w"].sharding)},
-         ["w: checkpoint (256, 256) float32, like (256, 128) float32"]),
-        (lambda like: {**like, "w": jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=like["w"].sharding)},
-         ["w: checkpoint (256, 256) float32, like (256, 256) bfloat16"]),
+        (
+            lambda like: {
+                **like,
+                "w": jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=like["w"].sharding),
+            },
+            ["w: checkpoint (256, 256) float32, like (256, 128) float32"],
+        ),
+        (
+            lambda like: {
+                **like,
+                "w": jax.ShapeDtypeStruct((256, 256), jnp.bfloat16, sharding=like["w"].sharding),
+            },
+            ["w: checkpoint (256, 256) float32, like (256, 256) bfloat16"],
+        ),
         (lambda like: {"w": like["w"]}, ["leaf(s) of the checkpoint are not in `like`: b"]),
-        (lambda like: {**like, "extra": like["b"]}, ["leaf(s) of `like` are not in the checkpoint: extra"]),
+        (
+            lambda like: {**like, "extra": like["b"]},
+            ["leaf(s) of `like` are not in the checkpoint: extra"],
+        ),
     ],
     ids=["shape", "dtype", "missing", "extra"],
-)  # fmt: skip
+)
 def test_mismatched_checkpoint_names_the_leaf(tmp_path, change, names):
     plan, like = _small_checkpoint(tmp_path)
     with pytest.raises(errors.CheckpointMismatchError) as e:
@@ -195,13 +221,22 @@ _KILLED_SAVE = textwrap.dedent(
 
 def test_save_killed_midway_leaves_the_previous_checkpoint(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_SAVE, str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     leftovers = [p.name for p in tmp_path.iterdir() if not p.name.isdigit()]
     assert any(name.startswith("2.") for name in leftovers), os.listdir(tmp_path)  # step 2 begun
     plan = sk.Plan("dp", devices=jax.devices()[:2])  # and restored elsewhere
-    like = {"w": jax.ShapeDtypeStruct((4096, 4096), jnp.float32, sharding=plan.shardings({"w": jnp.zeros((4096, 4096))})["w"])}  # fmt: skip
+    like = {
+        "w": jax.ShapeDtypeStruct(
+            (4096, 4096), jnp.float32, sharding=plan.shardings({"w": jnp.zeros((4096, 4096))})["w"]
+        )
+    }
     restored = checkpoint.restore(plan, tmp_path, like=like)
     assert restored.step == 1
     assert float(jnp.min(restored.state["w"])) == float(jnp.max(restored.state["w"])) == 1.0
@@ -217,10 +252,28 @@ def test_resumed_run_in_a_new_process_continues_exactly(tmp_path):
     assert checkpoint.steps(ckpt) == [3, 6]
     shutil.rmtree(ckpt / "6")  # as if the process had died after saving step 3
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
-    args = ["run", "--steps", "6", "--seq", "32", "--checkpoint-dir", str(ckpt), "--resume",
-            "--save-every", "2", "--no-report", "--json", str(out)]  # fmt: skip
-    proc = subprocess.run([sys.executable, "-m", "shardkit.cli", *args], env=env,
-                          capture_output=True, text=True, timeout=180)  # fmt: skip
+    args = [
+        "run",
+        "--steps",
+        "6",
+        "--seq",
+        "32",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--resume",
+        "--save-every",
+        "2",
+        "--no-report",
+        "--json",
+        str(out),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardkit.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = json.loads(out.read_text())
     assert resumed["first_step"] == 3

@@ -23,8 +23,9 @@ print(json.dumps(out))
 
 def measured(xla_flags: str) -> dict:
     env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout
     return json.loads(out.splitlines()[-1])
 
 

@@ -41,21 +41,41 @@ Fatal Python error: Aborted
 
 
 def _guard(text: str, me: int, n: int, checkpoint_dir=None) -> list[str]:
-    control = b"" if checkpoint_dir is None else b"\x00shardkit-checkpoint=" + str(checkpoint_dir).encode() + b"\n"  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", distributed._GUARD, str(me), str(n)],
-                          input=b"step 1 done\n" + control + text.encode(), capture_output=True,
-                          timeout=30)  # fmt: skip
+    control = (
+        b""
+        if checkpoint_dir is None
+        else b"\x00shardkit-checkpoint=" + str(checkpoint_dir).encode() + b"\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", distributed._GUARD, str(me), str(n)],
+        input=b"step 1 done\n" + control + text.encode(),
+        capture_output=True,
+        timeout=30,
+    )
     return proc.stdout.decode().splitlines()
 
 
 @pytest.mark.parametrize(
     "text, me, n, who",
-    [(PEER_DIED, 0, 3, "process 1 of 3"), (COORDINATOR_DIED, 2, 3, "process 0 (the coordinator) of 3"),
-     ("E0 x] Task /job:jax_worker/replica:0/task:2 has disconnected from coordination service.\n"
-      "F0 client.h] Terminating process because the JAX distributed service detected fatal errors.\n", 0, 3, "process 2 of 3"),
-     ("F0 client.h] Terminating process because the JAX distributed service detected fatal errors. DEADLINE\n", 0, 2, "process 1 of 2"),
-     (GLOO_ABORT, 0, 2, "process 1 of 2")],
-)  # fmt: skip
+    [
+        (PEER_DIED, 0, 3, "process 1 of 3"),
+        (COORDINATOR_DIED, 2, 3, "process 0 (the coordinator) of 3"),
+        (
+            "E0 x] Task /job:jax_worker/replica:0/task:2 has disconnected from coordination service.\n"
+            "F0 client.h] Terminating process because the JAX distributed service detected fatal errors.\n",
+            0,
+            3,
+            "process 2 of 3",
+        ),
+        (
+            "F0 client.h] Terminating process because the JAX distributed service detected fatal errors. DEADLINE\n",
+            0,
+            2,
+            "process 1 of 2",
+        ),
+        (GLOO_ABORT, 0, 2, "process 1 of 2"),
+    ],
+)
 def test_guard_names_the_dead_process_and_drops_the_stack_trace(tmp_path, text, me, n, who):
     (tmp_path / "20").mkdir()
     (tmp_path / "30.orbax-checkpoint-tmp-1").mkdir()  # an uncommitted save is not a restart point
@@ -71,19 +91,27 @@ def test_guard_names_the_dead_process_and_drops_the_stack_trace(tmp_path, text, 
 
 def test_guard_without_a_fatal_error_only_forwards():
     assert _guard("a\nb", 0, 2) == ["step 1 done", "a", "b"]
-    assert _guard(PEER_DIED, 0, 2)[-1].endswith("no checkpoint was saved in this run, so a restart begins at step 0.")  # fmt: skip
+    assert _guard(PEER_DIED, 0, 2)[-1].endswith(
+        "no checkpoint was saved in this run, so a restart begins at step 0."
+    )
 
 
 @pytest.mark.parametrize(
     "code, message",
-    [("distributed.initialize()", "no cluster detected"),
-     ("import jax; jax.devices(); distributed.initialize(num_processes=2, process_id=0, coordinator_address='127.0.0.1:1')",
-      "must run before the JAX backend starts")],
+    [
+        ("distributed.initialize()", "no cluster detected"),
+        (
+            "import jax; jax.devices(); distributed.initialize(num_processes=2, process_id=0, coordinator_address='127.0.0.1:1')",
+            "must run before the JAX backend starts",
+        ),
+    ],
     ids=["no-cluster", "too-late"],
-)  # fmt: skip
+)
 def test_initialize_errors_say_what_to_do(code, message):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDKIT_")}
     env["PYTHONPATH"], env["JAX_PLATFORMS"] = str(ROOT), "cpu"
-    script = f"from shardkit import distributed, errors\ntry:\n    {code}\nexcept errors.DeviceError as e:\n    print(e)"  # fmt: skip
-    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)  # fmt: skip
+    script = f"from shardkit import distributed, errors\ntry:\n    {code}\nexcept errors.DeviceError as e:\n    print(e)"
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
     assert message in proc.stdout and "Fix:" in proc.stdout, proc.stdout + proc.stderr

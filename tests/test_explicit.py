@@ -26,9 +26,14 @@ def first_step(model_name, plan):
     model, tx = models.get(model_name), train.adamw(LR, eps=EPS)
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     if plan.recipe.name in PIPELINE:
-        step = parallel.train_step(parallel.reference_stages(model), tx, plan, abstract,
-                                   microbatches=PIPELINE[plan.recipe.name][1],
-                                   return_grads=True)  # fmt: skip
+        step = parallel.train_step(
+            parallel.reference_stages(model),
+            tx,
+            plan,
+            abstract,
+            microbatches=PIPELINE[plan.recipe.name][1],
+            return_grads=True,
+        )
     else:
         step = train.train_step(model, tx, return_grads=True)
     batch = MarkovSource(vocab=model.config.vocab, seed=0).batch(BATCH, SEQ, 0)
@@ -90,8 +95,9 @@ def test_explicit_program_has_the_auto_programs_shardings_and_costs():
     for mode in (False, True):
         plan = sk.Plan("dp_pp", explicit=mode)
         abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-        step = parallel.train_step(parallel.reference_stages(model), tx, plan, abstract,
-                                   microbatches=2)  # fmt: skip
+        step = parallel.train_step(
+            parallel.reference_stages(model), tx, plan, abstract, microbatches=2
+        )
         batch = models.reporting.token_batch(BATCH, SEQ)
         compiled[mode] = plan.compile(step, abstract, batch)
         reports[mode] = plan.report(compiled[mode], abstract)

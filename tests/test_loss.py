@@ -136,8 +136,9 @@ def test_head_loss_and_grad_matches_jax(vocab_axis, chunks):
     t = jax.random.randint(k3, (2, 5), 0, vocab)
     acc = jax.random.normal(k4, w.shape)
     want, (dw, dh) = _head_reference(h, t, w, vocab_axis, 0.25, jnp.float32)
-    loss, d_h, new_acc = sk.loss.head_loss_and_grad(h, t, w, acc, vocab_axis=vocab_axis,
-                                                    scale=0.25, chunks=chunks)  # fmt: skip
+    loss, d_h, new_acc = sk.loss.head_loss_and_grad(
+        h, t, w, acc, vocab_axis=vocab_axis, scale=0.25, chunks=chunks
+    )
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
     np.testing.assert_allclose(d_h, dh, rtol=0, atol=1e-6)
     np.testing.assert_allclose(new_acc, acc + dw, rtol=0, atol=1e-6)
@@ -153,8 +154,12 @@ def test_head_loss_and_grad_in_bf16_keeps_an_f32_sum():
     loss, d_h, acc = sk.loss.head_loss_and_grad(h, t, w, jnp.zeros_like(w), dtype=jnp.bfloat16)
     assert d_h.dtype == jnp.bfloat16 and acc.dtype == jnp.float32
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-2)
-    np.testing.assert_allclose(np.asarray(d_h, np.float32), np.asarray(dh, np.float32),
-                               rtol=0, atol=2e-2 * float(jnp.abs(dh).max()))  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(d_h, np.float32),
+        np.asarray(dh, np.float32),
+        rtol=0,
+        atol=2e-2 * float(jnp.abs(dh).max()),
+    )
     np.testing.assert_allclose(acc, dw, rtol=0, atol=2e-2 * float(jnp.abs(dw).max()))
 
 
@@ -188,10 +193,13 @@ def test_head_loss_and_grad_never_holds_the_weight_gradient_whole():
 
 def test_head_loss_and_grad_bad_shapes_raise():
     h, t = jnp.ones((2, 3, 4)), jnp.zeros((2, 3), jnp.int32)
-    with pytest.raises(sk.ShardingError, match=r"(?s)weight \(4, 10, 1\).*Fix: weight \[vocab, d\]"):
+    with pytest.raises(
+        sk.ShardingError, match=r"(?s)weight \(4, 10, 1\).*Fix: weight \[vocab, d\]"
+    ):
         sk.loss.head_loss_and_grad(h, t, jnp.ones((4, 10, 1)), jnp.ones((4, 10, 1)))
     with pytest.raises(sk.ShardingError, match=r"(?s)acc \(10, 4\).*acc the weight's shape"):
         sk.loss.head_loss_and_grad(h, t, jnp.ones((4, 10)), jnp.ones((10, 4)), vocab_axis=1)
     with pytest.raises(ChunkError, match=r"chunks=0.*\n.*positive int"):
-        sk.loss.head_loss_and_grad(h, t, jnp.ones((4, 10)), jnp.ones((4, 10)), vocab_axis=1,
-                                   chunks=0)  # fmt: skip
+        sk.loss.head_loss_and_grad(
+            h, t, jnp.ones((4, 10)), jnp.ones((4, 10)), vocab_axis=1, chunks=0
+        )

@@ -208,7 +208,10 @@ def test_jit_passes_jax_jit_options_through():
 
     b = plan.shard_batch(batch())
     jitted = plan.jit(
-        scaled, static_argnums=(3,), donate_argnums=(), in_shardings=(NamedSharding(plan.mesh, P()),)
+        scaled,
+        static_argnums=(3,),
+        donate_argnums=(),
+        in_shardings=(NamedSharding(plan.mesh, P()),),
     )
     _, ref = plan.jit(step, donate_state=False)(state, b)
     new_state, loss = jitted(state, b, jnp.float32(2.0), 3)
@@ -249,8 +252,11 @@ def test_init_warns_when_a_sharding_recipe_replicates_most_bytes():
     def bare_init(rng):  # 2 x (64*64 + 64) f32 parameters = 33,280 bytes
         return Bare().init(rng, jnp.ones((1, 64)))["params"]
 
-    with pytest.warns(sk.ShardingWarning, match=r"(?s)'fsdp' shards parameters, but 100% .*"
-                      r"33,280 of 33,280.*carry no logical axes.*Fix: annotate"):  # fmt: skip
+    with pytest.warns(
+        sk.ShardingWarning,
+        match=r"(?s)'fsdp' shards parameters, but 100% .*"
+        r"33,280 of 33,280.*carry no logical axes.*Fix: annotate",
+    ):
         sk.Plan("fsdp").init(bare_init, jax.random.key(0))
     import warnings
 
@@ -315,9 +321,11 @@ def test_static_argnums_alone_and_counted_from_the_end():
 def test_an_abstract_state_belongs_to_its_plan():
     fsdp, dp = sk.Plan("fsdp"), sk.Plan("dp")
     abstract = fsdp.abstract_init(init, jax.random.key(0))
-    for use in (lambda: dp.init(abstract), lambda: dp.shardings(abstract),
-                lambda: dp.jit(step, state=abstract)(fsdp.init(abstract),
-                                                      dp.shard_batch(batch()))):  # fmt: skip
+    for use in (
+        lambda: dp.init(abstract),
+        lambda: dp.shardings(abstract),
+        lambda: dp.jit(step, state=abstract)(fsdp.init(abstract), dp.shard_batch(batch())),
+    ):
         with pytest.raises(sk.ShardingError, match=r"planned on mesh \{'fsdp': 8\}"):
             use()
     with pytest.raises(sk.ShardingError, match="only describes them"):
@@ -334,8 +342,10 @@ def test_the_replication_warning_points_at_the_callers_line():
         return Bare().init(rng, jnp.ones((1, 64)))["params"]
 
     plan = sk.Plan("fsdp")
-    for call in (lambda: plan.init(bare_init, jax.random.key(0)),
-                 lambda: plan.abstract_init(bare_init, jax.random.key(0))):  # fmt: skip
+    for call in (
+        lambda: plan.init(bare_init, jax.random.key(0)),
+        lambda: plan.abstract_init(bare_init, jax.random.key(0)),
+    ):
         with pytest.warns(sk.ShardingWarning) as record:
             call()
         assert record[0].filename == __file__

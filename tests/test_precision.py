@@ -84,16 +84,22 @@ def _saved_activations(model, precision, batch, seq):
             _, vjp = jax.vjp(lambda p: model.loss(p, {"inputs": t, "targets": t}), p)
         return jax.tree.leaves(vjp)
 
-    return sum(x.size * x.dtype.itemsize for x in jax.eval_shape(residuals, params, tokens)
-               if batch in x.shape and seq in x.shape)  # fmt: skip
+    return sum(
+        x.size * x.dtype.itemsize
+        for x in jax.eval_shape(residuals, params, tokens)
+        if batch in x.shape and seq in x.shape
+    )
 
 
-@pytest.mark.parametrize("name, overrides, low, high", [
-    ("gpt-tiny", {}, 0.45, 0.55),  # measured 0.51
-    ("llama-tiny", {}, 0.40, 0.50),  # measured 0.45
-    # One head and a wide MLP: the norms' f32 statistics weigh more (measured 0.60)
-    ("gpt-tiny", {"d_model": 256, "n_heads": 1, "n_kv_heads": 1, "d_ff": 1024}, 0.5, 0.65),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, overrides, low, high",
+    [
+        ("gpt-tiny", {}, 0.45, 0.55),  # measured 0.51
+        ("llama-tiny", {}, 0.40, 0.50),  # measured 0.45
+        # One head and a wide MLP: the norms' f32 statistics weigh more (measured 0.60)
+        ("gpt-tiny", {"d_model": 256, "n_heads": 1, "n_kv_heads": 1, "d_ff": 1024}, 0.5, 0.65),
+    ],
+)
 def test_bf16_halves_the_saved_activations(name, overrides, low, high):
     # bf16 keeps half the bytes of every saved activation, and the attention keeps only
     # its bf16 probabilities (shardkit.attention.masked_softmax, 2 bytes per score) where

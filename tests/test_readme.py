@@ -49,8 +49,9 @@ def test_reference_models_table_matches_the_models():
     from shardkit import models
 
     table = README.split("<!-- reference-models -->", 1)[1].split("\n\n", 1)[0]
-    rows = [[c.strip(" `") for c in line.split("|")[1:-1]]
-            for line in table.strip().splitlines()[2:]]  # fmt: skip
+    rows = [
+        [c.strip(" `") for c in line.split("|")[1:-1]] for line in table.strip().splitlines()[2:]
+    ]
     assert [r[0] for r in rows] == models.names()
     for name, api, params, width, layers, heads, vocab, max_seq in rows:
         model = models.get(name)
@@ -70,9 +71,12 @@ def test_the_sample_error_is_the_real_one():
 
     block = README.split("Mistakes raise `sk.ShardingError`", 1)[1].split("```", 2)[1]
     try:
-        sk.recipes.get("tp").rules.spec(("embed", "heads", "kv"), (768, 12, 64),
-                                        {"data": 1, "tensor": 8},
-                                        "params/layers/attn/query/kernel")  # fmt: skip
+        sk.recipes.get("tp").rules.spec(
+            ("embed", "heads", "kv"),
+            (768, 12, 64),
+            {"data": 1, "tensor": 8},
+            "params/layers/attn/query/kernel",
+        )
     except sk.ShardingError as e:
         assert " ".join(block.split()) == " ".join(str(e).split())
     else:

@@ -50,9 +50,7 @@ def grad_under(mesh_axes, act, params, *, replicas=True, data_axes=("batch",)):
 
 def table_all_reduces(hlo):
     """How many [V, D] buffers the program all-reduces."""
-    return sum(
-        c.shapes.count((V, D)) for c in parse_collectives(hlo) if c.kind == "all-reduce"
-    )
+    return sum(c.shapes.count((V, D)) for c in parse_collectives(hlo) if c.kind == "all-reduce")
 
 
 def test_plain_call_without_a_mesh():

@@ -26,15 +26,24 @@ def test_chunk_shapes_are_the_ones_orbax_writes(tmp_path):
 
     with ocp.StandardCheckpointer() as reader:
         written = reader.metadata(tmp_path / "0" / "state").item_metadata.tree
-    planned = {leaf.path: leaf.chunk_shape for leaf in reshard_plan(_abstract("fsdp", 8), _abstract("tp", 4)).leaves}  # fmt: skip
+    planned = {
+        leaf.path: leaf.chunk_shape
+        for leaf in reshard_plan(_abstract("fsdp", 8), _abstract("tp", 4)).leaves
+    }
     assert planned == {k: tuple(v.storage.chunk_shape) for k, v in written.items()}
 
 
 def test_bytes_read_per_device_counted_by_hand():
-    leaves = {leaf.path: leaf for leaf in reshard_plan(_abstract("fsdp", 8), _abstract("tp", 4)).leaves}  # fmt: skip
+    leaves = {
+        leaf.path: leaf for leaf in reshard_plan(_abstract("fsdp", 8), _abstract("tp", 4)).leaves
+    }
     # wte (256, 64) f32: fsdp@8 writes 32-row chunks; tp@4 holds 64 rows = 2 chunks.
     wte = leaves["params/wte/embedding"]
-    assert (wte.chunk_shape, wte.held_per_device, wte.read_per_device) == ((32, 64), 64 * 64 * 4, 64 * 64 * 4)  # fmt: skip
+    assert (wte.chunk_shape, wte.held_per_device, wte.read_per_device) == (
+        (32, 64),
+        64 * 64 * 4,
+        64 * 64 * 4,
+    )
     # mlp/up (2, 64, 256): chunks split dim 1 in 8; tp@4 splits dim 2 in 4, so each
     # device overlaps all 8 chunks: it reads the whole array to keep a quarter of it.
     up = leaves["params/layers/mlp/up/kernel"]
@@ -53,7 +62,10 @@ def test_reshard_plan_command(capsys):
     assert main(["reshard-plan", "--from", "fsdp@8", "--to", "tp@4", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert len(out["read_by_device"]) == 4 and out["processes"] == 1
-    assert main(["reshard-plan", "--from", "fsdp@8", "--to", "tp@4", "--processes", "2", "--json"]) == 0  # fmt: skip
+    assert (
+        main(["reshard-plan", "--from", "fsdp@8", "--to", "tp@4", "--processes", "2", "--json"])
+        == 0
+    )
     two = json.loads(capsys.readouterr().out)
     assert two["processes"] == 2 and two["peak_host_bytes"] < out["peak_host_bytes"]
     assert main(["reshard-plan", "--from", "fsdp@8", "--to", "tp@4"]) == 0

@@ -91,8 +91,9 @@ class LlamaAttention(nnx.Module):
 
     def __call__(self, x):
         b, s, d = x.shape
-        q, k, v = (p(x).reshape(b, s, HEADS, d // HEADS) for p in
-                   (self.q_proj, self.k_proj, self.v_proj))  # fmt: skip
+        q, k, v = (
+            p(x).reshape(b, s, HEADS, d // HEADS) for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         return self.o_proj(causal_attention(q, k, v).reshape(b, s, d))
 
 

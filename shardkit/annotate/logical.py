@@ -141,7 +141,9 @@ def describe_leaves(
         if axes is None and not optimizer and annotations is not None:
             axes, source = annotations.match(where, shape), "annotation"
         if axes is None:  # decided below, once every annotated parameter is known
-            (pending_optimizer if optimizer else pending_params).append((i, path, where, shape, dtype))
+            (pending_optimizer if optimizer else pending_params).append(
+                (i, path, where, shape, dtype)
+            )
             continue
         if len(axes) != len(shape):
             raise errors.RankMismatchError(
@@ -151,13 +153,21 @@ def describe_leaves(
         infos[i] = LeafInfo(where, shape, dtype, axes, source, optimizer)
 
     # Deeper copies of an annotated parameter (an optimizer state made by hand).
-    annotated = [(_relative(flat[i][0]), len(flat[i][0]), info) for i, info in enumerate(infos)
-                 if info is not None and not info.optimizer]  # fmt: skip
+    annotated = [
+        (_relative(flat[i][0]), len(flat[i][0]), info)
+        for i, info in enumerate(infos)
+        if info is not None and not info.optimizer
+    ]
     for i, path, where, shape, dtype in pending_params:
         names = _names(path)
-        copies = [info for rel, depth, info in annotated
-                  if rel and len(names) > depth and names[len(names) - len(rel):] == rel
-                  and info.shape == shape]  # fmt: skip
+        copies = [
+            info
+            for rel, depth, info in annotated
+            if rel
+            and len(names) > depth
+            and names[len(names) - len(rel) :] == rel
+            and info.shape == shape
+        ]
         if copies:
             infos[i] = LeafInfo(where, shape, dtype, _agreed(copies, where).axes, "mirror", True)
         else:

@@ -84,14 +84,25 @@ class Candidate:
         return " ".join(parts)
 
     def to_json(self) -> dict:
-        return {"recipe": self.recipe, "mesh": self.mesh_sizes, "remat": self.remat,
-                "microbatches": self.microbatches, "precision": self.precision,
-                "logits": self.logits}  # fmt: skip
+        return {
+            "recipe": self.recipe,
+            "mesh": self.mesh_sizes,
+            "remat": self.remat,
+            "microbatches": self.microbatches,
+            "precision": self.precision,
+            "logits": self.logits,
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> Candidate:
-        return cls(d["recipe"], tuple(d["mesh"].items()), d["remat"], d["microbatches"],
-                   d["precision"], d.get("logits"))  # fmt: skip
+        return cls(
+            d["recipe"],
+            tuple(d["mesh"].items()),
+            d["remat"],
+            d["microbatches"],
+            d["precision"],
+            d.get("logits"),
+        )
 
 
 def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
@@ -141,7 +152,8 @@ def enumerate_candidates(
             # say (dp_tp_sp_pp compiles the same program under both): no choice there.
             choice = recipe.vocab_gather_axes(dict(mesh)) and not stages
             layouts = LOGITS if choice else (None,)
-            for m, remat, logits, precision in itertools.product(counts, remats, layouts,
-                                                                 precisions):  # fmt: skip
+            for m, remat, logits, precision in itertools.product(
+                counts, remats, layouts, precisions
+            ):
                 out.append(Candidate(name, mesh, remat, m, precision, logits))
     return out

@@ -79,8 +79,9 @@ class Subject:
         return Model(dataclasses.replace(config, remat=candidate.remat), name=self.model.name)
 
     def workload(self, candidate: Candidate) -> Workload:
-        return Workload.of_model(self.model_for(candidate), batch=self.batch, seq=self.seq,
-                                 precision=candidate.precision)  # fmt: skip
+        return Workload.of_model(
+            self.model_for(candidate), batch=self.batch, seq=self.seq, precision=candidate.precision
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,15 +121,23 @@ class Evidence:
         return float(sum(w for _, w, _ in self.collectives))
 
     def to_json(self) -> dict:
-        return {"memory": self.memory, "flops": self.flops,
-                "collectives": [list(c[:2]) + [list(c[2])] for c in self.collectives],
-                "memory_terms": list(self.memory_terms),
-                "explanations": list(self.explanations)}  # fmt: skip
+        return {
+            "memory": self.memory,
+            "flops": self.flops,
+            "collectives": [list(c[:2]) + [list(c[2])] for c in self.collectives],
+            "memory_terms": list(self.memory_terms),
+            "explanations": list(self.explanations),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> Evidence:
-        return cls(d["memory"], d["flops"], tuple((k, w, tuple(g)) for k, w, g in d["collectives"]),
-                   tuple(d.get("memory_terms", ())), tuple(d.get("explanations", ())))  # fmt: skip
+        return cls(
+            d["memory"],
+            d["flops"],
+            tuple((k, w, tuple(g)) for k, w, g in d["collectives"]),
+            tuple(d.get("memory_terms", ())),
+            tuple(d.get("explanations", ())),
+        )
 
 
 def _first_line(e: Exception) -> str:
@@ -143,15 +152,19 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
     mesh = candidate.mesh_sizes
     stages = mesh.get("stage")
     if stages and candidate.microbatches is None:
-        return Pruned(f"batch {subject.batch} does not split into {stages}, {2 * stages} or "
-                      f"{4 * stages} micro-batches per data replica")  # fmt: skip
+        return Pruned(
+            f"batch {subject.batch} does not split into {stages}, {2 * stages} or "
+            f"{4 * stages} micro-batches per data replica"
+        )
     config = getattr(subject.model, "config", None)
     ring = mesh.get(recipe.attention_axis, 1)
     zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
     if zigzag and ring > 1 and subject.seq % (2 * ring):
-        return Pruned(f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
-                      f"into 2·{ring} = {2 * ring} zigzag chunks; sequence {subject.seq} does "
-                      "not divide")  # fmt: skip
+        return Pruned(
+            f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
+            f"into 2·{ring} = {2 * ring} zigzag chunks; sequence {subject.seq} does "
+            "not divide"
+        )
     if stages and config is not None and config.n_layers % stages:
         return Pruned(f"{config.n_layers} layers do not split into {stages} stages")
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)
@@ -166,38 +179,59 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
                 tensor = any(recipe.axis_role(a) == "tensor" for a in axes if a)
                 if leaf.kind == "param" and tensor and leaf.axes[0] != "layers":
                     split += math.prod(leaf.shape) * leaf.info.dtype.itemsize
-        recipe.activation_rules.spec(("batch", "length"), (subject.batch, subject.seq), mesh,
-                                     path="batch")  # fmt: skip
+        recipe.activation_rules.spec(
+            ("batch", "length"), (subject.batch, subject.seq), mesh, path="batch"
+        )
         if config is not None:  # heads are activations' dimensions too
-            recipe.activation_rules.spec(("batch", "length", "heads"),
-                                         (subject.batch, subject.seq, config.n_heads), mesh,
-                                         path="attention")  # fmt: skip
+            recipe.activation_rules.spec(
+                ("batch", "length", "heads"),
+                (subject.batch, subject.seq, config.n_heads),
+                mesh,
+                path="attention",
+            )
         extra = {}
         if stages:  # a reference model's stack (sk.parallel pipelines only those)
             stack = 4 * config.n_layers * config._layer_params() if config is not None else None
-            extra = {"pipeline": _pipeline_options(candidate), "stack_param_bytes": stack,
-                     "stack_optimizer_bytes": None if stack is None else 2 * stack,
-                     "tensor_rest_bytes": split}  # fmt: skip
+            extra = {
+                "pipeline": _pipeline_options(candidate),
+                "stack_param_bytes": stack,
+                "stack_optimizer_bytes": None if stack is None else 2 * stack,
+                "tensor_rest_bytes": split,
+            }
         workload = subject.workload(candidate)
-        analytic = analytic_costs(recipe, mesh, workload=workload,
-                                  param_bytes=subject.param_bytes,
-                                  optimizer_bytes=subject.optimizer_bytes, **extra)  # fmt: skip
+        analytic = analytic_costs(
+            recipe,
+            mesh,
+            workload=workload,
+            param_bytes=subject.param_bytes,
+            optimizer_bytes=subject.optimizer_bytes,
+            **extra,
+        )
         if config is not None and not stages:
             analytic = with_phases(analytic, config, recipe, mesh, workload)
     except ShardingError as e:
         return Pruned(_first_line(e))
     state = analytic.memory.params + analytic.memory.grads + analytic.memory.optimizer
     if state > budget:
-        return Pruned(f"parameters, gradients and optimizer state alone are {human_bytes(state)} "
-                      f"per device (analytic), over the {human_bytes(budget)} budget")  # fmt: skip
-    return Analytic(memory=float(analytic.memory.total), state=float(state),
-                    wire=float(sum(analytic.wire_bytes_by_kind.values())))  # fmt: skip
+        return Pruned(
+            f"parameters, gradients and optimizer state alone are {human_bytes(state)} "
+            f"per device (analytic), over the {human_bytes(budget)} budget"
+        )
+    return Analytic(
+        memory=float(analytic.memory.total),
+        state=float(state),
+        wire=float(sum(analytic.wire_bytes_by_kind.values())),
+    )
 
 
 def _pipeline_options(candidate: Candidate) -> dict:
     """The pipeline a candidate with a ``stage`` axis runs: 1F1B, its micro-batches."""
-    return {"microbatches": candidate.microbatches, "schedule": "1f1b", "virtual_stages": 1,
-            "unit": None}  # fmt: skip
+    return {
+        "microbatches": candidate.microbatches,
+        "schedule": "1f1b",
+        "virtual_stages": 1,
+        "unit": None,
+    }
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
@@ -208,8 +242,12 @@ def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
         candidate.mesh_sizes, devices=devices[: math.prod(candidate.mesh_sizes.values())]
     )
     kwargs = {"precision": candidate.precision} if candidate.precision != "f32" else {}
-    return Plan(candidate.recipe_object(), mesh, annotations=getattr(subject.model, "annotations", None),
-                **kwargs)  # fmt: skip
+    return Plan(
+        candidate.recipe_object(),
+        mesh,
+        annotations=getattr(subject.model, "annotations", None),
+        **kwargs,
+    )
 
 
 def compile_candidate(subject: Subject, candidate: Candidate, devices: list | None = None):
@@ -227,8 +265,14 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     pipeline = _pipeline_options(candidate) if candidate.microbatches is not None else None
     try:
         plan = _plan(candidate, subject, devices)
-        report = models.report(plan, subject.model_for(candidate), batch=subject.batch,
-                               seq=subject.seq, pipeline=pipeline, itemise=True)  # fmt: skip
+        report = models.report(
+            plan,
+            subject.model_for(candidate),
+            batch=subject.batch,
+            seq=subject.seq,
+            pipeline=pipeline,
+            itemise=True,
+        )
     except ShardingError as e:
         return Pruned(_first_line(e))
     return Evidence(
@@ -236,6 +280,7 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
         flops=report.flops,
         collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in report.collectives),
         memory_terms=tuple(t.to_json() for t in report.memory_terms),
-        explanations=tuple(e.to_json() for e in report.explanations
-                           if e.term not in WIRE_TERMS),  # memory's only  # fmt: skip
+        explanations=tuple(
+            e.to_json() for e in report.explanations if e.term not in WIRE_TERMS
+        ),  # memory's only
     )

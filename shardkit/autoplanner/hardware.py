@@ -90,7 +90,7 @@ HARDWARE: dict[str, Hardware] = {
             "same datasheet: NVLink 900 GB/s per GPU (both directions): 450 GB/s one way",
             _NV_DGX_H100,
         ),
-    ),  # fmt: skip
+    ),
     "h200": Hardware(
         "h200",
         bf16_flops=989.4e12,
@@ -105,7 +105,7 @@ HARDWARE: dict[str, Hardware] = {
             "same datasheet: NVLink 900 GB/s per GPU (both directions): 450 GB/s one way",
             "NVIDIA DGX H200 datasheet: 8 GPUs, 8x ConnectX-7 400 Gb/s: 50 GB/s one way",
         ),
-    ),  # fmt: skip
+    ),
     "a100": Hardware(
         "a100",
         bf16_flops=312e12,
@@ -120,7 +120,7 @@ HARDWARE: dict[str, Hardware] = {
             "same datasheet: NVLink 600 GB/s per GPU (both directions): 300 GB/s one way",
             "NVIDIA DGX A100 user guide: 8 GPUs, 8x ConnectX-6 200 Gb/s HDR: 25 GB/s one way",
         ),
-    ),  # fmt: skip
+    ),
     "tpu-v5p": Hardware(
         "tpu-v5p",
         bf16_flops=459e12,
@@ -137,7 +137,7 @@ HARDWARE: dict[str, Hardware] = {
             "inside a slice; DCN between slices is not modelled)",
             "f32 matmuls at JAX's default precision run as one bf16 pass on TPU",
         ),
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -157,15 +157,20 @@ def _measured_cpu() -> Hardware:
         np.copyto(dst, src)
     copy = reps * src.nbytes / (time.perf_counter() - start)
     return Hardware(
-        "cpu", bf16_flops=flops, f32_flops=flops, memory_bytes=16 * GIB,
-        intra_node_bandwidth=copy, inter_node_bandwidth=copy, devices_per_node=1 << 30,
+        "cpu",
+        bf16_flops=flops,
+        f32_flops=flops,
+        memory_bytes=16 * GIB,
+        intra_node_bandwidth=copy,
+        inter_node_bandwidth=copy,
+        devices_per_node=1 << 30,
         sources=(
             f"measured on this machine: a 512x512 f32 matmul ran at {flops / 1e9:.0f} GFLOP/s",
             f"measured: a 16 MiB memory copy ran at {copy / GB:.1f} GB/s (emulated devices "
             "share one host: every collective is a copy)",
             "16 GiB per emulated device is a nominal budget (pass --memory-gb)",
         ),
-    )  # fmt: skip
+    )
 
 
 def names() -> list[str]:

@@ -137,26 +137,37 @@ class AutoplanResult:
 
     def to_json(self) -> dict:
         return {
-            "model": self.model, "batch": self.batch, "seq": self.seq, "devices": self.devices,
+            "model": self.model,
+            "batch": self.batch,
+            "seq": self.seq,
+            "devices": self.devices,
             "memory_per_device_bytes": self.memory_per_device,
             "hardware": dataclasses.asdict(self.hardware),
             "candidates": [c.to_json() for c in self.candidates],
             "rejected": [r.to_json() for r in self.rejected],
-        }  # fmt: skip
+        }
 
     def table(self, limit: int = 15):
         """A rich table of the ranked candidates (80 columns; full text in ``to_json``)."""
         from rich.table import Table
 
-        t = Table(title=f"{self.model} on {self.devices} {self.hardware.name} devices, batch "
-                        f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB "
-                        "each", title_justify="left")  # fmt: skip
+        t = Table(
+            title=f"{self.model} on {self.devices} {self.hardware.name} devices, batch "
+            f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB "
+            "each",
+            title_justify="left",
+        )
         for col in ("#", "layout", "memory", "wire", "step", "MFU"):
             t.add_column(col, justify="left" if col == "layout" else "right")
         for i, r in enumerate(self.candidates[:limit], 1):
-            t.add_row(str(i), r.candidate.label, human_bytes(r.evidence.memory["total"]),
-                      human_bytes(r.evidence.wire_bytes), human_seconds(r.estimate.step_time_s),
-                      f"{r.estimate.mfu:.0%}")  # fmt: skip
+            t.add_row(
+                str(i),
+                r.candidate.label,
+                human_bytes(r.evidence.memory["total"]),
+                human_bytes(r.evidence.wire_bytes),
+                human_seconds(r.estimate.step_time_s),
+                f"{r.estimate.mfu:.0%}",
+            )
         return t
 
     def memory_gap_lines(self, tolerance: float = 0.25) -> list[str]:
@@ -169,8 +180,10 @@ class AutoplanResult:
         lines = [f"#1's analytic memory is {ratio:.2f}x its compiled memory; by term:"]
         for e in best.evidence.explanations:
             analytic = human_bytes(e["analytic_bytes"]) if e["analytic_bytes"] else "none"
-            lines.append(f"  {e['term']}: {human_bytes(e['measured_bytes'])} compiled, "
-                         f"{analytic} analytic: {e['why']}")  # fmt: skip
+            lines.append(
+                f"  {e['term']}: {human_bytes(e['measured_bytes'])} compiled, "
+                f"{analytic} analytic: {e['why']}"
+            )
         return lines
 
     def __rich_console__(self, console: Any, options: Any):
@@ -210,8 +223,16 @@ def _useful_flops(subject: Subject, c: Candidate, devices: int) -> float:
     tokens = subject.batch * subject.seq
     if cfg is None:
         return model_flops(params=subject.param_count, tokens=tokens) / devices
-    return model_flops(params=cfg.param_count(), tokens=tokens, layers=cfg.n_layers,
-                       d_model=cfg.d_model, seq=subject.seq) / devices  # fmt: skip
+    return (
+        model_flops(
+            params=cfg.param_count(),
+            tokens=tokens,
+            layers=cfg.n_layers,
+            d_model=cfg.d_model,
+            seq=subject.seq,
+        )
+        / devices
+    )
 
 
 def _compile_set(order: list[tuple[Candidate, Analytic, float]], max_compiles: int):
@@ -235,9 +256,12 @@ def _explain(r: Ranked, best: Ranked, budget: float) -> str:
     mem = f"{human_bytes(r.evidence.memory['total'])} of {human_bytes(budget)}"
     if r is best:
         bound = "compute" if e.compute_s >= e.comm_s else "communication"
-        parts = [f"fastest: {human_seconds(e.step_time_s)}/step, {bound}-bound "
-                 f"({human_seconds(e.compute_s)} compute, {human_seconds(e.comm_s)} "
-                 "communication)", mem]  # fmt: skip
+        parts = [
+            f"fastest: {human_seconds(e.step_time_s)}/step, {bound}-bound "
+            f"({human_seconds(e.compute_s)} compute, {human_seconds(e.comm_s)} "
+            "communication)",
+            mem,
+        ]
         if e.inter_node_s:
             parts.append(f"{human_seconds(e.inter_node_s)} of communication across nodes")
         return "; ".join(parts)
@@ -249,12 +273,13 @@ def _explain(r: Ranked, best: Ranked, budget: float) -> str:
     else:
         what, extra = "intra-node communication", e.comm_s - b.step_time_s
     why = {
-        "compute": "recomputes the forward (remat)" if r.candidate.remat == "full" else
-                   "more FLOPs per device (replicated work, a pipeline bubble or a slower precision)",
+        "compute": "recomputes the forward (remat)"
+        if r.candidate.remat == "full"
+        else "more FLOPs per device (replicated work, a pipeline bubble or a slower precision)",
         "intra-node communication": f"moves {human_bytes(r.evidence.wire_bytes)} per device "
-                                    f"vs {human_bytes(best.evidence.wire_bytes)}",
+        f"vs {human_bytes(best.evidence.wire_bytes)}",
         "inter-node communication": "sends more of its traffic over the slower inter-node link",
-    }[what]  # fmt: skip
+    }[what]
     if slower < 1.005:
         return f"as fast as #1 within 0.5%; ranked after it as the less simple layout (more mesh axes, later in the registry, or more memory); {mem}"
     return f"{slower:.2f}x slower, {what}-bound (+{human_seconds(extra)}): {why}; {mem}"
@@ -266,8 +291,9 @@ def _smallest_fit(subject: Subject, devices: int, remats, precisions, names) -> 
     for n in sorted({2**k for k in range(1, 13)} | {devices // 2, devices * 2}):
         if n < 1:
             continue
-        for c in enumerate_candidates(n, subject.batch, recipe_names=names, remats=remats,
-                                      precisions=precisions):  # fmt: skip
+        for c in enumerate_candidates(
+            n, subject.batch, recipe_names=names, remats=remats, precisions=precisions
+        ):
             if not isinstance(prune(subject, c, budget=math.inf), Pruned):
                 works.append(n)
                 break
@@ -335,8 +361,9 @@ def autoplan(
 
     rejected: list[Rejected] = []
     survivors: list[tuple[Candidate, Analytic, float]] = []
-    for c in enumerate_candidates(devices, batch, recipe_names=names, remats=remats,
-                                  precisions=precisions):  # fmt: skip
+    for c in enumerate_candidates(
+        devices, batch, recipe_names=names, remats=remats, precisions=precisions
+    ):
         got = prune(subject, c, budget=budget)
         if isinstance(got, Pruned):
             rejected.append(Rejected(c, got.reason, "analytic"))
@@ -349,11 +376,18 @@ def autoplan(
     analytic = {c: a for c, a, _ in survivors}
     for c, _, t in survivors:
         if c not in chosen:
-            rejected.append(Rejected(c, f"not compiled: its analytic estimate ({t:.3g} s/step) "
-                                        f"is not among the {max_compiles} best", "not compiled"))  # fmt: skip
+            rejected.append(
+                Rejected(
+                    c,
+                    f"not compiled: its analytic estimate ({t:.3g} s/step) "
+                    f"is not among the {max_compiles} best",
+                    "not compiled",
+                )
+            )
 
-    evidence = _compile_all(subject, name, model, chosen, devices, cache or Cache(), progress,
-                            compile_timeout_s)  # fmt: skip
+    evidence = _compile_all(
+        subject, name, model, chosen, devices, cache or Cache(), progress, compile_timeout_s
+    )
     ranked = []
     for c in chosen:
         got = evidence[c]
@@ -361,14 +395,27 @@ def autoplan(
             rejected.append(Rejected(c, got.reason, "compile"))
             continue
         if got.memory["total"] > budget:
-            rejected.append(Rejected(c, f"compiled: {human_bytes(got.memory['total'])} per device, "
-                                        f"over the {human_bytes(budget)} budget", "memory"))  # fmt: skip
+            rejected.append(
+                Rejected(
+                    c,
+                    f"compiled: {human_bytes(got.memory['total'])} per device, "
+                    f"over the {human_bytes(budget)} budget",
+                    "memory",
+                )
+            )
             continue
         stages = c.mesh_sizes.get("stage", 1)
-        est = estimate(flops=got.flops or 0.0, collectives=got.collectives, hardware=hw,
-                       precision=c.precision, useful_flops=_useful_flops(subject, c, devices),
-                       devices=devices, stages=stages, microbatches=c.microbatches,
-                       remat=c.remat)  # fmt: skip
+        est = estimate(
+            flops=got.flops or 0.0,
+            collectives=got.collectives,
+            hardware=hw,
+            precision=c.precision,
+            useful_flops=_useful_flops(subject, c, devices),
+            devices=devices,
+            stages=stages,
+            microbatches=c.microbatches,
+            remat=c.remat,
+        )
         ranked.append(Ranked(c, got, analytic[c], est))
     if not ranked:
         _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names)
@@ -405,8 +452,13 @@ def _ties_by_simplicity(ranked: list[Ranked]) -> list[Ranked]:
 
 
 def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout_s) -> dict:
-    base = {"model": _model_key(subject.model, name), "batch": subject.batch, "seq": subject.seq,
-            "devices": devices, **versions()}  # fmt: skip
+    base = {
+        "model": _model_key(subject.model, name),
+        "batch": subject.batch,
+        "seq": subject.seq,
+        "devices": devices,
+        **versions(),
+    }
     out: dict[Candidate, Evidence | Pruned] = {}
     todo = []
     for c in chosen:
@@ -430,13 +482,20 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
                 raise ShardingError(
                     f"autoplan: compiling for {devices} devices needs {devices} devices in this "
                     f"process (it has {len(jax.devices())}) or a model given by name.\nFix: pass "
-                    "the model's name (e.g. 'gpt-7b' or 'package.module:factory').")  # fmt: skip
+                    "the model's name (e.g. 'gpt-7b' or 'package.module:factory')."
+                )
             from shardkit.autoplanner.worker import compile_elsewhere
 
-            results = compile_elsewhere({"model": model, "batch": subject.batch, "seq": subject.seq,
-                                         "devices": devices,
-                                         "candidates": [c.to_json() for c in todo]},
-                                        timeout_s=timeout_s)  # fmt: skip
+            results = compile_elsewhere(
+                {
+                    "model": model,
+                    "batch": subject.batch,
+                    "seq": subject.seq,
+                    "devices": devices,
+                    "candidates": [c.to_json() for c in todo],
+                },
+                timeout_s=timeout_s,
+            )
         for line in results:
             c = todo[line["index"]]
             out[c] = (
@@ -445,8 +504,10 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
                 else Pruned(line["pruned"])
             )
             if "timeout" not in line:  # a longer limit may compile it: ask again next time
-                cache.put({**base, "candidate": c.to_json()},
-                          {k: v for k, v in line.items() if k != "index"})  # fmt: skip
+                cache.put(
+                    {**base, "candidate": c.to_json()},
+                    {k: v for k, v in line.items() if k != "index"},
+                )
             bar.update(task, advance=1, description=f"compiled {c.label}")
     return out
 
@@ -458,19 +519,24 @@ def _in_process(subject: Subject, c: Candidate, devices: int) -> dict:
 
 def _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names):
     mems = []
-    for c in enumerate_candidates(devices, subject.batch, recipe_names=names, remats=remats,
-                                  precisions=precisions):  # fmt: skip
+    for c in enumerate_candidates(
+        devices, subject.batch, recipe_names=names, remats=remats, precisions=precisions
+    ):
         got = prune(subject, c, budget=math.inf)
         if isinstance(got, Analytic):
             mems.append((got.memory, c))
     compiled = [r for r in rejected if r.stage == "memory"]
     failed = sorted({r.reason for r in rejected if r.stage == "compile"})
-    lines = [f"No layout of {len(rejected)} candidates fits {devices} devices with "
-             f"{human_bytes(budget)} each."]  # fmt: skip
+    lines = [
+        f"No layout of {len(rejected)} candidates fits {devices} devices with "
+        f"{human_bytes(budget)} each."
+    ]
     if mems:
         mem, c = min(mems, key=lambda m: m[0])
-        lines.append(f"The smallest memory that would fit: about {human_bytes(mem)} per device "
-                     f"(analytic, {c.label}).")  # fmt: skip
+        lines.append(
+            f"The smallest memory that would fit: about {human_bytes(mem)} per device "
+            f"(analytic, {c.label})."
+        )
     else:
         reasons = sorted({r.reason for r in rejected})[:3]
         lines.append(f"No mesh of {devices} devices divides the model: " + "; ".join(reasons))
@@ -481,8 +547,12 @@ def _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names)
             "Compiled but over budget: "
             + "; ".join(f"{r.candidate.label} ({r.reason})" for r in compiled[:3])
         )
-    lines.append(f"Device counts whose meshes divide the model and batch: "
-                 f"{_smallest_fit(subject, devices, remats, precisions, names)}.")  # fmt: skip
-    lines.append("Fix: raise memory_per_device (--memory-gb), change the device count, or "
-                 "shrink the batch or sequence.")  # fmt: skip
+    lines.append(
+        f"Device counts whose meshes divide the model and batch: "
+        f"{_smallest_fit(subject, devices, remats, precisions, names)}."
+    )
+    lines.append(
+        "Fix: raise memory_per_device (--memory-gb), change the device count, or "
+        "shrink the batch or sequence."
+    )
     raise NoLayoutFitsError("\n".join(lines))

@@ -28,12 +28,22 @@ def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     cmap = plt.get_cmap("tab20")
     for k, name in enumerate(recipes):
         rows = [r for r in result.candidates if r.candidate.recipe == name]
-        ax.scatter([r.evidence.memory["total"] / _GIB for r in rows],
-                   [r.estimate.step_time_s for r in rows], color=cmap(k % 20), label=name,
-                   s=36, zorder=3)  # fmt: skip
+        ax.scatter(
+            [r.evidence.memory["total"] / _GIB for r in rows],
+            [r.estimate.step_time_s for r in rows],
+            color=cmap(k % 20),
+            label=name,
+            s=36,
+            zorder=3,
+        )
     for i, r in enumerate(top, 1):
-        ax.annotate(f"#{i}", (r.evidence.memory["total"] / _GIB, r.estimate.step_time_s),
-                    fontsize=8, xytext=(4, 3 + 7 * (i % 2)), textcoords="offset points")  # fmt: skip
+        ax.annotate(
+            f"#{i}",
+            (r.evidence.memory["total"] / _GIB, r.estimate.step_time_s),
+            fontsize=8,
+            xytext=(4, 3 + 7 * (i % 2)),
+            textcoords="offset points",
+        )
     budget = result.memory_per_device / _GIB
     ax.axvline(budget, color="crimson", linestyle="--", linewidth=1)
     ax.text(budget, ax.get_ylim()[1], " budget", color="crimson", va="top", fontsize=8)
@@ -43,12 +53,17 @@ def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("compiled memory per device (GiB)")
     ax.set_ylabel(f"estimated step time on {result.hardware.name} (s, roofline)")
-    ax.set_title(f"{result.model} on {result.devices} devices: batch {result.batch}, "
-                 f"seq {result.seq}", fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"{result.model} on {result.devices} devices: batch {result.batch}, seq {result.seq}",
+        fontsize=10,
+    )
     ax.legend(fontsize=7, ncol=2, loc="best")
     ax.grid(True, which="both", alpha=0.3)
-    lines = [f"#{i} {r.candidate.label}: {r.estimate.step_time_s * 1e3:.3g} ms, "
-             f"{r.evidence.memory['total'] / _GIB:.1f} GiB" for i, r in enumerate(top, 1)]  # fmt: skip
+    lines = [
+        f"#{i} {r.candidate.label}: {r.estimate.step_time_s * 1e3:.3g} ms, "
+        f"{r.evidence.memory['total'] / _GIB:.1f} GiB"
+        for i, r in enumerate(top, 1)
+    ]
     fig.text(0.01, 0.01, "\n".join(lines), fontsize=7, va="bottom", family="monospace")
     fig.tight_layout(rect=(0, 0.01 + 0.026 * len(top), 1, 1))
     fig.savefig(path, dpi=120)

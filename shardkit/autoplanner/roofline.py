@@ -71,8 +71,14 @@ def bubble(stages: int, microbatches: int) -> float:
     return bubble_fraction("1f1b", stages, microbatches) if stages > 1 else 0.0
 
 
-def model_flops(*, params: float, tokens: int, layers: int | None = None,
-                d_model: int | None = None, seq: int | None = None) -> float:  # fmt: skip
+def model_flops(
+    *,
+    params: float,
+    tokens: int,
+    layers: int | None = None,
+    d_model: int | None = None,
+    seq: int | None = None,
+) -> float:
     """Useful training FLOPs of one step, all devices (PaLM's formula)."""
     attention = 12 * layers * d_model * seq if None not in (layers, d_model, seq) else 0
     return (6 * params + attention) * tokens

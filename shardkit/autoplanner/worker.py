@@ -46,14 +46,20 @@ def compile_elsewhere(job: dict, *, timeout_s: float | None = None) -> Iterator[
 def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
     # Compile only, never run: LLVM at level 0 (shardkit.devices.COMPILE_ONLY_XLA_FLAGS)
     env = compile_only_env({**os.environ, "JAX_PLATFORMS": "cpu"})
-    proc = subprocess.Popen([sys.executable, "-m", "shardkit.autoplanner.worker"], env=env,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "shardkit.autoplanner.worker"],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     proc.stdin.write(json.dumps(job))
     proc.stdin.close()
     lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
-                     daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True
+    ).start()
     index = 0
     while True:
         try:
@@ -61,8 +67,11 @@ def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
         except queue.Empty:
             proc.kill()
             proc.wait()
-            yield {"index": index, "timeout": True,
-                   "pruned": f"compiling took longer than {timeout_s:g} s (compile_timeout_s)"}  # fmt: skip
+            yield {
+                "index": index,
+                "timeout": True,
+                "pruned": f"compiling took longer than {timeout_s:g} s (compile_timeout_s)",
+            }
             return
         if line is None:
             break
@@ -72,9 +81,12 @@ def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
     err = proc.stderr.read()
     if proc.wait() != 0 and index < len(job["candidates"]):  # the compiler died on one
         tail = " ".join(err.strip().splitlines()[-2:])[-300:]
-        yield {"index": index, "timeout": True,
-               "pruned": f"the compiling process stopped (exit status {proc.returncode}, "
-                         f"e.g. out of memory){': ' + tail if tail else ''}"}  # fmt: skip
+        yield {
+            "index": index,
+            "timeout": True,
+            "pruned": f"the compiling process stopped (exit status {proc.returncode}, "
+            f"e.g. out of memory){': ' + tail if tail else ''}",
+        }
 
 
 def main() -> int:

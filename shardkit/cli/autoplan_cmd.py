@@ -14,24 +14,44 @@ from shardkit.errors import ShardingError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("autoplan", help="rank recipe × mesh × remat × precision by compiled "
-                                        "memory and a roofline step time")  # fmt: skip
+    p = sub.add_parser(
+        "autoplan",
+        help="rank recipe × mesh × remat × precision by compiled memory and a roofline step time",
+    )
     p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     p.add_argument("--devices", type=int, required=True, help="device count to plan for")
-    p.add_argument("--memory-gb", type=float, default=None,
-                   help="GiB per device (default: the hardware's memory)")  # fmt: skip
+    p.add_argument(
+        "--memory-gb",
+        type=float,
+        default=None,
+        help="GiB per device (default: the hardware's memory)",
+    )
     p.add_argument("--hardware", default="h100", choices=hardware.names())
     p.add_argument("--batch", type=int, default=None, help="global batch (default: --devices)")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     p.add_argument("--recipes", default=None, help="comma-separated recipes (default: all)")
-    p.add_argument("--remat", default=None,
-                   help="comma-separated remat policies to try (default: none,save_dots,full)")  # fmt: skip
-    p.add_argument("--precision", default="f32",
-                   help="comma-separated precisions to try: f32, bf16 (default: f32)")  # fmt: skip
-    p.add_argument("--max-compiles", type=int, default=16,
-                   help="survivors of the analytic pruning to compile (default: 16)")  # fmt: skip
-    p.add_argument("--compile-timeout", type=float, default=120,
-                   help="seconds one candidate may take to compile (default: 120)")  # fmt: skip
+    p.add_argument(
+        "--remat",
+        default=None,
+        help="comma-separated remat policies to try (default: none,save_dots,full)",
+    )
+    p.add_argument(
+        "--precision",
+        default="f32",
+        help="comma-separated precisions to try: f32, bf16 (default: f32)",
+    )
+    p.add_argument(
+        "--max-compiles",
+        type=int,
+        default=16,
+        help="survivors of the analytic pruning to compile (default: 16)",
+    )
+    p.add_argument(
+        "--compile-timeout",
+        type=float,
+        default=120,
+        help="seconds one candidate may take to compile (default: 120)",
+    )
     p.add_argument("--plot", metavar="PNG", help="draw memory against step time to PNG")
     add_json(p)
     p.set_defaults(handler=main, check=check)

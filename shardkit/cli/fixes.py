@@ -42,8 +42,17 @@ from shardkit.errors import (
     UnknownMeshAxisError,
 )
 
-__all__ = ["Edit", "FlagError", "closest", "edit", "explain", "mesh_text", "problem_of", "suggest",
-           "verify"]  # fmt: skip
+__all__ = [
+    "Edit",
+    "FlagError",
+    "closest",
+    "edit",
+    "explain",
+    "mesh_text",
+    "problem_of",
+    "suggest",
+    "verify",
+]
 
 #: Flags to set (a value) or drop (``None``) in a command line.
 Edit = Mapping[str, "str | None"]
@@ -282,8 +291,11 @@ def _pipeline_recipes(args: argparse.Namespace) -> list[Edit]:
 
     staged = [r for r in recipes.names() if "stage" in dict(recipes.get(r).mesh_axes)]
     flat = sorted((r for r in recipes.names() if r not in staged), key=lambda r: r != "fsdp")
-    return [*({"--recipe": r} for r in staged), dict.fromkeys(PIPELINE_FLAGS),
-            *({"--recipe": r} for r in flat[:3])]  # fmt: skip
+    return [
+        *({"--recipe": r} for r in staged),
+        dict.fromkeys(PIPELINE_FLAGS),
+        *({"--recipe": r} for r in flat[:3]),
+    ]
 
 
 def _pipeline_edits(args: argparse.Namespace) -> list[Edit]:
@@ -299,8 +311,9 @@ def _pipeline_edits(args: argparse.Namespace) -> list[Edit]:
     if micro:
         batch = getattr(args, "batch", None) or n
         out += [{"--batch": str(-(-batch // (n * micro)) * n * micro)}]
-        out += [{"--microbatches": str(m)} for m in sorted(_divisors(batch), reverse=True)
-                if m != micro]  # fmt: skip
+        out += [
+            {"--microbatches": str(m)} for m in sorted(_divisors(batch), reverse=True) if m != micro
+        ]
     if getattr(args, "virtual_stages", None):
         out += [{"--virtual-stages": None}, {"--schedule": "1f1b", "--virtual-stages": None}]
     return out

@@ -35,8 +35,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("-n", "--processes", type=int, required=True, help="number of processes")
     p.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
-    p.add_argument("--grace", type=float, default=15.0,
-                   help="seconds the others get to stop by themselves after one dies")  # fmt: skip
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=15.0,
+        help="seconds the others get to stop by themselves after one dies",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     p.set_defaults(handler=main)
 
@@ -136,7 +140,11 @@ def _watch(procs: list[subprocess.Popen], command: list[str], grace: float) -> i
     if failed is None:
         return 0
     i, code = failed
-    others = "the launcher ended " + ", ".join(map(str, ended_by_launcher)) if ended_by_launcher else "the others stopped"  # fmt: skip
+    others = (
+        "the launcher ended " + ", ".join(map(str, ended_by_launcher))
+        if ended_by_launcher
+        else "the others stopped"
+    )
     print(
         f"shardkit launch: process {i} of {len(procs)} {_describe(code)}; {others}. "
         + _restart_point(command),
@@ -192,8 +200,10 @@ def join_launched_run(requested_devices: int | None):
         from shardkit.cli.fixes import FlagError
 
         nearest = max(1, round(total / processes)) * processes
-        raise FlagError(f"--devices {total} does not split over {processes} processes.",
-                        [{"--devices": str(nearest)}])  # fmt: skip
+        raise FlagError(
+            f"--devices {total} does not split over {processes} processes.",
+            [{"--devices": str(nearest)}],
+        )
     distributed.initialize(cpu_devices=total // processes)
     import jax
 

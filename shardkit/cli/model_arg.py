@@ -29,8 +29,9 @@ def resolve_model(name: str, *, remat: str | None = None) -> Any:
         if remat:
             raise FlagError(
                 f"--remat {remat}: only the reference models take it; {name}'s own code "
-                "decides what it rematerialises.", [{"--remat": None}]
-            )  # fmt: skip
+                "decides what it rematerialises.",
+                [{"--remat": None}],
+            )
         return models.load(name)
     if name not in models.names():
         raise FlagError(

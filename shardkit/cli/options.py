@@ -17,37 +17,58 @@ import os
 from pathlib import Path
 from typing import Any
 
-__all__ = ["add_explicit", "add_json", "add_logits", "add_mesh", "add_precision", "check_outputs",
-           "emit_json", "mesh_axes_of", "parse_mesh", "recipe_for", "wants_tables"]  # fmt: skip
+__all__ = [
+    "add_explicit",
+    "add_json",
+    "add_logits",
+    "add_mesh",
+    "add_precision",
+    "check_outputs",
+    "emit_json",
+    "mesh_axes_of",
+    "parse_mesh",
+    "recipe_for",
+    "wants_tables",
+]
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--json", nargs="?", const="-", default=None, metavar="PATH",
+        "--json",
+        nargs="?",
+        const="-",
+        default=None,
+        metavar="PATH",
         help="JSON on stdout instead of tables; with PATH, write it there as well as the tables",
-    )  # fmt: skip
+    )
 
 
 def add_mesh(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--mesh", type=parse_mesh, default=None, metavar="AXIS=SIZE,...",
+        "--mesh",
+        type=parse_mesh,
+        default=None,
+        metavar="AXIS=SIZE,...",
         help="mesh axis sizes on top of the recipe's, e.g. data=2,tensor=4 (one may be -1)",
-    )  # fmt: skip
+    )
 
 
 def add_precision(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--precision", choices=["f32", "bf16"], default="f32",
+        "--precision",
+        choices=["f32", "bf16"],
+        default="f32",
         help="f32, or bf16 mixed precision: bfloat16 activations, float32 weights and Adam "
         "state (default: f32)",
-    )  # fmt: skip
+    )
 
 
 def add_explicit(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--explicit", action="store_true",
+        "--explicit",
+        action="store_true",
         help="Explicit mesh axes (JAX's sharding in types) instead of Auto",
-    )  # fmt: skip
+    )
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -76,11 +97,13 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 def add_logits(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--logits", choices=["auto", "vocab", "tokens"], default=None,
+        "--logits",
+        choices=["auto", "vocab", "tokens"],
+        default=None,
         help="the logits' layout where the recipe splits the vocabulary over an axis that "
         "also splits the tokens (fsdp): auto (default) picks vocab while the step has fewer "
         "tokens than the vocabulary, else tokens",
-    )  # fmt: skip
+    )
 
 
 def recipe_for(
@@ -96,10 +119,14 @@ def recipe_for(
 
     known = recipes.names()
     if name not in known:  # --recipes a,b: only the unknown one changes in the fix
-        respell = [",".join(dict.fromkeys(r if x == name else x for x in others or [name]))
-                   for r in closest(name, known)]  # fmt: skip
-        raise FlagError(f"{flag} {name}: no such recipe. Recipes: {', '.join(known)}.",
-                        [{flag: value} for value in respell])  # fmt: skip
+        respell = [
+            ",".join(dict.fromkeys(r if x == name else x for x in others or [name]))
+            for r in closest(name, known)
+        ]
+        raise FlagError(
+            f"{flag} {name}: no such recipe. Recipes: {', '.join(known)}.",
+            [{flag: value} for value in respell],
+        )
     recipe = recipes.get(name)
     if getattr(args, "logits", None):
         recipe = recipe.with_logits(args.logits)
@@ -149,13 +176,19 @@ def check_outputs(args: argparse.Namespace) -> None:
         parent = target.parent
         here = {flag: target.name if target.name else f"{args.command}.json"}
         if target.is_dir():
-            raise FlagError(f"{flag} {path}: is a directory.",
-                            [{flag: str(target / f"{args.command}{_suffix(flag)}")},
-                             {flag: f"{args.command}{_suffix(flag)}"}])  # fmt: skip
+            raise FlagError(
+                f"{flag} {path}: is a directory.",
+                [
+                    {flag: str(target / f"{args.command}{_suffix(flag)}")},
+                    {flag: f"{args.command}{_suffix(flag)}"},
+                ],
+            )
         if not parent.is_dir():
             raise FlagError(
                 f"{flag} {path}: the directory {parent} does not exist (mkdir -p {parent} "
-                "makes it).", [here])  # fmt: skip
+                "makes it).",
+                [here],
+            )
         if not os.access(parent, os.W_OK):
             raise FlagError(f"{flag} {path}: {parent} is not writable.", [here])
         if flag == "--plot" and target.suffix.lower() not in (".png", ".svg", ".pdf"):

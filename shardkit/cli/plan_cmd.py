@@ -41,8 +41,15 @@ def main(args: argparse.Namespace) -> int:
     state = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
     rows = [r for r in param_rows(plan, state) if args.all or r.kind == "param"]
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-    emit_json(args, {"model": args.model, "recipe": args.recipe, "mesh": mesh,
-                     "leaves": [{**r.to_json(), "kind": r.kind} for r in rows]})  # fmt: skip
+    emit_json(
+        args,
+        {
+            "model": args.model,
+            "recipe": args.recipe,
+            "mesh": mesh,
+            "leaves": [{**r.to_json(), "kind": r.kind} for r in rows],
+        },
+    )
     if not wants_tables(args):
         return 0
     table = Table(title=f"{args.model} under {args.recipe} on {mesh}")
@@ -51,8 +58,13 @@ def main(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col == "per device" else "left")
     for r in rows:
         logical = ", ".join("·" if a is None else a for a in r.logical)
-        table.add_row(abbreviate(r.path, PATH_WIDTH), "×".join(map(str, r.shape)), logical, r.spec,
-                      human_bytes(r.bytes_per_device))  # fmt: skip
+        table.add_row(
+            abbreviate(r.path, PATH_WIDTH),
+            "×".join(map(str, r.shape)),
+            logical,
+            r.spec,
+            human_bytes(r.bytes_per_device),
+        )
     total = sum(r.bytes_per_device for r in rows)
     Console().print(table)
     Console().print(f"{len(rows)} leaves, {human_bytes(total)} per device")

@@ -59,9 +59,13 @@ def layout(args: argparse.Namespace, name: str, model: Any, devices: list) -> An
     """
     from shardkit.plan import Plan
 
-    plan = Plan(recipe_for(name, args), devices=devices, explicit=getattr(args, "explicit", False),
-                annotations=getattr(model, "annotations", None),
-                precision=getattr(args, "precision", "f32"))  # fmt: skip
+    plan = Plan(
+        recipe_for(name, args),
+        devices=devices,
+        explicit=getattr(args, "explicit", False),
+        annotations=getattr(model, "annotations", None),
+        precision=getattr(args, "precision", "f32"),
+    )
     if getattr(args, "batch", False) is None:
         args.batch = len(devices)
     if hasattr(args, "batch"):
@@ -83,9 +87,11 @@ def _check_attention(args: argparse.Namespace, plan: Any) -> None:
         raise FlagError(
             f"--seq {args.seq}: {recipe.attention} attention over {recipe.attention_axis!r} "
             f"(size {n}) splits each sequence into {chunks} chunks.",
-            [{"--seq": str(-(-args.seq // chunks) * chunks)},
-             {"--seq": str(args.seq // chunks * chunks)}],
-        )  # fmt: skip
+            [
+                {"--seq": str(-(-args.seq // chunks) * chunks)},
+                {"--seq": str(args.seq // chunks * chunks)},
+            ],
+        )
 
 
 def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) -> None:
@@ -118,10 +124,12 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
         raise FlagError(
             f"{model.config.n_layers} layers of {args.model} do not split into {stages} stages"
             f" × {opts['virtual_stages']} virtual stages.",
-            [{"--virtual-stages": None, "--schedule": "1f1b"},
-             *({"--devices": str(devices // stages * d)} for d in fewer),
-             *({"--mesh": f"stage={d}"} for d in fewer)],
-        )  # fmt: skip
+            [
+                {"--virtual-stages": None, "--schedule": "1f1b"},
+                *({"--devices": str(devices // stages * d)} for d in fewer),
+                *({"--mesh": f"stage={d}"} for d in fewer),
+            ],
+        )
     # the batch's axes, as the step splits it (sizes every axis divides: under TP+SP,
     # 'tensor' splits the length)
     spec = tuple(plan.batch_sharding((plan.mesh.size, plan.mesh.size)).spec)
@@ -132,10 +140,15 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
         raise FlagError(
             f"--batch {batch}: {micro} micro-batches on {shards} device(s) of the batch axes "
             f"need a batch that is a multiple of {need}.",
-            [{"--batch": str(-(-batch // need) * need)},
-             *({"--microbatches": str(m)} for m in range(micro - 1, 0, -1)
-               if (batch // shards) % m == 0 and batch % shards == 0)],
-        )  # fmt: skip
+            [
+                {"--batch": str(-(-batch // need) * need)},
+                *(
+                    {"--microbatches": str(m)}
+                    for m in range(micro - 1, 0, -1)
+                    if (batch // shards) % m == 0 and batch % shards == 0
+                ),
+            ],
+        )
 
 
 def check(args: argparse.Namespace) -> None:

@@ -11,4 +11,3 @@ from shardkit.report.report import Report
 def print_report(report: Report, console: Console, *, top: int = 12) -> None:
     for renderable in report_renderables(report, top=top):
         console.print(renderable)
-

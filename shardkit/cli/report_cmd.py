@@ -36,18 +36,29 @@ def _common(p: argparse.ArgumentParser) -> None:
     add_devices_argument(p)
     add_mesh(p)
     add_explicit(p)
-    p.add_argument("--batch", type=int, default=None,
-                   help="global batch size (default: one example per device)")  # fmt: skip
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="global batch size (default: one example per device)",
+    )
     p.add_argument(
         "--seq", type=int, default=None, help="sequence length (default: min(512, max_seq))"
     )
-    p.add_argument("--remat", choices=["none", "full", "save_dots"], default=None,
-                   help="override the model's rematerialization policy")  # fmt: skip
+    p.add_argument(
+        "--remat",
+        choices=["none", "full", "save_dots"],
+        default=None,
+        help="override the model's rematerialization policy",
+    )
     add_precision(p)
     add_logits(p)
-    p.add_argument("--itemise", action="store_true",
-                   help="split the temp memory at its peak into named terms (gradients, "
-                   "gathered weights, saved activations, ...) against the analytic model")  # fmt: skip
+    p.add_argument(
+        "--itemise",
+        action="store_true",
+        help="split the temp memory at its peak into named terms (gradients, "
+        "gathered weights, saved activations, ...) against the analytic model",
+    )
     add_json(p)
 
 
@@ -75,8 +86,15 @@ def _report(model, recipe: str, devices, args):
     from shardkit.parallel.cli import options
 
     plan = preflight.layout(args, recipe, model, devices)
-    return models.report(plan, model, train.adamw(), batch=args.batch, seq=args.seq,
-                         pipeline=options(args), itemise=args.itemise)  # fmt: skip
+    return models.report(
+        plan,
+        model,
+        train.adamw(),
+        batch=args.batch,
+        seq=args.seq,
+        pipeline=options(args),
+        itemise=args.itemise,
+    )
 
 
 def main_report(args: argparse.Namespace) -> int:
@@ -97,8 +115,9 @@ def main_report(args: argparse.Namespace) -> int:
 
 
 def _title(args: argparse.Namespace, devices) -> str:
-    return (f"{args.model} on {len(devices)} devices: batch {args.batch}, seq {args.seq}"
-            + (f", remat {args.remat}" if args.remat else ""))  # fmt: skip
+    return f"{args.model} on {len(devices)} devices: batch {args.batch}, seq {args.seq}" + (
+        f", remat {args.remat}" if args.remat else ""
+    )
 
 
 def main_compare(args: argparse.Namespace) -> int:
@@ -121,9 +140,15 @@ def main_compare(args: argparse.Namespace) -> int:
         from shardkit.report.plot import plot_reports
 
         plot_reports(reports, args.plot, title=_title(args, devices), skipped=skipped)
-    emit_json(args, {"model": args.model, "devices": len(devices),
-                     "reports": {n: r.to_json() for n, r in reports.items()},
-                     "skipped": skipped})  # fmt: skip
+    emit_json(
+        args,
+        {
+            "model": args.model,
+            "devices": len(devices),
+            "reports": {n: r.to_json() for n, r in reports.items()},
+            "skipped": skipped,
+        },
+    )
     if wants_tables(args):
         from shardkit.report.render import comparison_table, memory_terms_table
 

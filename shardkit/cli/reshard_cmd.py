@@ -21,13 +21,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "reshard-plan",
         help="bytes each device reads when a checkpoint is restored into another layout",
     )
-    p.add_argument("--from", dest="source", required=True, metavar="RECIPE@N",
-                   help="the layout that saved, e.g. fsdp@8")  # fmt: skip
-    p.add_argument("--to", dest="target", required=True, metavar="RECIPE@N",
-                   help="the layout to restore into, e.g. tp@4")  # fmt: skip
+    p.add_argument(
+        "--from",
+        dest="source",
+        required=True,
+        metavar="RECIPE@N",
+        help="the layout that saved, e.g. fsdp@8",
+    )
+    p.add_argument(
+        "--to",
+        dest="target",
+        required=True,
+        metavar="RECIPE@N",
+        help="the layout to restore into, e.g. tp@4",
+    )
     p.add_argument("--model", default="gpt-tiny", help="reference model (default: gpt-tiny)")
-    p.add_argument("--processes", type=int, default=1,
-                   help="processes the restoring devices are split over (default 1)")  # fmt: skip
+    p.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="processes the restoring devices are split over (default 1)",
+    )
     add_json(p)
     p.set_defaults(handler=main, check=_states)
 
@@ -36,11 +50,15 @@ def _layout(text: str, flag: str) -> tuple[str, int]:
     recipe, _, count = text.partition("@")
     if not count.isdigit() or int(count) < 1:
         name, digits = re.fullmatch(r"(.*?)(\d*)", text.replace("@", "")).groups()
-        raise FlagError(f"{flag} {text}: expected RECIPE@DEVICES, e.g. fsdp@8.",
-                        [{flag: f"{name or 'fsdp'}@{digits or 8}"}, {flag: "fsdp@8"}])  # fmt: skip
+        raise FlagError(
+            f"{flag} {text}: expected RECIPE@DEVICES, e.g. fsdp@8.",
+            [{flag: f"{name or 'fsdp'}@{digits or 8}"}, {flag: "fsdp@8"}],
+        )
     if recipe not in recipes.names():
-        raise FlagError(f"{flag} {text}: no such recipe. Recipes: {', '.join(recipes.names())}.",
-                        [{flag: f"{r}@{count}"} for r in closest(recipe, recipes.names())])  # fmt: skip
+        raise FlagError(
+            f"{flag} {text}: no such recipe. Recipes: {', '.join(recipes.names())}.",
+            [{flag: f"{r}@{count}"} for r in closest(recipe, recipes.names())],
+        )
     return recipe, int(count)
 
 
@@ -55,9 +73,12 @@ def _states(args: argparse.Namespace):
     if args.processes < 1 or n_target % args.processes:
         raise FlagError(
             f"--processes {args.processes} does not split the {n_target} restoring devices.",
-            [{"--processes": str(p)} for p in range(min(args.processes, n_target), 0, -1)
-             if n_target % p == 0],
-        )  # fmt: skip
+            [
+                {"--processes": str(p)}
+                for p in range(min(args.processes, n_target), 0, -1)
+                if n_target % p == 0
+            ],
+        )
     from shardkit.cli.devices_arg import select_devices
 
     devices = select_devices(max(n_source, n_target))
@@ -74,8 +95,7 @@ def _states(args: argparse.Namespace):
             states.append(plan.abstract_init(init, jax.random.key(0)))
         except (IndivisibleError, MeshError) as e:  # the fix is another device count
             nearby = sorted({2**k for k in range(10)} - {n}, key=lambda c: (abs(c - n), c))
-            raise FlagError(problem_of(e),
-                            [{flag: f"{recipe}@{c}"} for c in nearby[:6]]) from None  # fmt: skip
+            raise FlagError(problem_of(e), [{flag: f"{recipe}@{c}"} for c in nearby[:6]]) from None
     return (*states, devices[:n_target])
 
 
@@ -118,8 +138,11 @@ def _short_spec(spec: str) -> str:
 
 def _print(plan, args, n_target) -> None:
     console = Console()
-    table = Table(title=f"restore {args.model}: {args.source} → {args.target} (per device)",
-                  caption="shapes and saved chunks: --json", box=box.SIMPLE_HEAD)  # fmt: skip
+    table = Table(
+        title=f"restore {args.model}: {args.source} → {args.target} (per device)",
+        caption="shapes and saved chunks: --json",
+        box=box.SIMPLE_HEAD,
+    )
     table.add_column("leaf", no_wrap=True)
     table.add_column("restored spec", no_wrap=True)
     for col in ("holds", "reads", "×"):
@@ -127,9 +150,12 @@ def _print(plan, args, n_target) -> None:
     for leaf in plan.leaves:
         ratio = leaf.read_per_device / leaf.held_per_device if leaf.held_per_device else 1.0
         table.add_row(
-            abbreviate(leaf.path, LEAF_WIDTH), _short_spec(leaf.restored_spec),
-            _size(leaf.held_per_device), _size(leaf.read_per_device), f"{ratio:.2f}",
-        )  # fmt: skip
+            abbreviate(leaf.path, LEAF_WIDTH),
+            _short_spec(leaf.restored_spec),
+            _size(leaf.held_per_device),
+            _size(leaf.read_per_device),
+            f"{ratio:.2f}",
+        )
     console.print(table)
     reads, held = plan.read_by_device, plan.held_by_device
     low, high = _size(min(reads.values())), _size(max(reads.values()))

@@ -38,15 +38,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_precision(p)
     add_json(p)
-    p.add_argument("--no-report", action="store_true",
-                   help="skip the layout report (memory, collectives vs analytic) after the run")  # fmt: skip
-    p.add_argument("--checkpoint-dir", metavar="DIR",
-                   help="save the state and data position to DIR after the last step")  # fmt: skip
+    p.add_argument(
+        "--no-report",
+        action="store_true",
+        help="skip the layout report (memory, collectives vs analytic) after the run",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="save the state and data position to DIR after the last step",
+    )
     p.add_argument("--save-every", type=int, metavar="K", help="also save every K steps")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --checkpoint-dir (--steps counts all steps)")  # fmt: skip
-    p.add_argument("--dcn", metavar="AXIS=N", action="append", default=[], type=_dcn_item,
-                   help="multi-process runs: lay N processes along mesh axis AXIS (repeatable)")  # fmt: skip
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (--steps counts all steps)",
+    )
+    p.add_argument(
+        "--dcn",
+        metavar="AXIS=N",
+        action="append",
+        default=[],
+        type=_dcn_item,
+        help="multi-process runs: lay N processes along mesh axis AXIS (repeatable)",
+    )
     from shardkit.parallel.cli import add_arguments
 
     add_arguments(p)  # --microbatches --schedule --virtual-stages --unit
@@ -56,16 +71,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _validate(args: argparse.Namespace):
     for flag in ("steps", "batch", "seq"):
         if getattr(args, flag) < 1:
-            raise FlagError(f"--{flag} must be at least 1, got {getattr(args, flag)}.",
-                            [{f"--{flag}": "1"}, {f"--{flag}": None}])  # fmt: skip
+            raise FlagError(
+                f"--{flag} must be at least 1, got {getattr(args, flag)}.",
+                [{f"--{flag}": "1"}, {f"--{flag}": None}],
+            )
     if args.save_every is not None and args.save_every < 1:
-        raise FlagError(f"--save-every must be at least 1, got {args.save_every}.",
-                        [{"--save-every": None}])  # fmt: skip
+        raise FlagError(
+            f"--save-every must be at least 1, got {args.save_every}.", [{"--save-every": None}]
+        )
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         flag = "--resume" if args.resume else "--save-every"
-        raise FlagError(f"{flag} needs --checkpoint-dir DIR.",
-                        [{"--checkpoint-dir": "checkpoints"}] if not args.resume else
-                        [{"--resume": None}])  # fmt: skip
+        raise FlagError(
+            f"{flag} needs --checkpoint-dir DIR.",
+            [{"--checkpoint-dir": "checkpoints"}] if not args.resume else [{"--resume": None}],
+        )
     return preflight.prepare(args)
 
 
@@ -85,8 +104,12 @@ def main(args: argparse.Namespace) -> int:
 
     if args.dcn:
         recipe = recipe_for(args.recipe, args)
-        plan = Plan(recipe, mesh=_mesh(args, recipe, devices), precision=args.precision,
-                    annotations=getattr(model, "annotations", None))  # fmt: skip
+        plan = Plan(
+            recipe,
+            mesh=_mesh(args, recipe, devices),
+            precision=args.precision,
+            annotations=getattr(model, "annotations", None),
+        )
         plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")
     else:  # the batch and pipeline flags checked before compiling
         plan = preflight.layout(args, args.recipe, model, devices)
@@ -112,9 +135,12 @@ def main(args: argparse.Namespace) -> int:
 
         def on_step(step: int, loss: float, tps: float) -> None:
             progress.update(
-                task, completed=step + 1, loss=loss, tps=tps,
+                task,
+                completed=step + 1,
+                loss=loss,
+                tps=tps,
                 description=f"{args.model} · {args.recipe}",
-            )  # fmt: skip
+            )
 
         result = _run_or_stop_with_peers(
             run,

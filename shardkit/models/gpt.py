@@ -270,8 +270,9 @@ class GPT(nn.Module):
 
         if targets is not None:
             if table.n == 1 and active_axis() is not None:  # TSP: a ring of vocab shards
-                return sk.chunked_cross_entropy(x, targets, head, weight=weight,
-                                                weight_axes=TABLE, chunks=cfg.loss_chunks)  # fmt: skip
+                return sk.chunked_cross_entropy(
+                    x, targets, head, weight=weight, weight_axes=TABLE, chunks=cfg.loss_chunks
+                )
             if table.n == 1:  # the head's layout, here, after the layers
                 table = head_view(weight, TABLE, data=targets, reuse=table)
             return sk.chunked_cross_entropy(x, targets, head, weight=table, chunks=cfg.loss_chunks)

@@ -114,8 +114,9 @@ class Attention(nnx.Module):
         self.wq = proj("bsd,dhk->bshk", (d, cfg.n_heads, hd), einsum_op=q_op)
         self.wk = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd), einsum_op=kv_op)
         self.wv = proj("bsd,dhk->bshk", (d, cfg.n_kv_heads, hd), einsum_op=kv_op)
-        self.wo = proj("bshk,hkd->bsd", (cfg.n_heads, hd, d),
-                       einsum_op=TspEinsum(("heads", "kv", "embed")))  # fmt: skip
+        self.wo = proj(
+            "bshk,hkd->bsd", (cfg.n_heads, hd, d), einsum_op=TspEinsum(("heads", "kv", "embed"))
+        )
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         q = apply_rope(sk.constrain(self.wq(x), HEADS), cos, sin)

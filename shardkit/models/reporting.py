@@ -64,9 +64,20 @@ def report(
     if stages:  # a pipeline runs its own step (1F1B, one micro-batch per stage by default)
         from shardkit.parallel.cli import step_for
 
-        opts = {"microbatches": stages, "schedule": "1f1b", "virtual_stages": 1, "unit": None,
-                **(pipeline or {})}  # fmt: skip
+        opts = {
+            "microbatches": stages,
+            "schedule": "1f1b",
+            "virtual_stages": 1,
+            "unit": None,
+            **(pipeline or {}),
+        }
         step = step_for(model, tx, plan, abstract, opts)
         return plan.report(step, abstract, token_batch(batch, seq), workload=workload, **kwargs)
-    return plan.report(train.train_step(model, tx), abstract, token_batch(batch, seq),
-                       workload=workload, model_config=config, **kwargs)  # fmt: skip
+    return plan.report(
+        train.train_step(model, tx),
+        abstract,
+        token_batch(batch, seq),
+        workload=workload,
+        model_config=config,
+        **kwargs,
+    )

@@ -100,8 +100,10 @@ def load(spec: str) -> UserModel:
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        if e.name is not None and module_name != e.name and not module_name.startswith(
-            e.name + "."
+        if (
+            e.name is not None
+            and module_name != e.name
+            and not module_name.startswith(e.name + ".")
         ):  # the module was found, but something it imports was not
             raise ShardingError(
                 f"--model {spec!r}: {module_name} imports {e.name!r}, which is not installed "

@@ -42,15 +42,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "pipeline (recipes with a 'stage' axis: pp, dp_pp, zeropp, dp_tp_sp_pp)"
     )
-    g.add_argument("--microbatches", type=int, default=None,
-                   help="micro-batches per step (default: the number of stages)")  # fmt: skip
-    g.add_argument("--schedule", default=None,
-                   help=f"one of {', '.join(SCHEDULES)} (default 1f1b); interleaved trains the layer "
-                   "stack stored in the schedule's order (checkpoints stay in layer order)")  # fmt: skip
-    g.add_argument("--virtual-stages", type=int, default=None,
-                   help="model chunks per stage (interleaved; default 2)")  # fmt: skip
-    g.add_argument("--unit", type=int, default=None,
-                   help="ZeroPP: micro-batches per weight gather (default: one per step)")  # fmt: skip
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="micro-batches per step (default: the number of stages)",
+    )
+    g.add_argument(
+        "--schedule",
+        default=None,
+        help=f"one of {', '.join(SCHEDULES)} (default 1f1b); interleaved trains the layer "
+        "stack stored in the schedule's order (checkpoints stay in layer order)",
+    )
+    g.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=None,
+        help="model chunks per stage (interleaved; default 2)",
+    )
+    g.add_argument(
+        "--unit",
+        type=int,
+        default=None,
+        help="ZeroPP: micro-batches per weight gather (default: one per step)",
+    )
 
 
 def options(args: argparse.Namespace) -> dict[str, Any] | None:
@@ -60,8 +75,12 @@ def options(args: argparse.Namespace) -> dict[str, Any] | None:
         return None
     schedule = args.schedule or "1f1b"
     default_v = 2 if schedule == "interleaved" else 1
-    return {"microbatches": args.microbatches, "schedule": schedule,
-            "virtual_stages": args.virtual_stages or default_v, "unit": args.unit}  # fmt: skip
+    return {
+        "microbatches": args.microbatches,
+        "schedule": schedule,
+        "virtual_stages": args.virtual_stages or default_v,
+        "unit": args.unit,
+    }
 
 
 def step_for(model: Any, tx: Any, plan: Any, abstract: Any, opts: dict[str, Any] | None):

@@ -118,8 +118,14 @@ def interleaved_order(layers: int, stages: int, virtual: int) -> np.ndarray:
       [0, 1, 4, 5, 2, 3, 6, 7]
     """
     chunk = layers // (stages * virtual)
-    return np.array([(k * stages + s) * chunk + i for s in range(stages)
-                     for k in range(virtual) for i in range(chunk)])  # fmt: skip
+    return np.array(
+        [
+            (k * stages + s) * chunk + i
+            for s in range(stages)
+            for k in range(virtual)
+            for i in range(chunk)
+        ]
+    )
 
 
 def _full_spec(spec: PartitionSpec | None, ndim: int) -> tuple:
@@ -267,8 +273,9 @@ def value_and_grad(
         )
     p = int(mesh.shape[stage_axis])
     auto = frozenset(a for a in auto_axes if int(mesh.shape.get(a, 1)) > 1)
-    bad = sorted(a for a in auto_axes if a not in mesh.shape or a == stage_axis
-                 or a in (batch_axes or ()))  # fmt: skip
+    bad = sorted(
+        a for a in auto_axes if a not in mesh.shape or a == stage_axis or a in (batch_axes or ())
+    )
     if bad:
         raise PipelineError(
             f"auto_axes {tuple(auto_axes)}: {bad} cannot be left to XLA (mesh {dict(mesh.shape)},"
@@ -301,10 +308,17 @@ def value_and_grad(
         r_specs = _specs_like(rest, rest_specs, PartitionSpec())
         b_axes = batch_axes
         if b_axes is None:
-            used = set().union(*(_used_axes(s) for s in jax.tree.leaves(
-                s_specs, is_leaf=lambda x: isinstance(x, PartitionSpec))))  # fmt: skip
-            b_axes = tuple(a for a in mesh.axis_names
-                           if a != stage_axis and a not in used and a not in auto)  # fmt: skip
+            used = set().union(
+                *(
+                    _used_axes(s)
+                    for s in jax.tree.leaves(
+                        s_specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+                    )
+                )
+            )
+            b_axes = tuple(
+                a for a in mesh.axis_names if a != stage_axis and a not in used and a not in auto
+            )
         b_axes = tuple(a for a in b_axes if mesh.shape[a] > 1)
         n_shards = math.prod(mesh.shape[a] for a in b_axes)
         rows = {int(np.shape(x)[0]) for x in jax.tree.leaves(batch)}
@@ -325,11 +339,26 @@ def value_and_grad(
         manual = frozenset(mesh.axis_names) - auto
         rules = None
         if auto:  # the plan's rules (traced under it), less the manual axes, inside the stages
-            rules = (_auto_rules(current_activation_rules(), manual),
-                     _auto_rules(current_param_rules(), manual))  # fmt: skip
-        body = _Body(layer_fn, pre_fn, post_fn, sched, mesh, stage_axis, s_specs, r_specs,
-                     b_axes, n_shards, unit, auto, rules,
-                     None if auto else post_grad)  # fmt: skip
+            rules = (
+                _auto_rules(current_activation_rules(), manual),
+                _auto_rules(current_param_rules(), manual),
+            )
+        body = _Body(
+            layer_fn,
+            pre_fn,
+            post_fn,
+            sched,
+            mesh,
+            stage_axis,
+            s_specs,
+            r_specs,
+            b_axes,
+            n_shards,
+            unit,
+            auto,
+            rules,
+            None if auto else post_grad,
+        )
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         m_specs = lambda t: jax.tree.map(lambda sp: _only(sp, manual), t, is_leaf=is_spec)  # noqa: E731
         out_specs = (PartitionSpec(), (m_specs(s_specs), m_specs(r_specs)))
@@ -339,15 +368,29 @@ def value_and_grad(
             # axes left to XLA (an embedding lookup in a vocabulary split over tensor)
             # cannot be typed. Inside auto_axes those axes are Auto, as on an Auto mesh.
             def manual_stages(*args):
-                return jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
-                                     in_specs=in_specs, out_specs=out_specs,
-                                     axis_names=set(manual), check_vma=False)(*args)  # fmt: skip
+                return jax.shard_map(
+                    body,
+                    mesh=jax.sharding.get_abstract_mesh(),
+                    in_specs=in_specs,
+                    out_specs=out_specs,
+                    axis_names=set(manual),
+                    check_vma=False,
+                )(*args)
 
-            fn = jax.sharding.auto_axes(manual_stages, axes=tuple(sorted(auto)),
-                                        out_sharding=(PartitionSpec(), (s_specs, r_specs)))  # fmt: skip
+            fn = jax.sharding.auto_axes(
+                manual_stages,
+                axes=tuple(sorted(auto)),
+                out_sharding=(PartitionSpec(), (s_specs, r_specs)),
+            )
         else:
-            fn = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                               axis_names=set(manual), check_vma=False)  # fmt: skip
+            fn = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=in_specs,
+                out_specs=out_specs,
+                axis_names=set(manual),
+                check_vma=False,
+            )
         loss, (d_stack, d_rest) = fn(stack, rest, batch)
         if perm is not None:
             inverse = np.argsort(perm)
@@ -377,9 +420,23 @@ def _specs_like(tree: Any, specs: Any, default: PartitionSpec) -> Any:
 class _Body:
     """The per-device program: the schedule's ticks unrolled."""
 
-    def __init__(self, layer_fn, pre_fn, post_fn, sched: Schedule, mesh, stage_axis,
-                 s_specs, r_specs, b_axes, n_shards, unit, auto=frozenset(),
-                 rules=None, post_grad=None):  # fmt: skip
+    def __init__(
+        self,
+        layer_fn,
+        pre_fn,
+        post_fn,
+        sched: Schedule,
+        mesh,
+        stage_axis,
+        s_specs,
+        r_specs,
+        b_axes,
+        n_shards,
+        unit,
+        auto=frozenset(),
+        rules=None,
+        post_grad=None,
+    ):
         self.layer_fn, self.pre_fn, self.post_fn = layer_fn, pre_fn, post_fn
         self.post_grad = post_grad
         self.rules = rules or (None, None)
@@ -500,11 +557,15 @@ class _Body:
                 # A micro-batch is sliced inside the cond that reads it: sliced outside, XLA
                 # slices every micro-batch at the start of the step and keeps it until used.
                 if np_tables["f_first"][t].any():
-                    x_in = jax.lax.cond(at("f_first", t), lambda i=i: self.pre_fn(rest_g, mb_at(i)),
-                                        lambda r=recv_f: r)  # fmt: skip
+                    x_in = jax.lax.cond(
+                        at("f_first", t),
+                        lambda i=i: self.pre_fn(rest_g, mb_at(i)),
+                        lambda r=recv_f: r,
+                    )
                 w_k = select(w_g, k)
-                y, vjp = jax.vjp(lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x),
-                                 w_k, x_in)  # fmt: skip
+                y, vjp = jax.vjp(
+                    lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x), w_k, x_in
+                )
                 leaves, tdef = jax.tree.flatten(vjp)
                 # Residuals that *are* the weights are not stored: the backward passes them again.
                 flags = [next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves]
@@ -550,8 +611,7 @@ class _Body:
                 if np_tables["b_last"][t].any():
                     g_in = jnp.where(at("b_last", t), read(store[-1]), recv_b)
                 w_k = select(w_g, k)
-                leaves = [w_k[f] if f is not None else read(store[n])
-                          for n, f in enumerate(is_w)]  # fmt: skip
+                leaves = [w_k[f] if f is not None else read(store[n]) for n, f in enumerate(is_w)]
 
                 if v == 1:
                     # The tick's backward and its add into the running weight gradient run

@@ -33,15 +33,26 @@ def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> N
                 w = 1.0 / len(cells)
                 ax.add_patch(_rect(t + n * w, s, w, color))
                 label = str(item[0]) + (f".{item[1]}" if schedule.virtual > 1 else "")
-                ax.text(t + (n + 0.5) * w, s + 0.5, label, ha="center", va="center", fontsize=6,
-                        color="white")  # fmt: skip
+                ax.text(
+                    t + (n + 0.5) * w,
+                    s + 0.5,
+                    label,
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white",
+                )
     ax.set_xlim(0, schedule.ticks)
     ax.set_ylim(p, 0)
     ax.set_yticks([s + 0.5 for s in range(p)], [f"stage {s}" for s in range(p)])
     ax.set_xlabel("tick")
-    ax.set_title(title or f"{schedule.name}: p={p}, m={schedule.microbatches}, "
-                 f"v={schedule.virtual}, bubble {schedule.bubble:.0%}, holds "
-                 f"{schedule.ring} micro-batches", fontsize=9)  # fmt: skip
+    ax.set_title(
+        title
+        or f"{schedule.name}: p={p}, m={schedule.microbatches}, "
+        f"v={schedule.virtual}, bubble {schedule.bubble:.0%}, holds "
+        f"{schedule.ring} micro-batches",
+        fontsize=9,
+    )
 
 
 def _rect(x: float, y: float, w: float, color: str) -> Any:
@@ -54,8 +65,9 @@ def plot_schedules(schedules: Sequence[Schedule], titles: Sequence[str] | None =
     """A figure with one timeline per schedule (``titles`` replace the default ones)."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(schedules), 1, figsize=(10, 1.6 * len(schedules) + 0.8),
-                             squeeze=False)  # fmt: skip
+    fig, axes = plt.subplots(
+        len(schedules), 1, figsize=(10, 1.6 * len(schedules) + 0.8), squeeze=False
+    )
     for n, (sched, ax) in enumerate(zip(schedules, axes[:, 0], strict=True)):
         plot_timeline(sched, ax, title=None if titles is None else titles[n])
     fig.tight_layout()

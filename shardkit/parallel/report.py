@@ -59,26 +59,57 @@ def measure(
     from shardkit.models.reporting import token_batch
     from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
 
-    step, abstract = _step_and_abstract(plan, model, tx, microbatches=microbatches,
-                                        schedule=schedule, virtual_stages=virtual_stages,
-                                        unit=unit, stack_order=stack_order)  # fmt: skip
+    step, abstract = _step_and_abstract(
+        plan,
+        model,
+        tx,
+        microbatches=microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        unit=unit,
+        stack_order=stack_order,
+    )
     compiled = plan.jit(step, state=abstract).lower(abstract, token_batch(batch, seq)).compile()
     ma = compiled.memory_analysis()
-    memory = {"arguments": ma.argument_size_in_bytes, "output": ma.output_size_in_bytes,
-              "temp": ma.temp_size_in_bytes, "alias": ma.alias_size_in_bytes}  # fmt: skip
+    memory = {
+        "arguments": ma.argument_size_in_bytes,
+        "output": ma.output_size_in_bytes,
+        "temp": ma.temp_size_in_bytes,
+        "alias": ma.alias_size_in_bytes,
+    }
     memory["total"] = memory["arguments"] + memory["output"] + memory["temp"] - memory["alias"]
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     wire = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
-    return PipelineMeasurement(memory, wire, float(cost.get("flops", 0.0)),
-                               analytic_for(plan, model, batch=batch, seq=seq,
-                                            microbatches=microbatches, schedule=schedule,
-                                            virtual_stages=virtual_stages, unit=unit))  # fmt: skip
+    return PipelineMeasurement(
+        memory,
+        wire,
+        float(cost.get("flops", 0.0)),
+        analytic_for(
+            plan,
+            model,
+            batch=batch,
+            seq=seq,
+            microbatches=microbatches,
+            schedule=schedule,
+            virtual_stages=virtual_stages,
+            unit=unit,
+        ),
+    )
 
 
-def analytic_for(plan: Any, model: Any, *, batch: int, seq: int, microbatches: int,
-                 schedule: str, virtual_stages: int = 1, unit: int | None = None,
-                 bytes_per_value: int = 4) -> PipelineCosts:  # fmt: skip
+def analytic_for(
+    plan: Any,
+    model: Any,
+    *,
+    batch: int,
+    seq: int,
+    microbatches: int,
+    schedule: str,
+    virtual_stages: int = 1,
+    unit: int | None = None,
+    bytes_per_value: int = 4,
+) -> PipelineCosts:
     """:func:`pipeline_costs` for a reference model's config under ``plan``'s mesh."""
     cfg = model.config
     shape = dict(plan.mesh.shape)
@@ -87,10 +118,17 @@ def analytic_for(plan: Any, model: Any, *, batch: int, seq: int, microbatches: i
     rest = cfg.param_count() * bytes_per_value - stack
     rows = batch // (microbatches * fsdp * data)
     return pipeline_costs(
-        schedule, stages=p, microbatches=microbatches, virtual=virtual_stages, unit=unit,
-        fsdp=fsdp, data=data, stack_param_bytes=stack, rest_param_bytes=rest,
+        schedule,
+        stages=p,
+        microbatches=microbatches,
+        virtual=virtual_stages,
+        unit=unit,
+        fsdp=fsdp,
+        data=data,
+        stack_param_bytes=stack,
+        rest_param_bytes=rest,
         activation_bytes=rows * seq * cfg.d_model * bytes_per_value,
-    )  # fmt: skip
+    )
 
 
 def useful_flops(model: Any, *, batch: int, seq: int, stages: int, devices: int) -> float:

@@ -133,8 +133,12 @@ class Schedule:
             for s, item in enumerate(row):
                 if item is not None:
                     f_tick[item, s] = t
-        return {(t, s): t - f_tick[item, s] for t, row in enumerate(self.backward)
-                for s, item in enumerate(row) if item is not None}  # fmt: skip
+        return {
+            (t, s): t - f_tick[item, s]
+            for t, row in enumerate(self.backward)
+            for s, item in enumerate(row)
+            if item is not None
+        }
 
     def read_slots(self) -> np.ndarray:
         """``int32[ticks, stages]``: the ring slot each backward reads (0 when idle)."""
@@ -191,8 +195,16 @@ class Schedule:
                     c = self.chunk(s, item[1])
                     first[t, s] = c == 0
                     last[t, s] = c == p * v - 1
-            out.update({f"{kind}_mb": mb, f"{kind}_k": k, f"{kind}_valid": valid,
-                        f"{kind}_first": first, f"{kind}_last": last, f"{kind}_slot": slot})  # fmt: skip
+            out.update(
+                {
+                    f"{kind}_mb": mb,
+                    f"{kind}_k": k,
+                    f"{kind}_valid": valid,
+                    f"{kind}_first": first,
+                    f"{kind}_last": last,
+                    f"{kind}_slot": slot,
+                }
+            )
         return out
 
     def timeline(self) -> str:
@@ -221,8 +233,10 @@ class Schedule:
 def _gpipe(p: int, m: int) -> tuple[list, list]:
     n = m + p - 1
     fwd = [[(t - s, 0) if 0 <= t - s < m else None for s in range(p)] for t in range(n)]
-    bwd = [[(t - (p - 1 - s), 0) if 0 <= t - (p - 1 - s) < m else None for s in range(p)]
-           for t in range(n)]  # fmt: skip
+    bwd = [
+        [(t - (p - 1 - s), 0) if 0 <= t - (p - 1 - s) < m else None for s in range(p)]
+        for t in range(n)
+    ]
     idle = [[None] * p for _ in range(n)]
     return fwd + idle, idle + bwd
 
@@ -250,8 +264,13 @@ def _interleaved(p: int, m: int, v: int) -> tuple[list, list]:
         return (g * p + r % p, r // p)
 
     fwd = [[item(t - s) for s in range(p)] for t in range(n)]
-    bwd = [[item(m * v - 1 - (t - (p - 1 - s))) if 0 <= t - (p - 1 - s) < m * v else None
-            for s in range(p)] for t in range(n)]  # fmt: skip
+    bwd = [
+        [
+            item(m * v - 1 - (t - (p - 1 - s))) if 0 <= t - (p - 1 - s) < m * v else None
+            for s in range(p)
+        ]
+        for t in range(n)
+    ]
     idle = [[None] * p for _ in range(n)]
     return fwd + idle, idle + bwd
 
@@ -289,16 +308,25 @@ def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
             PipelineWarning,
             stacklevel=2,
         )
-    build = {"gpipe": lambda: _gpipe(p, m), "1f1b": lambda: _one_f_one_b(p, m),
-             "interleaved": lambda: _interleaved(p, m, v)}[name]  # fmt: skip
+    build = {
+        "gpipe": lambda: _gpipe(p, m),
+        "1f1b": lambda: _one_f_one_b(p, m),
+        "interleaved": lambda: _interleaved(p, m, v),
+    }[name]
     fwd, bwd = build()
     _check(name, p, v, fwd, bwd, m)
     slot_f, slot_b, slots = _allocate(p, fwd, bwd)
     return Schedule(
-        name, p, m, v,
-        tuple(tuple(r) for r in fwd), tuple(tuple(r) for r in bwd),
-        slot_f, slot_b, slots,
-    )  # fmt: skip
+        name,
+        p,
+        m,
+        v,
+        tuple(tuple(r) for r in fwd),
+        tuple(tuple(r) for r in bwd),
+        slot_f,
+        slot_b,
+        slots,
+    )
 
 
 def _check(name: str, p: int, v: int, fwd: list, bwd: list, m: int) -> None:

@@ -233,14 +233,27 @@ def value_and_grad(
     batch_axes = pipeline.spec_axes(tuple(batch_spec)[0]) if len(batch_spec) else ()
     # Axes that split neither the stack into stages nor the batch (``tensor``): left to
     # XLA, which shards each stage's layers by the plan's rules (dp_tp_sp_pp).
-    auto_axes = tuple(a for a in mesh.axis_names
-                      if a != pipeline.STAGE and a not in batch_axes and mesh.shape[a] > 1)  # fmt: skip
+    auto_axes = tuple(
+        a
+        for a in mesh.axis_names
+        if a != pipeline.STAGE and a not in batch_axes and mesh.shape[a] > 1
+    )
     run = pipeline.value_and_grad(
-        stages.layer, stages.pre, stages.post, mesh=mesh, microbatches=microbatches,
-        schedule=schedule, virtual_stages=virtual_stages, unit=unit,
-        stack_specs=s_specs, rest_specs=r_specs, batch_axes=batch_axes, auto_axes=auto_axes,
-        stack_order=stack_order, post_grad=stages.post_grad,
-    )  # fmt: skip
+        stages.layer,
+        stages.pre,
+        stages.post,
+        mesh=mesh,
+        microbatches=microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        unit=unit,
+        stack_specs=s_specs,
+        rest_specs=r_specs,
+        batch_axes=batch_axes,
+        auto_axes=auto_axes,
+        stack_order=stack_order,
+        post_grad=stages.post_grad,
+    )
 
     def fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:
         stack, rest = stages.split(params)
@@ -279,9 +292,16 @@ def train_step(
 
     from shardkit.train import TrainState
 
-    grad_fn = value_and_grad(stages, plan, abstract, microbatches=microbatches,
-                             schedule=schedule, virtual_stages=virtual_stages, unit=unit,
-                             stack_order=stack_order)  # fmt: skip
+    grad_fn = value_and_grad(
+        stages,
+        plan,
+        abstract,
+        microbatches=microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        unit=unit,
+        stack_order=stack_order,
+    )
 
     def step(state: Any, batch: dict) -> tuple[Any, dict]:
         loss, grads = grad_fn(state.params, batch)
@@ -292,8 +312,12 @@ def train_step(
 
     step.schedule = grad_fn.schedule  # type: ignore[attr-defined]
     # What plan.report's analytic model needs to count a pipelined step.
-    step.pipeline = {"microbatches": microbatches, "schedule": schedule,  # type: ignore[attr-defined]
-                     "virtual_stages": virtual_stages, "unit": unit}  # fmt: skip
+    step.pipeline = {
+        "microbatches": microbatches,
+        "schedule": schedule,  # type: ignore[attr-defined]
+        "virtual_stages": virtual_stages,
+        "unit": unit,
+    }
     return step
 
 
@@ -331,8 +355,7 @@ def from_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers
       >>> from_interleaved({"layers": jnp.array([0, 2, 1, 3])}, 2, 2)["layers"]
       Array([0, 1, 2, 3], dtype=int32)
     """
-    return _reorder(tree, key,
-                    lambda n: np.argsort(pipeline.interleaved_order(n, stages, virtual)))  # fmt: skip
+    return _reorder(tree, key, lambda n: np.argsort(pipeline.interleaved_order(n, stages, virtual)))
 
 
 def head_post_grad(
@@ -371,9 +394,14 @@ def head_post_grad(
         (weight,), w_def = jax.tree.flatten(rest[head_key])
         (acc,) = jax.tree.leaves(d_rest[head_key])
         loss, dz, acc = head_loss_and_grad(
-            z, mb["targets"], weight, acc, vocab_axis=vocab_axis, scale=scale,
+            z,
+            mb["targets"],
+            weight,
+            acc,
+            vocab_axis=vocab_axis,
+            scale=scale,
             dtype=None if dtype is None else dtype(),
-        )  # fmt: skip
+        )
         d_norm, dy = pull(dz)
         out = {k: d_rest[k] for k in d_rest}
         out[norm_key] = jax.tree.map(jnp.add, d_rest[norm_key], d_norm)
@@ -437,8 +465,13 @@ def reference_stages(model: Any) -> Stages:
             table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
             return loss_of(jnp.einsum("...d,vd->...v", y, table), mb)
 
-        post_grad = head_post_grad(final_norm, norm_key="ln_f", head_key="wte", vocab_axis=0,
-                                   dtype=lambda: cfg.compute_dtype)  # fmt: skip
+        post_grad = head_post_grad(
+            final_norm,
+            norm_key="ln_f",
+            head_key="wte",
+            vocab_axis=0,
+            dtype=lambda: cfg.compute_dtype,
+        )
         return Stages(pre, layer, post, post_grad=post_grad)
 
     from shardkit.models.llama import rope_tables
@@ -462,6 +495,7 @@ def reference_stages(model: Any) -> Stages:
         y = final_norm(rest["norm"], y)
         return loss_of(nnx.merge(graphdef("head"), rest["head"])(y), mb)
 
-    post_grad = head_post_grad(final_norm, norm_key="norm", head_key="head", vocab_axis=1,
-                               dtype=lambda: cfg.compute_dtype)  # fmt: skip
+    post_grad = head_post_grad(
+        final_norm, norm_key="norm", head_key="head", vocab_axis=1, dtype=lambda: cfg.compute_dtype
+    )
     return Stages(pre, remat(block), post, post_grad=post_grad)

@@ -63,9 +63,15 @@ from shardkit.annotate.constrain import is_explicit
 from shardkit.errors import ShardingError
 
 __all__ = [
-    "TspDot", "TspEinsum", "active_axis", "attention", "check_layout", "gated_mlp", "ring_dot",
+    "TspDot",
+    "TspEinsum",
+    "active_axis",
+    "attention",
+    "check_layout",
+    "gated_mlp",
+    "ring_dot",
     "tsp_dot_general",
-]  # fmt: skip
+]
 
 Kind = Literal["in", "out"]
 
@@ -180,8 +186,9 @@ def _ring_dot_fwd(x: jax.Array, w: jax.Array, ring: _Ring) -> tuple:
 _ring_dot.defvjp(_ring_dot_fwd, _backward)
 
 
-def _ring(dims: Any, x_ndim: int, w_ndim: int, kdim: int, axis: str, size: int,
-          precision: Any) -> _Ring:  # fmt: skip
+def _ring(
+    dims: Any, x_ndim: int, w_ndim: int, kdim: int, axis: str, size: int, precision: Any
+) -> _Ring:
     (xc, wc), (xb, wb) = dims
     if xb or wb:
         raise ShardingError(
@@ -196,8 +203,17 @@ def _ring(dims: Any, x_ndim: int, w_ndim: int, kdim: int, axis: str, size: int,
     return _Ring(((xc, wc), ((), ())), "out", kdim, ydim, axis, size, precision)
 
 
-def ring_dot(x: jax.Array, w: jax.Array, *, kind: Kind, axis: str, size: int,
-             dims: Any = None, kdim: int | None = None, precision: Any = None) -> jax.Array:  # fmt: skip
+def ring_dot(
+    x: jax.Array,
+    w: jax.Array,
+    *,
+    kind: Kind,
+    axis: str,
+    size: int,
+    dims: Any = None,
+    kdim: int | None = None,
+    precision: Any = None,
+) -> jax.Array:
     """Per-device body (inside ``jax.shard_map``) of a ring projection ``x @ W``.
 
     Args:
@@ -220,8 +236,10 @@ def ring_dot(x: jax.Array, w: jax.Array, *, kind: Kind, axis: str, size: int,
         kdim = 0 if kind == "in" else w.ndim - 1
     ring = _ring(dims, x.ndim, w.ndim, kdim, axis, size, precision)
     if ring.kind != kind:
-        raise ShardingError(f"ring_dot: kernel dimension {kdim} makes a {ring.kind!r} ring, "
-                            f"not {kind!r}.\nFix: pass kind={ring.kind!r}.")  # fmt: skip
+        raise ShardingError(
+            f"ring_dot: kernel dimension {kdim} makes a {ring.kind!r} ring, "
+            f"not {kind!r}.\nFix: pass kind={ring.kind!r}."
+        )
     return _ring_dot(x, w, ring)
 
 
@@ -235,8 +253,13 @@ def active_axis() -> str | None:
     ctx = context.current()
     mesh = context.active_mesh()
     axis = ctx.attention_axis
-    if (ctx.layer_schedule != "tsp" or mesh is None or ctx.param_rules is None
-            or axis not in mesh.axis_names or mesh.shape[axis] == 1):  # fmt: skip
+    if (
+        ctx.layer_schedule != "tsp"
+        or mesh is None
+        or ctx.param_rules is None
+        or axis not in mesh.axis_names
+        or mesh.shape[axis] == 1
+    ):
         return None
     return axis
 
@@ -287,8 +310,14 @@ def _entry_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def tsp_dot_general(x: jax.Array, w: jax.Array, dims: Any, *, kernel_axes: Sequence[str | None],
-                    precision: Any = None) -> jax.Array:  # fmt: skip
+def tsp_dot_general(
+    x: jax.Array,
+    w: jax.Array,
+    dims: Any,
+    *,
+    kernel_axes: Sequence[str | None],
+    precision: Any = None,
+) -> jax.Array:
     """``lax.dot_general(x, w, dims)`` as a TSP ring over the active context's axis.
 
     ``x`` is ``[batch, length, ...]`` (length split over the axis, batch as the
@@ -309,8 +338,9 @@ def tsp_dot_general(x: jax.Array, w: jax.Array, dims: Any, *, kernel_axes: Seque
     where = f"TSP projection of kernel {tuple(kernel_axes)} {tuple(w.shape)}"
     kspec = tuple(ctx.param_rules.spec(tuple(kernel_axes), mesh=mesh)) + (None,) * w.ndim
     kdims = [i for i in range(w.ndim) if axis in _entry_axes(kspec[i])]
-    others = {a for i in range(w.ndim) for a in _entry_axes(kspec[i])
-              if a != axis and mesh.shape[a] > 1}  # fmt: skip
+    others = {
+        a for i in range(w.ndim) for a in _entry_axes(kspec[i]) if a != axis and mesh.shape[a] > 1
+    }
     if others:
         raise ShardingError(
             f"{where}: the rules split it over {axis!r} and also over {sorted(others)} "
@@ -373,12 +403,25 @@ class TspDot:
 
     kernel_axes: tuple[str | None, ...]
 
-    def __call__(self, x: jax.Array, w: jax.Array, dims: Any, precision: Any = None,
-                 preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:  # fmt: skip
+    def __call__(
+        self,
+        x: jax.Array,
+        w: jax.Array,
+        dims: Any,
+        precision: Any = None,
+        preferred_element_type: Any = None,
+        **kwargs: Any,
+    ) -> jax.Array:
         extra = preferred_element_type is not None or any(v is not None for v in kwargs.values())
         if active_axis() is None or extra:
-            return lax.dot_general(x, w, dims, precision=precision,
-                                   preferred_element_type=preferred_element_type, **kwargs)  # fmt: skip
+            return lax.dot_general(
+                x,
+                w,
+                dims,
+                precision=precision,
+                preferred_element_type=preferred_element_type,
+                **kwargs,
+            )
         return tsp_dot_general(x, w, dims, kernel_axes=self.kernel_axes, precision=precision)
 
 
@@ -396,8 +439,9 @@ class TspEinsum:
 
     kernel_axes: tuple[str | None, ...]
 
-    def __call__(self, spec: str, x: jax.Array, w: jax.Array, precision: Any = None,
-                 **kwargs: Any) -> jax.Array:  # fmt: skip
+    def __call__(
+        self, spec: str, x: jax.Array, w: jax.Array, precision: Any = None, **kwargs: Any
+    ) -> jax.Array:
         if active_axis() is None or any(v is not None for v in kwargs.values()):
             return jnp.einsum(spec, x, w, precision=precision, **kwargs)
         ins, out = spec.replace(" ", "").split("->")
@@ -405,8 +449,10 @@ class TspEinsum:
         contract = [c for c in a if c in b and c not in out]
         if any(c in b and c in out for c in a):
             return jnp.einsum(spec, x, w, precision=precision, **kwargs)
-        dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
-                ((), ()))  # fmt: skip
+        dims = (
+            (tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+            ((), ()),
+        )
         natural = "".join(c for c in a if c not in contract) + "".join(
             c for c in b if c not in contract
         )
@@ -417,8 +463,13 @@ class TspEinsum:
 _IN = (((2,), (0,)), ((), ()))  # [b, s, d] @ [d, ...]
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: jax.Array,
-              activation: Any = jax.nn.silu) -> jax.Array:  # fmt: skip
+def gated_mlp(
+    x: jax.Array,
+    w_gate: jax.Array | None,
+    w_up: jax.Array,
+    w_down: jax.Array,
+    activation: Any = jax.nn.silu,
+) -> jax.Array:
     """TSP's MLP: ``down(act(gate(x)) * up(x))`` (``w_gate=None``: ``down(act(up(x)))``).
 
     Kernels ``(embed, mlp)`` and ``(mlp, embed)``, each split along ``embed`` over the
@@ -439,8 +490,14 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array | None, w_up: jax.Array, w_down: j
     return tsp_dot_general(h, w_down, _IN, kernel_axes=("mlp", "embed"))
 
 
-def attention(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, wo: jax.Array,
-              rope: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:  # fmt: skip
+def attention(
+    x: jax.Array,
+    wq: jax.Array,
+    wk: jax.Array,
+    wv: jax.Array,
+    wo: jax.Array,
+    rope: tuple[jax.Array, jax.Array] | None = None,
+) -> jax.Array:
     """TSP's causal attention block: q/k/v rings, zigzag ring attention, out ring.
 
     Kernels: ``wq (embed, heads, kv)``, ``wk``/``wv (embed, kv_heads, kv)`` (GQA: the

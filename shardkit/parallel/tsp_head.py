@@ -155,8 +155,13 @@ def _names(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
-def _layout(weight: jax.Array, weight_axes: Sequence[str | None], vocab: str | None,
-            token_axes: Sequence[str | None], token_shape: tuple[int, ...]) -> tuple | None:  # fmt: skip
+def _layout(
+    weight: jax.Array,
+    weight_axes: Sequence[str | None],
+    vocab: str | None,
+    token_axes: Sequence[str | None],
+    token_shape: tuple[int, ...],
+) -> tuple | None:
     """``(mesh, axis, D, vocab dim, token spec)`` when the TSP vocabulary rings apply.
 
     They do under ``layer_schedule="tsp"`` when the rules split the weight's ``vocab``
@@ -175,19 +180,25 @@ def _layout(weight: jax.Array, weight_axes: Sequence[str | None], vocab: str | N
     split = [(i, a) for i, e in enumerate(wspec) for a in _names(e) if mesh.shape[a] > 1]
     if split != [(vdim, axis)]:
         return None
-    tspec = tuple(ctx.activation_rules.spec(tuple(token_axes), shape=tuple(token_shape),
-                                            mesh=mesh, path="tokens"))  # fmt: skip
+    tspec = tuple(
+        ctx.activation_rules.spec(
+            tuple(token_axes), shape=tuple(token_shape), mesh=mesh, path="tokens"
+        )
+    )
     tspec += (None,) * (len(token_shape) - len(tspec))
     if axis not in {a for e in tspec for a in _names(e)}:
         return None
     return mesh, axis, mesh.shape[axis], vdim, PartitionSpec(*tspec)
 
 
-def vocab_ring_cross_entropy(hidden: jax.Array, targets: jax.Array,
-                             project: Callable[..., jax.Array], weight: jax.Array,
-                             weight_axes: Sequence[str | None],
-                             logits_axes: Sequence[str | None] = ("batch", "length", "vocab"),
-                             ) -> jax.Array | None:  # fmt: skip
+def vocab_ring_cross_entropy(
+    hidden: jax.Array,
+    targets: jax.Array,
+    project: Callable[..., jax.Array],
+    weight: jax.Array,
+    weight_axes: Sequence[str | None],
+    logits_axes: Sequence[str | None] = ("batch", "length", "vocab"),
+) -> jax.Array | None:
     """Per-token cross-entropy of ``project(weight, hidden)`` as a TSP vocabulary ring.
 
     Args:
@@ -307,9 +318,12 @@ def _ring_lookup_fwd(table, ids, lookup):
 _ring_lookup.defvjp(_ring_lookup_fwd, _lookup_backward)
 
 
-def vocab_ring_lookup(table: jax.Array, tokens: jax.Array, table_axes: Sequence[str | None],
-                      token_axes: Sequence[str | None] = ("batch", "length"),
-                      ) -> jax.Array | None:  # fmt: skip
+def vocab_ring_lookup(
+    table: jax.Array,
+    tokens: jax.Array,
+    table_axes: Sequence[str | None],
+    token_axes: Sequence[str | None] = ("batch", "length"),
+) -> jax.Array | None:
     """``table[tokens]`` as a TSP ring over the vocabulary shards of a ``(vocab, d)`` table.
 
     Each device looks up, in its own rows, the tokens of every device (the token ids

@@ -75,8 +75,12 @@ class Parallelism:
 
     def sizes(self) -> dict[str, int]:
         """``{"data": d, "fsdp": f, "tensor": t, "sequence": c}``."""
-        return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor,
-                "sequence": self.sequence}  # fmt: skip
+        return {
+            "data": self.data,
+            "fsdp": self.fsdp,
+            "tensor": self.tensor,
+            "sequence": self.sequence,
+        }
 
 
 def _names_on(rules: Rules | None, axis: str) -> set[str]:
@@ -265,11 +269,15 @@ class Recipe:
           ()
         """
         token_axes = {a for name in TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
-        return tuple(a for a in _axes_of(self.activation_rules, "vocab")
-                     if a in token_axes and mesh.get(a, 1) > 1)  # fmt: skip
+        return tuple(
+            a
+            for a in _axes_of(self.activation_rules, "vocab")
+            if a in token_axes and mesh.get(a, 1) > 1
+        )
 
-    def step_activation_rules(self, mesh: Mapping[str, int], *, tokens: int | None = None,
-                              vocab: int | None = None) -> Rules:  # fmt: skip
+    def step_activation_rules(
+        self, mesh: Mapping[str, int], *, tokens: int | None = None, vocab: int | None = None
+    ) -> Rules:
         """The activation rules a step of ``tokens`` tokens over a ``vocab`` vocabulary uses.
 
         A rule that splits the logits' vocabulary over a mesh axis that also splits the
@@ -301,8 +309,11 @@ class Recipe:
         gather = self.vocab_gather_axes(mesh)
         if not gather or self.logits == "vocab" or (self.logits == "auto" and tokens is None):
             return self.activation_rules
-        keep = [(name, axes) for name, axes in self.activation_rules
-                if name != "vocab" or not set(_as_tuple(axes)) & set(gather)]  # fmt: skip
+        keep = [
+            (name, axes)
+            for name, axes in self.activation_rules
+            if name != "vocab" or not set(_as_tuple(axes)) & set(gather)
+        ]
         without = Rules(keep, strict=self.activation_rules.strict)
         if self.logits == "tokens":
             return without

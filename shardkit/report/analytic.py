@@ -28,13 +28,29 @@ from shardkit.recipes import get as get_recipe
 from shardkit.workload import Workload
 
 __all__ = [
-    "AnalyticMemory", "AnalyticModel", "activation_bytes", "analytic_costs", "analytic_model", "with_phases",
-    "megatron_activations_per_layer", "wire_bytes", "wire_bytes_hybrid", "zero_memory",
-]  # fmt: skip
+    "AnalyticMemory",
+    "AnalyticModel",
+    "activation_bytes",
+    "analytic_costs",
+    "analytic_model",
+    "with_phases",
+    "megatron_activations_per_layer",
+    "wire_bytes",
+    "wire_bytes_hybrid",
+    "zero_memory",
+]
 
 _AXES = ("data", "fsdp", "tensor", "sequence")
-_KIND_AXIS = {"dp": "data", "zero1": "data", "zero2": "data", "fsdp": "fsdp", "zero3": "fsdp",
-              "tp": "tensor", "tp_sp": "tensor", "cp": "sequence"}  # fmt: skip
+_KIND_AXIS = {
+    "dp": "data",
+    "zero1": "data",
+    "zero2": "data",
+    "fsdp": "fsdp",
+    "zero3": "fsdp",
+    "tp": "tensor",
+    "tp_sp": "tensor",
+    "cp": "sequence",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +106,15 @@ class AnalyticModel:
     wire_terms: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
-def zero_memory(psi: float, n: int, stage: Literal[0, 1, 2, 3], *, k: float = 12,
-                param_bytes: float = 2, grad_bytes: float = 2) -> AnalyticMemory:  # fmt: skip
+def zero_memory(
+    psi: float,
+    n: int,
+    stage: Literal[0, 1, 2, 3],
+    *,
+    k: float = 12,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+) -> AnalyticMemory:
     """ZeRO bytes per device of the model state (no activations).
 
     Stage 0 (DP): (2+2+K)Ψ; 1: 2Ψ+2Ψ+KΨ/N; 2: 2Ψ+(2+K)Ψ/N; 3: (2+2+K)Ψ/N, for
@@ -117,15 +140,24 @@ def zero_memory(psi: float, n: int, stage: Literal[0, 1, 2, 3], *, k: float = 12
     """
     if stage not in (0, 1, 2, 3) or n < 1:
         raise ShardingError(f"zero_memory: stage is 0..3 and n >= 1, got stage={stage}, n={n}.")
-    return AnalyticMemory(params=param_bytes * psi / (n if stage >= 3 else 1),
-                          grads=grad_bytes * psi / (n if stage >= 2 else 1),
-                          optimizer=k * psi / n if stage >= 1 else k * psi, activations=0.0)  # fmt: skip
+    return AnalyticMemory(
+        params=param_bytes * psi / (n if stage >= 3 else 1),
+        grads=grad_bytes * psi / (n if stage >= 2 else 1),
+        optimizer=k * psi / n if stage >= 1 else k * psi,
+        activations=0.0,
+    )
 
 
 def megatron_activations_per_layer(
-    s: float, b: float, h: float, a: float, *, t: int = 1,
-    mode: Literal["none", "tp", "tp_sp", "full_recompute"], bytes_per_value: float = 2,
-) -> float:  # fmt: skip
+    s: float,
+    b: float,
+    h: float,
+    a: float,
+    *,
+    t: int = 1,
+    mode: Literal["none", "tp", "tp_sp", "full_recompute"],
+    bytes_per_value: float = 2,
+) -> float:
     """Activation bytes one transformer layer keeps for the backward pass.
 
     none ``sbh(34 + 5as/h)``; tp ``sbh(10 + 24/t + 5as/(ht))``; tp_sp
@@ -150,17 +182,32 @@ def megatron_activations_per_layer(
       578813952.0
     """
     sbh, attn = s * b * h, 5 * a * s / h
-    per_mode = {"none": 34 + attn, "tp": 10 + 24 / t + attn / t, "tp_sp": 34 / t + attn / t,
-                "full_recompute": 2}  # fmt: skip
+    per_mode = {
+        "none": 34 + attn,
+        "tp": 10 + 24 / t + attn / t,
+        "tp_sp": 34 / t + attn / t,
+        "full_recompute": 2,
+    }
     if mode not in per_mode:
         raise ShardingError(f"mode is one of {list(per_mode)}, got {mode!r}.")
     return float(sbh * per_mode[mode] * bytes_per_value / 2)
 
 
-def wire_bytes(recipe_kind: str, *, psi: float, n: int, bytes_per_value: float = 4,
-               layers: int | None = None, b: float | None = None, s: float | None = None,
-               h: float | None = None, vocab: int | None = None, t: int | None = None,
-               h_kv: float | None = None, in_projections: int = 2) -> dict[str, float]:  # fmt: skip
+def wire_bytes(
+    recipe_kind: str,
+    *,
+    psi: float,
+    n: int,
+    bytes_per_value: float = 4,
+    layers: int | None = None,
+    b: float | None = None,
+    s: float | None = None,
+    h: float | None = None,
+    vocab: int | None = None,
+    t: int | None = None,
+    h_kv: float | None = None,
+    in_projections: int = 2,
+) -> dict[str, float]:
     """Ring wire bytes per device per step of one pure layout, by collective kind.
 
     - ``dp``: gradient all-reduce, ``2Ψ·B·(N−1)/N``.
@@ -217,17 +264,39 @@ def wire_bytes(recipe_kind: str, *, psi: float, n: int, bytes_per_value: float =
     size = t if axis == "tensor" and t is not None else n
     data_kind = recipe_kind if axis == "data" else "dp"
     tensor_kind = recipe_kind if axis == "tensor" else "tp"
-    return _hybrid({axis: size}, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
-                   tensor_kind, in_projections=in_projections)[0]  # fmt: skip
+    return _hybrid(
+        {axis: size},
+        psi,
+        bytes_per_value,
+        layers,
+        b,
+        s,
+        h,
+        vocab,
+        h_kv,
+        data_kind,
+        tensor_kind,
+        in_projections=in_projections,
+    )[0]
 
 
-def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_value: float = 4,
-                      layers: int | None = None, b: float | None = None, s: float | None = None,
-                      h: float | None = None, vocab: int | None = None, h_kv: float | None = None,
-                      data_kind: Literal["dp", "zero1", "zero2"] = "dp",
-                      tensor_kind: Literal["tp", "tp_sp"] = "tp",
-                      recompute: bool = False, attention: str = "allgather",
-                      in_projections: int = 2) -> dict[str, float]:  # fmt: skip
+def wire_bytes_hybrid(
+    axis_sizes: Mapping[str, int],
+    *,
+    psi: float,
+    bytes_per_value: float = 4,
+    layers: int | None = None,
+    b: float | None = None,
+    s: float | None = None,
+    h: float | None = None,
+    vocab: int | None = None,
+    h_kv: float | None = None,
+    data_kind: Literal["dp", "zero1", "zero2"] = "dp",
+    tensor_kind: Literal["tp", "tp_sp"] = "tp",
+    recompute: bool = False,
+    attention: str = "allgather",
+    in_projections: int = 2,
+) -> dict[str, float]:
     """Ring wire bytes per device per step of a layout over several mesh axes, by kind.
 
     The parts add up, each over its own group, nested ``data ⊃ sequence ⊃ fsdp ⊃ tensor``:
@@ -269,13 +338,43 @@ def wire_bytes_hybrid(axis_sizes: Mapping[str, int], *, psi: float, bytes_per_va
       >>> wire_bytes_hybrid({"data": 2, "fsdp": 4}, psi=1e6)
       {'all-gather': 6000000.0, 'reduce-scatter': 3000000.0, 'all-reduce': 1000000.0}
     """
-    return _hybrid(axis_sizes, psi, bytes_per_value, layers, b, s, h, vocab, h_kv, data_kind,
-                   tensor_kind, recompute, attention, in_projections=in_projections)[0]  # fmt: skip
+    return _hybrid(
+        axis_sizes,
+        psi,
+        bytes_per_value,
+        layers,
+        b,
+        s,
+        h,
+        vocab,
+        h_kv,
+        data_kind,
+        tensor_kind,
+        recompute,
+        attention,
+        in_projections=in_projections,
+    )[0]
 
 
-def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, tensor_kind,
-            recompute=False, attention="allgather", activations=True, terms=None,
-            in_projections=2, head_term="logits / loss collectives"):  # fmt: skip
+def _hybrid(
+    axis_sizes,
+    psi,
+    nbytes,
+    layers,
+    b,
+    s,
+    h,
+    vocab,
+    h_kv,
+    data_kind,
+    tensor_kind,
+    recompute=False,
+    attention="allgather",
+    activations=True,
+    terms=None,
+    in_projections=2,
+    head_term="logits / loss collectives",
+):
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`.
 
     ``activations=False`` leaves out the tensor and sequence axes' activation traffic
@@ -297,15 +396,16 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
         raise ShardingError(f"data_kind {data_kind!r} / tensor_kind {tensor_kind!r} unknown.")
     d, f, t, c = (axis_sizes.get(a, 1) for a in _AXES)
     if activations and (t > 1 or c > 1) and None in (layers, b, s, h):
-        raise ShardingError(f"axis_sizes {dict(axis_sizes)}: tensor/sequence parallelism needs "
-                            "layers=, b=, s= and h= (the activation sizes).")  # fmt: skip
+        raise ShardingError(
+            f"axis_sizes {dict(axis_sizes)}: tensor/sequence parallelism needs "
+            "layers=, b=, s= and h= (the activation sizes)."
+        )
     out: dict[str, float] = {}
     notes: list[str] = []
 
     terms = {} if terms is None else terms
 
-    def add(kind: str, volume: float, group: int, factor: float, note: str,
-            term: str) -> None:  # fmt: skip
+    def add(kind: str, volume: float, group: int, factor: float, note: str, term: str) -> None:
         if group > 1 and volume > 0:
             value = factor * volume * nbytes * (group - 1) / group
             out[kind] = out.get(kind, 0.0) + value
@@ -314,20 +414,40 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
 
     weights, grads = "weight all-gathers", "gradient reductions"
     if f > 1:
-        add("all-gather", psi / t, f, 2, "fsdp weights forward + backward, 2·(Ψ/t)·B·(f−1)/f",
-            weights)  # fmt: skip
+        add(
+            "all-gather",
+            psi / t,
+            f,
+            2,
+            "fsdp weights forward + backward, 2·(Ψ/t)·B·(f−1)/f",
+            weights,
+        )
         add("reduce-scatter", psi / t, f, 1, "fsdp gradients, (Ψ/t)·B·(f−1)/f", grads)
     shard, replicas = psi / (t * f), d * c
     if data_kind == "dp":
         add("all-reduce", shard, replicas, 2, "gradients, 2·(Ψ/(t·f))·B·(n−1)/n", grads)
     else:
-        add("reduce-scatter", shard, replicas, 1, f"{data_kind} gradients, (Ψ/(t·f))·B·(n−1)/n",
-            grads)  # fmt: skip
-        add("all-gather", shard, replicas, 1, f"{data_kind} parameters, (Ψ/(t·f))·B·(n−1)/n",
-            weights)  # fmt: skip
+        add(
+            "reduce-scatter",
+            shard,
+            replicas,
+            1,
+            f"{data_kind} gradients, (Ψ/(t·f))·B·(n−1)/n",
+            grads,
+        )
+        add(
+            "all-gather",
+            shard,
+            replicas,
+            1,
+            f"{data_kind} parameters, (Ψ/(t·f))·B·(n−1)/n",
+            weights,
+        )
     if (t > 1 or c > 1) and not activations:
-        notes.append("tensor/sequence activation traffic not modelled: the workload gives no "
-                     "model dimensions (layers, d_model, seq)")  # fmt: skip
+        notes.append(
+            "tensor/sequence activation traffic not modelled: the workload gives no "
+            "model dimensions (layers, d_model, seq)"
+        )
     if t > 1 and activations:
         bsh = b / (d * f) * (s / c) * h
         act = "activation collectives"
@@ -341,45 +461,96 @@ def _hybrid(axis_sizes, psi, nbytes, layers, b, s, h, vocab, h_kv, data_kind, te
             n_ar = n_red + (2 if vocab is not None else 0)  # embedding output, head input grad
             if vocab is not None:
                 head_note = " + embedding output and head input gradient"
-            add("all-reduce", n_ar * bsh, t, 2, f"{n_ar} all-reduces of b·s·h, Megatron TP: "
+            add(
+                "all-reduce",
+                n_ar * bsh,
+                t,
+                2,
+                f"{n_ar} all-reduces of b·s·h, Megatron TP: "
                 f"per layer 2 forward{' + 1 recomputed' if recompute else ''} + "
-                f"{in_projections} input gradients{head_note}", act)  # fmt: skip
+                f"{in_projections} input gradients{head_note}",
+                act,
+            )
         else:
             # TP+SP gathers each column-parallel input from its sequence shards forward,
             # gathers the 2 row-parallel outputs' gradients backward (the transposes of the
             # forward reduce-scatters) and gathers the 2 inputs again for the weight
             # gradients (Megatron-SP keeps only its shard; under remat the recomputed
             # forward's gathers serve instead): 6 all-gathers a layer either way.
-            add("all-gather", 6 * layers * bsh, t, 1, f"{6 * layers} all-gathers of b·s·h, "
+            add(
+                "all-gather",
+                6 * layers * bsh,
+                t,
+                1,
+                f"{6 * layers} all-gathers of b·s·h, "
                 "TP+SP: per layer 2 inputs forward, 2 output gradients backward, 2 inputs "
-                f"again ({'recomputed' if recompute else 'for the weight gradients'})", act)
-            add("reduce-scatter", n_red * bsh, t, 1, f"{n_red} reduce-scatters of b·s·h, "
+                f"again ({'recomputed' if recompute else 'for the weight gradients'})",
+                act,
+            )
+            add(
+                "reduce-scatter",
+                n_red * bsh,
+                t,
+                1,
+                f"{n_red} reduce-scatters of b·s·h, "
                 f"TP+SP: per layer 2 outputs forward{' + 1 recomputed' if recompute else ''} + "
-                f"{in_projections} input gradients", act)  # fmt: skip
+                f"{in_projections} input gradients",
+                act,
+            )
             if vocab is not None:  # vocab-parallel embedding and head, Megatron-SP's pairs
-                add("reduce-scatter", 2 * bsh, t, 1, "2 of b·s·h, the embedding's output "
-                    "forward and the head's input gradient backward", act)  # fmt: skip
-                add("all-gather", bsh, t, 1, "b·s·h, the embedding output's gradient "
-                    "backward", act)  # fmt: skip
+                add(
+                    "reduce-scatter",
+                    2 * bsh,
+                    t,
+                    1,
+                    "2 of b·s·h, the embedding's output "
+                    "forward and the head's input gradient backward",
+                    act,
+                )
+                add("all-gather", bsh, t, 1, "b·s·h, the embedding output's gradient backward", act)
                 add("all-gather", bsh, t, 1, "b·s·h, the head's input forward", head_term)
         if vocab is not None:
-            add("all-reduce", 3 * bsh / h, t, 2, "vocab-parallel cross-entropy, 3 of b·s",
-                "logits / loss collectives")  # fmt: skip
+            add(
+                "all-reduce",
+                3 * bsh / h,
+                t,
+                2,
+                "vocab-parallel cross-entropy, 3 of b·s",
+                "logits / loss collectives",
+            )
     if c > 1 and activations:
         kv = 2 * layers * b / (d * f) * s * (h if h_kv is None else h_kv) / t
         if attention == "ring":  # the same bytes, block by block around the ring
-            add("collective-permute", kv, c, 3 if recompute else 2, "K, V blocks forward "
+            add(
+                "collective-permute",
+                kv,
+                c,
+                3 if recompute else 2,
+                "K, V blocks forward "
                 "(again when recomputed) and dK, dV blocks backward, 2·L·b·s·h_kv/t each",
-                "context-parallel K/V")  # fmt: skip
+                "context-parallel K/V",
+            )
         else:
-            add("all-gather", kv, c, 2 if recompute else 1, "K and V per layer forward (again "
-                "when recomputed), 2·L·b·s·h_kv/t", "context-parallel K/V")  # fmt: skip
-            add("reduce-scatter", kv, c, 1, "dK and dV per layer backward, 2·L·b·s·h_kv/t",
-                "context-parallel K/V")  # fmt: skip
+            add(
+                "all-gather",
+                kv,
+                c,
+                2 if recompute else 1,
+                "K and V per layer forward (again when recomputed), 2·L·b·s·h_kv/t",
+                "context-parallel K/V",
+            )
+            add(
+                "reduce-scatter",
+                kv,
+                c,
+                1,
+                "dK and dV per layer backward, 2·L·b·s·h_kv/t",
+                "context-parallel K/V",
+            )
     return out, notes
 
 
-def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:  # fmt: skip
+def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:
     """Add the wire of a head that computes in the vocabulary layout over a data or fsdp
     axis (:meth:`Recipe.step_activation_rules`; a tensor axis's is in :func:`_hybrid`'s
     TP+SP collectives of the head) to ``wire`` and ``terms``, and return its notes.
@@ -394,7 +565,8 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:  # fmt
     """
     tokens = w.batch * w.seq
     spec = recipe.step_activation_rules(mesh, tokens=tokens, vocab=w.vocab).spec(
-        ("batch", "length", "vocab"))  # fmt: skip
+        ("batch", "length", "vocab")
+    )
     on_vocab = set(spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],))
     splits = [a for a in recipe.vocab_gather_axes(mesh) if a in on_vocab]
     gather = [a for a in splits if recipe.axis_role(a) in ("data", "fsdp")]
@@ -406,17 +578,21 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:  # fmt
     frac = (g - 1) / g
     hidden, stats = t_g * w.d_model * act * frac, 3 * 2 * t_g * 4 * frac
     weight = w.vocab * w.d_model * nb / recipe.parallelism(mesh).tensor * frac
-    for kind, term, x in (("all-gather", "logits / loss collectives", hidden),
-                          ("reduce-scatter", "activation collectives", hidden),  # the head's line
-                          ("all-reduce", "logits / loss collectives", stats),
-                          ("all-gather", "weight all-gathers", -weight),
-                          ("reduce-scatter", "gradient reductions", -weight)):  # fmt: skip
+    for kind, term, x in (
+        ("all-gather", "logits / loss collectives", hidden),
+        ("reduce-scatter", "activation collectives", hidden),  # the head's line
+        ("all-reduce", "logits / loss collectives", stats),
+        ("all-gather", "weight all-gathers", -weight),
+        ("reduce-scatter", "gradient reductions", -weight),
+    ):
         wire[kind] = wire.get(kind, 0.0) + x
         terms[term] = terms.get(term, 0.0) + x
-    return [f"vocab-split head over {'×'.join(gather)} ({g}): hidden states of T_g = {t_g:,.0f} "
-            f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g, + 3 "
-            "f32 all-reduces of T_g; the head's weight is neither gathered nor reduced, "
-            "−2·V·h·B·(g−1)/g"]  # fmt: skip
+    return [
+        f"vocab-split head over {'×'.join(gather)} ({g}): hidden states of T_g = {t_g:,.0f} "
+        f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g, + 3 "
+        "f32 all-reduces of T_g; the head's weight is neither gathered nor reduced, "
+        "−2·V·h·B·(g−1)/g"
+    ]
 
 
 def _phase_note(phases: Mapping[str, float]) -> str:
@@ -424,14 +600,23 @@ def _phase_note(phases: Mapping[str, float]) -> str:
     return f"total: the largest phase peak (shardkit.report.phases): {peaks}"
 
 
-def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: Workload,
-                   param_bytes: float, optimizer_bytes: float, psi: float | None = None,
-                   bytes_per_value: int = 4, layer_params: float | None = None,
-                   in_params: float | None = None, vocab_tables: int = 2,
-                   pipeline: Mapping[str, Any] | None = None,
-                   stack_param_bytes: float | None = None,
-                   stack_optimizer_bytes: float | None = None,
-                   tensor_rest_bytes: float | None = None) -> AnalyticModel:  # fmt: skip
+def analytic_costs(
+    recipe: Recipe | str,
+    mesh: Mapping[str, int],
+    *,
+    workload: Workload,
+    param_bytes: float,
+    optimizer_bytes: float,
+    psi: float | None = None,
+    bytes_per_value: int = 4,
+    layer_params: float | None = None,
+    in_params: float | None = None,
+    vocab_tables: int = 2,
+    pipeline: Mapping[str, Any] | None = None,
+    stack_param_bytes: float | None = None,
+    stack_optimizer_bytes: float | None = None,
+    tensor_rest_bytes: float | None = None,
+) -> AnalyticModel:
     """The analytic memory per device and wire bytes per step of any model under a recipe.
 
     What the layout runs is read from the recipe's rules (:meth:`Recipe.parallelism`),
@@ -488,16 +673,37 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
                 "stack_optimizer_bytes=...), or report a step built by "
                 "sk.parallel.train_step (it carries them)."
             )
-        stack_opt = (stack_param_bytes / param_bytes * optimizer_bytes
-                     if stack_optimizer_bytes is None else stack_optimizer_bytes)  # fmt: skip
-        return pipeline_model(par, workload, pipeline=pipeline, param_bytes=param_bytes,
-                              optimizer_bytes=optimizer_bytes, stack_param_bytes=stack_param_bytes,
-                              stack_optimizer_bytes=stack_opt, bytes_per_value=bytes_per_value,
-                              label=recipe.name, tensor_rest_bytes=tensor_rest_bytes,
-                              vocab_tables=vocab_tables)  # fmt: skip
+        stack_opt = (
+            stack_param_bytes / param_bytes * optimizer_bytes
+            if stack_optimizer_bytes is None
+            else stack_optimizer_bytes
+        )
+        return pipeline_model(
+            par,
+            workload,
+            pipeline=pipeline,
+            param_bytes=param_bytes,
+            optimizer_bytes=optimizer_bytes,
+            stack_param_bytes=stack_param_bytes,
+            stack_optimizer_bytes=stack_opt,
+            bytes_per_value=bytes_per_value,
+            label=recipe.name,
+            tensor_rest_bytes=tensor_rest_bytes,
+            vocab_tables=vocab_tables,
+        )
     if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
-        return _tsp_costs(recipe, par, workload, param_bytes, optimizer_bytes, psi,
-                          bytes_per_value, layer_params, in_params, vocab_tables)  # fmt: skip
+        return _tsp_costs(
+            recipe,
+            par,
+            workload,
+            param_bytes,
+            optimizer_bytes,
+            psi,
+            bytes_per_value,
+            layer_params,
+            in_params,
+            vocab_tables,
+        )
     w, nb = workload, bytes_per_value
     act = activation_bytes(w.precision, nb)
     psi = param_bytes / nb if psi is None else psi
@@ -508,27 +714,48 @@ def analytic_costs(recipe: Recipe | str, mesh: Mapping[str, int], *, workload: W
     activations = 0.0
     if w.has_dims:
         s = w.seq / c
-        per_layer = megatron_activations_per_layer(s, b, w.d_model, w.n_heads, t=t, mode=mode,
-                                                   bytes_per_value=act)  # fmt: skip
+        per_layer = megatron_activations_per_layer(
+            s, b, w.d_model, w.n_heads, t=t, mode=mode, bytes_per_value=act
+        )
         activations = w.layers * per_layer + b * s * w.vocab * nb / t
-        act_note = (f"activations: {w.layers} layers × Megatron '{mode}' (Korthikanti et al. "
-                    f"2022) at b={b:g}, s={s:g}, t={t}, {act} bytes per value ({w.precision}), "
-                    f"+ logits b·s·V·{nb}/{t} (scored in f32); a guide, not a bound")  # fmt: skip
+        act_note = (
+            f"activations: {w.layers} layers × Megatron '{mode}' (Korthikanti et al. "
+            f"2022) at b={b:g}, s={s:g}, t={t}, {act} bytes per value ({w.precision}), "
+            f"+ logits b·s·V·{nb}/{t} (scored in f32); a guide, not a bound"
+        )
     else:
-        act_note = ("activations: not modelled (the workload gives no layers, d_model, n_heads, "
-                    "seq, vocab)")  # fmt: skip
-    memory = AnalyticMemory(params=param_bytes / (t * f), grads=param_bytes / (t * f),
-                            optimizer=optimizer_bytes / opt_degree, activations=activations)  # fmt: skip
+        act_note = (
+            "activations: not modelled (the workload gives no layers, d_model, n_heads, seq, vocab)"
+        )
+    memory = AnalyticMemory(
+        params=param_bytes / (t * f),
+        grads=param_bytes / (t * f),
+        optimizer=optimizer_bytes / opt_degree,
+        activations=activations,
+    )
     h_kv = None
     if w.has_dims and w.n_kv_heads is not None:
         h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
     attention = "ring" if recipe.attention == "ring" else "allgather"
     terms: dict[str, float] = {}
-    wire, wire_notes = _hybrid(par.sizes(), psi, nb, w.layers, w.batch, w.seq, w.d_model,
-                               w.vocab, h_kv, par.data_kind, par.tensor_kind,
-                               recompute=remat == "full", attention=attention,
-                               activations=w.has_dims, terms=terms,
-                               in_projections=w.in_projections)  # fmt: skip
+    wire, wire_notes = _hybrid(
+        par.sizes(),
+        psi,
+        nb,
+        w.layers,
+        w.batch,
+        w.seq,
+        w.d_model,
+        w.vocab,
+        h_kv,
+        par.data_kind,
+        par.tensor_kind,
+        recompute=remat == "full",
+        attention=attention,
+        activations=w.has_dims,
+        terms=terms,
+        in_projections=w.in_projections,
+    )
     if w.has_dims:
         wire_notes += _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms)
     notes = (
@@ -555,29 +782,40 @@ def activation_bytes(precision: str, bytes_per_value: float = 4) -> float:
     return 2 if precision == "bf16" else bytes_per_value
 
 
-def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_params,
-               in_params, vocab_tables=2) -> AnalyticModel:  # fmt: skip
+def _tsp_costs(
+    recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_params, in_params, vocab_tables=2
+) -> AnalyticModel:
     """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``)."""
     from shardkit.report.analytic_tsp import tsp_wire_bytes
 
     if par.fsdp > 1 or par.tensor > 1 or par.sequence > 1:
-        raise ShardingError(f"{recipe.name}: the analytic model covers TSP with data "
-                            f"parallelism only, got {par}.")  # fmt: skip
+        raise ShardingError(
+            f"{recipe.name}: the analytic model covers TSP with data parallelism only, got {par}."
+        )
     d, data = par.tsp, par.data
     psi = param_bytes / nb if psi is None else psi
     remat = w.remat or "none"
-    memory = AnalyticMemory(params=param_bytes / d, grads=param_bytes / d,
-                            optimizer=optimizer_bytes / d, activations=0.0)  # fmt: skip
-    notes = [f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
-             f"state: params, grads and optimizer / {d} (every weight split over the TSP axis)"]  # fmt: skip
+    memory = AnalyticMemory(
+        params=param_bytes / d,
+        grads=param_bytes / d,
+        optimizer=optimizer_bytes / d,
+        activations=0.0,
+    )
+    notes = [
+        f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
+        f"state: params, grads and optimizer / {d} (every weight split over the TSP axis)",
+    ]
     if not w.has_dims:
-        notes.append("activations and TSP traffic not modelled: the workload gives no model "
-                     "dimensions (layers, d_model, seq)")  # fmt: skip
+        notes.append(
+            "activations and TSP traffic not modelled: the workload gives no model "
+            "dimensions (layers, d_model, seq)"
+        )
         return AnalyticModel(memory=memory, wire_bytes_by_kind={}, notes=tuple(notes))
     b, s = w.batch / data, w.seq / d
     mode = "full_recompute" if remat == "full" else "none"
-    per_layer = megatron_activations_per_layer(s, b, w.d_model, w.n_heads, mode=mode,
-                                               bytes_per_value=activation_bytes(w.precision, nb))  # fmt: skip
+    per_layer = megatron_activations_per_layer(
+        s, b, w.d_model, w.n_heads, mode=mode, bytes_per_value=activation_bytes(w.precision, nb)
+    )
     memory = dataclasses.replace(memory, activations=w.layers * per_layer + b * s * w.vocab * nb)
     if layer_params is None:
         layer_params = max(psi - w.vocab * w.d_model, 0) / w.layers
@@ -588,15 +826,31 @@ def _tsp_costs(recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_para
         h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
     terms: dict[str, float] = {}
     wire, wire_notes = tsp_wire_bytes(
-        psi=psi, layer_params=layer_params, in_params=in_params or 0.0, layers=w.layers,
-        b=b, s=w.seq, h=w.d_model, d=d, data=data, nbytes=nb, schedule=par.tsp_kind,
-        recompute=remat == "full", h_kv=h_kv, vocab=w.vocab, tables=vocab_tables, terms=terms,
-    )  # fmt: skip
-    notes += [f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
-              "(Korthikanti et al. 2022), + logits b·s·V·B; a guide, not a bound",
-              *wire_notes]  # fmt: skip
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=tuple(notes),
-                         wire_terms=terms)  # fmt: skip
+        psi=psi,
+        layer_params=layer_params,
+        in_params=in_params or 0.0,
+        layers=w.layers,
+        b=b,
+        s=w.seq,
+        h=w.d_model,
+        d=d,
+        data=data,
+        nbytes=nb,
+        schedule=par.tsp_kind,
+        recompute=remat == "full",
+        h_kv=h_kv,
+        vocab=w.vocab,
+        tables=vocab_tables,
+        terms=terms,
+    )
+    notes += [
+        f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
+        "(Korthikanti et al. 2022), + logits b·s·V·B; a guide, not a bound",
+        *wire_notes,
+    ]
+    return AnalyticModel(
+        memory=memory, wire_bytes_by_kind=wire, notes=tuple(notes), wire_terms=terms
+    )
 
 
 def layer_params(config: Any) -> tuple[float, float]:
@@ -618,10 +872,18 @@ def layer_params(config: Any) -> tuple[float, float]:
     return qkv + q * h + 3 * h * ff, qkv + 2 * h * ff
 
 
-def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *, batch: int,
-                   seq: int, bytes_per_value: int = 4, remat: str | None = None,
-                   precision: str = "f32",
-                   pipeline: Mapping[str, Any] | None = None) -> AnalyticModel:  # fmt: skip
+def analytic_model(
+    config: Any,
+    recipe: Recipe | str,
+    mesh: Mapping[str, int],
+    *,
+    batch: int,
+    seq: int,
+    bytes_per_value: int = 4,
+    remat: str | None = None,
+    precision: str = "f32",
+    pipeline: Mapping[str, Any] | None = None,
+) -> AnalyticModel:
     """The analytic memory per device and wire bytes per step of a reference model.
 
     :func:`analytic_costs` with the state counted from ``config`` for f32 Adam: params
@@ -663,24 +925,33 @@ def analytic_model(config: Any, recipe: Recipe | str, mesh: Mapping[str, int], *
       True
     """
     psi = config.param_count()
-    workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat,
-                                    precision=precision)  # fmt: skip
+    workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat, precision=precision)
     ringed, ringed_in = layer_params(config)
-    model = analytic_costs(recipe, mesh, workload=workload, psi=psi,
-                           param_bytes=bytes_per_value * psi,
-                           optimizer_bytes=2 * bytes_per_value * psi,
-                           bytes_per_value=bytes_per_value, layer_params=ringed,
-                           in_params=ringed_in,
-                           vocab_tables=1 if getattr(config, "family", "") == "gpt" else 2,
-                           pipeline=pipeline,
-                           stack_param_bytes=bytes_per_value * config.n_layers * config._layer_params(),
-                           stack_optimizer_bytes=2 * bytes_per_value * config.n_layers
-                           * config._layer_params())  # fmt: skip
+    model = analytic_costs(
+        recipe,
+        mesh,
+        workload=workload,
+        psi=psi,
+        param_bytes=bytes_per_value * psi,
+        optimizer_bytes=2 * bytes_per_value * psi,
+        bytes_per_value=bytes_per_value,
+        layer_params=ringed,
+        in_params=ringed_in,
+        vocab_tables=1 if getattr(config, "family", "") == "gpt" else 2,
+        pipeline=pipeline,
+        stack_param_bytes=bytes_per_value * config.n_layers * config._layer_params(),
+        stack_optimizer_bytes=2 * bytes_per_value * config.n_layers * config._layer_params(),
+    )
     return with_phases(model, config, recipe, mesh, workload)
 
 
-def with_phases(model: AnalyticModel, config: Any, recipe: Recipe | str,
-                mesh: Mapping[str, int], workload: Workload) -> AnalyticModel:  # fmt: skip
+def with_phases(
+    model: AnalyticModel,
+    config: Any,
+    recipe: Recipe | str,
+    mesh: Mapping[str, int],
+    workload: Workload,
+) -> AnalyticModel:
     """``model`` with the peak of each phase of a reference model's step as its total.
 
     A no-op unless ``config`` is a reference model's (it has ``loss_chunks``) and the
@@ -692,10 +963,22 @@ def with_phases(model: AnalyticModel, config: Any, recipe: Recipe | str,
         return model
     from shardkit.report.phases import phase_peaks
 
-    phases = phase_peaks(config, recipe, mesh, batch=workload.batch, seq=workload.seq,
-                         bytes_per_value=4, remat=workload.remat or "none",
-                         base=model.memory, precision=workload.precision)  # fmt: skip
+    phases = phase_peaks(
+        config,
+        recipe,
+        mesh,
+        batch=workload.batch,
+        seq=workload.seq,
+        bytes_per_value=4,
+        remat=workload.remat or "none",
+        base=model.memory,
+        precision=workload.precision,
+    )
     memory = dataclasses.replace(model.memory, phases=phases)
     notes = (*model.notes[:3], _phase_note(phases), *model.notes[3:])
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=model.wire_bytes_by_kind, notes=notes,
-                         wire_terms=model.wire_terms)  # fmt: skip
+    return AnalyticModel(
+        memory=memory,
+        wire_bytes_by_kind=model.wire_bytes_by_kind,
+        notes=notes,
+        wire_terms=model.wire_terms,
+    )

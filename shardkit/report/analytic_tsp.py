@@ -54,11 +54,25 @@ import math
 __all__ = ["tsp_crossover_tokens", "tsp_wire_bytes"]
 
 
-def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers: int,
-                   b: float, s: float, h: float, d: int, data: int = 1, nbytes: float = 4,
-                   schedule: str = "tsp", recompute: bool = False, h_kv: float | None = None,
-                   vocab: int = 0, tables: int = 2,
-                   terms: dict[str, float] | None = None) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+def tsp_wire_bytes(
+    *,
+    psi: float,
+    layer_params: float,
+    in_params: float,
+    layers: int,
+    b: float,
+    s: float,
+    h: float,
+    d: int,
+    data: int = 1,
+    nbytes: float = 4,
+    schedule: str = "tsp",
+    recompute: bool = False,
+    h_kv: float | None = None,
+    vocab: int = 0,
+    tables: int = 2,
+    terms: dict[str, float] | None = None,
+) -> tuple[dict[str, float], list[str]]:
     """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
 
     Args:
@@ -102,10 +116,18 @@ def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers:
 
     h_kv = h if h_kv is None else h_kv
     passes = 3 if recompute else 2
-    add("collective-permute", layers * passes * f * 2 * b * s * h_kv * nbytes,
-        f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B", kv)  # fmt: skip
-    add("collective-permute", layers * passes * 4 * (h + h_kv) * b * s * nbytes / d,
-        f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D", kv)  # fmt: skip
+    add(
+        "collective-permute",
+        layers * passes * f * 2 * b * s * h_kv * nbytes,
+        f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B",
+        kv,
+    )
+    add(
+        "collective-permute",
+        layers * passes * 4 * (h + h_kv) * b * s * nbytes / d,
+        f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D",
+        kv,
+    )
     rest = psi - (tables * vocab * h if vocab else 0)
     if vocab:
         add("all-gather", f * b * s * 4, "token ids for the lookup, f·b·S·4", act)
@@ -116,26 +138,33 @@ def tsp_wire_bytes(*, psi: float, layer_params: float, in_params: float, layers:
         if schedule == "tsp":
             add("collective-permute", 3 * f * vocab * h * nbytes, "head ring, 3f·V·h·B", weights)
         else:
-            add("all-gather", f * vocab * h * nbytes, "head weight gathered once, f·V·h·B",
-                weights)  # fmt: skip
+            add("all-gather", f * vocab * h * nbytes, "head weight gathered once, f·V·h·B", weights)
             add("reduce-scatter", f * vocab * h * nbytes, "head gradient, f·V·h·B", grads)
     if schedule == "tsp":
         ring = 3 * layer_params + (in_params if recompute else 0)
-        add("collective-permute", layers * f * ring * nbytes,
-            "weight rings, L·f·(3Ψ_l" + (" + Ψ_in" if recompute else "") + ")·B", weights)  # fmt: skip
+        add(
+            "collective-permute",
+            layers * f * ring * nbytes,
+            "weight rings, L·f·(3Ψ_l" + (" + Ψ_in" if recompute else "") + ")·B",
+            weights,
+        )
         rest -= layers * layer_params
     rest = max(rest, 0.0)
-    add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B",
-        weights)  # fmt: skip
+    add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B", weights)
     add("reduce-scatter", f * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
     if data > 1:
-        add("all-reduce", 2 * psi / d * nbytes * (data - 1) / data,
-            "gradient shard over data, 2(Ψ/D)·B·(d−1)/d", grads)  # fmt: skip
+        add(
+            "all-reduce",
+            2 * psi / d * nbytes * (data - 1) / data,
+            "gradient shard over data, 2(Ψ/D)·B·(d−1)/d",
+            grads,
+        )
     return out, notes
 
 
-def tsp_crossover_tokens(*, layer_params: float, d_model: float, d: int,
-                         zigzag: bool = True, h_kv: float | None = None) -> float:  # fmt: skip
+def tsp_crossover_tokens(
+    *, layer_params: float, d_model: float, d: int, zigzag: bool = True, h_kv: float | None = None
+) -> float:
     """Tokens b·S per replica above which a TSP layer moves fewer bytes than TP+SP's.
 
     Training (forward + backward, no remat): TSP f·(3Ψ_l + 4bS·h_kv) (+8bS(h + h_kv)/D

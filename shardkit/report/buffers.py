@@ -126,8 +126,10 @@ class BufferAssignment:
         add up to the live bytes: defining (non-phi) values first, then by offset.
         """
         t = self.peak_time if t is None else t
-        live = sorted((v for v in self.values if v.kind == "temp" and v.live_at(t)),
-                      key=lambda v: (v.phi, v.offset, -v.size, v.id))  # fmt: skip
+        live = sorted(
+            (v for v in self.values if v.kind == "temp" and v.live_at(t)),
+            key=lambda v: (v.phi, v.offset, -v.size, v.id),
+        )
         out, covered = [], []  # covered: disjoint [lo, hi) intervals
         for v in live:
             own = _uncovered(v.offset, v.offset + v.size, covered)
@@ -238,19 +240,38 @@ def read_dump(directory: str) -> BufferAssignment:
             index = m.group(3) or "{}"
             start, end = live.get(m.group(2) + index, (None, None))
             shape, dims = _shape(m.group(7))
-            values.append(Value(
-                id=vid, instruction=m.group(2), index=index, size=int(m.group(5)),
-                offset=int(m.group(6)), shape=shape, dims=dims, kind=kind,
-                phi=bool(m.group(4)), opcode=opcode, op_name=op_name, start=start, end=end,
-                users=used_by, user_names=used_by, frame_id=frame_id,
-            ))  # fmt: skip
+            values.append(
+                Value(
+                    id=vid,
+                    instruction=m.group(2),
+                    index=index,
+                    size=int(m.group(5)),
+                    offset=int(m.group(6)),
+                    shape=shape,
+                    dims=dims,
+                    kind=kind,
+                    phi=bool(m.group(4)),
+                    opcode=opcode,
+                    op_name=op_name,
+                    start=start,
+                    end=end,
+                    users=used_by,
+                    user_names=used_by,
+                    frame_id=frame_id,
+                )
+            )
     opcodes = {v.instruction: v.opcode for v in values if v.opcode}
-    values = [dataclasses.replace(v, users=tuple(opcodes.get(u, u) for u in v.users))
-              for v in values]  # fmt: skip
+    values = [
+        dataclasses.replace(v, users=tuple(opcodes.get(u, u) for u in v.users)) for v in values
+    ]
     peak_time, peak_bytes = _peak([v for v in values if v.kind == "temp"], len(sequence))
-    return BufferAssignment(values=tuple(values), temp_bytes=temp_bytes,
-                            sequence=tuple(sequence), peak_time=peak_time,
-                            peak_bytes=peak_bytes)  # fmt: skip
+    return BufferAssignment(
+        values=tuple(values),
+        temp_bytes=temp_bytes,
+        sequence=tuple(sequence),
+        peak_time=peak_time,
+        peak_bytes=peak_bytes,
+    )
 
 
 def _peak(temps: list[Value], length: int) -> tuple[int, int]:

@@ -47,13 +47,34 @@ from shardkit.report.provenance import (
     source_of,
 )
 
-__all__ = ["KINDS", "Collective", "bytes_by_kind", "collectives_of", "parse_collectives",
-           "wire_bytes_by_kind"]  # fmt: skip
+__all__ = [
+    "KINDS",
+    "Collective",
+    "bytes_by_kind",
+    "collectives_of",
+    "parse_collectives",
+    "wire_bytes_by_kind",
+]
 
 
-_BITS = {"pred": 8, "s8": 8, "u8": 8, "s16": 16, "u16": 16, "f16": 16, "bf16": 16, "s32": 32,
-         "u32": 32, "f32": 32, "s64": 64, "u64": 64, "f64": 64, "c64": 64, "c128": 128,
-         "token": 0}  # fmt: skip
+_BITS = {
+    "pred": 8,
+    "s8": 8,
+    "u8": 8,
+    "s16": 16,
+    "u16": 16,
+    "f16": 16,
+    "bf16": 16,
+    "s32": 32,
+    "u32": 32,
+    "f32": 32,
+    "s64": 64,
+    "u64": 64,
+    "f64": 64,
+    "c64": 64,
+    "c128": 128,
+    "token": 0,
+}
 
 _COMP = re.compile(r"(?:ENTRY\s+)?%?([\w.\-]+)")
 _INSTR = re.compile(r"\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*")
@@ -178,8 +199,9 @@ def _parse_shape(s: str, i: int = 0) -> tuple[Shape, int]:
     m = _ARRAY.match(s, i)
     if m is None:
         raise ValueError(f"not an HLO shape: {s[i : i + 40]!r}")
-    dims = tuple(int(d.lstrip("<=")) if d.strip("<=").isdigit() else 0
-                 for d in m.group(2).split(",") if d)  # fmt: skip
+    dims = tuple(
+        int(d.lstrip("<=")) if d.strip("<=").isdigit() else 0 for d in m.group(2).split(",") if d
+    )
     bits = 8 if m.group(1).startswith("f8") else _BITS.get(m.group(1), 8)
     j = m.end()
     if j < len(s) and s[j] == "{":  # layout; E(n) gives packed sub-byte element bits
@@ -294,15 +316,20 @@ def _mesh_first_group(s: str) -> tuple[int, ...]:
     import numpy as np
 
     end = _skip_balanced(s, 4)
-    axes = [(n.strip(" '\""), int(v)) for n, _, v in
-            (item.rpartition("=") for item in s[5 : end - 1].split(","))]  # fmt: skip
+    axes = [
+        (n.strip(" '\""), int(v))
+        for n, _, v in (item.rpartition("=") for item in s[5 : end - 1].split(","))
+    ]
     ids = np.arange(int(np.prod([v for _, v in axes])))
     if s.startswith(", device_ids=", end):
         close = _skip_balanced(s, s.index("(", end))
         inner = s[s.index("(", end) + 1 : close - 1]
         m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", inner.strip())
-        ids = _iota(m.group(1), m.group(2)).ravel() if m else np.array(
-            [int(x) for x in re.findall(r"\d+", inner)])  # fmt: skip
+        ids = (
+            _iota(m.group(1), m.group(2)).ravel()
+            if m
+            else np.array([int(x) for x in re.findall(r"\d+", inner)])
+        )
         end = close
     lo = s.index("{", end)
     wanted: dict[str, tuple[int, int] | None] = {}
@@ -371,8 +398,11 @@ class _Graph:
                 ok = ok and _nelems(self.text[user]) * n == elements
             elif opcode == "fusion" and user in self.fusion_calls:
                 comp = self.fusion_calls[user]
-                ok = all(self.only_sliced(self.params.get((comp, i)), elements, n)
-                         for i, o in enumerate(operands) if o == name)  # fmt: skip
+                ok = all(
+                    self.only_sliced(self.params.get((comp, i)), elements, n)
+                    for i, o in enumerate(operands)
+                    if o == name
+                )
             else:
                 ok = False
             if not ok:
@@ -399,8 +429,11 @@ class _Graph:
                 if op != "get-tuple-element" or i is None:
                     return set()  # the whole tuple escapes: every element is used
                 by_index[int(i.group(1))].append(user)
-        return {k for k, gtes in by_index.items()
-                if k < len(sizes) and all(self.only_sliced(g, sizes[k], n) for g in gtes)}  # fmt: skip
+        return {
+            k
+            for k, gtes in by_index.items()
+            if k < len(sizes) and all(self.only_sliced(g, sizes[k], n) for g in gtes)
+        }
 
 
 def _nelems(text: str) -> int:
@@ -570,14 +603,26 @@ def parse_collectives(
         for part_kind, arrays, lowered in parts:
             nbytes = _nbytes(arrays)
             wire = _wire(part_kind, nbytes, n) * count
-            out.append(Collective(
-                kind=part_kind, bytes=nbytes, group_size=n, wire_bytes=wire, count=count,
-                op_name=name, computation=shown, dtype=_dtypes(arrays),
-                shapes=tuple(a[1] for a in arrays),
-                count_exact=known[comp], lowered_as=lowered, module_path=module_path_of(name),
-                pass_=pass_of(name), source=origin.where if origin else "",
-                function=origin.function if origin else "", group=first_group(attrs, kind),
-            ))  # fmt: skip
+            out.append(
+                Collective(
+                    kind=part_kind,
+                    bytes=nbytes,
+                    group_size=n,
+                    wire_bytes=wire,
+                    count=count,
+                    op_name=name,
+                    computation=shown,
+                    dtype=_dtypes(arrays),
+                    shapes=tuple(a[1] for a in arrays),
+                    count_exact=known[comp],
+                    lowered_as=lowered,
+                    module_path=module_path_of(name),
+                    pass_=pass_of(name),
+                    source=origin.where if origin else "",
+                    function=origin.function if origin else "",
+                    group=first_group(attrs, kind),
+                )
+            )
     return out
 
 

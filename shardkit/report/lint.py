@@ -58,7 +58,9 @@ def human_bytes(n: float) -> str:
 
 
 def unexpected_collectives(
-    collectives: Sequence[Collective], expected: Iterable[str], recipe: str,
+    collectives: Sequence[Collective],
+    expected: Iterable[str],
+    recipe: str,
     rows: Sequence[object] = (),
 ) -> list[str]:
     """One warning per collective kind the recipe does not predict, if it moves real bytes.
@@ -163,8 +165,9 @@ def _key(shape: Iterable[int]) -> tuple[int, ...]:
     return tuple(sorted(shape))
 
 
-def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
-                       collectives: Sequence[Collective] = ()) -> list[str]:  # fmt: skip
+def grows_with_devices(
+    recipe: object, mesh: dict[str, int], workload: object, collectives: Sequence[Collective] = ()
+) -> list[str]:
     """Activations gathered over an axis that splits the tokens: per-device memory that
     grows with the device count.
 
@@ -193,9 +196,14 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
         return []
     tokens = workload.batch * seq
     rules = recipe.step_activation_rules(mesh, tokens=tokens, vocab=vocab)
-    gather = [a for a in recipe.vocab_gather_axes(mesh)
-              if any(name == "vocab" and a in ((axes,) if isinstance(axes, str) else axes or ())
-                     for name, axes in rules)]  # fmt: skip
+    gather = [
+        a
+        for a in recipe.vocab_gather_axes(mesh)
+        if any(
+            name == "vocab" and a in ((axes,) if isinstance(axes, str) else axes or ())
+            for name, axes in rules
+        )
+    ]
     if not gather:
         return []
     gathered = recipe.gathered_tokens(mesh, tokens)
@@ -205,11 +213,12 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
     hidden, weight = gathered * d * nb, vocab * d * nb
     n = math.prod(mesh.get(a, 1) for a in gather)
     where = ""
-    matches = [c for c in collectives if c.kind == "all-gather"
-               and c.elements == gathered * d]  # fmt: skip
+    matches = [c for c in collectives if c.kind == "all-gather" and c.elements == gathered * d]
     if matches:
         top = max(matches, key=lambda c: c.bytes)
-        where = f" The compiled program gathers them: {top.dtype}{top.shape_text} from {top.op_name!r}."
+        where = (
+            f" The compiled program gathers them: {top.dtype}{top.shape_text} from {top.op_name!r}."
+        )
     axes = ", ".join(repr(a) for a in gather)
     return [
         f"activation grows with the device count under {recipe.name}: the logits (batch, "
@@ -222,4 +231,3 @@ def grows_with_devices(recipe: object, mesh: dict[str, int], workload: object,
         f"> vocabulary {vocab:,}. Fix: recipe.with_logits('auto') (the default: split "
         "the logits over the tokens past that point) or 'tokens'."
     ]
-

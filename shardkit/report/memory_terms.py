@@ -49,10 +49,17 @@ __all__ = ["MemoryTerm", "TERMS", "analytic_terms", "attribute", "explain", "pea
 
 #: The terms, in the order the report lists them.
 TERMS = (
-    "gradients", "gathered weights", "saved activations", "recomputation", "attention scores",
-    "logits / loss", "activation gradients", "collective buffers", "other XLA temporaries",
+    "gradients",
+    "gathered weights",
+    "saved activations",
+    "recomputation",
+    "attention scores",
+    "logits / loss",
+    "activation gradients",
+    "collective buffers",
+    "other XLA temporaries",
     "heap fragmentation",
-)  # fmt: skip
+)
 
 #: What each term is, for terms the analytic model has no value of.
 UNMODELLED = {
@@ -63,8 +70,16 @@ UNMODELLED = {
     "heap fragmentation": "space XLA's heap could not pack; not modelled",
 }
 
-_COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all",
-                "all-reduce-start", "all-gather-start", "collective-permute-start")  # fmt: skip
+_COLLECTIVES = (
+    "all-reduce",
+    "reduce-scatter",
+    "all-gather",
+    "collective-permute",
+    "all-to-all",
+    "all-reduce-start",
+    "all-gather-start",
+    "collective-permute-start",
+)
 _REDUCTIONS = ("all-reduce", "reduce-scatter", "all-reduce-start")
 _LOSS = os.path.join("shardkit", "loss.py")
 
@@ -86,8 +101,14 @@ class MemoryTerm:
         return self.bytes / self.analytic_bytes
 
     def to_json(self) -> dict[str, Any]:
-        return {"term": self.term, "bytes": self.bytes, "analytic_bytes": self.analytic_bytes,
-                "ratio": self.ratio, "buffers": self.count, "top": list(self.top)}  # fmt: skip
+        return {
+            "term": self.term,
+            "bytes": self.bytes,
+            "analytic_bytes": self.analytic_bytes,
+            "ratio": self.ratio,
+            "buffers": self.count,
+            "top": list(self.top),
+        }
 
 
 def _dims(v: Value) -> tuple[int, ...] | None:
@@ -119,8 +140,9 @@ class _Shapes:
                 continue
             shard, full = tuple(r.shard_shape or r.shape), tuple(r.shape)
             layered = bool(r.logical) and r.logical[0] == "layers"
-            per_layer = (lambda d: [_squeeze(d), _squeeze(d[1:])]) if layered else (
-                lambda d: [_squeeze(d)])  # fmt: skip
+            per_layer = (
+                (lambda d: [_squeeze(d), _squeeze(d[1:])]) if layered else (lambda d: [_squeeze(d)])
+            )
             stored |= {*per_layer(shard)}
             if r.kind != "param" or shard == full:
                 continue
@@ -171,9 +193,15 @@ def _describe(v: Value) -> str:
     return f"{v.shape} {where} ({pass_ + ' ' if pass_ else ''}{v.opcode or 'value'})"
 
 
-def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | Sequence[int] = (),
-              stacks: Mapping[int, tuple[Frame, ...]] | None = None,
-              analytic: Mapping[str, float] | None = None, top: int = 3) -> list[MemoryTerm]:  # fmt: skip
+def attribute(
+    ba: BufferAssignment,
+    rows: Sequence[Any],
+    *,
+    seq: int | Sequence[int] = (),
+    stacks: Mapping[int, tuple[Frame, ...]] | None = None,
+    analytic: Mapping[str, float] | None = None,
+    top: int = 3,
+) -> list[MemoryTerm]:
     """The temp bytes live at the peak of ``ba``, by term (see the module docstring).
 
     Args:
@@ -196,13 +224,16 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | Sequence[
     stacks = stacks or {}
     lengths = {seq} if isinstance(seq, int) else set(seq)
     # Same-sized values computed from a gathered weight are layout copies of it.
-    gathered_names = {v.instruction for v in ba.values
-                      if v.opcode in ("all-gather", "all-gather-start")
-                      and shapes.param(_dims(v))}  # fmt: skip
+    gathered_names = {
+        v.instruction
+        for v in ba.values
+        if v.opcode in ("all-gather", "all-gather-start") and shapes.param(_dims(v))
+    }
     sizes = {v.instruction: v.size for v in ba.values}
     copies = {u for v in ba.values if v.instruction in gathered_names for u in v.user_names}
-    gathered = {name for name in copies
-                if any(sizes.get(g) == sizes.get(name) for g in gathered_names)}  # fmt: skip
+    gathered = {
+        name for name in copies if any(sizes.get(g) == sizes.get(name) for g in gathered_names)
+    }
     by_term: dict[str, list[Value]] = {}
     for v in live:
         by_term.setdefault(_term(v, shapes, gathered, lengths, _in_loss(v, stacks)), []).append(v)
@@ -216,19 +247,36 @@ def attribute(ba: BufferAssignment, rows: Sequence[Any], *, seq: int | Sequence[
             top_value = ba.top_value
             if total and top_value is not None and top_value.start is not None:
                 then = sum(v.size for v in ba.live_temps(top_value.start))
-                where = (f"the heap's top is {_describe(top_value)} at offset "
-                         f"{top_value.offset:,}, placed while {then:,} B were live")  # fmt: skip
+                where = (
+                    f"the heap's top is {_describe(top_value)} at offset "
+                    f"{top_value.offset:,}, placed while {then:,} B were live"
+                )
                 out.append(MemoryTerm(term, total, None, (where,), 0))
                 continue
         if total or term in analytic:
-            out.append(MemoryTerm(term, total, analytic.get(term),
-                                  tuple(_describe(v) for v in values[:top]), len(values)))  # fmt: skip
+            out.append(
+                MemoryTerm(
+                    term,
+                    total,
+                    analytic.get(term),
+                    tuple(_describe(v) for v in values[:top]),
+                    len(values),
+                )
+            )
     return out
 
 
-def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int, seq: int,
-                   phase: str, remat: str | None = None,
-                   bytes_per_value: int = 4) -> dict[str, float]:  # fmt: skip
+def analytic_terms(
+    config: Any,
+    recipe: Any,
+    mesh: Mapping[str, int],
+    *,
+    batch: int,
+    seq: int,
+    phase: str,
+    remat: str | None = None,
+    bytes_per_value: int = 4,
+) -> dict[str, float]:
     """The analytic temp bytes of each term in ``phase`` (the phase the peak is in).
 
     The terms of :func:`shardkit.report.phases.phase_peaks` beyond the stored state:
@@ -251,8 +299,9 @@ def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: 
 
     recipe = recipes.get(recipe)
     remat = config.remat if remat is None else remat
-    base = analytic_model(config, recipe, mesh, batch=batch, seq=seq,
-                          bytes_per_value=bytes_per_value, remat=remat).memory  # fmt: skip
+    base = analytic_model(
+        config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=bytes_per_value, remat=remat
+    ).memory
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence * max(par.tsp, 1)
     nb = bytes_per_value
@@ -265,15 +314,17 @@ def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: 
         if remat == "full":  # Megatron's per-layer count: sbh·k + 5·a·s²·b/t (scores)
             mode = par.tensor_kind if t > 1 else "none"
             s, b = seq / c, batch / (d * f)
-            layer = layer_peak_bytes(s=s, b=b, h=config.d_model, a=config.n_heads, t=t,
-                                     mode=mode, bytes_per_value=nb)  # fmt: skip
+            layer = layer_peak_bytes(
+                s=s, b=b, h=config.d_model, a=config.n_heads, t=t, mode=mode, bytes_per_value=nb
+            )
             out["attention scores"] = 5 * config.n_heads * s * s * b / t * nb / 2
             out["recomputation"] = layer - out["attention scores"]
         if f > 1:
             out["gathered weights"] = 2 * config._layer_params() * nb / t
     elif phase == "head_loss":
-        peaks = phase_peaks(config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb,
-                            remat=remat, base=base)  # fmt: skip
+        peaks = phase_peaks(
+            config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb, remat=remat, base=base
+        )
         state = base.params + base.grads + base.optimizer
         copies = 3 * head_weight_copy_bytes(config, recipe, mesh, bytes_per_value=nb)
         out["gathered weights"] = copies  # the copy, its gradient, that gradient reduced
@@ -281,8 +332,9 @@ def analytic_terms(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: 
     return {k: v for k, v in out.items() if v > 0}
 
 
-def peak_phase_of(ba: BufferAssignment,
-                  stacks: Mapping[int, tuple[Frame, ...]] | None = None) -> str:  # fmt: skip
+def peak_phase_of(
+    ba: BufferAssignment, stacks: Mapping[int, tuple[Frame, ...]] | None = None
+) -> str:
     """The phase of the step the temp peak is in: ``layers``, ``head_loss`` or
     ``optimizer_step``, from the instruction that runs at the peak (or the value defined
     last before it): computed in ``shardkit/loss.py`` (``stacks`` as :func:`attribute`),
@@ -323,12 +375,19 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10)
         elif not modelled:  # a layout the phase model does not cover (a pipeline)
             why = "the analytic phase model does not cover this layout (no term of it is modelled)"
         elif ratio is None:
-            why = UNMODELLED.get(t.term, f"the analytic model has no such term in the {phase} "
-                                 "phase")  # fmt: skip
+            why = UNMODELLED.get(
+                t.term, f"the analytic model has no such term in the {phase} phase"
+            )
         else:
             why = _WHY.get(t.term, ("", ""))[0 if ratio > 1 else 1]
-        out.append(Explanation(t.term, float(t.bytes), float(t.analytic_bytes or 0.0),
-                               f"{what}; {why}" if why else what))  # fmt: skip
+        out.append(
+            Explanation(
+                t.term,
+                float(t.bytes),
+                float(t.analytic_bytes or 0.0),
+                f"{what}; {why}" if why else what,
+            )
+        )
     return out
 
 

@@ -38,19 +38,32 @@ from typing import Any, Literal
 from shardkit.errors import ShardingError
 
 __all__ = [
-    "PHASES", "head_loss_peak_bytes", "head_weight_copy_bytes", "layer_peak_bytes",
+    "PHASES",
+    "head_loss_peak_bytes",
+    "head_weight_copy_bytes",
+    "layer_peak_bytes",
     "optimizer_step_peak_bytes",
-    "peak_phase", "phase_peaks",
-]  # fmt: skip
+    "peak_phase",
+    "phase_peaks",
+]
 
 #: The phases, in the order a step runs them.
 PHASES = ("layers", "head_loss", "optimizer_step")
 
 
-def head_loss_peak_bytes(*, tokens: float, vocab: int, d_model: int, chunks: int = 1,
-                         token_split: int = 1, vocab_split: int = 1,
-                         bytes_per_value: float = 4, weight_copy_bytes: float = 0.0,
-                         live_logits: int = 3, weight_buffers: int = 3) -> float:  # fmt: skip
+def head_loss_peak_bytes(
+    *,
+    tokens: float,
+    vocab: int,
+    d_model: int,
+    chunks: int = 1,
+    token_split: int = 1,
+    vocab_split: int = 1,
+    bytes_per_value: float = 4,
+    weight_copy_bytes: float = 0.0,
+    live_logits: int = 3,
+    weight_buffers: int = 3,
+) -> float:
     """Bytes per device the vocabulary head and its loss hold beyond the state.
 
     ``live_logits`` f32 buffers of one chunk's logits (the exponentials, their gradient,
@@ -82,15 +95,21 @@ def head_loss_peak_bytes(*, tokens: float, vocab: int, d_model: int, chunks: int
       42.42
     """
     if chunks < 1 or token_split < 1 or vocab_split < 1:
-        raise ShardingError(f"head_loss_peak_bytes: chunks {chunks}, token_split {token_split} "
-                            f"and vocab_split {vocab_split} must be >= 1.")  # fmt: skip
+        raise ShardingError(
+            f"head_loss_peak_bytes: chunks {chunks}, token_split {token_split} "
+            f"and vocab_split {vocab_split} must be >= 1."
+        )
     logits = tokens / (token_split * chunks) * vocab / vocab_split * 4
     hidden = tokens / token_split * d_model * bytes_per_value
     return float(live_logits * logits + 2 * hidden + weight_buffers * weight_copy_bytes)
 
 
-def optimizer_step_peak_bytes(*, grads_bytes: float, clip: Literal["scale", "select"] = "scale",
-                              reduced_leaf_bytes: float = 0.0) -> float:  # fmt: skip
+def optimizer_step_peak_bytes(
+    *,
+    grads_bytes: float,
+    clip: Literal["scale", "select"] = "scale",
+    reduced_leaf_bytes: float = 0.0,
+) -> float:
     """Bytes per device the optimizer step holds beyond the state.
 
     A clip by one scalar factor (``shardkit.train.clip_by_global_norm``) fuses into the
@@ -113,9 +132,18 @@ def optimizer_step_peak_bytes(*, grads_bytes: float, clip: Literal["scale", "sel
     return float((grads_bytes if clip == "select" else 0.0) + reduced_leaf_bytes)
 
 
-def layer_peak_bytes(*, s: float, b: float, h: float, a: float, t: int = 1,
-                     mode: Literal["none", "tp", "tp_sp"] = "none", bytes_per_value: float = 4,
-                     recompute: bool = True, gathered_layer_bytes: float = 0.0) -> float:  # fmt: skip
+def layer_peak_bytes(
+    *,
+    s: float,
+    b: float,
+    h: float,
+    a: float,
+    t: int = 1,
+    mode: Literal["none", "tp", "tp_sp"] = "none",
+    bytes_per_value: float = 4,
+    recompute: bool = True,
+    gathered_layer_bytes: float = 0.0,
+) -> float:
     """Bytes per device a layer's backward holds beyond the state and saved activations.
 
     With full recomputation, the layer being recomputed holds its activations again:
@@ -132,8 +160,11 @@ def layer_peak_bytes(*, s: float, b: float, h: float, a: float, t: int = 1,
     """
     from shardkit.report.analytic import megatron_activations_per_layer
 
-    layer = megatron_activations_per_layer(s, b, h, a, t=t, mode=mode,
-                                           bytes_per_value=bytes_per_value) if recompute else 0.0  # fmt: skip
+    layer = (
+        megatron_activations_per_layer(s, b, h, a, t=t, mode=mode, bytes_per_value=bytes_per_value)
+        if recompute
+        else 0.0
+    )
     return float(layer + 2 * gathered_layer_bytes)
 
 
@@ -146,9 +177,15 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
     return math.prod(mesh.get(n, 1) for n in names)
 
 
-def head_weight_copy_bytes(config: Any, recipe: Any, mesh: Mapping[str, int], *,
-                           bytes_per_value: float = 4, rules: Any = None,
-                           act_bytes: float | None = None) -> float:  # fmt: skip
+def head_weight_copy_bytes(
+    config: Any,
+    recipe: Any,
+    mesh: Mapping[str, int],
+    *,
+    bytes_per_value: float = 4,
+    rules: Any = None,
+    act_bytes: float | None = None,
+) -> float:
     """Bytes per device of the head's weight in the head's layout beyond its stored shard.
 
     The ``weight_copy_bytes`` of :func:`head_loss_peak_bytes`: a vocabulary gathered for
@@ -174,10 +211,19 @@ def head_weight_copy_bytes(config: Any, recipe: Any, mesh: Mapping[str, int], *,
     return max(0.0, weight / head_split - weight / stored_split) * scale
 
 
-def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int, seq: int,
-                bytes_per_value: int = 4, remat: str | None = None,
-                clip: Literal["scale", "select"] = "scale", base: Any = None,
-                precision: str = "f32") -> dict[str, float]:  # fmt: skip
+def phase_peaks(
+    config: Any,
+    recipe: Any,
+    mesh: Mapping[str, int],
+    *,
+    batch: int,
+    seq: int,
+    bytes_per_value: int = 4,
+    remat: str | None = None,
+    clip: Literal["scale", "select"] = "scale",
+    base: Any = None,
+    precision: str = "f32",
+) -> dict[str, float]:
     """Bytes per device at the peak of each phase of a reference model's training step.
 
     Args:
@@ -215,9 +261,16 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
 
     recipe = recipes.get(recipe)
     if base is None:
-        base = analytic_model(config, recipe, mesh, batch=batch, seq=seq,
-                              bytes_per_value=bytes_per_value, remat=remat,
-                              precision=precision).memory  # fmt: skip
+        base = analytic_model(
+            config,
+            recipe,
+            mesh,
+            batch=batch,
+            seq=seq,
+            bytes_per_value=bytes_per_value,
+            remat=remat,
+            precision=precision,
+        ).memory
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
     data_kind, tensor_kind = par.data_kind, par.tensor_kind
@@ -234,28 +287,47 @@ def phase_peaks(config: Any, recipe: Any, mesh: Mapping[str, int], *, batch: int
     logits_spec = rules.spec(LOGITS, mesh=sizes)
     token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
     weight = vocab * h * nb
-    copy = head_weight_copy_bytes(config, recipe, sizes, bytes_per_value=nb, rules=rules,
-                                  act_bytes=act)  # fmt: skip
+    copy = head_weight_copy_bytes(
+        config, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
+    )
     quantum = _split(logits_spec, sizes, (1,))
     chunks = config.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
-    head = head_loss_peak_bytes(tokens=batch * seq, vocab=vocab, d_model=h, chunks=chunks,
-                                token_split=token_split, vocab_split=vocab_split,
-                                bytes_per_value=act, weight_copy_bytes=copy)  # fmt: skip
+    head = head_loss_peak_bytes(
+        tokens=batch * seq,
+        vocab=vocab,
+        d_model=h,
+        chunks=chunks,
+        token_split=token_split,
+        vocab_split=vocab_split,
+        bytes_per_value=act,
+        weight_copy_bytes=copy,
+    )
 
     # One layer recomputed (full remat), its weights gathered under FSDP.
     mode = tensor_kind if t > 1 else "none"
     layer_params = config._layer_params()
-    layer = layer_peak_bytes(s=seq / c, b=batch / (d * f), h=h, a=config.n_heads, t=t,
-                             mode=mode, bytes_per_value=act, recompute=remat == "full",
-                             gathered_layer_bytes=layer_params * nb / t if f > 1 else 0.0)  # fmt: skip
+    layer = layer_peak_bytes(
+        s=seq / c,
+        b=batch / (d * f),
+        h=h,
+        a=config.n_heads,
+        t=t,
+        mode=mode,
+        bytes_per_value=act,
+        recompute=remat == "full",
+        gathered_layer_bytes=layer_params * nb / t if f > 1 else 0.0,
+    )
 
     # The largest gradient (a vocab × d_model table) all-reduced across replicas.
     stored_split = _split(recipe.rules.spec(("vocab", "embed"), mesh=sizes), sizes, (0, 1))
     replicas = d * c if data_kind == "dp" else 1
     reduced = weight / stored_split if replicas > 1 else 0.0
     step = optimizer_step_peak_bytes(grads_bytes=base.grads, clip=clip, reduced_leaf_bytes=reduced)
-    return {"layers": state + saved + layer, "head_loss": state + saved + head,
-            "optimizer_step": state + step}  # fmt: skip
+    return {
+        "layers": state + saved + layer,
+        "head_loss": state + saved + head,
+        "optimizer_step": state + step,
+    }
 
 
 def peak_phase(phases: Mapping[str, float]) -> str:

@@ -47,9 +47,13 @@ from typing import Any
 from shardkit.parallel.schedules import bubble_fraction
 
 __all__ = [
-    "PipelineCosts", "crossover_unit", "in_flight", "pipeline_costs", "pipeline_model",
+    "PipelineCosts",
+    "crossover_unit",
+    "in_flight",
+    "pipeline_costs",
+    "pipeline_model",
     "zeropp_beats_tp",
-]  # fmt: skip
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,17 +272,20 @@ def pipeline_model(
         f"({rest_p:,.0f} B, replicated over stage), / fsdp {f}; optimizer likewise / {opt_degree}",
     ]
     if t > 1:
-        notes.append(f"tensor {t}: the stack / {t} (its norms and biases counted as split), the "
-                     f"rest's {split:,.0f} B of vocabulary tables / {t}, its other "
-                     f"{rest_p - split:,.0f} B whole")  # fmt: skip
+        notes.append(
+            f"tensor {t}: the stack / {t} (its norms and biases counted as split), the "
+            f"rest's {split:,.0f} B of vocabulary tables / {t}, its other "
+            f"{rest_p - split:,.0f} B whole"
+        )
     b = workload.batch / (m * d * f)
     activations, act_bytes = 0.0, 0.0
     if workload.has_dims:
         s, h = workload.seq, workload.d_model
         remat = (workload.remat or "none") == "full"
         mode = "full_recompute" if remat else "tp_sp" if t > 1 else "none"
-        per_layer = megatron_activations_per_layer(s, b, h, workload.n_heads, t=t, mode=mode,
-                                                   bytes_per_value=nb)  # fmt: skip
+        per_layer = megatron_activations_per_layer(
+            s, b, h, workload.n_heads, t=t, mode=mode, bytes_per_value=nb
+        )
         items = in_flight(schedule, p, m, v)
         layers = workload.layers / (p * v)
         activations = items * layers * per_layer + b * s * workload.vocab * nb / t
@@ -290,37 +297,67 @@ def pipeline_model(
     else:
         notes.append("activations and stage-to-stage bytes: not modelled (no model dimensions)")
     costs = pipeline_costs(
-        schedule, stages=p, microbatches=m, virtual=v, unit=unit, fsdp=f, data=d,
-        stack_param_bytes=stack_param_bytes / t, rest_param_bytes=rest_dev_p,
+        schedule,
+        stages=p,
+        microbatches=m,
+        virtual=v,
+        unit=unit,
+        fsdp=f,
+        data=d,
+        stack_param_bytes=stack_param_bytes / t,
+        rest_param_bytes=rest_dev_p,
         activation_bytes=act_bytes,
-    )  # fmt: skip
-    memory = AnalyticMemory(params=state, grads=state,
-                            optimizer=(stack_optimizer_bytes / (p * t) + rest_dev_o) / opt_degree,
-                            activations=activations)  # fmt: skip
+    )
+    memory = AnalyticMemory(
+        params=state,
+        grads=state,
+        optimizer=(stack_optimizer_bytes / (p * t) + rest_dev_o) / opt_degree,
+        activations=activations,
+    )
     wire = {k: x for k, x in costs.wire_bytes_by_kind.items() if x}
     # By wire term: stage-to-stage permutes; ZeroPP's gathers per unit; its reduce-scatter
     # and the replicas' all-reduces reduce gradients.
-    names = {"collective-permute": "pipeline transfers", "all-gather": "weight all-gathers",
-             "reduce-scatter": "gradient reductions", "all-reduce": "gradient reductions"}  # fmt: skip
+    names = {
+        "collective-permute": "pipeline transfers",
+        "all-gather": "weight all-gathers",
+        "reduce-scatter": "gradient reductions",
+        "all-reduce": "gradient reductions",
+    }
     terms: dict[str, float] = {}
     for kind, x in wire.items():
         terms[names[kind]] = terms.get(names[kind], 0.0) + x
     if t > 1 and workload.has_dims:
-        tp_wire, tp_notes = _tensor_wire(workload, t=t, b=b, ticks=v * m + p - 1,
-                                         layers=workload.layers / (p * v), microbatches=m,
-                                         bytes_per_value=nb, terms=terms)  # fmt: skip
+        tp_wire, tp_notes = _tensor_wire(
+            workload,
+            t=t,
+            b=b,
+            ticks=v * m + p - 1,
+            layers=workload.layers / (p * v),
+            microbatches=m,
+            bytes_per_value=nb,
+            terms=terms,
+        )
         for kind, x in tp_wire.items():
             wire[kind] = wire.get(kind, 0.0) + x
         notes += tp_notes
     elif t > 1:
         notes.append("tensor activation traffic: not modelled (no model dimensions)")
-    return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=(*notes, *costs.notes),
-                         wire_terms=terms)  # fmt: skip
+    return AnalyticModel(
+        memory=memory, wire_bytes_by_kind=wire, notes=(*notes, *costs.notes), wire_terms=terms
+    )
 
 
-def _tensor_wire(workload: Any, *, t: int, b: float, ticks: int, layers: float,
-                 microbatches: int, bytes_per_value: int,
-                 terms: dict[str, float]) -> tuple[dict[str, float], list[str]]:  # fmt: skip
+def _tensor_wire(
+    workload: Any,
+    *,
+    t: int,
+    b: float,
+    ticks: int,
+    layers: float,
+    microbatches: int,
+    bytes_per_value: int,
+    terms: dict[str, float],
+) -> tuple[dict[str, float], list[str]]:
     """TP+SP's wire bytes by kind (and by term into ``terms``) of a pipelined step, with the
     formula of the unpipelined ``dp_tp_sp`` (:func:`shardkit.report.analytic.wire_bytes_hybrid`
     on the tensor axis alone): ``ticks·layers`` layer runs of a ``b``-row micro-batch, and
@@ -329,15 +366,29 @@ def _tensor_wire(workload: Any, *, t: int, b: float, ticks: int, layers: float,
 
     w, runs = workload, ticks * layers
     out: dict[str, float] = {}
-    notes = [f"tensor {t}: {ticks} ticks × {layers:g} layers = {runs:g} layer runs of b={b:g} "
-             f"rows, and {microbatches} × the embedding, head and loss (TP+SP, as dp_tp_sp)"]  # fmt: skip
+    notes = [
+        f"tensor {t}: {ticks} ticks × {layers:g} layers = {runs:g} layer runs of b={b:g} "
+        f"rows, and {microbatches} × the embedding, head and loss (TP+SP, as dp_tp_sp)"
+    ]
     for n, vocab, scale in ((runs, None, 1), (0, w.vocab, microbatches)):
         part: dict[str, float] = {}
-        wire, why = _hybrid({"tensor": t}, psi=0.0, nbytes=bytes_per_value, layers=n, b=b,
-                            s=w.seq, h=w.d_model, vocab=vocab, h_kv=None, data_kind="dp",
-                            tensor_kind="tp_sp", recompute=(w.remat or "none") == "full",
-                            terms=part, in_projections=w.in_projections,
-                            head_term="activation collectives")  # fmt: skip
+        wire, why = _hybrid(
+            {"tensor": t},
+            psi=0.0,
+            nbytes=bytes_per_value,
+            layers=n,
+            b=b,
+            s=w.seq,
+            h=w.d_model,
+            vocab=vocab,
+            h_kv=None,
+            data_kind="dp",
+            tensor_kind="tp_sp",
+            recompute=(w.remat or "none") == "full",
+            terms=part,
+            in_projections=w.in_projections,
+            head_term="activation collectives",
+        )
         for kind, x in wire.items():
             out[kind] = out.get(kind, 0.0) + scale * x
         for term, x in part.items():

@@ -53,17 +53,37 @@ def plot_reports(
         bottom = 0.0
         for part in mem_parts:
             value = (m[part] - (m["alias"] if part == "output" else 0)) * _MIB
-            ax_mem.bar(i - width / 2, value, width, bottom=bottom, color=colors[part],
-                       label=part if i == 0 else None)  # fmt: skip
+            ax_mem.bar(
+                i - width / 2,
+                value,
+                width,
+                bottom=bottom,
+                color=colors[part],
+                label=part if i == 0 else None,
+            )
             bottom += value
         a = reports[name].analytic
         if a is not None:
             state = (a.memory.params + a.memory.optimizer) * _MIB
-            ax_mem.bar(i + width / 2, state, width, color="#4C72B0", alpha=0.35, hatch="//",
-                       label="analytic state" if i == 0 else None)  # fmt: skip
-            ax_mem.bar(i + width / 2, (a.memory.grads + a.memory.activations) * _MIB, width,
-                       bottom=state, color="#DD8452", alpha=0.35, hatch="//",
-                       label="analytic grads + activations" if i == 0 else None)  # fmt: skip
+            ax_mem.bar(
+                i + width / 2,
+                state,
+                width,
+                color="#4C72B0",
+                alpha=0.35,
+                hatch="//",
+                label="analytic state" if i == 0 else None,
+            )
+            ax_mem.bar(
+                i + width / 2,
+                (a.memory.grads + a.memory.activations) * _MIB,
+                width,
+                bottom=state,
+                color="#DD8452",
+                alpha=0.35,
+                hatch="//",
+                label="analytic grads + activations" if i == 0 else None,
+            )
     ax_mem.set_title("memory per device (MiB)")
 
     palette = dict(zip(KINDS, ("#C44E52", "#8172B2", "#937860", "#DA8BC3", "#8C8C8C"), strict=True))
@@ -77,8 +97,15 @@ def plot_reports(
             for kind in KINDS:
                 value = by_kind.get(kind, 0.0) * _MIB
                 if value:
-                    ax_wire.bar(i + offset, value, width, bottom=bottom, color=palette[kind],
-                                alpha=alpha, label=kind if alpha == 1.0 else None)  # fmt: skip
+                    ax_wire.bar(
+                        i + offset,
+                        value,
+                        width,
+                        bottom=bottom,
+                        color=palette[kind],
+                        alpha=alpha,
+                        label=kind if alpha == 1.0 else None,
+                    )
                     bottom += value
     handles, labels = ax_wire.get_legend_handles_labels()
     unique = dict(zip(labels, handles, strict=True))

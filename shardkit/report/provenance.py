@@ -39,17 +39,56 @@ _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 
 _EINSUM = re.compile(r"^[\w.]*,[\w.,]*->[\w.]*$|^[\w.]+->[\w.]+$")
-_TRANSFORMS = ("jit", "jvp", "transpose", "pjit", "vmap", "remat", "checkpoint", "custom_jvp",
-               "custom_vjp", "shard_map", "xla_call")  # fmt: skip
-_NOT_MODULES = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation",
-                "remat", "core_call", "custom_jvp_call", "custom_vjp_call", "shmap_body",
-                "branch_0_fun", "branch_1_fun", "scan", "jit", "traced"}  # fmt: skip
+_TRANSFORMS = (
+    "jit",
+    "jvp",
+    "transpose",
+    "pjit",
+    "vmap",
+    "remat",
+    "checkpoint",
+    "custom_jvp",
+    "custom_vjp",
+    "shard_map",
+    "xla_call",
+)
+_NOT_MODULES = {
+    "while",
+    "body",
+    "cond",
+    "closed_call",
+    "checkpoint",
+    "rematted_computation",
+    "remat",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "shmap_body",
+    "branch_0_fun",
+    "branch_1_fun",
+    "scan",
+    "jit",
+    "traced",
+}
 #: Frames in these places are machinery, not the line that asked for a collective.
-_LIBRARIES = (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}flax{os.sep}",
-              f"{os.sep}optax{os.sep}", f"{os.sep}contextlib.py", "<frozen ")  # fmt: skip
-_PLUMBING = tuple(f"shardkit{os.sep}{p}" for p in (
-    "plan.py", "state.py", "context.py", "replicas.py", f"annotate{os.sep}",
-))  # fmt: skip
+_LIBRARIES = (
+    f"{os.sep}jax{os.sep}",
+    f"{os.sep}jaxlib{os.sep}",
+    f"{os.sep}flax{os.sep}",
+    f"{os.sep}optax{os.sep}",
+    f"{os.sep}contextlib.py",
+    "<frozen ",
+)
+_PLUMBING = tuple(
+    f"shardkit{os.sep}{p}"
+    for p in (
+        "plan.py",
+        "state.py",
+        "context.py",
+        "replicas.py",
+        f"annotate{os.sep}",
+    )
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,14 +57,24 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
     # Without the model's dimensions the analytic model has no activation terms: its
     # temp and total would be a floor, not an estimate.
     whole = a if a and report.workload is not None and report.workload.has_dims else None
-    mem.add_row("arguments (params + optimizer)", human_bytes(m.arguments),
-                human_bytes(state) if a else "–", _ratio(m.arguments, state))  # fmt: skip
-    mem.add_row("temp (grads, activations, gathered weights)", human_bytes(m.temp),
-                human_bytes(whole.memory.grads + whole.memory.activations) if whole else "–",
-                "")  # fmt: skip
-    mem.add_row("total = arguments + output + temp − alias", human_bytes(m.total),
-                human_bytes(whole.memory.total) if whole else "–",
-                _ratio(m.total, whole and whole.memory.total))  # fmt: skip
+    mem.add_row(
+        "arguments (params + optimizer)",
+        human_bytes(m.arguments),
+        human_bytes(state) if a else "–",
+        _ratio(m.arguments, state),
+    )
+    mem.add_row(
+        "temp (grads, activations, gathered weights)",
+        human_bytes(m.temp),
+        human_bytes(whole.memory.grads + whole.memory.activations) if whole else "–",
+        "",
+    )
+    mem.add_row(
+        "total = arguments + output + temp − alias",
+        human_bytes(m.total),
+        human_bytes(whole.memory.total) if whole else "–",
+        _ratio(m.total, whole and whole.memory.total),
+    )
     for phase, peak in ((whole.memory.phases or {}) if whole else {}).items():
         mark = " (peak)" if peak == whole.memory.total else ""
         mem.add_row(f"  analytic phase: {phase}{mark}", "", human_bytes(peak), "")
@@ -81,8 +91,12 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
         got, want = measured.get(kind, 0.0), analytic.get(kind)
         wire.add_row(kind, human_bytes(got), human_bytes(want) if want else "–", _ratio(got, want))
     total_a = sum(analytic.values()) if analytic else None
-    wire.add_row("[bold]total", human_bytes(report.wire_bytes),
-                 human_bytes(total_a) if total_a else "–", _ratio(report.wire_bytes, total_a))  # fmt: skip
+    wire.add_row(
+        "[bold]total",
+        human_bytes(report.wire_bytes),
+        human_bytes(total_a) if total_a else "–",
+        _ratio(report.wire_bytes, total_a),
+    )
     out.append(wire)
     if report.wire_terms:
         out.append(wire_terms_table(report))
@@ -91,16 +105,30 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
     lowered = any(g.kind.endswith("*") for g in groups)
     ops = Table(
         title=f"largest collectives by cause ({len(report.collectives)} ops, {len(groups)} causes)",
-        caption="* a reduce-scatter lowered as all-reduce + dynamic-slice on CPU" if lowered else None,
+        caption="* a reduce-scatter lowered as all-reduce + dynamic-slice on CPU"
+        if lowered
+        else None,
         box=box.SIMPLE_HEAD,
-    )  # fmt: skip
-    for col, justify in (("kind", "left"), ("pass", "left"), ("where", "left"),
-                         ("source", "left"), ("runs", "right"), ("wire", "right")):  # fmt: skip
+    )
+    for col, justify in (
+        ("kind", "left"),
+        ("pass", "left"),
+        ("where", "left"),
+        ("source", "left"),
+        ("runs", "right"),
+        ("wire", "right"),
+    ):
         ops.add_column(col, justify=justify, no_wrap=True)
     for g in groups[:top]:  # 15 + 6 + 18 + 16 + 4 + 10 characters, padding: 80 columns
         kind = _KIND.get(g.kind.rstrip("*"), g.kind.rstrip("*")) + "*" * g.kind.endswith("*")
-        ops.add_row(kind, _PASS.get(g.pass_, g.pass_), abbreviate(g.where or "–", 18),
-                    abbreviate(g.source, 16), str(g.executions), human_bytes(g.wire_bytes))  # fmt: skip
+        ops.add_row(
+            kind,
+            _PASS.get(g.pass_, g.pass_),
+            abbreviate(g.where or "–", 18),
+            abbreviate(g.source, 16),
+            str(g.executions),
+            human_bytes(g.wire_bytes),
+        )
     out.append(ops)
 
     params = [r for r in report.params if r.kind == "param"]
@@ -127,9 +155,13 @@ def memory_terms_table(report: Any) -> Table:
     for col in ("term", "measured", "analytic", "ratio", "buffers"):
         table.add_column(col, justify="left" if col == "term" else "right", no_wrap=True)
     for t in report.memory_terms:
-        table.add_row(t.term, human_bytes(t.bytes),
-                      human_bytes(t.analytic_bytes) if t.analytic_bytes else "–",
-                      _ratio(t.bytes, t.analytic_bytes), str(t.count) if t.count else "")  # fmt: skip
+        table.add_row(
+            t.term,
+            human_bytes(t.bytes),
+            human_bytes(t.analytic_bytes) if t.analytic_bytes else "–",
+            _ratio(t.bytes, t.analytic_bytes),
+            str(t.count) if t.count else "",
+        )
     table.add_row("[bold]temp", human_bytes(sum(t.bytes for t in report.memory_terms)), "", "", "")
     return table
 
@@ -140,10 +172,13 @@ def wire_terms_table(report: Any) -> Table:
     for col in ("term", "measured", "analytic", "ratio", "runs"):
         table.add_column(col, justify="left" if col == "term" else "right", no_wrap=True)
     for t in report.wire_terms:
-        table.add_row(t.term, human_bytes(t.bytes),
-                      human_bytes(t.analytic_bytes) if t.analytic_bytes else "–",
-                      _ratio(t.bytes, t.analytic_bytes),
-                      str(sum(c.count for c in t.collectives)))  # fmt: skip
+        table.add_row(
+            t.term,
+            human_bytes(t.bytes),
+            human_bytes(t.analytic_bytes) if t.analytic_bytes else "–",
+            _ratio(t.bytes, t.analytic_bytes),
+            str(sum(c.count for c in t.collectives)),
+        )
     return table
 
 
@@ -177,8 +212,17 @@ def abbreviate(text: str, width: int) -> str:
 def comparison_table(reports: Mapping[str, Any]) -> Table:
     """Several reports side by side, one row each (per device)."""
     table = Table(title="recipes side by side (per device)")
-    for col in ("recipe", "mesh", "state", "temp", "total", "wire", "wire/analytic",
-                "replicated", "warnings"):  # fmt: skip
+    for col in (
+        "recipe",
+        "mesh",
+        "state",
+        "temp",
+        "total",
+        "wire",
+        "wire/analytic",
+        "replicated",
+        "warnings",
+    ):
         table.add_column(col, justify="left" if col in ("recipe", "mesh") else "right")
     for name, r in reports.items():
         ratios = r.ratios()

@@ -94,8 +94,13 @@ class Explanation:
         return self.measured_bytes / self.analytic_bytes if self.analytic_bytes else math.inf
 
     def to_json(self) -> dict[str, Any]:
-        return {"term": self.term, "measured_bytes": self.measured_bytes,
-                "analytic_bytes": self.analytic_bytes, "ratio": self.ratio, "why": self.why}  # fmt: skip
+        return {
+            "term": self.term,
+            "measured_bytes": self.measured_bytes,
+            "analytic_bytes": self.analytic_bytes,
+            "ratio": self.ratio,
+            "why": self.why,
+        }
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
@@ -173,7 +178,7 @@ class Report:
                 ops=len(cs),
                 executions=sum(c.count for c in cs),
                 wire_bytes=sum(c.wire_bytes for c in cs),
-            )  # fmt: skip
+            )
             for k, cs in groups.items()
         ]
         return sorted(rows, key=lambda g: -g.wire_bytes)
@@ -267,8 +272,9 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
 def _mesh_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
     """Per dimension, the mesh axes of a ``PartitionSpec`` entry (``()`` for ``None``)."""
     entries = list(spec) + [None] * (ndim - len(spec))
-    return tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e)
-                 for e in entries[:ndim])  # fmt: skip
+    return tuple(
+        () if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries[:ndim]
+    )
 
 
 def compiled_flops(compiled: Any) -> float | None:
@@ -333,20 +339,31 @@ def build_report(
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
-        stack = {k: sum(_full_bytes(r) for r in rows if r.kind == k and r.logical[:1] == ("layers",))
-                 for k in ("param", "optimizer")}  # fmt: skip
+        stack = {
+            k: sum(_full_bytes(r) for r in rows if r.kind == k and r.logical[:1] == ("layers",))
+            for k in ("param", "optimizer")
+        }
         # the non-layer parameters split over a tensor axis (a pipeline's vocab-parallel
         # tables), the axis's role read from the recipe's rules
-        split = sum(_full_bytes(r) for r in rows if r.kind == "param" and r.logical[:1] !=
-                    ("layers",) and any(recipe.axis_role(a) == "tensor" for e in r.mesh_axes
-                                        for a in e))  # fmt: skip
+        split = sum(
+            _full_bytes(r)
+            for r in rows
+            if r.kind == "param"
+            and r.logical[:1] != ("layers",)
+            and any(recipe.axis_role(a) == "tensor" for e in r.mesh_axes for a in e)
+        )
         try:
             analytic = analytic_costs(
-                recipe, mesh, workload=workload,
-                param_bytes=full["param"], optimizer_bytes=full["optimizer"], pipeline=pipeline,
-                stack_param_bytes=stack["param"], stack_optimizer_bytes=stack["optimizer"],
+                recipe,
+                mesh,
+                workload=workload,
+                param_bytes=full["param"],
+                optimizer_bytes=full["optimizer"],
+                pipeline=pipeline,
+                stack_param_bytes=stack["param"],
+                stack_optimizer_bytes=stack["optimizer"],
                 tensor_rest_bytes=split,
-            )  # fmt: skip
+            )
             if model_config is not None:  # a reference model: its phases set the total
                 analytic = with_phases(analytic, model_config, recipe, mesh, workload)
         except ShardingError as e:  # a layout the analytic model does not cover
@@ -367,15 +384,18 @@ def build_report(
         threshold = max(replicated_threshold_bytes, replicated_threshold_share * total)
         warnings += lint.replicated_params(rows, recipe.name, min_bytes=threshold)
     explanations = _explain_memory(memory_per_device(compiled), analytic)
-    wire = wire_terms.attribute(collectives, rows, stages=mesh.get("stage", 1),
-                                analytic=analytic.wire_terms if analytic else None)  # fmt: skip
+    wire = wire_terms.attribute(
+        collectives,
+        rows,
+        stages=mesh.get("stage", 1),
+        analytic=analytic.wire_terms if analytic else None,
+    )
     if analytic is not None and analytic.wire_terms:
         explanations += wire_terms.explain(wire, rows)
     terms: list[MemoryTerm] = []
     phase = None
     if buffers is not None:
-        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload,
-                                     model_config)  # fmt: skip
+        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config)
         explanations += why
     return Report(
         recipe=recipe.name,
@@ -414,8 +434,14 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
     if model_config is not None and workload is not None and workload.seq:
         try:
             analytic = memory_terms.analytic_terms(
-                model_config, recipe, mesh, batch=workload.batch, seq=workload.seq,
-                phase=phase, remat=workload.remat or "none")  # fmt: skip
+                model_config,
+                recipe,
+                mesh,
+                batch=workload.batch,
+                seq=workload.seq,
+                phase=phase,
+                remat=workload.remat or "none",
+            )
         except ShardingError:  # a layout the analytic model does not cover
             analytic = {}
     terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
@@ -434,7 +460,9 @@ def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list
     if abs(memory.total / want - 1) <= 0.10:
         return []
     over = memory.total > want
-    why = (f"the peak is the {peak} phase ({want / 2**20:,.1f} MiB analytic); "
-           + (PHASE_WHY.get(peak, "") if over else "XLA reuses buffers the analytic model "
-              "counts as live at once"))  # fmt: skip
+    why = f"the peak is the {peak} phase ({want / 2**20:,.1f} MiB analytic); " + (
+        PHASE_WHY.get(peak, "")
+        if over
+        else "XLA reuses buffers the analytic model counts as live at once"
+    )
     return [Explanation("memory total", float(memory.total), float(want), why)]

@@ -46,15 +46,27 @@ from typing import Any
 from shardkit.report.hlo import Collective
 from shardkit.report.lint import human_bytes
 
-__all__ = ["TERMS", "ParamMatch", "WireTerm", "attach_layouts", "attribute", "explain", "rule_of",
-           "term_of"]
+__all__ = [
+    "TERMS",
+    "ParamMatch",
+    "WireTerm",
+    "attach_layouts",
+    "attribute",
+    "explain",
+    "rule_of",
+    "term_of",
+]
 
 #: The terms, in the order the report lists them.
 TERMS = (
-    "weight all-gathers", "gradient reductions", "activation collectives",
-    "context-parallel K/V", "logits / loss collectives", "pipeline transfers",
+    "weight all-gathers",
+    "gradient reductions",
+    "activation collectives",
+    "context-parallel K/V",
+    "logits / loss collectives",
+    "pipeline transfers",
     "other collectives",
-)  # fmt: skip
+)
 
 _GATHERS = ("all-gather", "collective-permute")
 _REDUCTIONS = ("reduce-scatter", "all-reduce")
@@ -74,9 +86,14 @@ class WireTerm:
         return self.bytes / self.analytic_bytes if self.analytic_bytes else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"term": self.term, "bytes": self.bytes, "analytic_bytes": self.analytic_bytes,
-                "ratio": self.ratio, "ops": len(self.collectives),
-                "runs": sum(c.count for c in self.collectives)}  # fmt: skip
+        return {
+            "term": self.term,
+            "bytes": self.bytes,
+            "analytic_bytes": self.analytic_bytes,
+            "ratio": self.ratio,
+            "ops": len(self.collectives),
+            "runs": sum(c.count for c in self.collectives),
+        }
 
 
 def _squeeze(dims: Iterable[int]) -> tuple[int, ...]:
@@ -131,8 +148,9 @@ class ParamMatch:
         MLP's ``[768,2048]`` may be its up or its down kernel)."""
         dims = _squeeze(dims)
         exact = self.by_shape.get(dims, ())
-        return exact + tuple(r for r in self.by_shape.get(("T", *sorted(dims)), ())
-                             if r not in exact)  # fmt: skip
+        return exact + tuple(
+            r for r in self.by_shape.get(("T", *sorted(dims)), ()) if r not in exact
+        )
 
     def candidates(self, c: Collective, dims: tuple[int, ...]) -> tuple[Any, ...]:
         """The parameters one array of ``c`` may be: those of its shape, narrowed to the
@@ -196,9 +214,13 @@ def term_of(c: Collective, params: ParamMatch, *, stages: int = 1) -> str:
     return "activation collectives"
 
 
-def attribute(collectives: Sequence[Collective], rows: Sequence[Any], *,
-              analytic: Mapping[str, float] | None = None,
-              stages: int = 1) -> list[WireTerm]:  # fmt: skip
+def attribute(
+    collectives: Sequence[Collective],
+    rows: Sequence[Any],
+    *,
+    analytic: Mapping[str, float] | None = None,
+    stages: int = 1,
+) -> list[WireTerm]:
     """The wire bytes of ``collectives`` by term, in :data:`TERMS` order.
 
     Args:
@@ -253,8 +275,9 @@ def rule_of(row: Any) -> str:
     return ", ".join(pairs)
 
 
-def explain(terms: Sequence[WireTerm], rows: Sequence[Any], *,
-            tolerance: float = 0.10) -> list[Any]:  # fmt: skip
+def explain(
+    terms: Sequence[WireTerm], rows: Sequence[Any], *, tolerance: float = 0.10
+) -> list[Any]:
     """One ``Explanation`` per wire term off by more than ``tolerance`` from its analytic
     value (or with none), computed from the collectives in it (module docstring)."""
     from shardkit.report.report import Explanation
@@ -273,12 +296,18 @@ def explain(terms: Sequence[WireTerm], rows: Sequence[Any], *,
         else:
             why = _by_source(t, layers=layers)
         if ratio is None:
-            head = (f"nothing of it is in the analytic model; {human_bytes(t.bytes)} measured"
-                    if t.bytes else "the analytic model counts it; the program moves none")  # fmt: skip
+            head = (
+                f"nothing of it is in the analytic model; {human_bytes(t.bytes)} measured"
+                if t.bytes
+                else "the analytic model counts it; the program moves none"
+            )
         else:
             head = f"{human_bytes(t.bytes)} measured vs {human_bytes(t.analytic_bytes)} analytic"
-        out.append(Explanation(t.term, t.bytes, float(t.analytic_bytes or 0.0),
-                               f"{head}: {why}" if why else head))  # fmt: skip
+        out.append(
+            Explanation(
+                t.term, t.bytes, float(t.analytic_bytes or 0.0), f"{head}: {why}" if why else head
+            )
+        )
     return out
 
 
@@ -314,8 +343,10 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
     size = {path: math.prod(row.shape) for path, row in found.items()}
     for path, passes in sorted(runs.items(), key=lambda kv: -size[kv[0]]):  # largest first
         total = sum(passes.values())
-        split = " + ".join(f"{n:.3g} {p or 'other'} {k}" for (p, k), n in
-                           sorted(passes.items(), key=lambda kv: _PASS_ORDER.index(kv[0][0])))  # fmt: skip
+        split = " + ".join(
+            f"{n:.3g} {p or 'other'} {k}"
+            for (p, k), n in sorted(passes.items(), key=lambda kv: _PASS_ORDER.index(kv[0][0]))
+        )
         by_pattern[f"{total:.3g}× per step ({split})"].append(path)
     parts = []
     for pattern, paths in sorted(by_pattern.items(), key=lambda kv: -sum(map(size.get, kv[1]))):
@@ -325,8 +356,11 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
     # Sharded parameters (the ones the analytic model gathers or reduces) with none.
     psi = sum(math.prod(r.shape) for r in rows if r.kind == "param") or 1
     if verb == "gathered":
-        candidates = [r for r in rows if r.kind == "param" and tuple(r.shard_shape or r.shape)
-                      != tuple(r.shape)]  # fmt: skip
+        candidates = [
+            r
+            for r in rows
+            if r.kind == "param" and tuple(r.shard_shape or r.shape) != tuple(r.shape)
+        ]
     else:
         candidates = [r for r in rows if r.kind == "param"]
     # (only against an analytic value: a term the model has not has no expected movers)
@@ -347,31 +381,40 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
             how = "no all-gather has its shape, or a layer's (it is read in slices, if at all)"
         if "vocab" in split:
             how += " (vocab-parallel lookup and logits: activations move instead)"
-        of = (f" (−{share:.0%} of the analytic term: its share of the parameters)"
-              if t.analytic_bytes else "")  # fmt: skip
-        parts.append(f"{_short(r.path)} {tuple(r.shape)} is never {verb}: {layout} and "
-                     f"{how}{of}")  # fmt: skip
+        of = (
+            f" (−{share:.0%} of the analytic term: its share of the parameters)"
+            if t.analytic_bytes
+            else ""
+        )
+        parts.append(f"{_short(r.path)} {tuple(r.shape)} is never {verb}: {layout} and {how}{of}")
     reduced = {path: {k for _, k in passes} for path, passes in runs.items()}
     both = {k for kinds in reduced.values() for k in kinds}
     if verb == "reduced" and both == {"all-reduce", "reduce-scatter"}:
         # an all-reduce moves 2(N-1)/N of the buffer, twice a reduce-scatter's (N-1)/N
         whole = [found[p] for p, kinds in reduced.items() if "all-reduce" in kinds]
         share = sum(math.prod(r.shape) for r in whole) / psi
-        parts.append(f"{len(whole)} of {len(reduced)} gradients ({share:.1%} of the "
-                     "parameters) are all-reduced, which moves twice a reduce-scatter's bytes")  # fmt: skip
+        parts.append(
+            f"{len(whole)} of {len(reduced)} gradients ({share:.1%} of the "
+            "parameters) are all-reduced, which moves twice a reduce-scatter's bytes"
+        )
     if verb == "gathered" and t.analytic_bytes:
         # the analytic value in units of "every sharded weight gathered once", each over
         # the devices that split it
-        once = sum(_full_bytes(r) * (1 - math.prod(r.shard_shape) / math.prod(r.shape))
-                   for r in candidates)  # fmt: skip
+        once = sum(
+            _full_bytes(r) * (1 - math.prod(r.shard_shape) / math.prod(r.shape)) for r in candidates
+        )
         if once:
-            parts.append(f"the analytic {human_bytes(t.analytic_bytes)} is "
-                         f"{t.analytic_bytes / once:.3g} gathers of every sharded weight")  # fmt: skip
+            parts.append(
+                f"the analytic {human_bytes(t.analytic_bytes)} is "
+                f"{t.analytic_bytes / once:.3g} gathers of every sharded weight"
+            )
     lowered = [c for c in t.collectives if c.lowered_as]
     if lowered:
-        parts.append(f"{len(lowered)} of {len(t.collectives)} ops are reduce-scatters the CPU "
-                     f"program runs as {lowered[0].lowered_as} (counted at a reduce-scatter's "
-                     "bytes)")  # fmt: skip
+        parts.append(
+            f"{len(lowered)} of {len(t.collectives)} ops are reduce-scatters the CPU "
+            f"program runs as {lowered[0].lowered_as} (counted at a reduce-scatter's "
+            "bytes)"
+        )
     return "; ".join(parts)
 
 
@@ -393,15 +436,19 @@ def _by_source(t: WireTerm, layers: int = 0, top: int = 3) -> str:
             passes += f"; {runs // layers} per layer"
         arrays = {len(c.shapes) for c in cs}
         of = f" of {max(arrays)} arrays" if max(arrays) > 1 else ""
-        parts.append(f"{runs} run{'s' if runs != 1 else ''} of {kind}{of} ({passes}, "
-                     f"largest {big.dtype}{big.shape_text} over {big.group_size}) from {source}"
-                     f"{' in ' + function if function else ''}: {human_bytes(wire)}")  # fmt: skip
+        parts.append(
+            f"{runs} run{'s' if runs != 1 else ''} of {kind}{of} ({passes}, "
+            f"largest {big.dtype}{big.shape_text} over {big.group_size}) from {source}"
+            f"{' in ' + function if function else ''}: {human_bytes(wire)}"
+        )
     if len(ranked) > top:
         rest = sum(c.wire_bytes for _, cs in ranked[top:] for c in cs)
         parts.append(f"{len(ranked) - top} more groups, {human_bytes(rest)}")
     first = sum(c.wire_bytes for c in ranked[0][1]) if ranked else 0.0
     if t.analytic_bytes and len(parts) > 1 and abs(first / t.analytic_bytes - 1) <= 0.10:
         # the largest group is the analytic formula's traffic; the others are beyond it
-        return (f"the analytic formula's traffic is {parts[0]} ({first / t.analytic_bytes:.2f}×); "
-                "beyond it: " + "; ".join(parts[1:]))  # fmt: skip
+        return (
+            f"the analytic formula's traffic is {parts[0]} ({first / t.analytic_bytes:.2f}×); "
+            "beyond it: " + "; ".join(parts[1:])
+        )
     return "; ".join(parts)

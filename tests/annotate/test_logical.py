@@ -175,10 +175,19 @@ def test_logical_axes_honours_the_path_axes_policy():
 
 def test_parameters_named_like_optimizer_fields_are_parameters():
     # A VAE's 'mu' layer or a 'trace' module is a parameter, annotated like any other.
-    tree = {"enc": {"kernel": np.zeros((4, 8))}, "mu": {"kernel": np.zeros((8, 4))},
-            "trace": {"w": np.zeros(4)}}  # fmt: skip
-    pa = sk.PathAxes([("enc/kernel$", ("embed", "mlp")), ("mu/kernel$", ("mlp", "embed")),
-                      ("trace/w$", ("embed",))], on_unmatched="error")  # fmt: skip
+    tree = {
+        "enc": {"kernel": np.zeros((4, 8))},
+        "mu": {"kernel": np.zeros((8, 4))},
+        "trace": {"w": np.zeros(4)},
+    }
+    pa = sk.PathAxes(
+        [
+            ("enc/kernel$", ("embed", "mlp")),
+            ("mu/kernel$", ("mlp", "embed")),
+            ("trace/w$", ("embed",)),
+        ],
+        on_unmatched="error",
+    )
     infos = {i.path: i for i in sk.annotate.describe_leaves(tree, annotations=pa)[0]}
     assert infos["mu/kernel"].axes == ("mlp", "embed") and infos["mu/kernel"].kind == "param"
     assert infos["trace/w"].kind == "param"
@@ -204,8 +213,10 @@ def test_a_hand_made_optimizer_state_mirrors_its_parameters():
 
 def test_a_copy_of_parameters_that_disagree_is_ambiguous():
     # opt_state/mu/w could be a/w's or b/w's moment: same name, same shape, other axes.
-    tree = {"params": {"a": {"w": np.zeros(8)}, "b": {"w": np.zeros(8)}},
-            "opt_state": {"mu": {"w": np.zeros(8)}}}  # fmt: skip
+    tree = {
+        "params": {"a": {"w": np.zeros(8)}, "b": {"w": np.zeros(8)}},
+        "opt_state": {"mu": {"w": np.zeros(8)}},
+    }
     pa = sk.PathAxes([("a/w$", ("embed",)), ("b/w$", ("mlp",))])
     with pytest.raises(errors.AmbiguousAxesError, match=r"(?s)opt_state/mu/w.*params/a/w.*b/w"):
         sk.logical_axes(tree, annotations=pa)

@@ -11,8 +11,11 @@ from shardkit.autoplanner.candidates import Candidate, enumerate_candidates, fac
 
 @pytest.mark.parametrize("n,k", [(8, 1), (8, 2), (8, 3), (12, 2), (64, 3), (7, 2), (1, 1)])
 def test_factorisations_are_every_ordered_split_with_axes_of_at_least_two(n, k):
-    brute = [t for t in itertools.product(range(1, n + 1), repeat=k)
-             if math.prod(t) == n and (min(t) >= 2 or n == 1)]  # fmt: skip
+    brute = [
+        t
+        for t in itertools.product(range(1, n + 1), repeat=k)
+        if math.prod(t) == n and (min(t) >= 2 or n == 1)
+    ]
     assert sorted(factorisations(n, k)) == sorted(brute)
 
 
@@ -26,15 +29,23 @@ def test_a_registered_recipe_joins_the_search(monkeypatch):
 
 
 def test_pipelines_get_p_2p_4p_microbatches_that_split_the_batch():
-    got = {(c.mesh, c.microbatches)
-           for c in enumerate_candidates(8, 16, recipe_names=["dp_pp"], remats=["none"])}  # fmt: skip
+    got = {
+        (c.mesh, c.microbatches)
+        for c in enumerate_candidates(8, 16, recipe_names=["dp_pp"], remats=["none"])
+    }
     # stage=2 x data=4: 4 rows per replica -> m in {2, 4} (8 does not divide 4 rows);
     # stage=4 x data=2: 8 rows -> m in {4, 8} (16 does not divide 8 rows).
-    assert got == {((("stage", 2), ("data", 4)), 2), ((("stage", 2), ("data", 4)), 4),
-                   ((("stage", 4), ("data", 2)), 4), ((("stage", 4), ("data", 2)), 8)}  # fmt: skip
+    assert got == {
+        ((("stage", 2), ("data", 4)), 2),
+        ((("stage", 2), ("data", 4)), 4),
+        ((("stage", 4), ("data", 2)), 4),
+        ((("stage", 4), ("data", 2)), 8),
+    }
     # A batch of 64: 16 and 32 rows per replica take all three, 4p included.
-    got = {(dict(c.mesh)["stage"], c.microbatches)
-           for c in enumerate_candidates(8, 64, recipe_names=["dp_pp"], remats=["none"])}  # fmt: skip
+    got = {
+        (dict(c.mesh)["stage"], c.microbatches)
+        for c in enumerate_candidates(8, 64, recipe_names=["dp_pp"], remats=["none"])
+    }
     assert got == {(2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (4, 16)}
 
 
@@ -55,7 +66,11 @@ def test_the_logits_layout_is_a_dimension_only_where_the_recipe_makes_it_a_choic
     # both whole and tp splits the vocabulary but not the tokens: nothing to choose.
     got = enumerate_candidates(8, 8, recipe_names=["dp", "tp", "fsdp"], remats=["none"])
     assert {(c.recipe, c.logits) for c in got} == {
-        ("dp", None), ("tp", None), ("fsdp", "vocab"), ("fsdp", "tokens")}
+        ("dp", None),
+        ("tp", None),
+        ("fsdp", "vocab"),
+        ("fsdp", "tokens"),
+    }
     assert Candidate("fsdp", (("fsdp", 8),), logits="tokens").recipe_object().logits == "tokens"
     assert Candidate("fsdp", (("fsdp", 8),)).recipe_object().logits == "auto"
     # dp_tp_sp_pp's rules split the vocabulary over tensor, which splits the tokens too,

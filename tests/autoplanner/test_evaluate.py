@@ -45,18 +45,22 @@ def test_indivisible_heads_and_zigzag_sequences_are_pruned(tiny):
     assert isinstance(got, Pruned) and "2 layers do not split into 8 stages" in got.reason
 
 
-@pytest.mark.parametrize("vocab, batch, seq, smaller",
-                         [(256, 64, 256, "tokens"), (8192, 8, 4, "vocab")])  # fmt: skip
-def test_the_logits_layout_moves_the_head_phase_the_way_its_gathers_say(vocab, batch, seq,
-                                                                        smaller):  # fmt: skip
+@pytest.mark.parametrize(
+    "vocab, batch, seq, smaller", [(256, 64, 256, "tokens"), (8192, 8, 4, "vocab")]
+)
+def test_the_logits_layout_moves_the_head_phase_the_way_its_gathers_say(vocab, batch, seq, smaller):
     # Under fsdp=8, logits="vocab" gathers every token's hidden state (T·h per device,
     # and its gradient) where "tokens" gathers the head's weight (vocab·h, three copies).
     # h = 64. 16,384 tokens over a 256 vocabulary: the hidden states are 64x the weight;
     # 32 tokens over 8,192: the weight is 256x the hidden states (and its copies set
     # the peak).
     subject = Subject.of(models.get("gpt-tiny", vocab=vocab), batch=batch, seq=seq)
-    mem = {layout: prune(subject, Candidate("fsdp", (("fsdp", 8),), logits=layout),
-                         budget=2**40).memory for layout in ("vocab", "tokens")}  # fmt: skip
+    mem = {
+        layout: prune(
+            subject, Candidate("fsdp", (("fsdp", 8),), logits=layout), budget=2**40
+        ).memory
+        for layout in ("vocab", "tokens")
+    }
     other = "vocab" if smaller == "tokens" else "tokens"
     assert mem[smaller] < mem[other]
 

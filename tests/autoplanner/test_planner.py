@@ -20,8 +20,16 @@ def cache(tmp_path):
 
 
 def plan(model, cache, **kw):
-    kw = {"batch": 8, "seq": 32, "devices": 8, "memory_per_device": 2**30, "hardware": "h100",
-          "remats": ["none"], "progress": False, **kw}  # fmt: skip
+    kw = {
+        "batch": 8,
+        "seq": 32,
+        "devices": 8,
+        "memory_per_device": 2**30,
+        "hardware": "h100",
+        "remats": ["none"],
+        "progress": False,
+        **kw,
+    }
     return autoplan(model, cache=cache, **kw)
 
 
@@ -30,8 +38,14 @@ def test_a_small_model_on_8_devices_picks_pure_data_parallelism(cache):
     # under DP, whose gradient all-reduce (2Ψ) is the least traffic. ZeRO-1 moves as much
     # (it can only tie, and DP is the simpler layout); FSDP moves 3Ψ; a pipeline idles
     # for its bubble.
-    r = plan("gpt-tiny", cache, batch=128, seq=128, recipes=["dp", "zero1", "fsdp", "dp_pp"],
-             max_compiles=4)  # fmt: skip
+    r = plan(
+        "gpt-tiny",
+        cache,
+        batch=128,
+        seq=128,
+        recipes=["dp", "zero1", "fsdp", "dp_pp"],
+        max_compiles=4,
+    )
     assert r.best.candidate.recipe == "dp"
     assert r.best.estimate.compute_s >= r.best.estimate.comm_s
     assert r.best.reason.startswith("fastest")
@@ -42,8 +56,9 @@ def test_adam_state_over_one_device_under_dp_picks_an_fsdp_variant(cache):
     # d_model 256: Ψ ≈ 1.6 M, so DP holds 16Ψ ≈ 26 MB of parameters, gradients and Adam
     # state per device: a 10 MiB budget rules it out before compiling; FSDP holds 16Ψ/8.
     model = models.get("gpt-tiny", d_model=256)
-    r = plan(model, cache, memory_per_device=10 * MIB, recipes=["dp", "fsdp", "dp_fsdp"],
-             max_compiles=3)  # fmt: skip
+    r = plan(
+        model, cache, memory_per_device=10 * MIB, recipes=["dp", "fsdp", "dp_fsdp"], max_compiles=3
+    )
     assert r.best.candidate.recipe in {"fsdp", "dp_fsdp"}
     (dp,) = [x for x in r.rejected if x.candidate.recipe == "dp"]
     assert dp.stage == "analytic" and "over the 10.0 MiB budget" in dp.reason
@@ -54,8 +69,14 @@ def test_a_long_sequence_with_a_small_batch_picks_a_sequence_parallel_variant(ca
     # One sequence cannot be split over a data axis; of what is left, tensor parallelism
     # all-reduces activations of every token, while context/sequence layouts shard the
     # tokens and move K/V or weights of a tiny model instead.
-    r = plan("llama-tiny", cache, batch=1, seq=512, max_compiles=3,
-             recipes=["dp", "fsdp", "tp", "tp_sp", "cp", "fsdp_cp", "tsp"])  # fmt: skip
+    r = plan(
+        "llama-tiny",
+        cache,
+        batch=1,
+        seq=512,
+        max_compiles=3,
+        recipes=["dp", "fsdp", "tp", "tp_sp", "cp", "fsdp_cp", "tsp"],
+    )
     best = recipes.get(r.best.candidate.recipe)
     spec = best.activation_rules.spec(("batch", "length"), (1, 512), r.best.candidate.mesh_sizes)
     assert spec[1] is not None, (r.best.candidate.label, spec)
@@ -98,8 +119,17 @@ def test_json_fields_and_the_cache_makes_a_second_call_compile_nothing(cache, mo
 
     first = plan("gpt-tiny", cache, recipes=["dp", "fsdp"]).to_json()
     for c in first["candidates"]:
-        for key in ("recipe", "mesh", "remat", "microbatches", "precision", "wire_bytes",
-                    "step_time_s", "mfu", "reason"):  # fmt: skip
+        for key in (
+            "recipe",
+            "mesh",
+            "remat",
+            "microbatches",
+            "precision",
+            "wire_bytes",
+            "step_time_s",
+            "mfu",
+            "reason",
+        ):
             assert key in c
         assert c["memory_per_device_bytes"]["total"] > 0
     assert all(r["reason"] for r in first["rejected"])
@@ -130,8 +160,7 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
     # every token's hidden state (4,096 x 64 floats, 16x the head's weight), "tokens"
     # gathers the weight instead; the compiled programs must show it on the wire: each
     # device receives the other 7/8 of the hidden states at least once more.
-    r = plan("gpt-tiny", cache, batch=64, seq=64, recipes=["fsdp"], max_compiles=2,
-             remats=["full"])  # fmt: skip
+    r = plan("gpt-tiny", cache, batch=64, seq=64, recipes=["fsdp"], max_compiles=2, remats=["full"])
     by = {c.candidate.logits: c for c in r.candidates}
     assert set(by) == {"vocab", "tokens"}
     hidden_gather = 4096 * 64 * 4 * 7 / 8
@@ -140,12 +169,16 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
         j = c.to_json()
         assert j["logits"] == c.candidate.logits
         assert j["analytic_over_compiled_memory"] == pytest.approx(
-            c.analytic.memory / c.evidence.memory["total"])
+            c.analytic.memory / c.evidence.memory["total"]
+        )
         # the temp memory split into terms adds up to XLA's temp size ...
         assert sum(t["bytes"] for t in j["memory_terms"]) == j["memory_per_device_bytes"]["temp"]
         # ... and every term off its analytic value by more than 10 % says why
-        off = {t["term"] for t in j["memory_terms"]
-               if t["bytes"] and (t["ratio"] is None or abs(t["ratio"] - 1) > 0.10)}  # fmt: skip
+        off = {
+            t["term"]
+            for t in j["memory_terms"]
+            if t["bytes"] and (t["ratio"] is None or abs(t["ratio"] - 1) > 0.10)
+        }
         assert off and off <= {e["term"] for e in j["memory_explanations"]}
         # ... and only memory's: the report's wire-term lines stay out of them
         assert not {e["term"] for e in j["memory_explanations"]} & set(WIRE_TERMS)
@@ -153,7 +186,8 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
     lines = r.memory_gap_lines(tolerance=0.0)
     assert lines[0].startswith("#1's analytic memory is")
     assert [line.split(":")[0].strip() for line in lines[1:]] == [
-        e["term"] for e in r.best.evidence.explanations]
+        e["term"] for e in r.best.evidence.explanations
+    ]
 
 
 def test_the_3d_pipeline_is_estimated_and_compiled_like_the_other_pipelines(cache):

@@ -6,8 +6,15 @@ from shardkit.autoplanner.hardware import Hardware, get, names
 from shardkit.autoplanner.roofline import bubble, crosses_nodes, estimate, model_flops
 from shardkit.errors import ShardingError
 
-HW = Hardware("toy", bf16_flops=200.0, f32_flops=100.0, memory_bytes=1,
-              intra_node_bandwidth=10.0, inter_node_bandwidth=1.0, devices_per_node=4)  # fmt: skip
+HW = Hardware(
+    "toy",
+    bf16_flops=200.0,
+    f32_flops=100.0,
+    memory_bytes=1,
+    intra_node_bandwidth=10.0,
+    inter_node_bandwidth=1.0,
+    devices_per_node=4,
+)
 
 
 def test_a_group_crosses_nodes_only_when_its_devices_sit_in_two():
@@ -23,8 +30,14 @@ def test_bubble_is_p_minus_1_over_m_plus_p_minus_1():
 
 def test_estimate_by_hand():
     collectives = [("all-reduce", 20.0, (0, 1)), ("all-gather", 3.0, (0, 4)), ("x", 5.0, ())]
-    e = estimate(flops=50.0, collectives=collectives, hardware=HW, precision="f32",
-                 useful_flops=300.0, devices=8)  # fmt: skip
+    e = estimate(
+        flops=50.0,
+        collectives=collectives,
+        hardware=HW,
+        precision="f32",
+        useful_flops=300.0,
+        devices=8,
+    )
     # compute: max(50, 300) / 100 = 3 s; intra: 20/10 = 2 s; inter: 3/1 + 5/1 (no groups:
     # all 8 devices, two nodes) = 8 s; overlapped: max(3, 10) = 10 s.
     assert (e.compute_s, e.intra_node_s, e.inter_node_s) == (3.0, 2.0, 8.0)
@@ -33,8 +46,17 @@ def test_estimate_by_hand():
 
 
 def test_remat_bubble_and_precision_stretch_compute_by_hand():
-    e = estimate(flops=0.0, collectives=[], hardware=HW, precision="bf16", useful_flops=300.0,
-                 devices=4, stages=2, microbatches=2, remat="full")  # fmt: skip
+    e = estimate(
+        flops=0.0,
+        collectives=[],
+        hardware=HW,
+        precision="bf16",
+        useful_flops=300.0,
+        devices=4,
+        stages=2,
+        microbatches=2,
+        remat="full",
+    )
     assert e.compute_s == pytest.approx(300.0 * 4 / 3 / (1 - 1 / 3) / 200.0)
 
 

@@ -19,16 +19,34 @@ def test_a_timed_out_candidate_is_reported_and_a_new_worker_takes_the_rest(monke
         worker.compile_elsewhere({"candidates": ["a", "slow", "b", "slow", "c"]}, timeout_s=1)
     )
     assert [(g["index"], g.get("evidence", g.get("pruned"))) for g in got] == [
-        (0, "a"), (1, "too slow"), (2, "b"), (3, "too slow"), (4, "c")]  # fmt: skip
+        (0, "a"),
+        (1, "too slow"),
+        (2, "b"),
+        (3, "too slow"),
+        (4, "c"),
+    ]
     assert started == [["a", "slow", "b", "slow", "c"], ["b", "slow", "c"], ["c"]]
 
 
 def test_a_real_worker_past_its_time_is_stopped():
     # Importing JAX alone takes longer than 10 ms: every candidate times out, each in a
     # worker of its own that is killed.
-    job = {"model": "gpt-tiny", "batch": 16, "seq": 32, "devices": 16,
-           "candidates": [{"recipe": "dp", "mesh": {"data": 16}, "remat": "none",
-                           "microbatches": None, "precision": "f32"}] * 2}  # fmt: skip
+    job = {
+        "model": "gpt-tiny",
+        "batch": 16,
+        "seq": 32,
+        "devices": 16,
+        "candidates": [
+            {
+                "recipe": "dp",
+                "mesh": {"data": 16},
+                "remat": "none",
+                "microbatches": None,
+                "precision": "f32",
+            }
+        ]
+        * 2,
+    }
     got = list(worker.compile_elsewhere(job, timeout_s=0.01))
     assert [g["index"] for g in got] == [0, 1]
     assert all(g["timeout"] and "longer than 0.01 s" in g["pruned"] for g in got)
@@ -36,9 +54,22 @@ def test_a_real_worker_past_its_time_is_stopped():
 
 def test_a_worker_that_dies_gives_up_that_candidate_only(monkeypatch):
     # A model that cannot be built kills every worker at its first candidate.
-    job = {"model": "no_such_module:factory", "batch": 16, "seq": 32, "devices": 16,
-           "candidates": [{"recipe": "dp", "mesh": {"data": 16}, "remat": "none",
-                           "microbatches": None, "precision": "f32"}] * 2}  # fmt: skip
+    job = {
+        "model": "no_such_module:factory",
+        "batch": 16,
+        "seq": 32,
+        "devices": 16,
+        "candidates": [
+            {
+                "recipe": "dp",
+                "mesh": {"data": 16},
+                "remat": "none",
+                "microbatches": None,
+                "precision": "f32",
+            }
+        ]
+        * 2,
+    }
     got = list(worker.compile_elsewhere(job, timeout_s=120))
     assert [g["index"] for g in got] == [0, 1]
     assert all("compiling process stopped (exit status 1" in g["pruned"] for g in got)
@@ -64,6 +95,8 @@ def test_a_worker_compiles_at_llvm_level_0_whatever_the_callers_flags(monkeypatc
         next(worker._run({"candidates": ["a"]}, None))
     except Stop:
         pass
-    assert seen["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/nowhere",
-                                         "--xla_backend_optimization_level=0"]  # fmt: skip
+    assert seen["XLA_FLAGS"].split() == [
+        "--xla_dump_to=/tmp/nowhere",
+        "--xla_backend_optimization_level=0",
+    ]
     assert seen["JAX_PLATFORMS"] == "cpu"

@@ -8,10 +8,29 @@ import sys
 
 def test_autoplan_json_for_more_devices_than_this_process_has(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "SHARDKIT_CACHE_DIR": str(tmp_path)}
-    cmd = [sys.executable, "-m", "shardkit.cli", "autoplan", "--model", "gpt-tiny",
-           "--devices", "16", "--batch", "16", "--seq", "32", "--recipes", "dp,fsdp,tp",
-           "--remat", "none", "--memory-gb", "1", "--json", "--plot",
-           str(tmp_path / "plan.png")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardkit.cli",
+        "autoplan",
+        "--model",
+        "gpt-tiny",
+        "--devices",
+        "16",
+        "--batch",
+        "16",
+        "--seq",
+        "32",
+        "--recipes",
+        "dp,fsdp,tp",
+        "--remat",
+        "none",
+        "--memory-gb",
+        "1",
+        "--json",
+        "--plot",
+        str(tmp_path / "plan.png"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, check=True)
     got = json.loads(out.stdout)
     assert got["devices"] == 16 and got["hardware"]["name"] == "h100"

@@ -105,18 +105,35 @@ def test_report_of_a_users_model_from_its_factory(tmp_path):
     shutil.copytree(Path(__file__).resolve().parents[2] / "examples", tmp_path / "examples")
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", "report", "--model", "examples.my_model:build",
-         "--recipe", "fsdp", "--json"],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardkit.cli",
+            "report",
+            "--model",
+            "examples.my_model:build",
+            "--recipe",
+            "fsdp",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     d = json.loads(proc.stdout)
     # Everything needed to reproduce the report: what ran, on what, with which sizes.
     assert d["model"] == "examples.my_model:build" and d["recipe"] == "fsdp"
     assert d["mesh"] == {"fsdp": 8} and d["devices"] == 8
     w = d["workload"]
-    assert (w["model"], w["batch"], w["seq"], w["precision"]) == ("examples.my_model:build",
-                                                                  8, 128, "f32")  # fmt: skip
+    assert (w["model"], w["batch"], w["seq"], w["precision"]) == (
+        "examples.my_model:build",
+        8,
+        128,
+        "f32",
+    )
     # The model carries no annotations: its PathAxes alone shard it (fc_in: embed x mlp).
     fc_in = next(p for p in d["params"] if p["path"] == "params/blocks_0/fc_in/kernel")
     assert fc_in["logical"] == ["embed", "mlp"] and fc_in["spec"] == "P('fsdp', None)"

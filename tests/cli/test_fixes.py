@@ -118,12 +118,29 @@ def test_the_fix_the_cli_prints_is_a_command_that_works(argv, workdir, capsys):
     assert _run(fixed) == 0, f"{fix} failed: {capsys.readouterr().err}"
 
 
-def test_when_no_command_can_be_checked_the_fix_still_speaks_flags(capsys, tmp_path,
-                                                                   monkeypatch):  # fmt: skip
+def test_when_no_command_can_be_checked_the_fix_still_speaks_flags(capsys, tmp_path, monkeypatch):
     # Whether a layout fits a memory budget is known only by planning: the fix names flags.
     monkeypatch.setenv("SHARDKIT_CACHE_DIR", str(tmp_path))
-    assert main(["autoplan", "--devices", "2", "--batch", "2", "--seq", "16", "--recipes", "dp",
-                 "--remat", "none", "--memory-gb", "0.0001"]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "autoplan",
+                "--devices",
+                "2",
+                "--batch",
+                "2",
+                "--seq",
+                "16",
+                "--recipes",
+                "dp",
+                "--remat",
+                "none",
+                "--memory-gb",
+                "0.0001",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     fix = err.split(" Fix: ", 1)[1]
     assert "--memory-gb" in fix and "--devices" in fix and not PYTHON_ONLY.search(fix)
@@ -145,8 +162,9 @@ def test_python_users_still_get_python_fixes():
 
 def test_edit_sets_drops_and_appends_flags():
     argv = ["report", "--json", "--microbatches=4", "--recipe", "pp", "--schedule", "gpipe"]
-    changed = edit(argv, {"--recipe": "dp", "--microbatches": None, "--schedule": None,
-                          "--devices": "2"})  # fmt: skip
+    changed = edit(
+        argv, {"--recipe": "dp", "--microbatches": None, "--schedule": None, "--devices": "2"}
+    )
     # --json alone takes no value: "--microbatches=4" stays a token of its own.
     assert changed == ["report", "--json", "--recipe", "dp", "--devices", "2"]
     assert edit(["plan", "--json", "out.json"], {"--json": None}) == ["plan"]

@@ -18,8 +18,22 @@ def lines_of(text):
 
 
 def test_report_fits_80_columns_and_keeps_leaf_names(narrow, capsys):
-    assert main(["report", "--model", "gpt-tiny", "--recipe", "dp_tp_sp", "--mesh", "tensor=2",
-                 "--remat", "full"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "report",
+                "--model",
+                "gpt-tiny",
+                "--recipe",
+                "dp_tp_sp",
+                "--mesh",
+                "tensor=2",
+                "--remat",
+                "full",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert max(len(line) for line in lines_of(out)) <= 80
     assert "dp_tp_sp on data=4 × tensor=2" in out
@@ -54,8 +68,11 @@ def test_recipes_fit_80_columns(narrow, capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
     assert max(len(line) for line in lines_of(out)) <= 80
-    names = [line.split()[1] for line in lines_of(out) if line.startswith("│ ") and
-             line.split()[1] != "│"]  # fmt: skip
+    names = [
+        line.split()[1]
+        for line in lines_of(out)
+        if line.startswith("│ ") and line.split()[1] != "│"
+    ]
     assert names == recipes.names()
 
 
@@ -76,8 +93,26 @@ def test_reshard_plan_fits_80_columns_and_keeps_leaf_names(narrow, capsys):
 
 def test_autoplan_fits_80_columns(narrow, capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("SHARDKIT_CACHE_DIR", str(tmp_path))
-    assert main(["autoplan", "--devices", "2", "--batch", "2", "--seq", "16", "--recipes", "dp",
-                 "--remat", "none", "--memory-gb", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "autoplan",
+                "--devices",
+                "2",
+                "--batch",
+                "2",
+                "--seq",
+                "16",
+                "--recipes",
+                "dp",
+                "--remat",
+                "none",
+                "--memory-gb",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert max(len(line) for line in lines_of(out)) <= 80
     assert "dp data=2 remat=none f32" in out
@@ -105,8 +140,10 @@ def test_json_means_the_same_in_every_command(tmp_path, capsys):
 
 
 def test_mesh_flag_sizes_the_recipes_axes(capsys):
-    assert main(["plan", "--model", "gpt-tiny", "--recipe", "fsdp_tp", "--mesh", "tensor=2",
-                 "--json"]) == 0  # fmt: skip
+    assert (
+        main(["plan", "--model", "gpt-tiny", "--recipe", "fsdp_tp", "--mesh", "tensor=2", "--json"])
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["mesh"] == {"fsdp": 4, "tensor": 2}
     assert parse_mesh("data=-1, tensor=4") == {"data": -1, "tensor": 4}
 

@@ -10,10 +10,24 @@ import time
 def test_report_gpt_7b_fsdp_on_256_devices():
     start = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "shardkit.cli", "report", "--model", "gpt-7b", "--recipe",
-         "fsdp", "--devices", "256", "--json"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "shardkit.cli",
+            "report",
+            "--model",
+            "gpt-7b",
+            "--recipe",
+            "fsdp",
+            "--devices",
+            "256",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert proc.returncode == 0, proc.stderr
     assert time.perf_counter() - start < 300
     d = json.loads(proc.stdout)

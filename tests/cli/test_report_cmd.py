@@ -10,8 +10,23 @@ from shardkit.report.memory_terms import TERMS
 def test_itemise_splits_the_temp_memory_into_terms(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
     out = tmp_path / "report.json"
-    assert main(["report", "--devices", "2", "--seq", "16", "--remat", "full", "--itemise",
-                 "--json", str(out)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "report",
+                "--devices",
+                "2",
+                "--seq",
+                "16",
+                "--remat",
+                "full",
+                "--itemise",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     d = json.loads(out.read_text())
     terms = d["memory_terms"]
@@ -21,16 +36,18 @@ def test_itemise_splits_the_temp_memory_into_terms(tmp_path, monkeypatch, capsys
     assert d["memory_peak_phase"] == "layers"
     # The table: one row per term with its bytes, at 80 columns.
     assert "temp memory at its peak (layers phase), by term" in text
-    rows = {line.split("  ")[1].strip(): line for line in text.splitlines()
-            if line.startswith("  ") and line.split("  ")[1].strip() in TERMS}  # fmt: skip
+    rows = {
+        line.split("  ")[1].strip(): line
+        for line in text.splitlines()
+        if line.startswith("  ") and line.split("  ")[1].strip() in TERMS
+    }
     assert set(rows) == {t["term"] for t in terms}
     for t in terms:
         assert human_bytes(t["bytes"]) in rows[t["term"]]
     assert max(len(line) for line in text.splitlines()) <= 80
 
 
-def test_the_collectives_by_cause_keep_kind_leaf_and_source_line_at_80_columns(monkeypatch,
-                                                                               capsys):  # fmt: skip
+def test_the_collectives_by_cause_keep_kind_leaf_and_source_line_at_80_columns(monkeypatch, capsys):
     # cp's ring permutes come from the attention module's shard_map, at a source line of
     # attention.py: both ends must survive the 80-column cut.
     monkeypatch.setenv("COLUMNS", "80")

@@ -22,8 +22,12 @@ def _loss(params, batch):
 @pytest.fixture
 def factory_module(monkeypatch):
     module = types.ModuleType("my_factories")
-    module.as_mapping = lambda: {"init": _init, "loss": _loss, "vocab": 16,
-                                 "annotations": [("w$", ("vocab", "embed"))]}  # fmt: skip
+    module.as_mapping = lambda: {
+        "init": _init,
+        "loss": _loss,
+        "vocab": 16,
+        "annotations": [("w$", ("vocab", "embed"))],
+    }
     module.as_pair = lambda: (_init, _loss)
     module.as_object = lambda: types.SimpleNamespace(init=_init, loss=_loss, vocab=16)
     module.as_user_model = lambda: models.UserModel(_init, _loss, dims={"layers": 1})

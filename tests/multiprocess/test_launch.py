@@ -32,10 +32,24 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
     ckpt = tmp_path / "ckpt"
     command = _readme_launch_command()  # later flags override the README's
     assert command[:3] == ["shardkit", "launch", "-n"] and "--dcn" in command
-    command += ["--steps", "100000", "--seq", "32", "--checkpoint-dir", str(ckpt),
-                "--save-every", "1", "--no-report"]  # fmt: skip
-    launcher = subprocess.Popen([*SHARDKIT, *command[1:]], env=ENV, text=True,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    command += [
+        "--steps",
+        "100000",
+        "--seq",
+        "32",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--save-every",
+        "1",
+        "--no-report",
+    ]
+    launcher = subprocess.Popen(
+        [*SHARDKIT, *command[1:]],
+        env=ENV,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.monotonic() + 180
         while len(checkpoint.steps(ckpt) if ckpt.is_dir() else []) < 2:
@@ -44,7 +58,7 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
             time.sleep(0.2)
         children = psutil.Process(launcher.pid).children()
         assert len(children) == 2
-        survivor, victim = sorted(children, key=lambda c: c.environ()[distributed.ENV_PROCESS_ID])  # fmt: skip
+        survivor, victim = sorted(children, key=lambda c: c.environ()[distributed.ENV_PROCESS_ID])
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         survivor.wait(timeout=60)
@@ -60,7 +74,9 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
     assert lines[-1].startswith("shardkit launch: process 1 of 2 was killed by SIGKILL"), err[
         -3000:
     ]
-    assert lines[-2].startswith("shardkit: process 1 of 2 died or stopped responding, so process 0 stopped too")  # fmt: skip
+    assert lines[-2].startswith(
+        "shardkit: process 1 of 2 died or stopped responding, so process 0 stopped too"
+    )
     assert f"in {ckpt}, is the restart point" in lines[-2] and "--resume" in lines[-2]
     assert "Check failure stack trace" not in err and "    @ " not in err
 
@@ -76,10 +92,15 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
 
 def test_launcher_names_the_dead_process_and_ends_the_rest(tmp_path):
     # No JAX here: process 1 fails, process 0 would run for a minute.
-    child = "import os, sys, time; sys.exit(3) if os.environ['SHARDKIT_PROCESS_ID'] == '1' else time.sleep(60)"  # fmt: skip
+    child = "import os, sys, time; sys.exit(3) if os.environ['SHARDKIT_PROCESS_ID'] == '1' else time.sleep(60)"
     start = time.monotonic()
-    proc = subprocess.run([*SHARDKIT, "launch", "-n", "2", "--grace", "1", "--", sys.executable, "-c", child],
-                          env=ENV, capture_output=True, text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        [*SHARDKIT, "launch", "-n", "2", "--grace", "1", "--", sys.executable, "-c", child],
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert time.monotonic() - start < 30
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]

@@ -35,10 +35,15 @@ def test_two_processes_match_one(recipe):
     port = str(_free_port())
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(i), port, recipe],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), port, recipe],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for i in range(2)
-    ]  # fmt: skip
+    ]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=240)

@@ -25,7 +25,11 @@ def parse(*argv):
 def test_flags_to_options():
     assert cli.options(parse()) is None
     assert cli.options(parse("--schedule", "interleaved", "--microbatches", "8")) == {
-        "microbatches": 8, "schedule": "interleaved", "virtual_stages": 2, "unit": None}  # fmt: skip
+        "microbatches": 8,
+        "schedule": "interleaved",
+        "virtual_stages": 2,
+        "unit": None,
+    }
 
 
 def test_flags_with_a_recipe_that_cannot_pipeline_name_the_fix():
@@ -42,8 +46,18 @@ def test_flags_with_a_recipe_that_cannot_pipeline_name_the_fix():
 def test_report_of_the_3d_pipeline_has_its_analytic_wire(capsys):
     # The CLI's pre-flight sized the batch check's length at 1, which tensor=2 (TP+SP
     # splits the length) does not divide: the 3D report stopped there.
-    argv = ["report", "--model", "gpt-tiny", "--recipe", "dp_tp_sp_pp", "--batch", "16",
-            "--seq", "32", "--json"]  # fmt: skip
+    argv = [
+        "report",
+        "--model",
+        "gpt-tiny",
+        "--recipe",
+        "dp_tp_sp_pp",
+        "--batch",
+        "16",
+        "--seq",
+        "32",
+        "--json",
+    ]
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out)
     # m = p = 2 micro-batches of 16 / (2·2) rows; a permute moves 4 × (32 / 2) × 64 f32
@@ -70,9 +84,24 @@ def test_interleaved_report_moves_no_weights(recipe, devices, layers, m, gpt_tin
     # step: pp stage=4 moved 2.4 MB of all-gathers (4.3x the analytic wire), dp_pp's
     # permutes were 7x the analytic. Stored interleaved, only the activations move.
     gpt_tiny_layers(layers)
-    argv = ["report", "--model", "gpt-tiny", "--recipe", recipe, "--devices", str(devices),
-            "--batch", "16", "--seq", "16", "--schedule", "interleaved", "--microbatches", str(m),
-            "--json"]  # fmt: skip
+    argv = [
+        "report",
+        "--model",
+        "gpt-tiny",
+        "--recipe",
+        recipe,
+        "--devices",
+        str(devices),
+        "--batch",
+        "16",
+        "--seq",
+        "16",
+        "--schedule",
+        "interleaved",
+        "--microbatches",
+        str(m),
+        "--json",
+    ]
     assert main(argv) == 0
     got = json.loads(capsys.readouterr().out)
     wire, want = got["wire_bytes_by_kind"], got["analytic_wire_bytes_by_kind"]
@@ -88,8 +117,19 @@ def test_run_interleaved_trains_as_one_device_and_saves_in_layer_order(
     gpt_tiny_layers(4)  # 2 stages × 2 virtual stages
 
     def run(*flags, steps):
-        argv = ["run", "--model", "gpt-tiny", "--batch", "4", "--seq", "16", "--steps",
-                str(steps), "--json", *flags]  # fmt: skip
+        argv = [
+            "run",
+            "--model",
+            "gpt-tiny",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--steps",
+            str(steps),
+            "--json",
+            *flags,
+        ]
         assert main(argv) == 0
         return json.loads(capsys.readouterr().out)
 

@@ -32,15 +32,25 @@ def post(rest, y, mb):
     return jnp.mean((y - mb["x"]) ** 2)
 
 
-def compile_pipeline(axes, schedule, m, *, rows, unit=None, v=2, specs=None, batch_axes=None,
-                     layers=LAYERS, h=H):  # fmt: skip
+def compile_pipeline(
+    axes, schedule, m, *, rows, unit=None, v=2, specs=None, batch_axes=None, layers=LAYERS, h=H
+):
     devices = jax.devices()[: int(np.prod(list(axes.values())))]
     mesh = sk.make_mesh(axes, devices=devices)
     stack = {"k": jax.ShapeDtypeStruct((layers, h, h), jnp.float32)}
     batch = {"x": jax.ShapeDtypeStruct((rows, h), jnp.float32)}
-    fn = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=m, schedule=schedule,
-                                 virtual_stages=v, unit=unit, stack_specs=specs,
-                                 batch_axes=batch_axes)  # fmt: skip
+    fn = pipeline.value_and_grad(
+        layer,
+        pre,
+        post,
+        mesh=mesh,
+        microbatches=m,
+        schedule=schedule,
+        virtual_stages=v,
+        unit=unit,
+        stack_specs=specs,
+        batch_axes=batch_axes,
+    )
     return jax.jit(fn).lower(stack, {}, batch).compile(), mesh
 
 
@@ -55,11 +65,17 @@ def test_compiled_flops_match_the_bubble(schedule, m, v):
     # Wide layers: the engine's elementwise work (selecting a stored micro-batch, masks)
     # grows as h, the matmuls as h².
     p, rows, h = 4, 256, 512
-    compiled, _ = compile_pipeline({"stage": p}, schedule, m, rows=rows, v=v, layers=2 * p * v,
-                                   h=h)  # fmt: skip
+    compiled, _ = compile_pipeline({"stage": p}, schedule, m, rows=rows, v=v, layers=2 * p * v, h=h)
     useful = 6 * (2 * p * v * h * h) * rows / p  # 6·Ψ·tokens/p
-    want = pipeline_costs(schedule, stages=p, microbatches=m, virtual=v, stack_param_bytes=0,
-                          rest_param_bytes=0, activation_bytes=0).flops_ratio  # fmt: skip
+    want = pipeline_costs(
+        schedule,
+        stages=p,
+        microbatches=m,
+        virtual=v,
+        stack_param_bytes=0,
+        rest_param_bytes=0,
+        activation_bytes=0,
+    ).flops_ratio
     assert flops(compiled) / useful == pytest.approx(want, rel=0.05)
 
 
@@ -97,9 +113,15 @@ def test_pp_wire_is_neighbour_permutes_and_the_data_all_reduce():
     pairs = permute_pairs(text)
     assert pairs and all(abs(stage_of[a] - stage_of[b]) == 1 for a, b in pairs)
     assert all(data_of[a] == data_of[b] for a, b in pairs)
-    want = pipeline_costs("1f1b", stages=4, microbatches=m, data=2,
-                          stack_param_bytes=LAYERS * H * H * 4, rest_param_bytes=0,
-                          activation_bytes=rows // (2 * m) * H * 4).wire_bytes_by_kind  # fmt: skip
+    want = pipeline_costs(
+        "1f1b",
+        stages=4,
+        microbatches=m,
+        data=2,
+        stack_param_bytes=LAYERS * H * H * 4,
+        rest_param_bytes=0,
+        activation_bytes=rows // (2 * m) * H * 4,
+    ).wire_bytes_by_kind
     for kind, value in want.items():
         assert wire[kind] / value == pytest.approx(1.0, abs=0.1), kind  # within 1.1x
 
@@ -108,12 +130,26 @@ def test_zeropp_wire_falls_as_the_unit_grows():
     axes, m, rows = {"stage": 2, "fsdp": 4}, 8, 64
     got = {}
     for unit in (1, 2, 4, 8):
-        compiled, _ = compile_pipeline(axes, "1f1b", m, rows=rows, unit=unit,
-                                       specs={"k": P("stage", "fsdp")}, batch_axes=("fsdp",))  # fmt: skip
+        compiled, _ = compile_pipeline(
+            axes,
+            "1f1b",
+            m,
+            rows=rows,
+            unit=unit,
+            specs={"k": P("stage", "fsdp")},
+            batch_axes=("fsdp",),
+        )
         got[unit] = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
-        want = pipeline_costs("1f1b", stages=2, microbatches=m, unit=unit, fsdp=4,
-                              stack_param_bytes=LAYERS * H * H * 4, rest_param_bytes=0,
-                              activation_bytes=rows // (4 * m) * H * 4).wire_bytes_by_kind  # fmt: skip
+        want = pipeline_costs(
+            "1f1b",
+            stages=2,
+            microbatches=m,
+            unit=unit,
+            fsdp=4,
+            stack_param_bytes=LAYERS * H * H * 4,
+            rest_param_bytes=0,
+            activation_bytes=rows // (4 * m) * H * 4,
+        ).wire_bytes_by_kind
         for kind in ("all-gather", "reduce-scatter", "collective-permute"):
             assert got[unit][kind] / want[kind] == pytest.approx(1.0, abs=0.15), (unit, kind)
     weights = [got[u]["all-gather"] + got[u]["reduce-scatter"] for u in (1, 2, 4, 8)]

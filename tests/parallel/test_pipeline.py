@@ -31,14 +31,16 @@ def run_steps(model_name, plan, pipelined=None):
     if pipelined is None:
         step = plan.jit(train.train_step(model, tx, return_grads=True))
     else:
-        fn = parallel.stages.train_step(reference_stages(model), tx, plan, abstract,
-                                        return_grads=True, **pipelined)  # fmt: skip
+        fn = parallel.stages.train_step(
+            reference_stages(model), tx, plan, abstract, return_grads=True, **pipelined
+        )
         step = plan.jit(fn, state=abstract)
         if pipelined.get("stack_order") == "interleaved":  # the state stored in its order
             reorder = (plan.mesh.shape["stage"], pipelined["virtual_stages"])
             shardings = jax.tree.map(lambda x: x.sharding, state)
-            state = jax.jit(lambda s: parallel.to_interleaved(s, *reorder),
-                            out_shardings=shardings)(state)  # fmt: skip
+            state = jax.jit(
+                lambda s: parallel.to_interleaved(s, *reorder), out_shardings=shardings
+            )(state)
     losses, first = [], None
     for i in range(STEPS):
         state, metrics = step(state, plan.shard_batch(source.batch(BATCH, SEQ, i)))
@@ -75,9 +77,13 @@ CASES = [
     ("llama-tiny", "interleaved", 1, "dp_tp_sp_pp"),
 ]
 if os.environ.get("SHARDKIT_PIPELINE_ALL"):
-    CASES = [(model, sched, f, recipe) for model in ("gpt-tiny", "llama-tiny")
-             for sched in ("gpipe", "1f1b", "interleaved") for f in (1, 2, 4)
-             for recipe in RECIPES]  # fmt: skip
+    CASES = [
+        (model, sched, f, recipe)
+        for model in ("gpt-tiny", "llama-tiny")
+        for sched in ("gpipe", "1f1b", "interleaved")
+        for f in (1, 2, 4)
+        for recipe in RECIPES
+    ]
 
 
 @pytest.mark.parametrize("model_name,schedule,factor,recipe", CASES)
@@ -89,9 +95,12 @@ def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, one_d
     # under dp_pp, in layer order (the engine reorders it each step) under the others
     order = "interleaved" if (schedule, recipe) == ("interleaved", "dp_pp") else "layers"
     losses, grads, state = run_steps(
-        model_name, plan, dict(microbatches=factor * p, schedule=schedule, virtual_stages=2,
-                               unit=p, stack_order=order)
-    )  # fmt: skip
+        model_name,
+        plan,
+        dict(
+            microbatches=factor * p, schedule=schedule, virtual_stages=2, unit=p, stack_order=order
+        ),
+    )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     scale = max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(ref_grads))
     for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads), strict=True):

@@ -35,8 +35,10 @@ def post(rest, y, mb):
 def test_tensor_axis_left_to_xla_is_exact_and_sharded():
     mesh = sk.make_mesh({"stage": 2, "tensor": 2, "data": 2}, devices=jax.devices()[:8])
     k = jax.random.split(jax.random.key(0), 3)
-    stack = {"a": jax.random.normal(k[0], (LAYERS, H, 4 * H)) / 8,
-             "b": jax.random.normal(k[1], (LAYERS, 4 * H, H)) / 16}  # fmt: skip
+    stack = {
+        "a": jax.random.normal(k[0], (LAYERS, H, 4 * H)) / 8,
+        "b": jax.random.normal(k[1], (LAYERS, 4 * H, H)) / 16,
+    }
     batch = {"x": jax.random.normal(k[2], (ROWS, H))}
 
     def reference(stack):
@@ -46,8 +48,17 @@ def test_tensor_axis_left_to_xla_is_exact_and_sharded():
         return post({}, x, batch)
 
     want, want_g = jax.value_and_grad(reference)(stack)
-    fn = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=M, schedule="1f1b",
-                                 stack_specs=SPECS, batch_axes=("data",), auto_axes=("tensor",))  # fmt: skip
+    fn = pipeline.value_and_grad(
+        layer,
+        pre,
+        post,
+        mesh=mesh,
+        microbatches=M,
+        schedule="1f1b",
+        stack_specs=SPECS,
+        batch_axes=("data",),
+        auto_axes=("tensor",),
+    )
     stack = {n: jax.device_put(w, NamedSharding(mesh, SPECS[n])) for n, w in stack.items()}
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     compiled = jax.jit(fn).lower(stack, {}, batch).compile()
@@ -69,11 +80,17 @@ def test_auto_axes_must_be_neither_stage_nor_batch():
     mesh = sk.make_mesh({"stage": 2, "tensor": 2}, devices=jax.devices()[:4])
     for bad in (("stage",), ("sequence",)):
         with pytest.raises(PipelineError, match=r"cannot be left to XLA(.|\n)*Fix"):
-            pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2,
-                                    auto_axes=bad)  # fmt: skip
+            pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2, auto_axes=bad)
     with pytest.raises(PipelineError, match="batch axes"):
-        pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2,
-                                batch_axes=("tensor",), auto_axes=("tensor",))  # fmt: skip
+        pipeline.value_and_grad(
+            layer,
+            pre,
+            post,
+            mesh=mesh,
+            microbatches=2,
+            batch_axes=("tensor",),
+            auto_axes=("tensor",),
+        )
 
 
 def test_rules_inside_the_stages_drop_the_manual_axes():
@@ -81,16 +98,27 @@ def test_rules_inside_the_stages_drop_the_manual_axes():
     from shardkit.recipes.recipe import VocabRules
 
     manual = frozenset({"stage", "data", "fsdp"})
-    rules = sk.Rules([("batch", "data"), ("embed", "fsdp"), ("embed", "tensor"),
-                      ("length", ("data", "tensor")), ("layers", "stage")])  # fmt: skip
+    rules = sk.Rules(
+        [
+            ("batch", "data"),
+            ("embed", "fsdp"),
+            ("embed", "tensor"),
+            ("length", ("data", "tensor")),
+            ("layers", "stage"),
+        ]
+    )
     got = _auto_rules(rules, manual)
     # batch and layers: only manual axes, replicated; embed: the later tensor rule applies;
     # length: its tensor part stays.
-    assert got == sk.Rules([("embed", "tensor"), ("length", "tensor"), ("batch", None),
-                            ("layers", None)])  # fmt: skip
+    assert got == sk.Rules(
+        [("embed", "tensor"), ("length", "tensor"), ("batch", None), ("layers", None)]
+    )
     assert got.spec(("batch", "length")) == P(None, "tensor")
-    vocab = VocabRules(sk.Rules([("vocab", "tensor"), ("batch", "data")]),
-                       sk.Rules([("batch", "data")]), gathered=8)  # fmt: skip
+    vocab = VocabRules(
+        sk.Rules([("vocab", "tensor"), ("batch", "data")]),
+        sk.Rules([("batch", "data")]),
+        gathered=8,
+    )
     got = _auto_rules(vocab, manual)
     assert isinstance(got, VocabRules) and got.gathered == 8
     assert got.spec(("batch", "vocab"), shape=(4, 16)) == P(None, "tensor")
@@ -105,6 +133,7 @@ def test_pipeline_recipes_leave_only_tensor_to_xla():
     for recipe, (devices, auto) in want.items():
         plan = sk.Plan(recipe, devices=jax.devices()[:devices])
         abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-        fn = parallel.stages.value_and_grad(parallel.reference_stages(model), plan, abstract,
-                                            microbatches=2)  # fmt: skip
+        fn = parallel.stages.value_and_grad(
+            parallel.reference_stages(model), plan, abstract, microbatches=2
+        )
         assert fn.auto_axes == auto, recipe

@@ -15,5 +15,6 @@ def test_readme_pipeline_example_runs(capsys):
     exec(compile(block, "README.md", "exec"), namespace)
     out = capsys.readouterr().out
     assert out.startswith("P('stage', None, None)\n")
-    np.testing.assert_allclose(float(namespace["metrics"]["loss"]), float(namespace["want"]),
-                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        float(namespace["metrics"]["loss"]), float(namespace["want"]), rtol=1e-5
+    )

@@ -30,8 +30,10 @@ def post(rest, y, mb):
 
 def params():
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    stack = {"k": jax.random.normal(k1, (LAYERS, D, D)) / np.sqrt(D),
-             "b": 0.1 * jax.random.normal(k2, (LAYERS, D))}  # fmt: skip
+    stack = {
+        "k": jax.random.normal(k1, (LAYERS, D, D)) / np.sqrt(D),
+        "b": 0.1 * jax.random.normal(k2, (LAYERS, D)),
+    }
     rest = {"emb": jax.random.normal(k3, (D, D)) / np.sqrt(D)}
     kx, ky = jax.random.split(jax.random.key(1))
     batch = {"x": jax.random.normal(kx, (BATCH, D)), "y": jax.random.normal(ky, (BATCH, D))}
@@ -64,15 +66,22 @@ LAYOUTS = {
     # name: (mesh, stack specs, rest specs, batch axes)
     "pp": ({"stage": 4}, None, None, None),
     "dp_pp": ({"stage": 4, "data": 2}, None, None, None),
-    "zeropp": ({"stage": 2, "fsdp": 4}, {"k": P("stage", "fsdp"), "b": P("stage", "fsdp")},
-               {"emb": P("fsdp")}, ("fsdp",)),
-}  # fmt: skip
+    "zeropp": (
+        {"stage": 2, "fsdp": 4},
+        {"k": P("stage", "fsdp"), "b": P("stage", "fsdp")},
+        {"emb": P("fsdp")},
+        ("fsdp",),
+    ),
+}
 
 
 # m in {p, 2p, 4p} for every schedule; each layout meets every schedule once (all 27
 # combinations passed on an earlier version of the engine, in ~100 s).
-CASES = [(s, list(LAYOUTS)[(i + j) % 3], f) for i, s in enumerate(("gpipe", "1f1b", "interleaved"))
-         for j, f in enumerate((1, 2, 4))]  # fmt: skip
+CASES = [
+    (s, list(LAYOUTS)[(i + j) % 3], f)
+    for i, s in enumerate(("gpipe", "1f1b", "interleaved"))
+    for j, f in enumerate((1, 2, 4))
+]
 
 
 @pytest.mark.parametrize("schedule,layout,factor", CASES)
@@ -82,9 +91,18 @@ def test_exact_loss_and_grads(schedule, layout, factor):
     p = axes["stage"]
     stack, rest, batch = params()
     fn = pipeline.value_and_grad(
-        layer, pre, post, mesh=mesh, microbatches=factor * p, schedule=schedule,
-        virtual_stages=2, unit=p, stack_specs=s_specs, rest_specs=r_specs, batch_axes=b_axes,
-    )  # fmt: skip
+        layer,
+        pre,
+        post,
+        mesh=mesh,
+        microbatches=factor * p,
+        schedule=schedule,
+        virtual_stages=2,
+        unit=p,
+        stack_specs=s_specs,
+        rest_specs=r_specs,
+        batch_axes=b_axes,
+    )
     assert_same(jax.jit(fn)(stack, rest, batch), reference(stack, rest, batch))
 
 
@@ -109,8 +127,9 @@ def test_bad_input_names_numbers_and_fix():
     mesh = mesh_of({"stage": 4})
     with pytest.raises(schedules.UnknownScheduleError, match="gpipe, 1f1b, interleaved"):
         pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="zb")
-    bad = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=4,
-                                  schedule="interleaved", virtual_stages=4)  # fmt: skip
+    bad = pipeline.value_and_grad(
+        layer, pre, post, mesh=mesh, microbatches=4, schedule="interleaved", virtual_stages=4
+    )
     with pytest.raises(schedules.StageDivisibilityError, match="8 layers .* 4 stages × 4 virtual"):
         jax.jit(bad)(stack, rest, batch)
     odd = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=5)
@@ -134,9 +153,16 @@ def test_interleaved_stack_stored_in_its_order_moves_no_weights():
     stored = jax.device_put(jax.tree.map(lambda x: x[perm], stack), on_stages)
     wire = {}
     for order, st in (("layers", jax.device_put(stack, on_stages)), ("interleaved", stored)):
-        fn = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=p,
-                                     schedule="interleaved", virtual_stages=v,
-                                     stack_order=order)  # fmt: skip
+        fn = pipeline.value_and_grad(
+            layer,
+            pre,
+            post,
+            mesh=mesh,
+            microbatches=p,
+            schedule="interleaved",
+            virtual_stages=v,
+            stack_order=order,
+        )
         compiled = jax.jit(fn).lower(st, rest, batch).compile()
         wire[order] = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
         loss, (d_stack, d_rest) = compiled(st, rest, batch)

@@ -28,8 +28,13 @@ def test_reference_post_grad_is_posts_gradient_added_to_the_sum(name, dtype):
     y = jax.random.normal(k1, (2, 8, model.config.d_model)).astype(dtype)
     mb = {"targets": jax.random.randint(k2, (2, 8), 0, model.config.vocab)}
     leaves, treedef = jax.tree.flatten(rest)
-    running = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype) for k, x in
-                                           zip(jax.random.split(k3, len(leaves)), leaves, strict=True)])  # fmt: skip
+    running = jax.tree.unflatten(
+        treedef,
+        [
+            jax.random.normal(k, x.shape, x.dtype)
+            for k, x in zip(jax.random.split(k3, len(leaves)), leaves, strict=True)
+        ],
+    )
     scale = 0.25
 
     def post(rest, y):
@@ -41,11 +46,13 @@ def test_reference_post_grad_is_posts_gradient_added_to_the_sum(name, dtype):
     np.testing.assert_allclose(float(loss), float(want), rtol=tol)
     assert dy.dtype == d_y.dtype == dtype
     top = float(jnp.abs(d_y.astype(jnp.float32)).max())
-    np.testing.assert_allclose(np.asarray(dy, np.float32), np.asarray(d_y, np.float32),
-                               rtol=0, atol=tol * top)  # fmt: skip
+    np.testing.assert_allclose(
+        np.asarray(dy, np.float32), np.asarray(d_y, np.float32), rtol=0, atol=tol * top
+    )
     assert jax.tree.structure(summed) == jax.tree.structure(running)
-    for got, base, grad in zip(jax.tree.leaves(summed), jax.tree.leaves(running),
-                               jax.tree.leaves(d_rest), strict=True):  # fmt: skip
+    for got, base, grad in zip(
+        jax.tree.leaves(summed), jax.tree.leaves(running), jax.tree.leaves(d_rest), strict=True
+    ):
         assert got.dtype == base.dtype
         top = float(jnp.abs(grad).max())
         np.testing.assert_allclose(got, base + grad, rtol=0, atol=tol * top + 1e-6)

@@ -29,8 +29,14 @@ def _ringed(kind, dims=None, kdim=None):
     def f(x, w):
         def body(x, w):
             return ring_dot(x, w, kind=kind, axis="tsp", size=N, dims=dims, kdim=kdim)
-        return jax.shard_map(body, mesh=_mesh(), in_specs=(P(None, "tsp"), wspec),
-                             out_specs=P(None, "tsp"), check_vma=False)(x, w)
+
+        return jax.shard_map(
+            body,
+            mesh=_mesh(),
+            in_specs=(P(None, "tsp"), wspec),
+            out_specs=P(None, "tsp"),
+            check_vma=False,
+        )(x, w)
 
     return f
 
@@ -41,10 +47,13 @@ def test_ring_dot_value_and_gradients_match_dense(kind):
     x = jax.random.normal(kx, (2, 8, 16))
     w = jax.random.normal(kw, (16, 12 if kind == "in" else 16))
     cot = jax.random.normal(kc, (2, 8, w.shape[1]))
+
     def loss(f):
         return lambda x, w: jnp.sum(f(x, w) * cot)  # a generic cotangent
+
     def dense(x, w):
         return x @ w
+
     y, y_ref = _ringed(kind)(x, w), dense(x, w)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     g = jax.grad(loss(_ringed(kind)), argnums=(0, 1))(x, w)
@@ -64,11 +73,18 @@ def test_ring_dot_multi_dim_kernel_like_attention_out():
     def f(x, w):
         def body(x, w):
             return ring_dot(x, w, kind="out", axis="tsp", size=N, dims=dims, kdim=2)
-        return jax.shard_map(body, mesh=_mesh(), in_specs=(P(None, "tsp"), P(None, None, "tsp")),
-                             out_specs=P(None, "tsp"), check_vma=False)(x, w)
+
+        return jax.shard_map(
+            body,
+            mesh=_mesh(),
+            in_specs=(P(None, "tsp"), P(None, None, "tsp")),
+            out_specs=P(None, "tsp"),
+            check_vma=False,
+        )(x, w)
 
     def ref(x, w):
         return jnp.einsum("bshk,hkd->bsd", x, w)
+
     np.testing.assert_allclose(f(x, w), ref(x, w), rtol=1e-5, atol=1e-5)
     g = jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, w)
     g_ref = jax.grad(lambda x, w: jnp.sum(jnp.sin(ref(x, w))), argnums=(0, 1))(x, w)
@@ -87,8 +103,10 @@ def test_ring_dot_wire_bytes_forward_and_backward(kind):
     fwd = jax.jit(f).lower(x, w).compile()
     # The backward alone: the forward's outputs are unused, so XLA drops its ring.
     bwd = jax.jit(lambda x, w, ct: jax.vjp(f, x, w)[1](ct)).lower(x, w, x).compile()
+
     def wire(c):
         return sum(op.wire_bytes for op in parse_collectives(c.as_text()))
+
     assert wire(fwd) == (N - 1) * shard
     assert wire(bwd) == 2 * (N - 1) * shard
 
@@ -96,14 +114,20 @@ def test_ring_dot_wire_bytes_forward_and_backward(kind):
 def _tsp_context(n=N, schedule="tsp"):
     rules = [("embed", "tsp"), ("length", "tsp")]
     mesh = jax.make_mesh((n,), ("tsp",), devices=jax.devices()[:n], axis_types=(AUTO,))
-    return mesh, dict(param_rules=Rules(rules[:1]), activation_rules=Rules(rules[1:]),
-                      attention="ring", attention_axis="tsp", layer_schedule=schedule)
+    return mesh, dict(
+        param_rules=Rules(rules[:1]),
+        activation_rules=Rules(rules[1:]),
+        attention="ring",
+        attention_axis="tsp",
+        layer_schedule=schedule,
+    )
 
 
 def _grads(fn, args, schedule=None):
     """Value and gradients of sum(sin(fn(*args))): under a TSP context, or plain (None)."""
-    loss = jax.jit(jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))),
-                                      argnums=tuple(range(len(args)))))  # fmt: skip
+    loss = jax.jit(
+        jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=tuple(range(len(args))))
+    )
     if schedule is None:
         return loss(*args), ""
     mesh, ctx = _tsp_context(schedule=schedule)
@@ -176,17 +200,22 @@ def test_tsp_and_tensor_on_one_dimension_is_refused(recipe):
 
     base = sk.recipes.get(recipe)
     both = dataclasses.replace(
-        base, mesh_axes=(("tsp", 4), ("tensor", 2)),
+        base,
+        mesh_axes=(("tsp", 4), ("tensor", 2)),
         rules=Rules([("vocab", "tsp"), ("embed", ("tsp", "tensor"))]),
-    )  # fmt: skip
+    )
     with pytest.raises(ShardingError, match=r"'embed'.*tsp=4, tensor=2.*\nFix: map 'embed'"):
         sk.Plan(both)
     # under the paper's schedule, a kernel split over tsp and tensor at trace time too
     with pytest.raises(ShardingError, match=r"also over \['tensor'\].*\nFix"):
         mesh = jax.make_mesh((4, 2), ("tsp", "tensor"), axis_types=(AUTO, AUTO))
-        ctx = dict(param_rules=Rules([("embed", "tsp"), ("mlp", "tensor")]),
-                   activation_rules=Rules([("length", "tsp")]), layer_schedule="tsp",
-                   attention_axis="tsp")  # fmt: skip
+        ctx = dict(
+            param_rules=Rules([("embed", "tsp"), ("mlp", "tensor")]),
+            activation_rules=Rules([("length", "tsp")]),
+            layer_schedule="tsp",
+            attention_axis="tsp",
+        )
         with jax.set_mesh(mesh), context.using(**ctx):
-            jax.jit(tsp.gated_mlp).lower(jnp.ones((1, 16, 8)), None, jnp.ones((8, 4)),
-                                         jnp.ones((4, 8)))  # fmt: skip
+            jax.jit(tsp.gated_mlp).lower(
+                jnp.ones((1, 16, 8)), None, jnp.ones((8, 4)), jnp.ones((4, 8))
+            )

@@ -13,10 +13,13 @@ from shardkit.report.analytic_tsp import tsp_crossover_tokens, tsp_wire_bytes
 
 @pytest.mark.parametrize(
     "name, mesh, want",
-    [("tsp", {"tsp": 8}, (1, 8, "tsp")), ("tsp_gspmd", {"tsp": 8}, (1, 8, "gspmd")),
-     ("dp_tsp", {"data": 2, "tsp": 4}, (2, 4, "tsp")),
-     ("dp_tsp_gspmd", {"data": 2, "tsp": 4}, (2, 4, "gspmd"))],
-)  # fmt: skip
+    [
+        ("tsp", {"tsp": 8}, (1, 8, "tsp")),
+        ("tsp_gspmd", {"tsp": 8}, (1, 8, "gspmd")),
+        ("dp_tsp", {"data": 2, "tsp": 4}, (2, 4, "tsp")),
+        ("dp_tsp_gspmd", {"data": 2, "tsp": 4}, (2, 4, "gspmd")),
+    ],
+)
 def test_tsp_axis_is_read_from_the_rules(name, mesh, want):
     par = recipes.get(name).parallelism(mesh)
     assert (par.data, par.tsp, par.tsp_kind) == want
@@ -40,8 +43,9 @@ def test_crossover_is_where_the_counts_cross():
     tsp = lambda n: f * (3 * psi_l + 4 * n * h) + 16 * n * h / d  # noqa: E731
     assert tsp(0.99 * tokens) > 8 * f * 0.99 * tokens * h
     assert tsp(1.01 * tokens) < 8 * f * 1.01 * tokens * h
-    wire, _ = tsp_wire_bytes(psi=psi_l, layer_params=psi_l, in_params=0, layers=1, b=1,
-                             s=tokens, h=h, d=d)  # fmt: skip
+    wire, _ = tsp_wire_bytes(
+        psi=psi_l, layer_params=psi_l, in_params=0, layers=1, b=1, s=tokens, h=h, d=d
+    )
     assert sum(wire.values()) == pytest.approx(8 * f * tokens * h * 4)
 
 
@@ -66,8 +70,11 @@ def test_measured_wire_within_15_percent_of_analytic(recipe):
     whole = cfg.vocab * cfg.d_model * 4
     gathered = [c for c in report.collectives if c.kind == "all-gather" and c.bytes >= whole]
     head_shard = (cfg.d_model, cfg.vocab // 8)  # the (embed, vocab) kernel's
-    shards = sum(c.count for c in report.collectives
-                 if c.kind == "collective-permute" and c.shape == head_shard)  # fmt: skip
+    shards = sum(
+        c.count
+        for c in report.collectives
+        if c.kind == "collective-permute" and c.shape == head_shard
+    )
     if recipe == "tsp":
         assert by_kind["all-gather"] < 0.2 * ring < by_kind["collective-permute"]
         assert not gathered and shards == 3 * 7 - 1, (gathered, shards)

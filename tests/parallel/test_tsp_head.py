@@ -21,9 +21,13 @@ TABLE = ("vocab", "embed")
 
 def _ctx():
     mesh = jax.make_mesh((N,), ("tsp",), devices=jax.devices()[:N], axis_types=(AxisType.Auto,))
-    ctx = dict(param_rules=Rules([("vocab", "tsp"), ("embed", "tsp")]),
-               activation_rules=Rules([("length", "tsp")]), attention="ring",
-               attention_axis="tsp", layer_schedule="tsp")  # fmt: skip
+    ctx = dict(
+        param_rules=Rules([("vocab", "tsp"), ("embed", "tsp")]),
+        activation_rules=Rules([("length", "tsp")]),
+        attention="ring",
+        attention_axis="tsp",
+        layer_schedule="tsp",
+    )
     return mesh, ctx
 
 
@@ -97,8 +101,10 @@ def test_head_ring_wire_bytes_forward_and_backward():
         return jax.vjp(fwd, h, w)[1](ct)
 
     with jax.set_mesh(mesh), context.using(**ctx):
-        wire = [sum(c.wire_bytes for c in parse_collectives(jax.jit(f).lower(*a).compile().as_text()))
-                for f, a in ((fwd, (h, w)), (bwd, (h, w, t.astype(jnp.float32))))]  # fmt: skip
+        wire = [
+            sum(c.wire_bytes for c in parse_collectives(jax.jit(f).lower(*a).compile().as_text()))
+            for f, a in ((fwd, (h, w)), (bwd, (h, w, t.astype(jnp.float32))))
+        ]
     assert wire == [(N - 1) * shard, (3 * (N - 1) - 1) * shard]
 
 

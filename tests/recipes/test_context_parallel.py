@@ -17,8 +17,9 @@ def compiled_temp(recipe, devices, seq):
     plan = sk.Plan(recipe, devices=devices)
     state = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
-    compiled = plan.compile(train.train_step(model, tx), state, {"inputs": tokens,
-                                                                 "targets": tokens})  # fmt: skip
+    compiled = plan.compile(
+        train.train_step(model, tx), state, {"inputs": tokens, "targets": tokens}
+    )
     return compiled.memory_analysis().temp_size_in_bytes
 
 

@@ -33,8 +33,9 @@ def test_layouts_by_hand_and_recipes_without_the_choice():
     mesh = {"fsdp": 64}
     big = dict(tokens=64 * 2048, vocab=50688)
     assert FSDP.with_logits("vocab").step_activation_rules(mesh, **big) == FSDP.activation_rules
-    assert tuple(FSDP.with_logits("tokens").step_activation_rules(mesh, tokens=8, vocab=10**6)
-                 .spec(LOGITS)) == ("fsdp", None, None)  # fmt: skip
+    assert tuple(
+        FSDP.with_logits("tokens").step_activation_rules(mesh, tokens=8, vocab=10**6).spec(LOGITS)
+    ) == ("fsdp", None, None)
     assert FSDP.step_activation_rules(mesh) == FSDP.activation_rules  # tokens unknown
     # tp splits the vocabulary over an axis that does not split the tokens: nothing to choose.
     tp = recipes.get("tp")

@@ -61,8 +61,9 @@ def test_tp_sp_activation_memory_follows_megatron():
     assert sp.wire_bytes_by_kind.get("all-reduce", 0) < 0.01 * sp.wire_bytes
 
 
-@pytest.mark.parametrize("recipe", ["dp", "fsdp", "zero1", "dp_fsdp", "fsdp_tp", "dp_tp_sp",
-                                    "cp", "fsdp_cp"])  # fmt: skip
+@pytest.mark.parametrize(
+    "recipe", ["dp", "fsdp", "zero1", "dp_fsdp", "fsdp_tp", "dp_tp_sp", "cp", "fsdp_cp"]
+)
 def test_golden_collective_inventory(recipe):
     r = report(recipe)
     assert kinds(r) <= sk.recipes.get(recipe).collectives

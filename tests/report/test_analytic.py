@@ -141,12 +141,14 @@ def test_wire_tp_sp_hand_computed(vocab, projections):
     want = {"all-gather": gathers * one, "reduce-scatter": scatters * one}
     if vocab is not None:
         want["all-reduce"] = 3 * 2 * ring(t) * b * s * 4
-    got = wire_bytes("tp_sp", psi=PSI, n=t, layers=layers, b=b, s=s, h=h, vocab=vocab,
-                     in_projections=projections)  # fmt: skip
+    got = wire_bytes(
+        "tp_sp", psi=PSI, n=t, layers=layers, b=b, s=s, h=h, vocab=vocab, in_projections=projections
+    )
     assert got == pytest.approx(want)
     # TP's all-reduces are the reductions alone, twice the bytes each: no re-gathers.
-    tp = wire_bytes("tp", psi=PSI, n=t, layers=layers, b=b, s=s, h=h, vocab=vocab,
-                    in_projections=projections)  # fmt: skip
+    tp = wire_bytes(
+        "tp", psi=PSI, n=t, layers=layers, b=b, s=s, h=h, vocab=vocab, in_projections=projections
+    )
     assert tp["all-reduce"] == pytest.approx(2 * want["reduce-scatter"] + want.get("all-reduce", 0))
 
 
@@ -263,9 +265,12 @@ def test_a_custom_recipe_gets_the_analytic_model_of_what_it_does():
         return sk_rules([(n, "shard" if a == "fsdp" else a) for n, a in rules])
 
     custom = dataclasses.replace(
-        fsdp, name="my_layout", mesh_axes=(("shard", -1),), rules=renamed(fsdp.rules),
+        fsdp,
+        name="my_layout",
+        mesh_axes=(("shard", -1),),
+        rules=renamed(fsdp.rules),
         activation_rules=renamed(fsdp.activation_rules),
-    )  # fmt: skip
+    )
     cfg = CONFIGS["gpt-tiny"]
     mine = analytic_model(cfg, custom, {"shard": 8}, batch=8, seq=32)
     ref = analytic_model(cfg, "fsdp", {"fsdp": 8}, batch=8, seq=32)
@@ -341,8 +346,17 @@ def test_analytic_hybrid_reduces_to_pure(hybrid, mesh, pure):
 
 
 def test_analytic_model_remat_and_stand_in_config():
-    cfg = ModelConfig("gpt", vocab=128, d_model=64, n_layers=4, n_heads=4, n_kv_heads=4,
-                      d_ff=256, max_seq=64, remat="full")  # fmt: skip
+    cfg = ModelConfig(
+        "gpt",
+        vocab=128,
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=4,
+        d_ff=256,
+        max_seq=64,
+        remat="full",
+    )
     full = analytic_model(cfg, "dp", {"data": 2}, batch=4, seq=64)
     none = analytic_model(cfg, "dp", {"data": 2}, batch=4, seq=64, remat="none")
     assert full.memory.activations == pytest.approx(4 * 2 * 64 * 2 * 64 * 2 + 2 * 64 * 128 * 4)
@@ -369,10 +383,13 @@ def test_full_recompute_reruns_forward_tensor_collectives(projections):
     plain = wire_bytes_hybrid({"tensor": 4}, **kw)["all-reduce"]
     again = wire_bytes_hybrid({"tensor": 4}, recompute=True, **kw)["all-reduce"]
     assert again == pytest.approx(plain * (3 + projections) / (2 + projections))
-    sp = [wire_bytes_hybrid({"tensor": 4}, tensor_kind="tp_sp", recompute=r, **kw)
-          for r in (False, True)]  # fmt: skip
+    sp = [
+        wire_bytes_hybrid({"tensor": 4}, tensor_kind="tp_sp", recompute=r, **kw)
+        for r in (False, True)
+    ]
     assert sp[1]["reduce-scatter"] == pytest.approx(
-        sp[0]["reduce-scatter"] * (3 + projections) / (2 + projections))
+        sp[0]["reduce-scatter"] * (3 + projections) / (2 + projections)
+    )
     assert sp[1]["all-gather"] == pytest.approx(sp[0]["all-gather"])
 
 
@@ -394,9 +411,10 @@ def test_an_axis_that_splits_the_batch_is_not_tensor_parallel():
     from shardkit.rules import Rules
 
     custom = dataclasses.replace(
-        recipes.get("fsdp").with_logits("tokens"), name="fsdp_mlp",  # no vocab-split head
+        recipes.get("fsdp").with_logits("tokens"),
+        name="fsdp_mlp",  # no vocab-split head
         rules=Rules([("vocab", "fsdp"), ("embed", "fsdp"), ("mlp", "fsdp")]),
-    )  # fmt: skip
+    )
     par = custom.parallelism({"fsdp": 8})
     assert (par.fsdp, par.tensor) == (8, 1)
     m = analytic_model(CONFIGS["gpt-tiny"], custom, {"fsdp": 8}, batch=8, seq=32)
@@ -423,10 +441,12 @@ def test_vocab_split_head_moves_hidden_states_instead_of_its_weight():
     analytic, measured = {}, {}
     for layout in ("tokens", "vocab"):
         recipe = recipes.get("fsdp").with_logits(layout).with_mesh({"fsdp": f})
-        analytic[layout] = analytic_model(cfg, recipe, {"fsdp": f}, batch=batch, seq=seq,
-                                          remat="none").wire_bytes_by_kind  # fmt: skip
-        r = models.report(sk.Plan(recipe), models.get("llama-tiny", vocab=v, remat="none"),
-                          batch=batch, seq=seq)  # fmt: skip
+        analytic[layout] = analytic_model(
+            cfg, recipe, {"fsdp": f}, batch=batch, seq=seq, remat="none"
+        ).wire_bytes_by_kind
+        r = models.report(
+            sk.Plan(recipe), models.get("llama-tiny", vocab=v, remat="none"), batch=batch, seq=seq
+        )
         measured[layout] = r.wire_bytes_by_kind
     for kind, x in want.items():
         assert analytic["vocab"].get(kind, 0) - analytic["tokens"].get(kind, 0) == pytest.approx(x)
@@ -441,8 +461,12 @@ def test_vocab_split_head_over_the_tensor_axis_is_the_tp_sp_pairs_only():
     # layout the recipe asks for.
     mesh = {"data": 2, "tensor": 4}
     cfg = CONFIGS["gpt-tiny"]
-    got = [analytic_model(cfg, recipes.get("dp_tp_sp").with_logits(layout), mesh, batch=8,
-                          seq=64).wire_bytes_by_kind for layout in ("tokens", "vocab")]  # fmt: skip
+    got = [
+        analytic_model(
+            cfg, recipes.get("dp_tp_sp").with_logits(layout), mesh, batch=8, seq=64
+        ).wire_bytes_by_kind
+        for layout in ("tokens", "vocab")
+    ]
     assert got[0] == got[1]
 
 
@@ -467,10 +491,13 @@ def test_tp_sp_wire_matches_the_compiled_program(name, projections, remat):
     batch, seq, layers, t = 8, 64, 2, 4
     cfg = CONFIGS[name]
     one = ring(t) * (batch // 2) * seq * cfg.d_model * 4
-    want = {"all-gather": (6 * layers + 2) * one,
-            "reduce-scatter": ((2 + (remat == "full") + projections) * layers + 2) * one}  # fmt: skip
-    r = models.report(sk.Plan("dp_tp_sp"), models.get(name, vocab=4096, remat=remat),
-                      batch=batch, seq=seq)  # fmt: skip
+    want = {
+        "all-gather": (6 * layers + 2) * one,
+        "reduce-scatter": ((2 + (remat == "full") + projections) * layers + 2) * one,
+    }
+    r = models.report(
+        sk.Plan("dp_tp_sp"), models.get(name, vocab=4096, remat=remat), batch=batch, seq=seq
+    )
     assert r.mesh == {"data": 2, "tensor": 4}
     analytic, measured = r.analytic.wire_bytes_by_kind, r.wire_bytes_by_kind
     for kind, x in want.items():
@@ -486,8 +513,9 @@ def test_tp_sp_wire_matches_the_compiled_program(name, projections, remat):
     assert term.bytes == pytest.approx(head, rel=0.05)  # measured: 1.014×
 
 
-@pytest.mark.parametrize("name, projections, remat", [("gpt-tiny", 2, "full"),
-                                                      ("llama-tiny", 5, "none")])  # fmt: skip
+@pytest.mark.parametrize(
+    "name, projections, remat", [("gpt-tiny", 2, "full"), ("llama-tiny", 5, "none")]
+)
 def test_tp_wire_matches_the_compiled_program(name, projections, remat):
     # tp on tensor 8, 2 layers: all-reduces of b·s·h, 2·(t−1)/t of it each. Per layer 2
     # outputs forward, 1 recomputed under remat (the attention's; nothing reads the MLP's),

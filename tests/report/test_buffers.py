@@ -19,7 +19,9 @@ def test_reads_the_values_live_at_the_temp_peak():
     # A hand count: at the peak, y = x @ x.T and sin(y) (the cos is computed after the
     # sine's sum), f32[64, 64] each.
     assert sorted((v.shape, v.size, v.op_name.split("/")[-1]) for v in live) == [
-        ("f32[64,64]", 64 * 64 * 4, "dot_general"), ("f32[64,64]", 64 * 64 * 4, "sin")]  # fmt: skip
+        ("f32[64,64]", 64 * 64 * 4, "dot_general"),
+        ("f32[64,64]", 64 * 64 * 4, "sin"),
+    ]
     assert all(v.start <= ba.peak_time <= v.end for v in live)
     arguments = [v for v in ba.values if v.kind == "parameter"]
     assert sum(v.size for v in arguments) == compiled.memory_analysis().argument_size_in_bytes
@@ -29,12 +31,26 @@ def test_values_sharing_heap_space_are_counted_once():
     from shardkit.report.buffers import BufferAssignment, Value
 
     def value(i, offset, size, phi=False):
-        return Value(id=i, instruction=f"v{i}", index="{}", size=size, offset=offset,
-                     shape="f32[1]", kind="temp", phi=phi, start=0, end=1)  # fmt: skip
+        return Value(
+            id=i,
+            instruction=f"v{i}",
+            index="{}",
+            size=size,
+            offset=offset,
+            shape="f32[1]",
+            kind="temp",
+            phi=phi,
+            start=0,
+            end=1,
+        )
 
     # A loop's carried value (phi) in the same bytes as the value it carries: 0-100,
     # and a value overlapping half of it: 50-150. Live bytes: 150, the phi's own: none.
-    ba = BufferAssignment(values=(value(0, 0, 100, phi=True), value(1, 0, 100),
-                                  value(2, 50, 100)), temp_bytes=160, sequence=("a", "b"),
-                          peak_time=0, peak_bytes=150)  # fmt: skip
+    ba = BufferAssignment(
+        values=(value(0, 0, 100, phi=True), value(1, 0, 100), value(2, 50, 100)),
+        temp_bytes=160,
+        sequence=("a", "b"),
+        peak_time=0,
+        peak_bytes=150,
+    )
     assert {v.id: v.size for v in ba.live_temps()} == {1: 100, 2: 50}

@@ -36,11 +36,13 @@ def one(text: str) -> Collective:
 
 # ------------------------------------------------------------------ hand-made snippets
 def test_tuple_all_reduce_counts_every_element():
-    c = one(module("""
+    c = one(
+        module("""
         %a = f32[64]{0} parameter(0)
         %b = bf16[256,64]{1,0} parameter(1)
         %ar = (f32[64]{0}, /*index=1*/bf16[256,64]{1,0}) all-reduce(%a, %b), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add, metadata={op_name="jit(step)/grad"}
-    """))  # fmt: skip
+    """)
+    )
     assert c.kind == "all-reduce"
     assert c.bytes == 64 * 4 + 256 * 64 * 2
     assert c.group_size == 4
@@ -51,17 +53,20 @@ def test_tuple_all_reduce_counts_every_element():
 
 
 def test_async_all_gather_start_done_uses_gathered_result():
-    c = one(module("""
+    c = one(
+        module("""
         %p = f32[8,16]{1,0} parameter(0)
         %ags = (f32[8,16]{1,0}, f32[64,16]{1,0}) all-gather-start(f32[8,16]{1,0} %p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true, backend_config={"operation_queue_id":"0","collective_backend_config":{"is_sync":false}}
         %agd = f32[64,16]{1,0} all-gather-done((f32[8,16]{1,0}, f32[64,16]{1,0}) %ags)
-    """))  # fmt: skip
+    """)
+    )
     assert (c.kind, c.bytes, c.group_size, c.shape) == ("all-gather", 64 * 16 * 4, 8, (64, 16))
     assert c.wire_bytes == pytest.approx(7 / 8 * 64 * 16 * 4)
 
 
 def test_async_all_reduce_and_collective_permute_start_done():
-    cs = parse_collectives(module("""
+    cs = parse_collectives(
+        module("""
         %a = f32[1024]{0} parameter(0)
         %b = bf16[512]{0} parameter(1)
         %ars = (f32[1024]{0}, bf16[512]{0}) all-reduce-start(%a, %b), replica_groups={{0,1}}, to_apply=%add
@@ -70,7 +75,8 @@ def test_async_all_reduce_and_collective_permute_start_done():
         %ar1d = f32[1024]{0} all-reduce-done(%ar1)
         %cps = (f32[1024]{0}, f32[1024]{0}, u32[], u32[]) collective-permute-start(%a), channel_id=4, source_target_pairs={{0,1},{1,0}}
         %cpd = f32[1024]{0} collective-permute-done(%cps)
-    """))  # fmt: skip
+    """)
+    )
     assert [(c.kind, c.bytes, c.group_size) for c in cs] == [
         ("all-reduce", 4096 + 1024, 2),
         ("all-reduce", 4096, 2),
@@ -85,7 +91,7 @@ def test_async_wrapped_collectives_count_once_at_the_start():
   %param.2 = f32[64,16]{1,0} parameter(0)
   ROOT %reduce-scatter.1 = f32[8,16]{1,0} reduce-scatter(%param.2), channel_id=2, replica_groups={{0,1,2,3,4,5,6,7}}, use_global_device_ids=true, dimensions={0}, to_apply=%add
 }
-"""  # fmt: skip
+"""
     text = module(
         """
         %x = f32[64,16]{1,0} parameter(0)
@@ -95,7 +101,7 @@ def test_async_wrapped_collectives_count_once_at_the_start():
         %a2ad = f32[8,16]{1,0} all-to-all-done(%a2as)
         """,
         wrapped,
-    )  # fmt: skip
+    )
     rs, a2a = parse_collectives(text)
     assert (rs.kind, rs.bytes, rs.group_size, rs.count) == ("reduce-scatter", 64 * 16 * 4, 8, 1)
     assert rs.computation == "main" and rs.op_name == "rs"
@@ -105,25 +111,31 @@ def test_async_wrapped_collectives_count_once_at_the_start():
 
 
 def test_reduce_scatter_uses_operand():
-    c = one(module("""
+    c = one(
+        module("""
         %p = f32[64,32]{1,0} parameter(0)
         %rs = f32[64,4]{1,0} reduce-scatter(%p), channel_id=1, replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
-    """))  # fmt: skip
+    """)
+    )
     assert (c.kind, c.bytes, c.group_size, c.shape) == ("reduce-scatter", 64 * 32 * 4, 8, (64, 32))
     assert c.wire_bytes == pytest.approx(7 / 8 * 64 * 32 * 4)
     # operand not in the text: the scatter dimension times N
-    c = one(module("""
+    c = one(
+        module("""
         %rs = f32[64,4]{1,0} reduce-scatter(%missing), replica_groups=[1,8]<=[8], dimensions={1}, to_apply=%add
-    """))  # fmt: skip
+    """)
+    )
     assert (c.bytes, c.shape) == (64 * 32 * 4, (64, 32))
 
 
 def test_all_to_all_and_collective_permute_sync():
-    cs = parse_collectives(module("""
+    cs = parse_collectives(
+        module("""
         %p = s8[4096]{0} parameter(0)
         %a2a = s8[4096]{0} all-to-all(%p), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
         %cp = s8[4096]{0} collective-permute(%p), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0},{4,5},{5,6},{6,7},{7,4}}
-    """))  # fmt: skip
+    """)
+    )
     assert [(c.kind, c.bytes, c.group_size, c.wire_bytes) for c in cs] == [
         ("all-to-all", 4096, 8, 3584.0),
         ("collective-permute", 4096, 4, 4096.0),
@@ -145,25 +157,46 @@ def test_all_to_all_and_collective_permute_sync():
     ],
 )
 def test_replica_group_forms(groups, n):
-    c = one(module(f"""
+    c = one(
+        module(f"""
         %p = f32[10]{{0}} parameter(0)
         %ar = f32[10]{{0}} all-reduce(%p), channel_id=1, replica_groups={groups}, use_global_device_ids=true, to_apply=%add
-    """))  # fmt: skip
+    """)
+    )
     assert c.group_size == n
     assert c.wire_bytes == pytest.approx(2 * (n - 1) / n * 40)
 
 
 @pytest.mark.parametrize(
     "dtype,nbytes",
-    [("pred", 1), ("s8", 1), ("u8", 1), ("s16", 2), ("u16", 2), ("f16", 2), ("bf16", 2),
-     ("s32", 4), ("u32", 4), ("f32", 4), ("s64", 8), ("u64", 8), ("f64", 8), ("c64", 8),
-     ("c128", 16), ("f8e4m3fn", 1), ("f8e5m2", 1), ("f8e4m3b11fnuz", 1)],
-)  # fmt: skip
+    [
+        ("pred", 1),
+        ("s8", 1),
+        ("u8", 1),
+        ("s16", 2),
+        ("u16", 2),
+        ("f16", 2),
+        ("bf16", 2),
+        ("s32", 4),
+        ("u32", 4),
+        ("f32", 4),
+        ("s64", 8),
+        ("u64", 8),
+        ("f64", 8),
+        ("c64", 8),
+        ("c128", 16),
+        ("f8e4m3fn", 1),
+        ("f8e5m2", 1),
+        ("f8e4m3b11fnuz", 1),
+    ],
+)
 def test_element_sizes(dtype, nbytes):
-    c = one(module(f"""
+    c = one(
+        module(f"""
         %p = {dtype}[3,5]{{1,0}} parameter(0)
         %ag = {dtype}[24,5]{{1,0}} all-gather(%p), replica_groups=[1,8]<=[8], dimensions={{0}}
-    """))  # fmt: skip
+    """)
+    )
     assert c.bytes == 24 * 5 * nbytes and c.dtype == dtype
 
 
@@ -186,7 +219,7 @@ def test_while_trip_counts_multiply_along_nested_calls():
   %call = f32[256]{0} call(%r), to_apply=%helper
   ROOT %ag = f32[256]{0} all-gather(%call), replica_groups=[4,2]<=[8], dimensions={0}
 }
-"""  # fmt: skip
+"""
     text = module(
         """
         %x = f32[256]{0} parameter(0)
@@ -194,7 +227,7 @@ def test_while_trip_counts_multiply_along_nested_calls():
         %ar0 = f32[256]{0} all-reduce(%w), replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
         """,
         inner,
-    )  # fmt: skip
+    )
     ar_inner, ag, ar0 = parse_collectives(text)
     assert (ar_inner.count, ar_inner.computation) == (36, "inner_body")
     assert ar_inner.wire_bytes == pytest.approx(36 * 2 * 7 / 8 * 1024)
@@ -224,17 +257,22 @@ def test_summaries_and_empty_input():
     ]
     assert wire_bytes_by_kind(cs) == {"all-reduce": 30.0, "all-gather": 15.0}
     assert bytes_by_kind(cs) == {"all-reduce": 30, "all-gather": 30}
-    assert set(KINDS) == {"all-reduce", "all-gather", "reduce-scatter", "all-to-all",
-                          "collective-permute"}  # fmt: skip
+    assert set(KINDS) == {
+        "all-reduce",
+        "all-gather",
+        "reduce-scatter",
+        "all-to-all",
+        "collective-permute",
+    }
 
 
 def test_large_module_parses_fast():
     line = (
-        '  %f{i} = f32[1024,1024]{{1,0}} fusion(%p), kind=kLoop, calls=%fused, '
+        "  %f{i} = f32[1024,1024]{{1,0}} fusion(%p), kind=kLoop, calls=%fused, "
         'metadata={{op_name="jit(step)/layer/dot_general"}}\n'
-        '  %ar{i} = f32[1024]{{0}} all-reduce(%p), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, '
-        'to_apply=%add\n'
-    )  # fmt: skip
+        "  %ar{i} = f32[1024]{{0}} all-reduce(%p), replica_groups={{{{0,1,2,3,4,5,6,7}}}}, "
+        "to_apply=%add\n"
+    )
     text = module(
         "%p = f32[1024]{0} parameter(0)\n" + "".join(line.format(i=i) for i in range(40_000))
     )
@@ -270,13 +308,17 @@ def tuple_all_reduce(rows: int) -> str:
         ROOT %sum = bf16[128]{{0}} add(%gte.1, %b)
         """,
         SLICE_FUSION.format(rows=rows),
-    )  # fmt: skip
+    )
 
 
 def test_tuple_all_reduce_splits_into_reduce_scatter_and_all_reduce():
     rs, ar = parse_collectives(tuple_all_reduce(8))
-    assert (rs.kind, rs.bytes, rs.group_size, rs.shape) == ("reduce-scatter", 64 * 32 * 4, 8,
-                                                             (64, 32))  # fmt: skip
+    assert (rs.kind, rs.bytes, rs.group_size, rs.shape) == (
+        "reduce-scatter",
+        64 * 32 * 4,
+        8,
+        (64, 32),
+    )
     assert rs.lowered_as == "all-reduce+dynamic-slice"
     assert rs.wire_bytes == pytest.approx(7 / 8 * 64 * 32 * 4)
     assert (ar.kind, ar.bytes, ar.dtype, ar.lowered_as) == ("all-reduce", 128 * 2, "bf16", "")
@@ -292,7 +334,8 @@ def test_slice_of_the_wrong_size_stays_all_reduce():
 
 
 def test_reduce_scatter_through_bitcast_copy_and_direct_dynamic_slice():
-    c = one(module("""
+    c = one(
+        module("""
         %p = f32[64,32]{1,0} parameter(0)
         %i = s32[] parameter(1)
         %ar = f32[64,32]{1,0} all-reduce(%p), replica_groups={{0,1,2,3},{4,5,6,7}}, to_apply=%add
@@ -301,7 +344,8 @@ def test_reduce_scatter_through_bitcast_copy_and_direct_dynamic_slice():
         %ds = f32[512]{0} dynamic-slice(%cp, %i), dynamic_slice_sizes={512}
         %ds2 = f32[16,32]{1,0} dynamic-slice(%ar, %i, %i), dynamic_slice_sizes={16,32}
         ROOT %t = (f32[512]{0}, f32[16,32]{1,0}) tuple(%ds, %ds2)
-    """))  # fmt: skip
+    """)
+    )
     assert (c.kind, c.group_size, c.lowered_as) == ("reduce-scatter", 4, "all-reduce+dynamic-slice")
 
 
@@ -324,13 +368,18 @@ def test_all_reduce_used_whole_stays_all_reduce(uses):
   %sl = f32[8,32]{1,0} slice(%param_0.2), slice={[0:8], [0:32]}
   ROOT %s.2 = f32[8,32]{1,0} add(%ds.2, %sl)
 }
-"""  # fmt: skip
-    c = one(module(f"""
+"""
+    c = one(
+        module(
+            f"""
         %p = f32[64,32]{{1,0}} parameter(0)
         %i = s32[] parameter(1)
         %ar = f32[64,32]{{1,0}} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
         {uses}
-    """, both))  # fmt: skip
+    """,
+            both,
+        )
+    )
     assert (c.kind, c.lowered_as) == ("all-reduce", "")
 
 
@@ -367,18 +416,23 @@ def test_compiled_shard_map_collectives_have_exact_bytes(mesh8):
     arg = jax.ShapeDtypeStruct((64, 16), jnp.float32, sharding=NamedSharding(mesh8, P("d")))
     cs = parse_collectives(jax.jit(f).lower(arg).compile().as_text())
     by_kind = {c.kind: c for c in cs}
-    assert sorted(by_kind) == sorted(["all-gather", "reduce-scatter", "all-to-all",
-                                      "collective-permute"])  # fmt: skip
+    assert sorted(by_kind) == sorted(
+        ["all-gather", "reduce-scatter", "all-to-all", "collective-permute"]
+    )
     assert len(cs) == 4
     local = 8 * 16 * 4
     assert by_kind["all-gather"].bytes == 8 * local
     for kind in ("reduce-scatter", "all-to-all", "collective-permute"):
         assert by_kind[kind].bytes == local, kind
     assert all(c.group_size == 8 and c.count == 1 for c in cs)
-    assert wire_bytes_by_kind(cs) == pytest.approx({
-        "all-gather": 7 * local, "reduce-scatter": 7 / 8 * local,
-        "all-to-all": 7 / 8 * local, "collective-permute": local,
-    })  # fmt: skip
+    assert wire_bytes_by_kind(cs) == pytest.approx(
+        {
+            "all-gather": 7 * local,
+            "reduce-scatter": 7 / 8 * local,
+            "all-to-all": 7 / 8 * local,
+            "collective-permute": local,
+        }
+    )
 
 
 def test_compiled_scan_counts_each_iteration(mesh8):
@@ -415,8 +469,9 @@ def test_compiled_dp_scan_moves_all_parameter_bytes(mesh8):
         return jnp.mean(h**2)
 
     rep = jax.tree.map(lambda _: NamedSharding(mesh8, P()), params)
-    step = jax.jit(jax.grad(loss), in_shardings=(rep, NamedSharding(mesh8, P("d"))),
-                   out_shardings=rep)  # fmt: skip
+    step = jax.jit(
+        jax.grad(loss), in_shardings=(rep, NamedSharding(mesh8, P("d"))), out_shardings=rep
+    )
     text = step.lower(params, jnp.zeros((16, 32), jnp.int32)).compile().as_text()
     cs = parse_collectives(text)
     param_bytes = sum(np.prod(v.shape) * 4 for v in params.values())
@@ -489,8 +544,9 @@ def test_compiled_fsdp_scan_reduce_scatters_once_per_layer(mesh8):
         return jax.lax.scan(body, 0.0, w)[0]
 
     shard = NamedSharding(mesh8, P(None, "d"))
-    step = jax.jit(jax.grad(loss), in_shardings=(shard, NamedSharding(mesh8, P("d"))),
-                   out_shardings=shard)  # fmt: skip
+    step = jax.jit(
+        jax.grad(loss), in_shardings=(shard, NamedSharding(mesh8, P("d"))), out_shardings=shard
+    )
     text = step.lower(jnp.zeros((layers, 64, 32)), jnp.zeros((16, 64))).compile().as_text()
     cs = parse_collectives(text)
     [rs] = [c for c in cs if c.kind == "reduce-scatter"]

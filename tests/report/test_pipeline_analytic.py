@@ -17,8 +17,12 @@ from shardkit.report.pipeline_analytic import in_flight
 from shardkit.workload import Workload
 
 # 1000 parameter bytes, 800 of them the layer stack; Adam's state twice that.
-STATE = dict(param_bytes=1000.0, optimizer_bytes=2000.0, stack_param_bytes=800.0,
-             stack_optimizer_bytes=1600.0)  # fmt: skip
+STATE = dict(
+    param_bytes=1000.0,
+    optimizer_bytes=2000.0,
+    stack_param_bytes=800.0,
+    stack_optimizer_bytes=1600.0,
+)
 
 
 @pytest.mark.parametrize(
@@ -30,8 +34,13 @@ STATE = dict(param_bytes=1000.0, optimizer_bytes=2000.0, stack_param_bytes=800.0
     ],
 )
 def test_state_per_device_is_the_stage_share(recipe, mesh, params, optimizer):
-    model = analytic_costs(recipe, mesh, workload=Workload(batch=16),
-                           pipeline={"microbatches": 8, "schedule": "1f1b"}, **STATE)  # fmt: skip
+    model = analytic_costs(
+        recipe,
+        mesh,
+        workload=Workload(batch=16),
+        pipeline={"microbatches": 8, "schedule": "1f1b"},
+        **STATE,
+    )
     assert model.memory.params == pytest.approx(params)
     assert model.memory.grads == pytest.approx(params)
     assert model.memory.optimizer == pytest.approx(optimizer)
@@ -39,8 +48,13 @@ def test_state_per_device_is_the_stage_share(recipe, mesh, params, optimizer):
 
 def test_a_pipeline_recipe_without_the_pipeline_options_names_the_fix():
     with pytest.raises(ShardingError, match=r"pipeline=\{'microbatches'"):
-        analytic_costs("pp", {"stage": 4}, workload=Workload(batch=16), param_bytes=1000.0,
-                       optimizer_bytes=2000.0)  # fmt: skip
+        analytic_costs(
+            "pp",
+            {"stage": 4},
+            workload=Workload(batch=16),
+            param_bytes=1000.0,
+            optimizer_bytes=2000.0,
+        )
 
 
 def test_activations_in_flight_follow_the_schedule():
@@ -62,16 +76,22 @@ def test_report_of_a_pipelined_step_counts_the_stage_share():
     assert report.analytic.memory.params == pytest.approx(held, rel=1e-6)
     # The stage-to-stage bytes, read from the compiled program.
     measured = report.wire_bytes_by_kind["collective-permute"]
-    assert report.analytic.wire_bytes_by_kind["collective-permute"] == pytest.approx(measured,
-                                                                                     rel=0.1)  # fmt: skip
+    assert report.analytic.wire_bytes_by_kind["collective-permute"] == pytest.approx(
+        measured, rel=0.1
+    )
 
 
 def test_3d_state_splits_the_stack_and_the_vocab_tables_over_tensor():
     # dp_tp_sp_pp on data 2 × stage 2 × tensor 2: the stack's 800 B / (p·t); of the rest's
     # 200 B the 120 B of tables / t, the other 80 B whole. Adam's state: twice each.
-    model = analytic_costs("dp_tp_sp_pp", {"data": 2, "stage": 2, "tensor": 2},
-                           workload=Workload(batch=16), tensor_rest_bytes=120.0,
-                           pipeline={"microbatches": 8, "schedule": "1f1b"}, **STATE)  # fmt: skip
+    model = analytic_costs(
+        "dp_tp_sp_pp",
+        {"data": 2, "stage": 2, "tensor": 2},
+        workload=Workload(batch=16),
+        tensor_rest_bytes=120.0,
+        pipeline={"microbatches": 8, "schedule": "1f1b"},
+        **STATE,
+    )
     assert model.memory.params == pytest.approx(800 / 4 + 120 / 2 + 80)
     assert model.memory.optimizer == pytest.approx(1600 / 4 + 240 / 2 + 160)
 
@@ -82,19 +102,29 @@ def test_a_stage_and_tensor_layout_without_sequence_parallelism_is_not_modelled(
     from shardkit import recipes
     from shardkit.rules import Rules
 
-    tp_pp = dataclasses.replace(recipes.get("dp_tp_sp_pp"), name="dp_tp_pp",
-                                activation_rules=Rules([("batch", "data")]))  # fmt: skip
-    with pytest.raises(ShardingError, match=r"tensor with sequence parallelism .* got .*"
-                                            r"tensor_kind='tp'.*\nFix: "):  # fmt: skip
-        analytic_costs(tp_pp, {"data": 2, "stage": 2, "tensor": 2}, workload=Workload(batch=16),
-                       pipeline={"microbatches": 8}, **STATE)  # fmt: skip
+    tp_pp = dataclasses.replace(
+        recipes.get("dp_tp_sp_pp"), name="dp_tp_pp", activation_rules=Rules([("batch", "data")])
+    )
+    with pytest.raises(
+        ShardingError,
+        match=r"tensor with sequence parallelism .* got .*"
+        r"tensor_kind='tp'.*\nFix: ",
+    ):
+        analytic_costs(
+            tp_pp,
+            {"data": 2, "stage": 2, "tensor": 2},
+            workload=Workload(batch=16),
+            pipeline={"microbatches": 8},
+            **STATE,
+        )
 
 
 def _3d_report(name, m=4, batch=16, seq=16, layers=4):
     model = get(name, n_layers=layers)
     plan = sk.Plan("dp_tp_sp_pp", devices=jax.devices()[:8])  # data 2 × stage 2 × tensor 2
-    return models.report(plan, model, batch=batch, seq=seq,
-                         pipeline={"microbatches": m, "schedule": "1f1b"})  # fmt: skip
+    return models.report(
+        plan, model, batch=batch, seq=seq, pipeline={"microbatches": m, "schedule": "1f1b"}
+    )
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
@@ -115,8 +145,10 @@ def test_3d_report_matches_hand_counts_and_the_compiled_program(name):
     # projection's input gradient backward: GPT's qkv and up, P = 2; Llama's wq, wk, wv,
     # gate and up, P = 5); per micro-batch one of each for the embedding and for the head.
     runs, projections = ticks * layers // p, {"gpt-tiny": 2, "llama-tiny": 5}[name]
-    want_kind = {"all-gather": (6 * runs + 2 * m) * bsh,
-                 "reduce-scatter": ((2 + projections) * runs + 2 * m) * bsh}  # fmt: skip
+    want_kind = {
+        "all-gather": (6 * runs + 2 * m) * bsh,
+        "reduce-scatter": ((2 + projections) * runs + 2 * m) * bsh,
+    }
     for kind, x in want_kind.items():
         assert a.wire_bytes_by_kind[kind] == pytest.approx(x)
     # The plan's own placement: what one device holds of the parameters.

@@ -36,8 +36,10 @@ class Net(nn.Module):
         return Bad(name="bad")(Good(name="good")(x))
 
 
-BAD_LINE = next(i for i, line in enumerate(inspect.getsource(Bad).splitlines())
-                if "BAD LINE" in line) + inspect.getsourcelines(Bad)[1]  # fmt: skip
+BAD_LINE = (
+    next(i for i, line in enumerate(inspect.getsource(Bad).splitlines()) if "BAD LINE" in line)
+    + inspect.getsourcelines(Bad)[1]
+)
 
 
 def init(rng):
@@ -63,11 +65,15 @@ def test_a_mis_annotated_layer_is_found_by_file_and_line():
     assert forward and forward[0].kind in ("all-reduce", "reduce-scatter")  # partial sums
     assert forward[0].module_path == "bad/up" and forward[0].where == "bad/up"
     # The well-annotated layer's forward needs no collective of its own.
-    assert not [c for c in report.collectives if c.module_path == "good/up"
-                and c.pass_ == "forward"]  # fmt: skip
+    assert not [
+        c for c in report.collectives if c.module_path == "good/up" and c.pass_ == "forward"
+    ]
     row = report.to_json()["collectives"][report.collectives.index(forward[0])]
     assert (row["module_path"], row["pass"], row["source"]) == (
-        "bad/up", "forward", f"test_provenance.py:{BAD_LINE}")  # fmt: skip
+        "bad/up",
+        "forward",
+        f"test_provenance.py:{BAD_LINE}",
+    )
     groups = report.collective_groups()
     assert sum(g.executions for g in groups) == sum(c.count for c in report.collectives)
 
@@ -76,14 +82,21 @@ def test_a_mis_annotated_layer_is_found_by_file_and_line():
     "op_name, path, kind",
     [
         ("jit(step)/jvp(GPT)/layers/mlp/up/dot_general", "layers/mlp/up", "forward"),
-        ("jit(step)/transpose(jvp(GPT))/while/body/layers/attn/out/dot_general",
-         "layers/attn/out", "backward"),
-        ("jit(step)/transpose(jvp())/while/body/closed_call/checkpoint/rematted_computation/"
-         "bsd,dhk->bshk/dot_general", "", "remat"),
+        (
+            "jit(step)/transpose(jvp(GPT))/while/body/layers/attn/out/dot_general",
+            "layers/attn/out",
+            "backward",
+        ),
+        (
+            "jit(step)/transpose(jvp())/while/body/closed_call/checkpoint/rematted_computation/"
+            "bsd,dhk->bshk/dot_general",
+            "",
+            "remat",
+        ),
         ("jit(step)/(reduce_sum:transpose(jvp(GPT))/ln_f/reduce_sum)", "", "backward"),
         ("jit(step)/mul", "", "update"),
     ],
-)  # fmt: skip
+)
 def test_op_names_give_the_model_path_and_pass(op_name, path, kind):
     assert module_path_of(op_name) == path and pass_of(op_name) == kind
 
@@ -114,9 +127,15 @@ def test_frames_are_read_from_the_module_proto():
     def ints(*pairs):
         return b"".join(varint(n << 3) + varint(v) for n, v in pairs)
 
-    index = (field(1, b"m.py") + field(2, b"outer") + field(2, b"inner")
-             + field(3, ints((1, 1), (2, 1), (3, 5))) + field(3, ints((1, 1), (2, 2), (3, 9)))
-             + field(4, ints((1, 1))) + field(4, ints((1, 2), (2, 1))))  # fmt: skip
+    index = (
+        field(1, b"m.py")
+        + field(2, b"outer")
+        + field(2, b"inner")
+        + field(3, ints((1, 1), (2, 1), (3, 5)))
+        + field(3, ints((1, 1), (2, 2), (3, 9)))
+        + field(4, ints((1, 1)))
+        + field(4, ints((1, 2), (2, 1)))
+    )
     stacks = frames_by_id(field(17, index))
     assert [f.where for f in stacks[2]] == ["m.py:9", "m.py:5"]
     assert [f.function for f in stacks[2]] == ["inner", "outer"]

@@ -42,8 +42,13 @@ def test_a_report_renders_itself(fsdp_report):
     console = Console(record=True, width=100)
     console.print(fsdp_report)  # rich's protocol
     text = console.export_text()
-    for part in ("fsdp on fsdp=8", "gpt-tiny, batch 8, seq 32", "memory per device",
-                 "wire bytes per device per step", "largest collectives"):  # fmt: skip
+    for part in (
+        "fsdp on fsdp=8",
+        "gpt-tiny, batch 8, seq 32",
+        "memory per device",
+        "wire bytes per device per step",
+        "largest collectives",
+    ):
         assert part in text and part in str(fsdp_report)
     assert fsdp_report.to_json()["workload"]["model"] == "gpt-tiny"
 
@@ -52,11 +57,23 @@ def test_report_json_schema(fsdp_report):
     d = json.loads(json.dumps(fsdp_report.to_json()))
     assert set(d["memory_per_device_bytes"]) == {"arguments", "output", "temp", "alias", "total"}
     assert set(d["analytic_memory_per_device_bytes"]) == {
-        "params", "grads", "optimizer", "activations", "total", "phases", "peak_phase"}  # fmt: skip
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "total",
+        "phases",
+        "peak_phase",
+    }
     assert {"kind", "bytes", "wire_bytes", "group_size", "op_name"} <= set(d["collectives"][0])
     assert {"path", "shape", "logical", "spec", "bytes_per_device"} <= set(d["params"][0])
-    for key in ("wire_bytes_by_kind", "analytic_wire_bytes_by_kind", "replicated_fraction",
-                "warnings", "flops"):  # fmt: skip
+    for key in (
+        "wire_bytes_by_kind",
+        "analytic_wire_bytes_by_kind",
+        "replicated_fraction",
+        "warnings",
+        "flops",
+    ):
         assert key in d
 
 
@@ -162,8 +179,16 @@ def test_lint_flags_a_weight_whose_gradient_is_all_reduced_twice():
 def _all_reduce(shapes, group, count=1):
     from shardkit.report.hlo import Collective
 
-    return Collective(kind="all-reduce", bytes=0, group_size=group, wire_bytes=0.0,
-                      count=count, op_name="op", dtype="f32", shapes=shapes)  # fmt: skip
+    return Collective(
+        kind="all-reduce",
+        bytes=0,
+        group_size=group,
+        wire_bytes=0.0,
+        count=count,
+        op_name="op",
+        dtype="f32",
+        shapes=shapes,
+    )
 
 
 @pytest.mark.parametrize(
@@ -180,8 +205,17 @@ def test_reduced_more_than_once_counts_reductions_per_copy(collectives, flagged)
     from shardkit.report.lint import reduced_more_than_once
     from shardkit.report.report import ParamRow
 
-    row = ParamRow("table", (512, 64), "float32", ("vocab", "embed"), "P()", 512 * 64 * 4,
-                   True, "param", shard_shape=(512, 64))  # fmt: skip
+    row = ParamRow(
+        "table",
+        (512, 64),
+        "float32",
+        ("vocab", "embed"),
+        "P()",
+        512 * 64 * 4,
+        True,
+        "param",
+        shard_shape=(512, 64),
+    )
     warnings = reduced_more_than_once(collectives, [row], devices=8, min_bytes=0)
     assert bool(warnings) == flagged
 

@@ -17,19 +17,58 @@ from shardkit.report.wire_terms import ParamMatch, attribute, explain, term_of
 
 # ---------------------------------------------------------------- hand-built collectives
 
-UP = ParamRow("params/layers/mlp/up/kernel", (2, 64, 256), "float32", ("layers", "embed", "mlp"),
-              "P(None, 'fsdp')", 0, False, "param", shard_shape=(2, 8, 256),
-              mesh_axes=((), ("fsdp",), ()))  # fmt: skip
-WTE = ParamRow("params/wte/embedding", (512, 64), "float32", ("vocab", "embed"), "P('fsdp')", 0,
-               False, "param", shard_shape=(64, 64), mesh_axes=(("fsdp",), ()))  # fmt: skip
+UP = ParamRow(
+    "params/layers/mlp/up/kernel",
+    (2, 64, 256),
+    "float32",
+    ("layers", "embed", "mlp"),
+    "P(None, 'fsdp')",
+    0,
+    False,
+    "param",
+    shard_shape=(2, 8, 256),
+    mesh_axes=((), ("fsdp",), ()),
+)
+WTE = ParamRow(
+    "params/wte/embedding",
+    (512, 64),
+    "float32",
+    ("vocab", "embed"),
+    "P('fsdp')",
+    0,
+    False,
+    "param",
+    shard_shape=(64, 64),
+    mesh_axes=(("fsdp",), ()),
+)
 ROWS = [UP, WTE]
 
 
-def coll(kind, shapes, *, count=2, pass_="forward", path="layers/mlp/up", source="gpt.py:1",
-         wire=100.0, lowered="", group=8):  # fmt: skip
-    return Collective(kind=kind, bytes=0, group_size=group, wire_bytes=wire, count=count,
-                      dtype="f32", shapes=shapes, module_path=path, pass_=pass_, source=source,
-                      lowered_as=lowered)  # fmt: skip
+def coll(
+    kind,
+    shapes,
+    *,
+    count=2,
+    pass_="forward",
+    path="layers/mlp/up",
+    source="gpt.py:1",
+    wire=100.0,
+    lowered="",
+    group=8,
+):
+    return Collective(
+        kind=kind,
+        bytes=0,
+        group_size=group,
+        wire_bytes=wire,
+        count=count,
+        dtype="f32",
+        shapes=shapes,
+        module_path=path,
+        pass_=pass_,
+        source=source,
+        lowered_as=lowered,
+    )
 
 
 def test_param_match_knows_a_weight_by_its_layer_slice_whole_sharded_or_transposed():
@@ -42,15 +81,21 @@ def test_param_match_knows_a_weight_by_its_layer_slice_whole_sharded_or_transpos
     assert params.rows((8, 512, 64)) == ()  # an activation
 
 
-@pytest.mark.parametrize("c, term", [
-    (coll("all-gather", [(64, 256)]), "weight all-gathers"),
-    (coll("reduce-scatter", [(64, 256), (7, 7)], pass_="backward"), "gradient reductions"),
-    (coll("all-reduce", [(64, 256)], pass_="forward"), "activation collectives"),
-    (coll("all-gather", [(8, 32, 64)], source="loss.py:147"), "logits / loss collectives"),
-    (coll("collective-permute", [(2, 8, 64)], source="attention.py:215"), "context-parallel K/V"),
-    (coll("all-reduce", [(), ()], pass_="update", path=""), "other collectives"),
-    (coll("all-reduce", [(8, 32, 64)]), "activation collectives"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "c, term",
+    [
+        (coll("all-gather", [(64, 256)]), "weight all-gathers"),
+        (coll("reduce-scatter", [(64, 256), (7, 7)], pass_="backward"), "gradient reductions"),
+        (coll("all-reduce", [(64, 256)], pass_="forward"), "activation collectives"),
+        (coll("all-gather", [(8, 32, 64)], source="loss.py:147"), "logits / loss collectives"),
+        (
+            coll("collective-permute", [(2, 8, 64)], source="attention.py:215"),
+            "context-parallel K/V",
+        ),
+        (coll("all-reduce", [(), ()], pass_="update", path=""), "other collectives"),
+        (coll("all-reduce", [(8, 32, 64)]), "activation collectives"),
+    ],
+)
 def test_term_of_each_rule(c, term):
     assert term_of(c, ParamMatch.of(ROWS)) == term
 
@@ -62,11 +107,20 @@ def test_pipeline_permutes_are_their_own_term():
 
 
 def test_attribute_adds_up_and_takes_the_analytic_values():
-    cs = [coll("all-gather", [(64, 256)], wire=30.0),
-          coll("reduce-scatter", [(64, 256)], pass_="backward", wire=20.0),
-          coll("all-reduce", [(8, 32, 64)], wire=5.0)]  # fmt: skip
-    terms = attribute(cs, ROWS, analytic={"weight all-gathers": 60.0, "gradient reductions": 20.0,
-                                          "context-parallel K/V": 1.0})  # fmt: skip
+    cs = [
+        coll("all-gather", [(64, 256)], wire=30.0),
+        coll("reduce-scatter", [(64, 256)], pass_="backward", wire=20.0),
+        coll("all-reduce", [(8, 32, 64)], wire=5.0),
+    ]
+    terms = attribute(
+        cs,
+        ROWS,
+        analytic={
+            "weight all-gathers": 60.0,
+            "gradient reductions": 20.0,
+            "context-parallel K/V": 1.0,
+        },
+    )
     by = {t.term: t for t in terms}
     assert sum(t.bytes for t in terms) == 55.0
     assert by["weight all-gathers"].ratio == 0.5 and by["gradient reductions"].ratio == 1.0
@@ -77,10 +131,19 @@ def test_attribute_adds_up_and_takes_the_analytic_values():
 def test_explanations_count_gathers_and_name_what_is_never_gathered():
     # up's layer slice gathered forward and in the remat, for each of 2 layers; the
     # embedding never: the analytic value (2 gathers of each) is twice what moves.
-    cs = [coll("all-gather", [(64, 256)], pass_="forward", wire=10.0),
-          coll("all-gather", [(256, 64)], pass_="remat", wire=10.0),
-          coll("reduce-scatter", [(64, 256), (512, 64)], pass_="backward", wire=40.0,
-               lowered=LOWERED_RS, count=1, path="layers")]  # fmt: skip
+    cs = [
+        coll("all-gather", [(64, 256)], pass_="forward", wire=10.0),
+        coll("all-gather", [(256, 64)], pass_="remat", wire=10.0),
+        coll(
+            "reduce-scatter",
+            [(64, 256), (512, 64)],
+            pass_="backward",
+            wire=40.0,
+            lowered=LOWERED_RS,
+            count=1,
+            path="layers",
+        ),
+    ]
     terms = attribute(cs, ROWS, analytic={"weight all-gathers": 40.0, "gradient reductions": 40.0})
     [e] = explain(terms, ROWS)  # the reductions are on the analytic value: not explained
     assert (e.term, e.ratio) == ("weight all-gathers", 0.5)
@@ -94,8 +157,10 @@ def test_explanations_count_gathers_and_name_what_is_never_gathered():
 
 
 def test_explanations_name_a_lowered_reduce_scatter_and_an_all_reduced_gradient():
-    cs = [coll("reduce-scatter", [(64, 256)], pass_="backward", lowered=LOWERED_RS, wire=10.0),
-          coll("all-reduce", [(512, 64)], pass_="backward", path="", count=1, wire=30.0)]  # fmt: skip
+    cs = [
+        coll("reduce-scatter", [(64, 256)], pass_="backward", lowered=LOWERED_RS, wire=10.0),
+        coll("all-reduce", [(512, 64)], pass_="backward", path="", count=1, wire=30.0),
+    ]
     [e] = explain(attribute(cs, ROWS, analytic={"gradient reductions": 20.0}), ROWS)
     assert "wte/embedding reduced 1× per step (1 backward all-reduce)" in e.why
     assert "1 of 2 gradients (50.0% of the parameters) are all-reduced" in e.why
@@ -103,17 +168,34 @@ def test_explanations_name_a_lowered_reduce_scatter_and_an_all_reduced_gradient(
 
 
 def test_explanations_of_other_terms_group_by_source_with_runs():
-    ring = coll("collective-permute", [(2, 8, 64)], source="attention.py:215", count=14,
-                pass_="forward", wire=100.0, path="layers/attn")  # fmt: skip
-    zigzag = coll("collective-permute", [(3, 8, 32)], source="attention.py:182", count=2,
-                  pass_="remat", wire=40.0, path="layers/attn")  # fmt: skip
-    [e] = explain(attribute([ring, zigzag], ROWS, analytic={"context-parallel K/V": 100.0}),
-                  ROWS)  # fmt: skip
+    ring = coll(
+        "collective-permute",
+        [(2, 8, 64)],
+        source="attention.py:215",
+        count=14,
+        pass_="forward",
+        wire=100.0,
+        path="layers/attn",
+    )
+    zigzag = coll(
+        "collective-permute",
+        [(3, 8, 32)],
+        source="attention.py:182",
+        count=2,
+        pass_="remat",
+        wire=40.0,
+        path="layers/attn",
+    )
+    [e] = explain(attribute([ring, zigzag], ROWS, analytic={"context-parallel K/V": 100.0}), ROWS)
     assert e.ratio == 1.4
-    assert e.why.startswith("140 B measured vs 100 B analytic: the analytic formula's traffic "
-                            "is 14 runs of collective-permute (14 forward; 7 per layer")  # fmt: skip
-    assert "beyond it: 2 runs of collective-permute (2 remat, largest f32[3,8,32] over 8) " \
-           "from attention.py:182 in layers/attn: 40 B" in e.why  # fmt: skip
+    assert e.why.startswith(
+        "140 B measured vs 100 B analytic: the analytic formula's traffic "
+        "is 14 runs of collective-permute (14 forward; 7 per layer"
+    )
+    assert (
+        "beyond it: 2 runs of collective-permute (2 remat, largest f32[3,8,32] over 8) "
+        "from attention.py:182 in layers/attn: 40 B" in e.why
+    )
 
 
 # ---------------------------------------------------------------- analytic terms
@@ -122,8 +204,15 @@ def test_explanations_of_other_terms_group_by_source_with_runs():
 @pytest.mark.parametrize("recipe", recipes.names())
 def test_analytic_terms_split_the_analytic_wire_bytes(recipe):
     cfg = models.CONFIGS["gpt-small"]
-    m = analytic_model(cfg, recipe, recipes.get(recipe).axis_sizes(8), batch=8, seq=512,
-                       remat="full", pipeline={"microbatches": 4, "schedule": "1f1b"})  # fmt: skip
+    m = analytic_model(
+        cfg,
+        recipe,
+        recipes.get(recipe).axis_sizes(8),
+        batch=8,
+        seq=512,
+        remat="full",
+        pipeline={"microbatches": 4, "schedule": "1f1b"},
+    )
     assert m.wire_terms
     assert sum(m.wire_terms.values()) == pytest.approx(sum(m.wire_bytes_by_kind.values()))
     assert set(m.wire_terms) <= set(wire_terms.TERMS)
@@ -135,8 +224,9 @@ def test_analytic_fsdp_terms_are_zero3s_formulas():
     fsdp = recipes.get("fsdp").with_logits("tokens")  # the head gathers its weight
     m = analytic_model(cfg, fsdp, {"fsdp": 8}, batch=8, seq=512, remat="full")
     # Rajbhandari et al.: all-gathers of 2Ψ forward + backward, a reduce-scatter of Ψ
-    assert m.wire_terms == pytest.approx({"weight all-gathers": 2 * psi * 4 * 7 / 8,
-                                          "gradient reductions": psi * 4 * 7 / 8})  # fmt: skip
+    assert m.wire_terms == pytest.approx(
+        {"weight all-gathers": 2 * psi * 4 * 7 / 8, "gradient reductions": psi * 4 * 7 / 8}
+    )
 
 
 # ---------------------------------------------------------------- compiled steps
@@ -183,9 +273,13 @@ def _build(name, recipe, seq, itemise):
 #: One recipe per family on the two reference models, compile only (every recipe:
 #: benchmarks/memory_terms.py; pipelines, 35 s a compile here, only there): FSDP,
 #: context parallel, TP + SP with the memory terms too, ZeRO-1, TSP (its rules-only form).
-CASES = [("gpt-small", "fsdp", False), ("gpt-small", "cp", False),
-         ("llama-small", "tp_sp", True), ("llama-small", "zero1", False),
-         ("gpt-small", "tsp_gspmd", False)]  # fmt: skip
+CASES = [
+    ("gpt-small", "fsdp", False),
+    ("gpt-small", "cp", False),
+    ("llama-small", "tp_sp", True),
+    ("llama-small", "zero1", False),
+    ("gpt-small", "tsp_gspmd", False),
+]
 
 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{n}-{r}" for n, r, _ in CASES])
@@ -234,17 +328,22 @@ def test_gpt_small_fsdp_moves_its_weights_but_the_vocab_parallel_embedding():
     # gathered forward and again for the backward pass over 8 devices, 2·Ψ'·4·7/8. The
     # position table is read as its first 512 rows (an activation-shaped slice).
     tables = {"params/wte/embedding", "params/wpe/embedding"}
-    rest = sum(math.prod(p.shape) for p in r.params
-               if p.kind == "param" and p.shard_shape != p.shape and p.path not in tables)  # fmt: skip
+    rest = sum(
+        math.prod(p.shape)
+        for p in r.params
+        if p.kind == "param" and p.shard_shape != p.shape and p.path not in tables
+    )
     assert rest < cfg.param_count() - cfg.vocab * cfg.d_model
     assert by["weight all-gathers"].bytes == pytest.approx(2 * rest * 4 * 7 / 8, rel=1e-3)
     why = {e.term: e.why for e in r.explanations}["weight all-gathers"]
     assert "wte/embedding (50304, 768) is never gathered: the rule ('vocab', 'fsdp')" in why
     assert "layers/mlp/up/kernel" in why and "2× per step" in why
-    gathers = [c for c in r.collectives if c.kind == "all-gather" and c.module_path ==
-               "layers/mlp/up"]  # fmt: skip
-    assert gathers and all(c.logical == ("layers", "embed", "mlp") and c.rule ==
-                           "('embed', 'fsdp')" for c in gathers)  # fmt: skip
+    gathers = [
+        c for c in r.collectives if c.kind == "all-gather" and c.module_path == "layers/mlp/up"
+    ]
+    assert gathers and all(
+        c.logical == ("layers", "embed", "mlp") and c.rule == "('embed', 'fsdp')" for c in gathers
+    )
 
 
 def test_cp_zigzag_reorder_is_the_permutes_beyond_the_ring():
