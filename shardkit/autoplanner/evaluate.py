@@ -191,7 +191,7 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             )
         extra = {}
         if stages:  # a reference model's stack (sk.parallel pipelines only those)
-            stack = 4 * config.n_layers * config._layer_params() if config is not None else None
+            stack = 4 * config.n_layers * config.dims().layer_params if config is not None else None
             extra = {
                 "pipeline": _pipeline_options(candidate),
                 "stack_param_bytes": stack,

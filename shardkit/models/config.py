@@ -18,6 +18,7 @@ from typing import Any, Literal
 import jax.numpy as jnp
 
 from shardkit import errors
+from shardkit.dims import ModelDims
 
 __all__ = ["ModelConfig", "CONFIGS", "REMAT_POLICIES"]
 
@@ -143,25 +144,30 @@ class ModelConfig:
         """
         return 2 if self.family == "gpt" else 5
 
-    def _layer_params(self) -> int:
-        d, f, hd = self.d_model, self.d_ff, self.head_dim
-        if self.family == "gpt":
-            attn = 4 * (d * d + d)  # q, k, v, out kernels + biases
-            mlp = d * f + f + f * d + d  # up, down kernels + biases
-            norms = 2 * 2 * d  # ln_1, ln_2 scale + bias
-            return attn + mlp + norms
-        q_out = self.n_heads * hd
-        kv_out = self.n_kv_heads * hd
-        attn = d * q_out + 2 * d * kv_out + q_out * d  # wq, wk, wv, wo
-        mlp = 3 * d * f  # gate, up, down
-        norms = 2 * d  # attn_norm, mlp_norm scales
-        return attn + mlp + norms
+    def dims(self) -> ModelDims:
+        """The model's dimensions and structure, as the report and the planner read them.
 
-    def _embedding_params(self) -> int:
-        """Parameters only looked up, never multiplied: token table (untied), position table."""
-        if self.family == "gpt":
-            return self.max_seq * self.d_model  # token table is tied: it is also the head
-        return self.vocab * self.d_model
+        Example:
+          >>> CONFIGS["gpt-tiny"].dims().tied_embedding, CONFIGS["llama-tiny"].dims().gated_mlp
+          (True, True)
+        """
+        gpt = self.family == "gpt"
+        return ModelDims(
+            layers=self.n_layers,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            d_ff=self.d_ff,
+            vocab=self.vocab,
+            max_seq=self.max_seq,
+            tied_embedding=gpt,
+            position_table=gpt,
+            gated_mlp=not gpt,
+            biases=gpt,
+            norm="layernorm" if gpt else "rmsnorm",
+            in_projections=self.in_projections,
+            loss_chunks=self.loss_chunks,
+        )
 
     def param_count(self) -> int:
         """Exact number of parameters (scalars) of the model this config builds.
@@ -173,28 +179,18 @@ class ModelConfig:
           >>> CONFIGS["gpt-small"].param_count()
           124475904
         """
-        d = self.d_model
-        total = self.vocab * d + self.n_layers * self._layer_params()
-        if self.family == "gpt":
-            return total + self.max_seq * d + 2 * d  # positions, ln_f scale + bias
-        return total + self.vocab * d + d  # untied head, final norm scale
+        return self.dims().param_count
 
     def flops_per_token(self, seq: int) -> float:
-        """Training (forward + backward) FLOPs per token at sequence length ``seq``.
-
-        ``6·N + 12·L·d·seq`` (PaLM, Chowdhery et al. 2022, appendix B): ``N`` counts the
-        parameters that multiply activations (every layer parameter plus the
-        vocab projection, tied or not; the token and position lookups are free), each
-        costing 2 FLOPs forward and 4 backward; ``12·L·d·seq`` is attention's
-        ``q·kᵀ`` and ``p·v`` (``4·L·d·seq`` forward, ×3), with no discount for the causal mask.
+        """Training (forward + backward) FLOPs per token at sequence length ``seq``
+        (:meth:`ModelDims.flops_per_token`).
 
         Example:
           >>> cfg = CONFIGS["gpt-tiny"]
           >>> cfg.flops_per_token(16) == 6 * (cfg.param_count() - 128 * 64) + 12 * 2 * 64 * 16
           True
         """
-        matmul_params = self.param_count() - self._embedding_params()
-        return float(6 * matmul_params + 12 * self.n_layers * self.d_model * seq)
+        return self.dims().flops_per_token(seq)
 
 
 def _gpt(vocab, d, layers, heads, ff, seq) -> ModelConfig:

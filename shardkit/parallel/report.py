@@ -114,7 +114,7 @@ def analytic_for(
     cfg = model.config
     shape = dict(plan.mesh.shape)
     p, fsdp, data = shape.get("stage", 1), shape.get("fsdp", 1), shape.get("data", 1)
-    stack = cfg.n_layers * cfg._layer_params() * bytes_per_value
+    stack = cfg.n_layers * cfg.dims().layer_params * bytes_per_value
     rest = cfg.param_count() * bytes_per_value - stack
     rows = batch // (microbatches * fsdp * data)
     return pipeline_costs(
@@ -135,4 +135,4 @@ def useful_flops(model: Any, *, batch: int, seq: int, stages: int, devices: int)
     """``6·Ψ_stack·tokens/p`` per device of the layer stack (``tokens`` split over replicas)."""
     cfg = model.config
     replicas = devices // stages
-    return 6.0 * cfg.n_layers * cfg._layer_params() * batch * seq / replicas / stages
+    return 6.0 * cfg.n_layers * cfg.dims().layer_params * batch * seq / replicas / stages

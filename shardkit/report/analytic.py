@@ -864,12 +864,7 @@ def layer_params(config: Any) -> tuple[float, float]:
       >>> layer_params(CONFIGS["gpt-tiny"])
       (49152, 28672)
     """
-    h, ff, hd = config.d_model, config.d_ff, config.head_dim
-    q, kv = config.n_heads * hd, config.n_kv_heads * hd
-    qkv = h * (q + 2 * kv)
-    if config.family == "gpt":
-        return qkv + q * h + 2 * h * ff, qkv + h * ff
-    return qkv + q * h + 3 * h * ff, qkv + 2 * h * ff
+    return config.dims().ringed_layer_params
 
 
 def analytic_model(
@@ -937,10 +932,10 @@ def analytic_model(
         bytes_per_value=bytes_per_value,
         layer_params=ringed,
         in_params=ringed_in,
-        vocab_tables=1 if getattr(config, "family", "") == "gpt" else 2,
+        vocab_tables=config.dims().vocab_tables,
         pipeline=pipeline,
-        stack_param_bytes=bytes_per_value * config.n_layers * config._layer_params(),
-        stack_optimizer_bytes=2 * bytes_per_value * config.n_layers * config._layer_params(),
+        stack_param_bytes=bytes_per_value * config.n_layers * config.dims().layer_params,
+        stack_optimizer_bytes=2 * bytes_per_value * config.n_layers * config.dims().layer_params,
     )
     return with_phases(model, config, recipe, mesh, workload)
 

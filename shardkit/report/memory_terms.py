@@ -290,7 +290,7 @@ def analytic_terms(
       >>> from shardkit.models import CONFIGS
       >>> t = analytic_terms(CONFIGS["gpt-tiny"], "fsdp", {"fsdp": 8}, batch=8, seq=32,
       ...                    phase="layers", remat="full")
-      >>> t["gathered weights"] == 2 * CONFIGS["gpt-tiny"]._layer_params() * 4
+      >>> t["gathered weights"] == 2 * CONFIGS["gpt-tiny"].dims().layer_params * 4
       True
     """
     from shardkit import recipes
@@ -320,7 +320,7 @@ def analytic_terms(
             out["attention scores"] = 5 * config.n_heads * s * s * b / t * nb / 2
             out["recomputation"] = layer - out["attention scores"]
         if f > 1:
-            out["gathered weights"] = 2 * config._layer_params() * nb / t
+            out["gathered weights"] = 2 * config.dims().layer_params * nb / t
     elif phase == "head_loss":
         peaks = phase_peaks(
             config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb, remat=remat, base=base

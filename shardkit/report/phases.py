@@ -305,7 +305,7 @@ def phase_peaks(
 
     # One layer recomputed (full remat), its weights gathered under FSDP.
     mode = tensor_kind if t > 1 else "none"
-    layer_params = config._layer_params()
+    layer_params = config.dims().layer_params
     layer = layer_peak_bytes(
         s=seq / c,
         b=batch / (d * f),

@@ -70,7 +70,7 @@ def test_the_3d_pipeline_state_is_the_stage_share_split_over_tensor(tiny):
     # vocab table (vocab-parallel) / t, the rest (position table, final norm) whole;
     # params, grads and Adam's m and v: 16 bytes per value.
     cfg = tiny.model.config
-    stack, table = cfg.n_layers * cfg._layer_params(), cfg.vocab * cfg.d_model
+    stack, table = cfg.n_layers * cfg.dims().layer_params, cfg.vocab * cfg.d_model
     per_device = stack / 4 + table / 2 + (PSI - stack - table)
     mesh = (("data", 2), ("stage", 2), ("tensor", 2))
     got = prune(tiny, Candidate("dp_tp_sp_pp", mesh, microbatches=2), budget=2**30)

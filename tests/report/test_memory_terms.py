@@ -39,13 +39,13 @@ def test_every_gap_over_ten_percent_is_explained(report):
 
 def test_terms_name_what_the_layout_holds(report):
     terms = {t.term: t for t in report.memory_terms}
-    per_layer = CFG._layer_params() * 4
+    per_layer = CFG.dims().layer_params * 4
     if report.recipe == "fsdp":
         # A hand count: GPT-tiny's mlp/up kernel, d_model × d_ff in f32, gathered whole.
         assert any(d.startswith("f32[64,256] layers/mlp/up") for d in terms["gathered weights"].top)
         assert terms["gathered weights"].analytic_bytes == 2 * per_layer
         # Gradients: 2 layers' stacked gradient shards are carried by the backward loop.
-        assert terms["gradients"].bytes >= CFG._layer_params() * 4 * 2 / 8
+        assert terms["gradients"].bytes >= CFG.dims().layer_params * 4 * 2 / 8
     else:
         assert "gathered weights" not in terms  # dp gathers nothing
         # dp keeps whole gradients: at least the 2 layers' accumulators.

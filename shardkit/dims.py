@@ -1,0 +1,179 @@
+"""``ModelDims``: the sizes and structure of a transformer, as plain data.
+
+What the analytic model, the report and the planner know of a model is what it declares
+here: no family names, no model code. A reference model's config gives its dims
+(``ModelConfig.dims()``); a model of your own declares them (``dims=`` in its factory).
+
+Example:
+  >>> d = ModelDims(layers=2, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256, vocab=256,
+  ...               max_seq=128, tied_embedding=True, position_table=True, biases=True,
+  ...               norm="layernorm")
+  >>> d.head_dim, d.layer_params, d.param_count
+  (8, 49984, 124672)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from shardkit.errors import ShardingError
+
+__all__ = ["ModelDims"]
+
+_SIZES = ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """A decoder-only transformer's dimensions, from which its parameter counts follow.
+
+    Attributes:
+      layers: transformer blocks in the stack.
+      d_model: width of the residual stream.
+      n_heads: query heads; ``n_kv_heads``: key/value heads (``n_heads`` without GQA).
+      d_ff: hidden width of the MLP.
+      vocab: vocabulary size.
+      max_seq: longest sequence (the rows of a learned position table), if known.
+      tied_embedding: the token table is also the output head (GPT-2).
+      position_table: learned positions (a ``max_seq × d_model`` table; else RoPE or none).
+      gated_mlp: a gated MLP (SwiGLU: gate, up and down matrices; else up and down).
+      biases: the projections and the MLP carry biases.
+      norm: ``"layernorm"`` (scale and bias) or ``"rmsnorm"`` (scale): two per layer and
+        one final.
+      in_projections: a layer's column-parallel projections (the matmuls that read the
+        attention's or the MLP's input), each reducing its input's gradient on its own
+        under tensor parallelism: 2 when fused (``qkv``, ``up``), 5 for separate
+        ``wq``, ``wk``, ``wv``, ``gate`` and ``up``.
+      loss_chunks: chunks of the sequence the head and the loss run in, when the model
+        chunks its loss (``shardkit.loss.chunked_cross_entropy``); ``None`` otherwise.
+
+    Raises:
+      ShardingError: a size that is not a positive int, heads that do not divide
+        ``d_model``, or kv heads that do not divide the heads.
+    """
+
+    layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_ff: int
+    vocab: int
+    max_seq: int | None = None
+    tied_embedding: bool = False
+    position_table: bool = False
+    gated_mlp: bool = False
+    biases: bool = False
+    norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
+    in_projections: int = 2
+    loss_chunks: int | None = None
+
+    def __post_init__(self) -> None:
+        for field in _SIZES:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ShardingError(
+                    f"ModelDims({field}={value!r}): {field} must be a positive int.\n"
+                    f"Fix: declare the model's {field} as a positive integer."
+                )
+        if self.d_model % self.n_heads:
+            raise ShardingError(
+                f"ModelDims: d_model {self.d_model} is not divisible by n_heads "
+                f"{self.n_heads}.\nFix: declare n_heads dividing d_model."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ShardingError(
+                f"ModelDims: n_heads {self.n_heads} is not a multiple of n_kv_heads "
+                f"{self.n_kv_heads}.\nFix: declare n_kv_heads dividing n_heads."
+            )
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ShardingError(
+                f"ModelDims(norm={self.norm!r}): norm is 'layernorm' or 'rmsnorm'.\n"
+                "Fix: pass norm='layernorm' (scale and bias) or norm='rmsnorm' (scale)."
+            )
+        if self.position_table and self.max_seq is None:
+            raise ShardingError(
+                "ModelDims(position_table=True) needs max_seq (the table's rows).\n"
+                "Fix: pass max_seq=<longest sequence>."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head: ``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+    @property
+    def _norm_params(self) -> int:
+        return (2 if self.norm == "layernorm" else 1) * self.d_model
+
+    @property
+    def attention_params(self) -> tuple[int, int]:
+        """(weights, biases) of one layer's attention: q, k, v and the output projection."""
+        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return d * q + 2 * d * kv + q * d, (q + 2 * kv + d) if self.biases else 0
+
+    @property
+    def mlp_params(self) -> tuple[int, int]:
+        """(weights, biases) of one layer's MLP."""
+        d, f = self.d_model, self.d_ff
+        matrices = (3 if self.gated_mlp else 2) * d * f
+        biases = ((2 if self.gated_mlp else 1) * f + d) if self.biases else 0
+        return matrices, biases
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer block: attention, MLP and its two norms.
+
+        Example:
+          >>> ModelDims(layers=1, d_model=4, n_heads=2, n_kv_heads=1, d_ff=8, vocab=16,
+          ...           gated_mlp=True).layer_params  # 4·4 + 2·4·2 + 4·4, 3·4·8, 2·4
+          152
+        """
+        return sum(self.attention_params) + sum(self.mlp_params) + 2 * self._norm_params
+
+    @property
+    def ringed_layer_params(self) -> tuple[int, int]:
+        """(a layer's matmul weights Ψ_l, their input-side part): what TSP's rings move.
+
+        The input side is q, k, v and the MLP's up (and gate) matrices.
+        """
+        d, f = self.d_model, self.d_ff
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        qkv = d * (q + 2 * kv)
+        up = (2 if self.gated_mlp else 1) * d * f
+        return qkv + q * d + up + d * f, qkv + up
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters only looked up, never multiplied: an untied token table, positions."""
+        positions = self.max_seq * self.d_model if self.position_table else 0
+        tokens = 0 if self.tied_embedding else self.vocab * self.d_model
+        return positions + tokens
+
+    @property
+    def vocab_tables(self) -> int:
+        """Vocabulary-sized tables among the parameters: 1 tied, 2 untied."""
+        return 1 if self.tied_embedding else 2
+
+    @property
+    def stack_params(self) -> int:
+        """Parameters of the whole layer stack."""
+        return self.layers * self.layer_params
+
+    @property
+    def param_count(self) -> int:
+        """Every parameter: tables, the stack, the final norm (and an untied head)."""
+        d = self.d_model
+        positions = self.max_seq * d if self.position_table else 0
+        return (
+            self.vocab_tables * self.vocab * d + positions + self.stack_params + (self._norm_params)
+        )
+
+    def flops_per_token(self, seq: int) -> float:
+        """Training (forward + backward) FLOPs per token at sequence length ``seq``.
+
+        ``6·N + 12·L·d·seq`` (PaLM, Chowdhery et al. 2022, appendix B), ``N`` the
+        parameters that multiply activations (all but :attr:`embedding_params`).
+        """
+        matmul_params = self.param_count - self.embedding_params
+        return float(6 * matmul_params + 12 * self.layers * self.d_model * seq)
