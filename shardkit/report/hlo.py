@@ -22,9 +22,9 @@ pipelines run XLA's ReduceScatterCreator, which rewrites exactly that pair into 
 ``reduce-scatter`` (moving (N-1)/N of the buffer instead of 2(N-1)/N); the CPU pipeline
 does not, so the emulated-device programs this project measures still contain the pair.
 :func:`parse_collectives` therefore reports, per all-reduce element (tuple all-reduces
-are split by element), an element whose every use -- through ``get-tuple-element``,
-``bitcast`` and ``copy``, directly or inside the computation of a fusion -- is a
-``dynamic-slice`` keeping 1/N of it, as the ``reduce-scatter`` it is in effect, with
+are split by element), an element whose every use -- through ``get-tuple-element`` (or
+the ``%x#k`` operand that jax 0.12's dumps print instead), ``bitcast`` and ``copy``,
+directly or inside the computation of a fusion -- is a ``dynamic-slice`` keeping 1/N of it, as the ``reduce-scatter`` it is in effect, with
 ``lowered_as="all-reduce+dynamic-slice"`` recording what the CPU program really contains
 (``lowered_as`` is empty for collectives reported as emitted). ``fuse_reduce_scatter=False``
 reports every op as emitted.
@@ -88,7 +88,9 @@ _NAME = re.compile(r"%?([\w.\-]+)")
 _TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _COMMENT = re.compile(r"/\*.*?\*/")
-_REF = re.compile(r"%([\w.\-]+)")
+# An operand: %x, or %x#1 (element 1 of tuple x; %x#1#0 nests), the form that the XLA of
+# jax >= 0.12 prints in its dumps in place of get-tuple-element instructions.
+_REF = re.compile(r"%([\w.\-]+(?:#\d+)*)")
 _INDEX = re.compile(r"\bindex=(\d+)")
 LOWERED_RS = "all-reduce+dynamic-slice"
 
@@ -357,6 +359,46 @@ def _wire(kind: str, nbytes: int, n: int) -> float:
     return (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n * nbytes
 
 
+def _element_text(text: str, index: int) -> str:
+    """The shape text of element ``index`` of the tuple shape that ``text`` starts with."""
+    s = _COMMENT.sub("", text)
+    i = s.index("(")
+    if s[:i].strip():
+        raise ValueError(f"not a tuple shape: {text[:40]!r}")
+    i += 1
+    for _ in range(index + 1):
+        while s[i] in ", ":
+            i += 1
+        if s[i] == ")":
+            raise ValueError(f"no element {index} in {text[:40]!r}")
+        start = i
+        _, i = _parse_shape(s, i)
+    return s[start:i]
+
+
+def _add_tuple_elements(ref: str, shapes: dict[str, str], users: dict[str, list[str]]) -> None:
+    """Give ``%x#i#j`` (newer XLA's tuple-element operand) the ``get-tuple-element``
+    chain older XLA prints: ``x#i`` is element ``i`` of ``x``, used by ``x#i#j``.
+
+    Example:
+      >>> shapes, users = {"ar": "(f32[8]{0}, (bf16[4], s32[])) all-reduce(%a, %b, %c)"}, {}
+      >>> _add_tuple_elements("ar#1#0", shapes, users)
+      >>> shapes["ar#1"], shapes["ar#1#0"], users
+      ('(bf16[4], s32[]) get-tuple-element(%ar), index=1', 'bf16[4] get-tuple-element(%ar#1), index=0', {'ar': ['ar#1'], 'ar#1': ['ar#1#0']})
+    """
+    name, *indices = ref.split("#")
+    for k in indices:
+        element = f"{name}#{k}"
+        if element not in shapes:
+            try:
+                shape = _element_text(shapes.get(name, ""), int(k))
+            except (ValueError, IndexError):  # the tuple is not in the text: shape unknown
+                shape = ""
+            shapes[element] = f"{shape} get-tuple-element(%{name}), index={k}"
+            users.setdefault(name, []).append(element)
+        name = element
+
+
 def _split(rest: str) -> tuple[str, int, int] | None:
     """(opcode, start, end) of the operand list of an instruction's text after ``=``."""
     j = _skip_balanced(rest, 0) if rest.startswith("(") else rest.find(" ")
@@ -520,6 +562,10 @@ def parse_collectives(
         base = opcode[:-6] if opcode.endswith("-start") else opcode
         if base in KINDS:
             found.append((comp, base, opcode, rest, rest[args_at:attrs_at], attrs, name))
+        if "#" in rest[args_at:attrs_at]:  # tuple elements referred to as %x#k
+            for a in _REF.findall(rest, args_at, attrs_at):
+                if "#" in a:
+                    _add_tuple_elements(a, shapes, graph.users)
         if track:
             for a in _REF.findall(rest, args_at, attrs_at):
                 graph.users[a].append(name)
@@ -579,9 +625,12 @@ def parse_collectives(
         elif kind != "reduce-scatter":
             buf = operands or result  # same size as the result for these kinds
         else:
-            names = re.findall(r"%([\w.\-]+)", args)
+            names = _REF.findall(args)
             if operands is None and names and all(a in shapes for a in names):
-                operands = [x for a in names for x in _shape_arrays(shapes[a])]
+                try:
+                    operands = [x for a in names for x in _shape_arrays(shapes[a])]
+                except ValueError:  # an operand's shape is not in the text
+                    operands = None
             if operands is None:  # not in the text: the scatter dimension times N
                 d = re.search(r"dimensions=\{(\d+)", attrs)
                 k = int(d.group(1)) if d else 0

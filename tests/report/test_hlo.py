@@ -1,5 +1,6 @@
 """Tests for shardkit.report.hlo: the collective inventory of optimized HLO text."""
 
+import re
 import time
 from functools import partial
 
@@ -293,26 +294,39 @@ SLICE_FUSION = """
 """
 
 
-def tuple_all_reduce(rows: int) -> str:
-    """A tuple all-reduce: element 0 (f32[64,32]) sliced to ``rows`` rows in a fusion,
-    element 1 (bf16[128]) added to something."""
-    return module(
-        f"""
-        %a = f32[64,32]{{1,0}} parameter(0)
-        %b = bf16[128]{{0}} parameter(1)
-        %off = s32[] parameter(2)
-        %ar.182 = (f32[64,32]{{1,0}}, bf16[128]{{0}}) all-reduce(%a, %b), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add, metadata={{op_name="grad"}}
+# The two ways XLA prints a use of one element of a tuple: a get-tuple-element
+# instruction (jax 0.10) or the operand %x#k (what jax 0.12's dumps print).
+GTE_FORM = """
         %gte.0 = f32[64,32]{{1,0}} get-tuple-element(%ar.182), index=0
         %gte.1 = bf16[128]{{0}} get-tuple-element(%ar.182), index=1
         %fus = f32[{rows},32]{{1,0}} fusion(%gte.0, %off), kind=kLoop, calls=%fused_slice
         ROOT %sum = bf16[128]{{0}} add(%gte.1, %b)
-        """,
+"""
+HASH_FORM = """
+        %fus = f32[{rows},32]{{1,0}} fusion(%ar.182#0, %off), kind=kLoop, calls=%fused_slice
+        ROOT %sum = bf16[128]{{0}} add(%ar.182#1, %b)
+"""
+FORMS = pytest.mark.parametrize("form", [GTE_FORM, HASH_FORM], ids=["get-tuple-element", "x#k"])
+
+
+def tuple_all_reduce(rows: int, form: str = GTE_FORM) -> str:
+    """A tuple all-reduce: element 0 (f32[64,32]) sliced to ``rows`` rows in a fusion,
+    element 1 (bf16[128]) added to something; its elements used in the text ``form``."""
+    return module(
+        """
+        %a = f32[64,32]{1,0} parameter(0)
+        %b = bf16[128]{0} parameter(1)
+        %off = s32[] parameter(2)
+        %ar.182 = (f32[64,32]{1,0}, bf16[128]{0}) all-reduce(%a, %b), channel_id=1, replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add, metadata={op_name="grad"}
+        """
+        + form.format(rows=rows),
         SLICE_FUSION.format(rows=rows),
     )
 
 
-def test_tuple_all_reduce_splits_into_reduce_scatter_and_all_reduce():
-    rs, ar = parse_collectives(tuple_all_reduce(8))
+@FORMS
+def test_tuple_all_reduce_splits_into_reduce_scatter_and_all_reduce(form):
+    rs, ar = parse_collectives(tuple_all_reduce(8, form))
     assert (rs.kind, rs.bytes, rs.group_size, rs.shape) == (
         "reduce-scatter",
         64 * 32 * 4,
@@ -324,13 +338,58 @@ def test_tuple_all_reduce_splits_into_reduce_scatter_and_all_reduce():
     assert (ar.kind, ar.bytes, ar.dtype, ar.lowered_as) == ("all-reduce", 128 * 2, "bf16", "")
     assert ar.wire_bytes == pytest.approx(2 * 7 / 8 * 128 * 2)
     assert (rs.op_name, rs.computation, rs.count) == (ar.op_name, ar.computation, ar.count)
-    [c] = parse_collectives(tuple_all_reduce(8), fuse_reduce_scatter=False)
+    [c] = parse_collectives(tuple_all_reduce(8, form), fuse_reduce_scatter=False)
     assert (c.kind, c.bytes, c.lowered_as) == ("all-reduce", 64 * 32 * 4 + 256, "")
 
 
-def test_slice_of_the_wrong_size_stays_all_reduce():
-    [c] = parse_collectives(tuple_all_reduce(16))  # 1/4 of the element, N = 8
+@FORMS
+def test_slice_of_the_wrong_size_stays_all_reduce(form):
+    [c] = parse_collectives(tuple_all_reduce(16, form))  # 1/4 of the element, N = 8
     assert (c.kind, c.bytes, c.lowered_as) == ("all-reduce", 64 * 32 * 4 + 256, "")
+
+
+@pytest.mark.parametrize(
+    "uses",
+    [
+        "ROOT %t = (f32[64,32]{1,0}, bf16[128]{0}) tuple(%ar#0, %ar#1)",  # both escape
+        "%f = f32[8,32]{1,0} fusion(%ar#0, %off), kind=kLoop, calls=%fused_slice\n"
+        "ROOT %n = f32[64,32]{1,0} negate(%ar#0)",  # element 0 sliced, but also used whole
+        "%f = f32[8,32]{1,0} fusion(%ar#0, %off), kind=kLoop, calls=%fused_slice\n"
+        "ROOT %t = (f32[64,32]{1,0}, bf16[128]{0}) copy(%ar)",  # the whole tuple escapes
+    ],
+)
+def test_tuple_element_used_whole_stays_all_reduce(uses):
+    text = module(
+        f"""
+        %a = f32[64,32]{{1,0}} parameter(0)
+        %b = bf16[128]{{0}} parameter(1)
+        %off = s32[] parameter(2)
+        %ar = (f32[64,32]{{1,0}}, bf16[128]{{0}}) all-reduce(%a, %b), replica_groups=[1,8]<=[8], to_apply=%add
+        {uses}
+        """,
+        SLICE_FUSION.format(rows=8),
+    )
+    [c] = parse_collectives(text)
+    assert (c.kind, c.bytes, c.lowered_as) == ("all-reduce", 64 * 32 * 4 + 128 * 2, "")
+
+
+NESTED_GTE = """
+%nest = (f32[4]{0}, (f32[64,16]{1,0}, s32[])) parameter(0)
+%e1 = (f32[64,16]{1,0}, s32[]) get-tuple-element(%nest), index=1
+%e10 = f32[64,16]{1,0} get-tuple-element(%e1), index=0
+ROOT %rs = f32[8,16]{1,0} reduce-scatter(%e10), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+"""
+NESTED_HASH = """
+%nest = (f32[4]{0}, /*index=1*/(f32[64,16]{1,0}, s32[])) parameter(0)
+ROOT %rs = f32[8,16]{1,0} reduce-scatter(%nest#1#0), replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
+"""
+
+
+@pytest.mark.parametrize("body", [NESTED_GTE, NESTED_HASH], ids=["get-tuple-element", "x#i#j"])
+def test_reduce_scatter_operand_shape_from_a_nested_tuple_element(body):
+    c = one(module(body))
+    assert (c.kind, c.bytes, c.shape, c.group_size) == ("reduce-scatter", 64 * 16 * 4, (64, 16), 8)
+    assert c.wire_bytes == pytest.approx(7 / 8 * 64 * 16 * 4)
 
 
 def test_reduce_scatter_through_bitcast_copy_and_direct_dynamic_slice():
@@ -557,3 +616,40 @@ def test_compiled_fsdp_scan_reduce_scatters_once_per_layer(mesh8):
     assert bytes_by_kind(parse_collectives(text, fuse_reduce_scatter=False))["all-reduce"] == (
         layers * 64 * 32 * 4
     )
+
+
+def test_xla_dump_text_reads_as_the_compiled_text(mesh8, tmp_path):
+    """The module XLA dumps (``xla_dump_to``) gives the collectives of ``as_text()``.
+
+    jax 0.12's dump writes tuple elements as ``%x#k`` operands where ``as_text()`` keeps
+    get-tuple-element instructions; jax 0.10 writes both the same way.
+    """
+    mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def loss(p, x):
+        def body(c, w):
+            return c + jnp.tanh(c @ w["a"]) @ w["b"], None
+
+        return jnp.sum(jax.lax.scan(body, x, p)[0] ** 2)
+
+    shardings = {"a": NamedSharding(mesh, P(None, "d")), "b": NamedSharding(mesh, P())}
+    step = jax.jit(
+        jax.grad(loss),
+        in_shardings=(shardings, NamedSharding(mesh, P("d"))),
+        out_shardings=shardings,
+    )
+    params = {"a": jnp.zeros((3, 64, 32)), "b": jnp.zeros((3, 32, 64))}
+    lowered = step.lower(params, jnp.zeros((16, 64)))
+    compiled = lowered.compile(compiler_options={"xla_dump_to": str(tmp_path)})
+    [dumped] = tmp_path.glob("*after_optimizations.txt")
+    dump = dumped.read_text()
+    if jax.__version_info__ >= (0, 12):
+        assert re.search(r"%[\w.\-]+#\d", dump) and "get-tuple-element(" not in dump
+
+    def key(c):
+        return (c.kind, c.bytes, c.group_size, c.count, c.lowered_as, c.shapes, c.op_name)
+
+    from_dump = sorted(map(key, parse_collectives(dump)))
+    assert from_dump == sorted(map(key, parse_collectives(compiled.as_text())))
+    # the case that follows tuple elements: a gradient all-reduced, then cut to its shard
+    assert any(k[4] == "all-reduce+dynamic-slice" for k in from_dump)
