@@ -57,6 +57,7 @@ _NOT_MODULES = {
     "body",
     "cond",
     "closed_call",
+    "eval_jaxpr",  # what jax 0.12 names a scan body's call (closed_call before)
     "checkpoint",
     "rematted_computation",
     "remat",

@@ -653,3 +653,42 @@ def test_xla_dump_text_reads_as_the_compiled_text(mesh8, tmp_path):
     assert from_dump == sorted(map(key, parse_collectives(compiled.as_text())))
     # the case that follows tuple elements: a gradient all-reduced, then cut to its shard
     assert any(k[4] == "all-reduce+dynamic-slice" for k in from_dump)
+
+
+def gather_used_by(gather_name: str, user_name: str) -> str:
+    """An all-gather named ``gather_name``, copied by a fusion of the same name, whose
+    result a dot fusion named ``user_name`` uses."""
+    meta = f'metadata={{op_name="jit(step)/transpose(jvp(GPT))/while/body/{gather_name}"}}'
+    return module(f"""
+    %p = f32[8,256]{{1,0}} parameter(0)
+    %x = f32[4,64]{{1,0}} parameter(1)
+    %ag = f32[64,256]{{1,0}} all-gather(%p), replica_groups=[1,8]<=[8], dimensions={{0}}, {meta}
+    %cp = f32[64,256]{{1,0}} fusion(%ag), kind=kLoop, calls=%copy_computation, {meta}
+    ROOT %dot = f32[4,256]{{1,0}} fusion(%x, %cp), kind=kCustom, calls=%dot_computation, metadata={{op_name="jit(step)/transpose(jvp(GPT))/while/body/{user_name}"}}
+    """)
+
+
+@pytest.mark.parametrize(
+    "gather_name, user_name, named",
+    [
+        # jax 0.12's XLA names a weight's all-gather in a scan after the slice of the
+        # stacked weight; jax 0.10's after the dot of the layer that uses the weight
+        ("jit(dynamic_index_in_dim)/squeeze", "eval_jaxpr/layers/mlp/up/dot_general", "user"),
+        ("eval_jaxpr/layers/sharding_constraint", "eval_jaxpr/layers/mlp/up/dot_general", "user"),
+        # named after an op that computes: kept, though a layer uses the result
+        ("jit(dynamic_index_in_dim)/mul", "eval_jaxpr/layers/mlp/up/dot_general", "gather"),
+        # the user lies outside the gather's model path: kept
+        ("eval_jaxpr/layers/sharding_constraint", "eval_jaxpr/ln_f/dot_general", "gather"),
+        # the user is no deeper in the model than the gather: kept
+        ("eval_jaxpr/layers/sharding_constraint", "eval_jaxpr/layers/dot_general", "gather"),
+    ],
+)
+def test_a_gather_named_after_a_slice_takes_the_name_of_the_layer_using_it(
+    gather_name, user_name, named
+):
+    c = one(gather_used_by(gather_name, user_name))
+    expected = gather_name if named == "gather" else user_name
+    assert (c.kind, c.op_name) == (
+        "all-gather",
+        "jit(step)/transpose(jvp(GPT))/while/body/" + expected,
+    )
