@@ -36,7 +36,7 @@ import re
 import tempfile
 from typing import Any
 
-from shardkit.report.provenance import metadata_of
+from shardkit.report.provenance import metadata_of, named_after_use
 
 __all__ = ["BufferAssignment", "Value", "buffer_assignment", "compile_with_buffers", "read_dump"]
 
@@ -206,6 +206,8 @@ def read_dump(directory: str) -> BufferAssignment:
     ranges = _one(directory, f"{base}-live-range.txt")
 
     defined: dict[int, tuple[str, str, tuple[str, ...], int]] = {}
+    instructions: dict[str, tuple[str, str, int]] = {}  # name -> (opcode, op_name, frame)
+    used_by: dict[str, list[str]] = {}  # instruction -> the instructions reading its values
     vid, users, in_uses = None, [], False
     for line in details.splitlines():
         if m := _HEADER.match(line):
@@ -219,6 +221,14 @@ def read_dump(directory: str) -> BufferAssignment:
         elif vid is not None and (m := _DEFINED.match(line)):
             op_name, frame_id = metadata_of(m.group(2))
             defined[vid] = (_opcode(m.group(2)), op_name, tuple(users), frame_id)
+            instructions[m.group(1)] = (_opcode(m.group(2)), op_name, frame_id)
+            used_by.setdefault(m.group(1), []).extend(users)
+
+    def uses(name: str) -> list[tuple[str, str, str, int]]:
+        """(user, opcode, op_name, frame) of the instructions reading ``name``'s values."""
+        return [
+            (u, *instructions.get(u, ("", "", 0))) for u in dict.fromkeys(used_by.get(name, ()))
+        ]
 
     sequence: list[str] = []
     live: dict[str, tuple[int, int]] = {}
@@ -236,7 +246,9 @@ def read_dump(directory: str) -> BufferAssignment:
             temp_bytes += int(m.group(2)) if kind == "temp" else 0
         elif m := _VALUE.match(line):
             vid = int(m.group(1))
-            opcode, op_name, used_by, frame_id = defined.get(vid, ("", "", (), 0))
+            opcode, op_name, users_of, frame_id = defined.get(vid, ("", "", (), 0))
+            if opcode.startswith("all-gather"):  # named after the layer that uses it
+                op_name, frame_id = named_after_use(op_name, frame_id, m.group(2), uses)
             index = m.group(3) or "{}"
             start, end = live.get(m.group(2) + index, (None, None))
             shape, dims = _shape(m.group(7))
@@ -255,8 +267,8 @@ def read_dump(directory: str) -> BufferAssignment:
                     op_name=op_name,
                     start=start,
                     end=end,
-                    users=used_by,
-                    user_names=used_by,
+                    users=users_of,
+                    user_names=users_of,
                     frame_id=frame_id,
                 )
             )

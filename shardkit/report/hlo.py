@@ -43,6 +43,7 @@ from shardkit.report.provenance import (
     frames_by_id,
     metadata_of,
     module_path_of,
+    named_after_use,
     pass_of,
     source_of,
 )
@@ -93,18 +94,6 @@ _COMMENT = re.compile(r"/\*.*?\*/")
 _REF = re.compile(r"%([\w.\-]+(?:#\d+)*)")
 _INDEX = re.compile(r"\bindex=(\d+)")
 LOWERED_RS = "all-reduce+dynamic-slice"
-# Primitives that move or pin a value without computing with it: an all-gather named
-# after one of them is named after the op that uses what it gathered instead.
-_MOVES = {
-    "sharding_constraint",
-    "squeeze",
-    "dynamic_slice",
-    "slice",
-    "reshape",
-    "copy",
-    "convert_element_type",
-    "broadcast_in_dim",
-}
 
 Shape = tuple[str, tuple[int, ...], int] | list["Shape"]  # (dtype, dims, bits) | tuple
 
@@ -463,31 +452,9 @@ class _Graph:
                 return False
         return bool(uses)
 
-    def consumer_metadata(self, name: str, op_name: str, frame: int) -> tuple[str, int]:
-        """(op_name, frame) of the first op that computes with the value of ``name`` (past
-        bitcasts, copies, tuple elements, ``all-gather-done`` and ops named after a
-        :data:`_MOVES` primitive), where its model path lies inside ``op_name``'s; else
-        ``(op_name, frame)``.
-
-        jax 0.12's XLA names a weight's all-gather after the op that sliced or pinned the
-        weight (``.../jit(dynamic_index_in_dim)/squeeze``), 0.10's after the layer's op
-        that uses it (``.../layers/mlp/up/dot_general``): the layer is what the report needs.
-        """
-        own = module_path_of(op_name)
-        todo, seen = [name], {name}
-        while todo:
-            for user, opcode, _, _ in self.uses(todo.pop(0)):
-                used_as, used_frame = metadata_of(self.text[user])
-                moves = opcode in ("bitcast", "copy", "get-tuple-element", "all-gather-done")
-                if moves or used_as.rpartition("/")[2] in _MOVES:  # a copy fusion, say
-                    if user not in seen:
-                        seen.add(user)
-                        todo.append(user)
-                    continue
-                path = module_path_of(used_as)
-                if path and path != own and path.startswith(own):
-                    return used_as, used_frame
-        return op_name, frame
+    def uses_named(self, name: str) -> list[tuple[str, str, str, int]]:
+        """(user, opcode, user's op_name, user's frame) of every user of ``name``."""
+        return [(u, op, *metadata_of(self.text[u])) for u, op, _, _ in self.uses(name)]
 
     def sliced_elements(self, name: str, opcode: str, shape: Shape, n: int) -> set[int]:
         """Indices of the elements of all-reduce ``name`` that are only used 1/n-sliced."""
@@ -676,8 +643,8 @@ def parse_collectives(
                 operands = [(t, s[:k] + (s[k] * n,) + s[k + 1 :], b) for t, s, b in result]
             buf = operands
         name, frame = metadata_of(attrs)
-        if kind == "all-gather" and name.rpartition("/")[2] in _MOVES:
-            name, frame = graph.consumer_metadata(instr, name, frame)
+        if kind == "all-gather":
+            name, frame = named_after_use(name, frame, instr, graph.uses_named)
         shown, count = comp, mult[comp]
         if comp in async_parent:
             shown, parent_name, parent_frame = async_parent[comp]

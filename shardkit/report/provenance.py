@@ -29,8 +29,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Callable, Iterable
 
-__all__ = ["Frame", "frames_by_id", "metadata_of", "module_path_of", "pass_of", "source_of"]
+__all__ = [
+    "Frame",
+    "frames_by_id",
+    "metadata_of",
+    "module_path_of",
+    "named_after_use",
+    "pass_of",
+    "source_of",
+]
 
 #: The two fields of an HLO instruction's ``metadata={...}`` this module reads (the one
 #: home of these patterns: :mod:`~shardkit.report.hlo` and :mod:`~shardkit.report.buffers`
@@ -215,6 +224,58 @@ def module_path_of(op_name: str) -> str:
             continue
         parts.append(seg)
     return "/".join(parts)
+
+
+#: Primitives that move or pin a value without computing with it: an all-gather named
+#: after one of them is named after the op that uses what it gathered instead.
+MOVES = frozenset(
+    {
+        "sharding_constraint",
+        "squeeze",
+        "dynamic_slice",
+        "slice",
+        "reshape",
+        "copy",
+        "convert_element_type",
+        "broadcast_in_dim",
+    }
+)
+_PASS_THROUGH = ("bitcast", "copy", "get-tuple-element", "all-gather-done")
+
+
+def named_after_use(
+    op_name: str, frame: int, start: str, uses: Callable[[str], Iterable[tuple[str, ...]]]
+) -> tuple[str, int]:
+    """``(op_name, frame)`` of a gathered value, named after the layer that uses it.
+
+    jax 0.12's XLA names a weight's all-gather after the op that sliced or pinned the
+    weight (``.../jit(dynamic_index_in_dim)/squeeze``), 0.10's after the layer's op that
+    uses it (``.../layers/mlp/up/dot_general``); the report needs the layer. When
+    ``op_name`` ends in a :data:`MOVES` primitive, this follows ``uses(name)`` (``(user,
+    opcode, user's op_name, user's frame)`` tuples) from ``start``, past bitcasts, copies,
+    tuple elements and ops themselves named after a move, to the first op whose model
+    path lies deeper inside ``op_name``'s, and gives its name; else ``(op_name, frame)``.
+
+    Example:
+      >>> uses = {"ag": [("dot", "fusion", "jit(f)/jvp(M)/layers/up/dot_general", 9)]}
+      >>> named_after_use("jit(f)/jvp(M)/layers/sharding_constraint", 3, "ag", uses.get)
+      ('jit(f)/jvp(M)/layers/up/dot_general', 9)
+    """
+    if op_name.rpartition("/")[2] not in MOVES:
+        return op_name, frame
+    own = module_path_of(op_name)
+    todo, seen = [start], {start}
+    while todo:
+        for user, opcode, used_as, used_frame in uses(todo.pop(0)) or ():
+            if opcode in _PASS_THROUGH or used_as.rpartition("/")[2] in MOVES:
+                if user not in seen:
+                    seen.add(user)
+                    todo.append(user)
+                continue
+            path = module_path_of(used_as)
+            if path and path != own and path.startswith(own):
+                return used_as, int(used_frame)
+    return op_name, frame
 
 
 def pass_of(op_name: str) -> str:

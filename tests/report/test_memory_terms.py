@@ -20,8 +20,8 @@ def test_terms_add_up_to_the_measured_temp_memory(report):
     live = sum(t.bytes for name, t in terms.items() if name != "heap fragmentation")
     # memory_analysis() is XLA's own number; the live values at the peak (from the dump's
     # live ranges) cover it but for the heap's fragmentation, which XLA's best-fit heap
-    # keeps under 1 % on these programs.
-    assert report.memory.temp * 0.99 <= live <= report.memory.temp
+    # keeps under 2 % on these programs (1.06 % for dp on jax 0.12).
+    assert report.memory.temp * 0.98 <= live <= report.memory.temp
     assert sum(t.bytes for t in terms.values()) == report.memory.temp
 
 
@@ -41,8 +41,10 @@ def test_terms_name_what_the_layout_holds(report):
     terms = {t.term: t for t in report.memory_terms}
     per_layer = CFG.dims().layer_params * 4
     if report.recipe == "fsdp":
-        # A hand count: GPT-tiny's mlp/up kernel, d_model × d_ff in f32, gathered whole.
-        assert any(d.startswith("f32[64,256] layers/mlp/up") for d in terms["gathered weights"].top)
+        # A hand count: GPT-tiny's mlp/up kernel, d_model × d_ff in f32, gathered whole
+        # (jax 0.12's XLA peaks where the backward pass holds it transposed, d_ff × d_model).
+        kernel = ("f32[64,256] layers/mlp/up", "f32[256,64] layers/mlp/up")
+        assert any(d.startswith(kernel) for d in terms["gathered weights"].top)
         assert terms["gathered weights"].analytic_bytes == 2 * per_layer
         # Gradients: 2 layers' stacked gradient shards are carried by the backward loop.
         assert terms["gradients"].bytes >= CFG.dims().layer_params * 4 * 2 / 8
