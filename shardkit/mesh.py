@@ -80,7 +80,7 @@ def resolve_axis_sizes(axes: Mapping[str, int], device_count: int) -> dict[str, 
                 f"Fix: choose fixed sizes whose product divides {device_count} "
                 f"(divisors: {divisors(device_count)})."
             )
-        sizes[inferred[0]] = device_count // known
+        sizes[inferred[0]] = int(device_count) // known
     elif known != device_count:
         raise MeshError(
             f"Mesh axes {_describe(axes)} multiply to {known}, but there are {device_count} "
