@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,6 +8,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 from shardkit import errors
+from shardkit.rules import axis_sizes_of
 
 MAXTEXT_STYLE = [
     ("batch", ("data", "fsdp")),
@@ -151,3 +153,249 @@ def test_string_instead_of_tuple_is_a_clear_error():
         sk.Rules([("batch", "data")]).spec("batch")
     with pytest.raises(errors.RuleError):
         sk.Rules([]).spec((3, None))
+
+
+# -- exact texts and the data protocol (expected values written from the spec) -----------
+def message(error, call, *args, **kwargs) -> str:
+    with pytest.raises(error) as info:
+        call(*args, **kwargs)
+    return str(info.value)
+
+
+def test_axis_sizes_of_every_kind_of_mesh():
+    mesh = sk.make_mesh({"data": 4, "tensor": 2})
+    assert axis_sizes_of(mesh) == {"data": 4, "tensor": 2}
+    assert axis_sizes_of(mesh.abstract_mesh) == {"data": 4, "tensor": 2}
+    sizes = axis_sizes_of({"data": np.int64(8)})
+    assert sizes == {"data": 8} and type(sizes["data"]) is int
+    assert axis_sizes_of(None) == {}
+
+
+def test_axis_sizes_of_bad_meshes():
+    assert message(errors.ArgumentTypeError, axis_sizes_of, [("data", 8)]) == (
+        "mesh is a Mesh, an AbstractMesh or a mapping {axis_name: size}, got list "
+        "[('data', 8)].\nFix: mesh=sk.make_mesh({'data': -1}) or mesh={'data': 8}."
+    )
+    for name in ("", 3):
+        assert message(errors.MeshError, axis_sizes_of, {"data": 2, name: 2}) == (
+            f"mesh axis names are non-empty strings, got {name!r}."
+        )
+    for size in (0, True, 2.0, "2"):
+        mesh = {"data": 2, "tensor": size}
+        assert message(errors.MeshError, axis_sizes_of, mesh) == (
+            f"mesh axis 'tensor' has size {size!r}; mesh sizes are positive integers "
+            f"(mesh: {mesh}).\nFix: give 'tensor' a size of 1 or more."
+        )
+
+
+@pytest.mark.parametrize(
+    "shape, text",
+    [
+        ("ab", "w: shape is a tuple of dimension sizes, got str 'ab'."),
+        (8, "w: shape is a tuple of dimension sizes, got int 8."),
+        ((4, 2.0), "w: shape (4, 2.0) holds 2.0; dimension sizes are integers."),
+        ((4, True), "w: shape (4, True) holds True; dimension sizes are integers."),
+    ],
+)
+def test_shapes_of_the_wrong_type(shape, text):
+    call = sk.Rules([]).spec
+    assert message(errors.ArgumentTypeError, call, (None, None), shape=shape, path="w") == text
+
+
+def test_negative_dimension_and_numpy_dimensions():
+    call = sk.Rules([]).spec
+    assert message(errors.RankMismatchError, call, (None, None), shape=(4, -1), path="w") == (
+        "w: shape (4, -1) has a negative dimension; sizes are >= 0."
+    )
+    rules = sk.Rules([("embed", "data")])
+    assert rules.spec(("embed",), shape=[np.int64(8)], mesh={"data": 8}) == P("data")
+    assert rules.spec(("embed",), shape=(0,), mesh={"data": 8}) == P("data")  # 0 divides
+
+
+@pytest.mark.parametrize(
+    "rule, text",
+    [
+        (
+            ("embed",),
+            "Rule #1 is ('embed',); each rule is a pair (logical_name, mesh_axes), e.g. "
+            "('embed', 'fsdp'), ('batch', ('data', 'fsdp')) or ('heads', None).",
+        ),
+        (
+            "embed",
+            "Rule #1 is 'embed'; each rule is a pair (logical_name, mesh_axes), e.g. "
+            "('embed', 'fsdp'), ('batch', ('data', 'fsdp')) or ('heads', None).",
+        ),
+        ((None, "data"), "Rule #1 (None, 'data'): the logical name must be a non-empty string."),
+        (("", "data"), "Rule #1 ('', 'data'): the logical name must be a non-empty string."),
+        (
+            ("kv", 3),
+            "Rule #1 ('kv', 3): mesh axes must be a mesh axis name, a tuple of names, or None, "
+            "got int 3.\nFix: ('kv', 'data') or ('kv', ('data', 'fsdp')).",
+        ),
+        (
+            ("kv", ("data", "")),
+            "Rule #1 ('kv', ('data', '')): mesh axes must be a mesh axis name, a tuple of "
+            "names, or None, got tuple ('data', '').\nFix: ('kv', 'data') or ('kv', ('data', "
+            "'fsdp')).",
+        ),
+        (
+            ("kv", ["data", "fsdp", "data", "fsdp"]),
+            "Rule #1 ('kv', ['data', 'fsdp', 'data', 'fsdp']) names mesh axis 'data' twice; a "
+            "mesh axis can shard one dimension only once.\nFix: ('kv', ('data', 'fsdp')).",
+        ),
+    ],
+)
+def test_malformed_rule_exact_text(rule, text):
+    error = errors.DuplicateMeshAxisError if "twice" in text else errors.RuleError
+    assert message(error, sk.Rules, [("batch", "data"), rule]) == text
+
+
+def test_rules_of_the_wrong_type():
+    for bad in ("embed", 3):
+        assert message(errors.RuleError, sk.Rules, bad) == (
+            f"Rules takes a list of (logical, mesh_axes) pairs, got {bad!r}."
+        )
+
+
+def test_list_mesh_axes_are_a_tuple_and_one_axis_is_a_string():
+    rules = sk.Rules([["batch", ["data", "fsdp"]], ("embed", ("tensor",)), ("kv", None)])
+    assert rules.pairs() == (("batch", ("data", "fsdp")), ("embed", "tensor"), ("kv", None))
+    assert list(rules) == list(rules.pairs()) and len(rules) == 3
+    assert rules.logical_names == frozenset({"batch", "embed", "kv"})
+    assert rules.mesh_axis_names == frozenset({"data", "fsdp", "tensor"})
+
+
+def test_adding_rules_keeps_strictness_and_order():
+    strict = sk.Rules([("embed", "fsdp")], strict=True)
+    both = strict + sk.Rules([("mlp", "tensor")])
+    assert both.strict is True and both.pairs() == (("embed", "fsdp"), ("mlp", "tensor"))
+    assert (sk.Rules([("a", None)]) + [("b", "x")]).strict is False
+
+
+def test_equal_rules_hash_equal_and_differ_from_other_rules():
+    a, b = sk.Rules([("embed", "fsdp")]), sk.Rules([("embed", ("fsdp",))])
+    assert a == b and hash(a) == hash(b)
+    assert hash(a) != hash(sk.Rules([("embed", "tensor")]))
+    assert hash(a) != hash(sk.Rules([("embed", "fsdp")], strict=True))
+    assert a != [("embed", "fsdp")]
+    assert len({a, b, sk.Rules([("embed", "tensor")])}) == 2
+
+
+def test_repr_round_trips():
+    assert repr(sk.Rules([("embed", "fsdp"), ("kv", None)])) == (
+        "Rules([('embed', 'fsdp'), ('kv', None)])"
+    )
+    assert repr(sk.Rules([("b", ("data", "fsdp"))], strict=True)) == (
+        "Rules([('b', ('data', 'fsdp'))], strict=True)"
+    )
+
+
+def test_validate_exact_text_and_a_mesh_object():
+    rules = sk.Rules([("batch", "data"), ("embed", ("fsdp", "model"))])
+    assert rules.validate(sk.make_mesh({"data": 2, "fsdp": 2, "model": 2})) is None
+    assert message(errors.UnknownMeshAxisError, rules.validate, {"data": 4, "fsdp": 2}) == (
+        "Rule ('embed', 'model') names mesh axis 'model', but the mesh has axes "
+        "{'data': 4, 'fsdp': 2}.\nFix: rename it to one of ['data', 'fsdp'], or add 'model' "
+        "to the mesh (size 1 is allowed)."
+    )
+    with pytest.raises(errors.ArgumentTypeError):
+        rules.validate("data")
+
+
+def test_spec_argument_errors_exact_text():
+    rules = sk.Rules([("batch", "data")])
+    assert message(errors.ArgumentTypeError, rules.spec, {"batch"}, path="x") == (
+        "x: logical axes are a tuple of names (or None), one per dimension, got set "
+        "{'batch'}.\nFix: e.g. ('batch', 'embed')."
+    )
+    assert message(errors.RuleError, rules.spec, "batch", path="x") == (
+        "x: logical axes must be a tuple of names (or None), one per dimension, got "
+        "'batch'.\nFix: write ('batch',) for one dimension."
+    )
+    assert message(errors.RuleError, rules.spec, ["batch", ""], path="x") == (
+        "x: logical axes ('batch', '') may only hold names or None."
+    )
+    assert message(errors.RankMismatchError, rules.spec, ("batch",), shape=(4, 8), path="x") == (
+        "x: shape (4, 8) has 2 dimension(s) but logical axes ('batch',) name 1.\nFix: give "
+        "one logical name (or None) per dimension in the annotation of this parameter."
+    )
+    assert rules.spec(["batch", None]) == P("data", None)  # a list is as good as a tuple
+
+
+def test_strict_rules_exact_text_with_and_without_shape():
+    rules = sk.Rules([("embed", "fsdp")], strict=True)
+    assert rules.spec(("embed", None)) == P("fsdp", None)  # None needs no rule
+    assert message(
+        errors.UnknownLogicalAxisError, rules.spec, ("embed", "mlp", "kv"), path="d/k"
+    ) == (
+        "d/k: logical axis 'mlp' (axes ('embed', 'mlp', 'kv')) has no rule and the rules are "
+        "strict.\nFix: add ('mlp', None) to replicate it, or ('mlp', '<mesh axis>') to "
+        "shard it."
+    )
+    text = message(errors.UnknownLogicalAxisError, rules.spec, ("mlp",), shape=(4,), path="k")
+    assert text.startswith("k: logical axis 'mlp' (axes ('mlp',), shape (4,)) has no rule")
+
+
+def test_unknown_mesh_axis_in_spec_exact_text():
+    rules = sk.Rules([("embed", ("data", "model"))])
+    text = message(errors.UnknownMeshAxisError, rules.spec, (None, "embed"), mesh={"data": 2})
+    assert text == (
+        "<array>: logical axis 'embed' maps to mesh axis 'model', but the mesh has axes "
+        "{'data': 2}.\nFix: map 'embed' to one of ['data'] in the rules, or add 'model' to "
+        "the mesh."
+    )
+
+
+def test_size_one_axes_drop_out_of_a_tuple_and_a_used_axis_stays_used():
+    rules = sk.Rules([("batch", ("data", "fsdp")), ("embed", "fsdp"), ("embed", "tensor")])
+    mesh = {"data": 2, "fsdp": 1, "tensor": 4}
+    # fsdp has size 1: batch keeps data alone, and embed still falls through to tensor
+    # (batch claimed fsdp before the size-1 axes were dropped).
+    assert rules.spec(("batch", "embed"), shape=(4, 8), mesh=mesh) == P("data", "tensor")
+    assert rules.spec(("batch",), mesh={"data": 1, "fsdp": 1, "tensor": 4}) == P(None)
+    # embed alone takes its first rule (fsdp, free), which size 1 then drops: replicated,
+    # not moved on to tensor (4 would not divide 6 anyway).
+    assert rules.spec(("embed",), shape=(6,), mesh={"data": 2, "fsdp": 1, "tensor": 4}) == (P(None))
+
+
+def test_without_a_mesh_nothing_is_dropped_or_checked():
+    rules = sk.Rules([("embed", ("fsdp", "tensor"))])
+    assert rules.spec(("embed",), shape=(3,)) == P(("fsdp", "tensor"))
+
+
+@pytest.mark.parametrize(
+    "size, mesh, fix",
+    [
+        # 12 over 8: 2 and 4 divide both 12 and the 8 devices
+        (12, {"tensor": 8}, "use tensor 2 or 4, or make 'heads' a multiple of 8 (e.g. 16)"),
+        # 6 over 4 (of 8 devices): only 2 fits
+        (6, {"tensor": 4, "data": 2}, "use tensor 2, or make 'heads' a multiple of 4 (e.g. 8)"),
+        # 5 over 4: no size in between divides 5
+        (5, {"tensor": 4, "data": 2}, "make 'heads' a multiple of 4 (e.g. 8)"),
+        # 36 over 16: of 36's divisors below 16 (2, 3, 4, 6, 9, 12), 2 and 4 divide 16
+        (36, {"tensor": 16}, "use tensor 2 or 4, or make 'heads' a multiple of 16 (e.g. 48)"),
+        # 24 over 32: of 24's divisors below 32 (2, 3, 4, 6, 8, 12, 24), 2, 4, 8 divide 32
+        (24, {"tensor": 32}, "use tensor 2, 4 or 8, or make 'heads' a multiple of 32 (e.g. 32)"),
+    ],
+)
+def test_indivisible_fix_lists_the_sizes_that_would_fit(size, mesh, fix):
+    rules = sk.Rules([("heads", "tensor")])
+    text = message(errors.IndivisibleError, rules.spec, ("heads",), shape=(size,), mesh=mesh)
+    over = f"tensor={mesh['tensor']}"
+    assert text == (
+        f"<array>: shape ({size},), dimension 0 ('heads') has size {size}, which {over} does "
+        f"not divide (mesh axis sizes: {mesh}).\nFix: {fix}, or map 'heads' to other mesh "
+        "axes (or None) in the rules."
+    )
+
+
+def test_indivisible_over_two_mesh_axes_names_both():
+    rules = sk.Rules([("batch", ("data", "fsdp"))])
+    mesh = {"data": 2, "fsdp": 4}
+    text = message(errors.IndivisibleError, rules.spec, (None, "batch"), (3, 12), mesh, "b")
+    assert text == (
+        "b: shape (3, 12), dimension 1 ('batch') has size 12, which data=2 × fsdp=4 does not "
+        "divide (mesh axis sizes: {'data': 2, 'fsdp': 4}).\nFix: use data×fsdp 2 or 4, or "
+        "make 'batch' a multiple of 8 (e.g. 16), or map 'batch' to other mesh axes (or "
+        "None) in the rules."
+    )
