@@ -18,7 +18,7 @@ From those: the program point where the temp heap holds the most live bytes
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> f = lambda x: jnp.sort(x @ x.T).sum()  # a sort: no XLA fuses it with the dot
+  >>> f = lambda x: jnp.sort(x @ x.T).sum()  # a sort stays an op of its own in XLA
   >>> ba = buffer_assignment(jax.jit(f).lower(jnp.ones((64, 32))))
   >>> ba.temp_bytes == jax.jit(f).lower(jnp.ones((64, 32))).compile(
   ...     ).memory_analysis().temp_size_in_bytes

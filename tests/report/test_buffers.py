@@ -17,8 +17,8 @@ def test_reads_the_values_live_at_the_temp_peak():
     # The live values cover the heap up to its fragmentation, each byte counted once.
     assert sum(v.size for v in live) == ba.peak_bytes <= temp
     # A hand count: at the peak, y = x @ x.T and its sorted copy, f32[64, 64] each (a
-    # sort is an op of its own, which the product with y reads alongside y; elementwise
-    # ops would fuse with the dot on jax 0.12's XLA:CPU and leave no such value).
+    # sort is an op of its own, which the product with y reads alongside y; jax 0.12's
+    # XLA:CPU fuses an element-wise op with the sum reading it, leaving no such value).
     assert sorted((v.shape, v.size, v.op_name.split("/")[-1]) for v in live) == [
         ("f32[64,64]", 64 * 64 * 4, "dot_general"),
         ("f32[64,64]", 64 * 64 * 4, "sort"),
