@@ -399,3 +399,9 @@ def test_indivisible_over_two_mesh_axes_names_both():
         "make 'batch' a multiple of 8 (e.g. 16), or map 'batch' to other mesh axes (or "
         "None) in the rules."
     )
+
+
+def test_a_mesh_without_a_shape_fits_the_axes_but_checks_no_divisibility():
+    rules = sk.Rules([("batch", ("data", "fsdp")), ("embed", "tensor")])
+    mesh = {"data": 4, "fsdp": 1, "tensor": 2}
+    assert rules.spec(("batch", None, "embed"), mesh=mesh) == P("data", None, "tensor")
