@@ -42,6 +42,7 @@ from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
 from shardkit.collectives import KINDS
+from shardkit.dtypes import is_key, itemsize
 from shardkit.errors import ArgumentTypeError, RuleError, ShardingError, ShardingWarning
 from shardkit.mesh import check_devices, make_mesh
 from shardkit.recipes import Recipe
@@ -380,12 +381,19 @@ class Plan:
         processes = jax.process_count()
 
         def place(path, x):
-            x = np.asarray(x)
-            global_shape = (x.shape[0] * processes, *x.shape[1:]) if x.ndim else x.shape
-            sharding = self.batch_sharding(global_shape, ("batch", *path))
+            if is_key(getattr(x, "dtype", None)):  # typed keys travel as their key data
+                data = place_array(path, np.asarray(jax.random.key_data(x)), x.ndim)
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+            return place_array(path, np.asarray(x), np.ndim(x))
+
+        def place_array(path, x, ndim):
+            """``x`` placed by the batch sharding of its first ``ndim`` dimensions."""
+            shape = (x.shape[0] * processes, *x.shape[1:]) if x.ndim else x.shape
+            spec = self.batch_sharding(shape[:ndim], ("batch", *path)).spec
+            sharding = NamedSharding(self.mesh, PartitionSpec(*spec, *[None] * (x.ndim - ndim)))
             if processes == 1:
                 return jax.device_put(x, sharding)
-            return jax.make_array_from_process_local_data(sharding, x, global_shape)
+            return jax.make_array_from_process_local_data(sharding, x, shape)
 
         return jax.tree_util.tree_map_with_path(place, host_batch)
 
@@ -668,7 +676,7 @@ def _shapes(tree: Any) -> tuple:
 
 
 def _nbytes(leaf: PlannedLeaf) -> int:
-    return int(np.prod(leaf.shape)) * np.dtype(leaf.info.dtype).itemsize
+    return int(np.prod(leaf.shape)) * itemsize(leaf.info.dtype)
 
 
 def _user_stacklevel() -> int:
@@ -696,6 +704,7 @@ def _workload_of(batch: Any, precision: str = "f32") -> Workload | None:
         x
         for x in leaves
         if len(np.shape(x)) == 2
+        and not is_key(getattr(x, "dtype", None))
         and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)
     ]
     seq = int(np.shape(tokens[0])[1]) if tokens else None

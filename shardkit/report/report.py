@@ -21,9 +21,9 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
 from jax.sharding import NamedSharding
 
+from shardkit.dtypes import dtype_name, itemsize
 from shardkit.errors import ShardingError
 from shardkit.report import lint
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
@@ -52,15 +52,19 @@ class ParamRow:
     shard_shape: tuple[int, ...] = ()
     #: per dimension, the mesh axes that split it (``()`` for a whole dimension)
     mesh_axes: tuple[tuple[str, ...], ...] = ()
+    #: its annotation named fewer dimensions than it has (Flax's prefix rule): ``logical``
+    #: ends in ``None`` for the rest, which are replicated
+    prefix: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": self.path,
             "shape": list(self.shape),
             "logical": list(self.logical),
             "spec": self.spec,
             "bytes_per_device": self.bytes_per_device,
         }
+        return {**out, "logical_prefix": True} if self.prefix else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +246,7 @@ class Report:
 
 
 def _full_bytes(row: ParamRow) -> int:
-    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+    return math.prod(row.shape) * itemsize(row.dtype)
 
 
 def param_rows(plan: Any, state: Any) -> list[ParamRow]:
@@ -256,14 +260,15 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
             ParamRow(
                 path=info.path,
                 shape=info.shape,
-                dtype=str(np.dtype(info.dtype)),
+                dtype=dtype_name(info.dtype),
                 logical=tuple(info.axes),
                 spec=str(leaf.spec),
-                bytes_per_device=math.prod(shard) * np.dtype(info.dtype).itemsize,
+                bytes_per_device=math.prod(shard) * itemsize(info.dtype),
                 replicated=all(e is None for e in leaf.spec),
                 kind=kind,
                 shard_shape=tuple(shard),
                 mesh_axes=_mesh_axes(leaf.spec, len(info.shape)),
+                prefix=info.prefix,
             )
         )
     return rows

@@ -43,6 +43,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from shardkit.dtypes import itemsize
 from shardkit.report.hlo import Collective
 from shardkit.report.lint import human_bytes
 
@@ -312,9 +313,8 @@ def explain(
 
 
 def _full_bytes(row: Any) -> float:
-    import numpy as np
 
-    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+    return math.prod(row.shape) * itemsize(row.dtype)
 
 
 def _short(path: str) -> str:

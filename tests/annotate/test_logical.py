@@ -104,7 +104,10 @@ def test_path_axes_ambiguous_and_rank_errors():
         "b",
     )
     with pytest.raises(errors.RankMismatchError, match=r"attn/kernel: shape \(4, 8\)"):
-        sk.PathAxes([("kernel", ("embed",))])(tree)
+        sk.PathAxes([("kernel", ("embed", "mlp", "heads"))])(tree)
+    # fewer names than dimensions: a prefix, as Flax reads them; the rest replicated
+    (info,) = sk.annotate.describe_leaves(tree, annotations=sk.PathAxes([("kernel", ("e",))]))[0]
+    assert (info.axes, info.prefix) == (("e", None), True)
     with pytest.raises(errors.RuleError):
         sk.PathAxes([("kernel", "embed")])
     with pytest.raises(errors.RuleError):
