@@ -62,6 +62,11 @@ class PlannedLeaf:
     def kind(self) -> str:
         return self.info.kind
 
+    @property
+    def prefix(self) -> bool:
+        """Its logical names were fewer than its dimensions (Flax's prefix rule)."""
+        return self.info.prefix
+
     def shard_shape(self, mesh: Mesh) -> tuple[int, ...]:
         """The shape each device holds on ``mesh``."""
         return tuple(NamedSharding(mesh, self.spec).shard_shape(self.info.shape))
