@@ -9,6 +9,7 @@ A linen model built from Flax's own ``nn.MultiHeadDotProductAttention`` and
 ``plan.report`` reads both. See ``thirdparty_models.py``.
 """
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -20,6 +21,7 @@ from flax import nnx
 from thirdparty_models import FLAX_MODELS
 
 import shardkit as sk
+from shardkit.recipes import Recipe
 
 TX = optax.adam(1e-3)
 B, S = 8, 16
@@ -151,3 +153,31 @@ def test_flax_annotated_models_train_as_flax_lays_them_out(model, recipe):
 
 def _data(x):
     return jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+
+
+#: FSDP as a Flax user writes it: one rule list for parameters and activations.
+FLAX_FSDP_RULES = [
+    ("batch", "fsdp"),
+    ("embed", "fsdp"),
+    ("length", None),
+    ("kv", None),
+    ("mlp", None),
+    ("vocab", None),
+]
+
+
+def test_a_custom_fsdp_recipe_from_a_flax_rule_list_expects_its_weight_gathers():
+    rules = sk.Rules(FLAX_FSDP_RULES)
+    recipe = Recipe("my_fsdp", "FSDP from a Flax rule list", (("fsdp", -1),), rules, rules)
+    plan = sk.Plan(recipe)
+    abstract = plan.abstract_init(init_fn("linen"), jax.random.key(0))
+    batch = {k: jax.ShapeDtypeStruct((B, S), np.int32) for k in ("inputs", "targets")}
+    compiled = plan.compile(step_fn("linen"), abstract, batch)
+    report = plan.report(compiled, abstract)
+    assert {c.kind for c in report.collectives} >= {"all-gather", "reduce-scatter"}
+    assert not [w for w in report.warnings if "unexpected" in w], report.warnings
+    # The old default ({"all-reduce"}) called the weight gathers unexpected.
+    old = sk.Plan(dataclasses.replace(recipe, collectives=frozenset({"all-reduce"})), plan.mesh)
+    assert any(
+        w.startswith("unexpected all-gather") for w in old.report(compiled, abstract).warnings
+    )
