@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -44,6 +45,7 @@ from shardkit.annotate.unbox import unbox
 from shardkit.collectives import KINDS
 from shardkit.dtypes import is_key, itemsize
 from shardkit.errors import ArgumentTypeError, RuleError, ShardingError, ShardingWarning
+from shardkit.explicit import auto_axes_error
 from shardkit.mesh import check_devices, make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
@@ -648,12 +650,24 @@ class PlannedStep:
                 "A step runs on arrays; an AbstractState only describes them.\nFix: "
                 "step(plan.init(abstract), batch), or step.lower(abstract, batch) to compile."
             )
-        with jax.set_mesh(self.plan.mesh):
+        with jax.set_mesh(self.plan.mesh), self._auto_axes_explained():
             state, jitted = self._prepare(state, batch, len(extra))
             return jitted(state, batch, *extra)
 
+    @contextlib.contextmanager
+    def _auto_axes_explained(self):
+        """JAX's refusal of a model's mesh-axis ``out_sharding=`` under Auto axes, as a
+        ``ShardingError`` that names the op and says ``explicit=True``."""
+        try:
+            yield
+        except ValueError as e:
+            error = None if self.plan.explicit else auto_axes_error(e, self.plan.recipe.name)
+            if error is None:
+                raise
+            raise error from None
+
     def lower(self, state: Any, batch: Any, *extra: Any):
-        with jax.set_mesh(self.plan.mesh):
+        with jax.set_mesh(self.plan.mesh), self._auto_axes_explained():
             state, jitted = self._prepare(state, batch, len(extra))
             # An abstract batch without shardings gets the plan's: under Explicit axes a
             # ShapeDtypeStruct's sharding is its type inside the step (a shard_map checks it).

@@ -311,3 +311,30 @@ def nnx_lm_loss(params, rngs, batch):
 
 #: Models annotated the Flax way: (init, loss).
 FLAX_MODELS = {"linen": (flax_lm_init, flax_lm_loss), "nnx": (nnx_lm_init, nnx_lm_loss)}
+
+
+# ------------------------------------- sharding in types (NNX's explicit-sharding guide)
+class NnxTypedMLP(nnx.Module):
+    """An MLP that asks for its activations' sharding by mesh axis, the NNX way
+    (``out_sharding=`` on its einsums): it needs Explicit mesh axes."""
+
+    def __init__(self, rngs):
+        init = nnx.initializers.lecun_normal()
+        self.w1 = nnx.Param(init(rngs.params(), (WIDTH, 4 * WIDTH)))
+        self.w2 = nnx.Param(init(rngs.params(), (4 * WIDTH, WIDTH)))
+
+    def __call__(self, x):
+        h = jnp.einsum("bd,df->bf", x, self.w1, out_sharding=jax.P("data", None))
+        return jnp.einsum("bf,fd->bd", nnx.relu(h), self.w2, out_sharding=jax.P("data", None))
+
+
+_TYPED_GRAPH = nnx.graphdef(nnx.eval_shape(lambda: NnxTypedMLP(nnx.Rngs(0))))
+
+
+def typed_mlp_init(rng):
+    return nnx.state(NnxTypedMLP(nnx.Rngs(params=rng)), nnx.Param)
+
+
+def typed_mlp_loss(params, batch):
+    y = nnx.merge(_TYPED_GRAPH, params)(batch["x"])
+    return jnp.mean((y - batch["y"]) ** 2)
