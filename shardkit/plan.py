@@ -607,7 +607,18 @@ class PlannedStep:
                 # Explicit axes: the state's types may have drifted (zero1's update reads
                 # split moments), and a constraint would only assert; reshard them back.
                 pin = jax.sharding.reshard if plan.explicit else jax.lax.with_sharding_constraint
-                new_state = pin(new_state, state_sh)
+                try:
+                    new_state = pin(new_state, state_sh)
+                except ValueError:
+                    given, returned = jax.tree.structure(state), jax.tree.structure(new_state)
+                    if given == returned:
+                        raise
+                    raise ShardingError(
+                        "plan.jit: the step returned its new state in another structure than "
+                        f"the state it was given.\n  given:    {given}\n  returned: {returned}"
+                        "\nFix: return (new_state, *outputs) with new_state built like the "
+                        "state (NNX: nnx.as_pure(nnx.state(model, ...)) for plain arrays)."
+                    ) from None
                 return (new_state, *rest)
 
             kwargs = dict(self.jit_kwargs)

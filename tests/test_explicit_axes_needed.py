@@ -55,3 +55,13 @@ def test_under_auto_axes_plan_jit_names_the_op_and_the_fix():
 def test_under_explicit_axes_it_trains_to_the_one_device_losses():
     one = train(sk.Plan("dp", devices=jax.devices()[:1], explicit=True))
     np.testing.assert_allclose(train(sk.Plan("dp", explicit=True)), one, rtol=1e-5)
+
+
+def test_a_step_returning_its_state_in_another_structure_is_named():
+    """Found training the NNX model: a step that hands back ``nnx.Variable`` s for a state
+    of plain arrays hit a raw ``ValueError`` from ``with_sharding_constraint``."""
+    plan = sk.Plan("dp", explicit=True)
+    state = plan.init(init, jax.random.key(0))
+    wrapped = lambda state, batch: (({"params": state[0]}, state[1]), 0.0)  # noqa: E731
+    with pytest.raises(sk.ShardingError, match=r"(?s)another structure.*Fix: return"):
+        plan.jit(wrapped)(state, plan.shard_batch(batch()))
