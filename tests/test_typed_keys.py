@@ -90,3 +90,17 @@ def test_keys_checkpoint_bit_for_bit_into_another_layout(trained):
         assert restored[name].dtype == state[name].dtype
         np.testing.assert_array_equal(key_data(restored[name]), key_data(state[name]))
     assert checkpoint.manifest(path, 1)["leaves"][0]["dtype"] == "key<fry>"
+
+
+def test_reshard_plan_counts_keys_by_their_key_data(trained):
+    from shardkit.reshard import reshard_plan
+
+    plan, abstract, _, _, _ = trained
+    other = sk.Plan("fsdp", devices=jax.devices()[:4], annotations=AXES)
+    leaves = {
+        r.path: r
+        for r in reshard_plan(abstract, other.abstract_init(init, jax.random.key(0))).leaves
+    }
+    assert leaves["keys"].dtype == "key<fry>"
+    assert leaves["keys"].held_per_device == 2 * KEY_BYTES["threefry2x32"]  # 8 keys over 4
+    assert leaves["rbg"].held_per_device == KEY_BYTES["rbg"]
