@@ -389,7 +389,7 @@ class Plan:
 
         def place_array(path, x, ndim):
             """``x`` placed by the batch sharding of its first ``ndim`` dimensions."""
-            shape = (x.shape[0] * processes, *x.shape[1:]) if x.ndim else x.shape
+            shape = (x.shape[0] * processes, *x.shape[1:]) if ndim else x.shape
             spec = self.batch_sharding(shape[:ndim], ("batch", *path)).spec
             sharding = NamedSharding(self.mesh, PartitionSpec(*spec, *[None] * (x.ndim - ndim)))
             if processes == 1:

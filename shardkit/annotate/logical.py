@@ -7,7 +7,7 @@ scalar, or a parameter (everything else). Then, for each leaf:
 1. axes stored by Flax on the leaf (``nn.LogicallyPartitioned``, NNX
    ``out_sharding``; ``@sk.axes`` produces these);
 2. parameters: a ``sk.PathAxes`` passed as ``annotations`` (also where the stored
-   names are fewer than the dimensions: the pattern's names then apply);
+   names are fewer than the dimensions: a pattern naming more of them applies);
 3. optimizer state: *mirroring* — optimizer states copy the params tree (``mu``,
    ``nu``, masked and chained states), so the leaf takes the axes of the parameter
    sharing the longest path ending with it and its shape; no boxed metadata has
@@ -146,11 +146,11 @@ def describe_leaves(
         shape, dtype = _shape_dtype(leaf)
         optimizer = _is_optimizer_leaf(path, leaf, optax_paths)
         axes, source = stored_axes(leaf, where), "flax"
-        # A pattern completes (or replaces) names Flax stored as a prefix of the dimensions.
+        # A pattern naming more dimensions replaces names Flax stored as a prefix.
         short = axes is None or len(axes) < len(shape)
         if short and not optimizer and annotations is not None:
             given = annotations.match(where, shape)
-            if given is not None:
+            if given is not None and (axes is None or len(given) > len(axes)):
                 axes, source = given, "annotation"
         if axes is None:  # decided below, once every annotated parameter is known
             (pending_optimizer if optimizer else pending_params).append(

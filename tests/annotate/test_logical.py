@@ -242,6 +242,10 @@ def test_flax_names_fewer_than_dimensions_are_a_prefix_a_pattern_completes():
     )
     assert not infos["attn/kernel"].prefix
     assert (infos["mlp/kernel"].axes, infos["mlp/kernel"].source) == (("embed", "mlp"), "flax")
+    # ... and a pattern naming fewer dimensions than the stored prefix does not.
+    short = sk.PathAxes([("kernel$", ("mlp",))])
+    (attn, _) = sk.annotate.describe_leaves(tree, annotations=short)[0]
+    assert (attn.axes, attn.source) == (("embed", "kv", None), "flax")
     # A moment (a deeper copy of the parameter) mirrors the padded axes and the flag.
     moments = sk.annotate.describe_leaves((tree, {"mu": sk.unbox(tree)}))[0]
     mu = next(i for i in moments if i.path == "1/mu/attn/kernel")
