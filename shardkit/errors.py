@@ -33,6 +33,8 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointCorruptError",
     "PeerFailedError",
+    "PipelineError",
+    "NotPipelinableError",
 ]
 
 
@@ -106,3 +108,11 @@ class CheckpointCorruptError(CheckpointError):
 
 class PeerFailedError(ShardingError):
     """Another process of a multi-process run died or stopped responding."""
+
+
+class PipelineError(ShardingError):
+    """A pipeline cannot run as asked."""
+
+
+class NotPipelinableError(PipelineError):
+    """A model or recipe that cannot run as a pipeline (no scanned stack, no stage axis, no cut)."""

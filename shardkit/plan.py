@@ -52,6 +52,7 @@ from shardkit.report.buffers import compile_with_buffers
 from shardkit.report.report import Report, build_report
 from shardkit.rules import Rules
 from shardkit.state import AbstractState, PlannedLeaf
+from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
 
 __all__ = ["Plan", "PlannedLeaf", "PlannedStep", "BATCH_AXES"]
@@ -507,8 +508,8 @@ class Plan:
                 compiled = lowered.compile()
             if kwargs.get("workload") is None and kwargs.get("model_config") is None:
                 kwargs["workload"] = _workload_of(batch, self.precision)
-            if kwargs.get("pipeline") is None and getattr(step, "pipeline", None) is not None:
-                kwargs["pipeline"] = step.pipeline  # sk.parallel.train_step's options
+            if kwargs.get("pipeline") is None and isinstance(step, PipelinedStep):
+                kwargs["pipeline"] = step.options  # what the pipeline's analytic model counts
         return build_report(self, compiled, state, **kwargs)
 
     def _check_axes_known(self, state: Any) -> None:

@@ -671,7 +671,7 @@ def analytic_costs(
                 "pipeline's options and the layer stack's bytes.\nFix: analytic_costs(..., "
                 "pipeline={'microbatches': m, 'schedule': '1f1b'}, stack_param_bytes=..., "
                 "stack_optimizer_bytes=...), or report a step built by "
-                "sk.parallel.train_step (it carries them)."
+                "shardkit.train.train_step (its PipelinedStep carries them)."
             )
         stack_opt = (
             stack_param_bytes / param_bytes * optimizer_bytes
@@ -949,10 +949,10 @@ def with_phases(
 ) -> AnalyticModel:
     """``model`` with the peak of each phase of a reference model's step as its total.
 
-    A no-op unless ``config`` is a reference model's (it has ``loss_chunks``) and the
-    workload has a sequence. See :func:`shardkit.report.phases.phase_peaks`.
+    A no-op unless ``config`` is a reference model's ``ModelConfig`` (``None`` for any
+    other model) and the workload has a sequence. See :func:`shardkit.report.phases.phase_peaks`.
     """
-    if not hasattr(config, "loss_chunks") or not workload.seq:
+    if config is None or not workload.seq:
         return model
     if get_recipe(recipe).parallelism(mesh).stage > 1:  # the phase model knows no pipelines
         return model

@@ -319,7 +319,7 @@ def build_report(
         Gradients all-reduced more than once are checked for parameters over
         ``replicated_threshold_bytes``.
       pipeline: a pipelined step's options (``{"microbatches": m, "schedule": ...}``, what
-        ``sk.parallel.train_step`` attaches as ``step.pipeline``; ``plan.report`` reads it):
+        a ``PipelinedStep`` carries as ``step.options``; ``plan.report`` reads it):
         the analytic model of a recipe with a ``stage`` axis counts the stage's share.
       buffers: the step's buffer assignment
         (:func:`shardkit.report.buffers.compile_with_buffers`): the temp memory at its
