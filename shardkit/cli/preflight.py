@@ -179,5 +179,5 @@ def _stack_layers(model: Any, cut: Any) -> int:
 
     from shardkit.annotate.unbox import unbox
 
-    stack, _ = cut.split(unbox(jax.eval_shape(model.init, jax.random.key(0))))
+    stack, _ = cut.split(unbox(jax.eval_shape(lambda: model.init(jax.random.key(0)))))
     return int(jax.tree.leaves(stack)[0].shape[0])

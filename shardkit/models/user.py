@@ -144,7 +144,9 @@ class UserModel:
 
 
 def _abstract_params(model: UserModel) -> Any:
-    return unbox(jax.eval_shape(model.init, jax.random.key(0)))
+    # The key made inside the trace: nothing runs, and JAX's backend does not start (the
+    # command line sets the number of devices after loading the model).
+    return unbox(jax.eval_shape(lambda: model.init(jax.random.key(0))))
 
 
 def _as_stages(stages: Any, name: str) -> Stages | None:
