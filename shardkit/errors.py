@@ -35,6 +35,7 @@ __all__ = [
     "PeerFailedError",
     "PipelineError",
     "NotPipelinableError",
+    "NoCutError",
 ]
 
 
@@ -116,3 +117,8 @@ class PipelineError(ShardingError):
 
 class NotPipelinableError(PipelineError):
     """A model or recipe that cannot run as a pipeline (no scanned stack, no stage axis, no cut)."""
+
+
+class NoCutError(NotPipelinableError):
+    """A model that gives no pipeline cut (``stages``), or whose parameters have no stack of
+    identical layers to cut: the fix is in the model, not in the recipe."""

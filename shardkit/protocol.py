@@ -37,7 +37,7 @@ from typing import Any, Protocol, runtime_checkable
 import jax
 
 from shardkit.dims import ModelDims
-from shardkit.errors import NotPipelinableError
+from shardkit.errors import NoCutError
 
 __all__ = ["Model", "Stages"]
 
@@ -65,14 +65,14 @@ class Stages:
         """``(params[key], the rest)``.
 
         Raises:
-          NotPipelinableError: no ``key`` in the parameters, or a stack whose leaves do
+          NoCutError: no ``key`` in the parameters, or a stack whose leaves do
             not share one leading (layers) axis.
         """
         try:
             stack = params[self.key]
         except (KeyError, TypeError):
             keys = list(params) if hasattr(params, "keys") else type(params).__name__
-            raise NotPipelinableError(
+            raise NoCutError(
                 f"No stacked layers under {self.key!r} in the parameters (top-level keys: "
                 f"{keys}). A pipeline cuts a stack of identical layers with a leading "
                 "'layers' axis.\nFix: build the layers with nn.scan / nnx.vmap (reference "
@@ -85,7 +85,7 @@ class Stages:
         }
         if leading and (None in leading.values() or len(set(leading.values())) != 1):
             shown = ", ".join(f"{k or '.'}: {v}" for k, v in list(leading.items())[:4])
-            raise NotPipelinableError(
+            raise NoCutError(
                 f"params[{self.key!r}] is not a stack of identical layers: its leaves' "
                 f"leading axes are {{{shown}}} (a pipeline needs one leading 'layers' axis "
                 "of the same size on every leaf).\nFix: build the layers with nn.scan / "

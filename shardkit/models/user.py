@@ -44,7 +44,7 @@ import jax
 from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.unbox import unbox
 from shardkit.dims import ModelDims
-from shardkit.errors import NotPipelinableError, ShardingError
+from shardkit.errors import NoCutError, ShardingError
 from shardkit.protocol import Stages
 
 __all__ = ["UserModel", "load"]
@@ -127,12 +127,12 @@ class UserModel:
         """The model's cut for a pipeline, checked against its parameters.
 
         Raises:
-          NotPipelinableError: the factory gave no ``stages``, or the parameters have no
+          NoCutError: the factory gave no ``stages``, or the parameters have no
             stack of identical layers under ``stages.key`` (the message says how to
             provide them).
         """
         if self.stages_ is None:
-            raise NotPipelinableError(
+            raise NoCutError(
                 f"{self.name} gives no pipeline cut, so the pipeline recipes cannot run it.\n"
                 "Fix: return 'stages': sk.parallel.Stages(pre, layer, post) from the factory:"
                 " pre(rest, batch) -> x, layer(layer_params, x) -> x (one layer of a stack "
