@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit import context
+from shardkit import checkpoint, context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
@@ -392,15 +392,11 @@ class Plan:
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, path: Any, state: Any, *, step: int, data_state: Any = None, **kwargs: Any):
         """Save ``state`` as checkpoint ``step`` under ``path`` (:func:`shardkit.checkpoint.save`)."""
-        from shardkit import checkpoint
-
         return checkpoint.save(self, path, state, step=step, data_state=data_state, **kwargs)
 
     def restore(self, path: Any, *, like: Any, step: int | None = None):
         """Restore a checkpoint into this plan's layout (:func:`shardkit.checkpoint.restore`);
         ``like`` is an ``AbstractState`` (``plan.abstract_init``) or a tree of them."""
-        from shardkit import checkpoint
-
         if isinstance(like, AbstractState):
             like = self._own(like)
         return checkpoint.restore(self, path, like=like, step=step)
