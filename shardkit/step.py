@@ -23,7 +23,7 @@ from typing import Any
 __all__ = ["PipelinedStep"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jax.jit keys a function
 class PipelinedStep:
     """A pipelined ``step(state, batch) -> (state, metrics)``.
 

@@ -56,9 +56,7 @@ class Subject:
     def of(cls, model: Any, *, batch: int, seq: int) -> Subject:
         from shardkit.plan import Plan
 
-        plan = Plan(
-            "dp", devices=jax.devices()[:1], annotations=getattr(model, "annotations", None)
-        )
+        plan = Plan("dp", devices=jax.devices()[:1], annotations=model.annotations)
         abstract = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
         size = {"param": 0, "optimizer": 0}
         for leaf in abstract.leaves:
@@ -249,7 +247,7 @@ def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
     return Plan(
         candidate.recipe_object(),
         mesh,
-        annotations=getattr(subject.model, "annotations", None),
+        annotations=subject.model.annotations,
         **kwargs,
     )
 

@@ -63,7 +63,7 @@ def layout(args: argparse.Namespace, name: str, model: Any, devices: list) -> An
         recipe_for(name, args),
         devices=devices,
         explicit=getattr(args, "explicit", False),
-        annotations=getattr(model, "annotations", None),
+        annotations=model.annotations,
         precision=getattr(args, "precision", "f32"),
     )
     if getattr(args, "batch", False) is None:

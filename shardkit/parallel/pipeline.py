@@ -197,7 +197,7 @@ def _auto_rules(rules: Rules | None, manual: frozenset[str]) -> Rules | None:
     return strip(rules)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jax.jit keys a function
 class PipelinedGrad:
     """A pipeline's ``value_and_grad``: call it as the function it holds.
 
