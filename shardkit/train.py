@@ -160,8 +160,14 @@ def train_step(
             "the abstract state.\nFix: pass abstract=plan.abstract_init(init_fn(model, tx), "
             "key)."
         )
-    cut = model if isinstance(model, Stages) else model.stages()
     opts = {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+    unknown = sorted(set(pipeline or {}) - {*opts, "microbatches"})
+    if unknown:
+        raise ShardingError(
+            f"train_step(pipeline=...): {unknown} are not pipeline options.\nFix: use "
+            "microbatches, schedule, virtual_stages, unit, stack_order."
+        )
+    cut = model if isinstance(model, Stages) else model.stages()
     opts.update({k: v for k, v in (pipeline or {}).items() if v is not None})
     opts["microbatches"] = int(opts.get("microbatches") or stages)
     grad_fn = pipeline_value_and_grad(cut, plan, abstract, **opts)
