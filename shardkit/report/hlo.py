@@ -40,6 +40,7 @@ from typing import Any
 
 from shardkit.collectives import KINDS, Kind
 from shardkit.report.provenance import (
+    block_of,
     frames_by_id,
     metadata_of,
     module_path_of,
@@ -112,7 +113,10 @@ class Collective:
     first replica group (for a collective-permute, every device that sends or receives);
     empty when the program does not say. ``logical`` and ``rule``: the logical axes of
     the parameter the op moves and the plan's rules that shard them, where one matches
-    (:func:`shardkit.report.wire_terms.attach_layouts`).
+    (:func:`shardkit.report.wire_terms.attach_layouts`). ``source`` is the model's line
+    that asked for the op and ``block`` the shardkit building block that made it
+    (``attention.ring``; ``""`` for the model's own ops), see
+    :mod:`shardkit.report.provenance`.
 
     Example:
       >>> c = Collective(kind="all-gather", bytes=256, group_size=4, wire_bytes=192.0,
@@ -137,6 +141,7 @@ class Collective:
     pass_: str = ""
     source: str = ""
     function: str = ""
+    block: str = ""
     group: tuple[int, ...] = ()
     logical: tuple[str | None, ...] = ()
     rule: str = ""
@@ -620,6 +625,7 @@ def parse_collectives(
                     pass_=pass_of(name),
                     source=origin.where if origin else "",
                     function=origin.function if origin else "",
+                    block=block_of(name),
                     group=first_group(attrs, kind),
                 )
             )

@@ -124,7 +124,7 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
         ops.add_row(
             kind,
             _PASS.get(g.pass_, g.pass_),
-            abbreviate(g.where or "–", 18),
+            abbreviate(g.block or g.where or "–", 18),  # the block that made it, if any
             abbreviate(g.source, 16),
             str(g.executions),
             human_bytes(g.wire_bytes),

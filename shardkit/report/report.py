@@ -65,10 +65,12 @@ class ParamRow:
 
 @dataclasses.dataclass(frozen=True)
 class CollectiveGroup:
-    """Collectives with one cause: kind, pass, model path and source line.
+    """Collectives with one cause: kind, pass, model path, source line and block.
 
     ``kind`` ends in ``*`` for a reduce-scatter the CPU pipeline left as an all-reduce
     plus a dynamic-slice; ``executions`` counts every run per step (ops × loop trips).
+    ``source`` is the model's line, ``block`` the shardkit building block that made the
+    collectives there (``attention.ring``; ``""`` for the model's own ops).
     """
 
     kind: str
@@ -78,6 +80,7 @@ class CollectiveGroup:
     ops: int
     executions: int
     wire_bytes: float
+    block: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +167,11 @@ class Report:
         return out
 
     def collective_groups(self) -> list[CollectiveGroup]:
-        """Collectives grouped by cause (kind, pass, model path, source line), largest first."""
+        """Collectives grouped by cause (kind, pass, model path, source line, block),
+        largest first."""
         groups: dict[tuple[str, ...], list[Collective]] = {}
         for c in self.collectives:
-            key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source)
+            key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source, c.block)
             groups.setdefault(key, []).append(c)
         rows = [
             CollectiveGroup(
@@ -175,6 +179,7 @@ class Report:
                 pass_=k[1],
                 where=k[2],
                 source=k[3],
+                block=k[4],
                 ops=len(cs),
                 executions=sum(c.count for c in cs),
                 wire_bytes=sum(c.wire_bytes for c in cs),
@@ -207,6 +212,7 @@ class Report:
                     "module_path": c.module_path,
                     "pass": c.pass_,
                     "source": c.source,
+                    "block": c.block,
                     "function": c.function,
                     "dtype": c.dtype,
                     "shape": list(c.shape),
@@ -418,18 +424,12 @@ def build_report(
 def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
     """(memory terms, their explanations, the peak's phase) of the temp memory at its peak."""
     from shardkit.report import memory_terms
-    from shardkit.report.provenance import frames_by_id
 
-    try:
-        module = compiled.runtime_executable().hlo_modules()[0]
-        stacks = frames_by_id(module.as_serialized_hlo_module_proto())
-    except Exception:  # a runtime without module protos: no head by source line
-        stacks = {}
     par = recipe.parallelism(mesh)
     seq = set()
     if workload is not None and workload.seq:  # whole, and split by sequence or TSP axes
         seq = {workload.seq, workload.seq // par.sequence, workload.seq // max(par.tsp, 1)}
-    phase = memory_terms.peak_phase_of(buffers, stacks)
+    phase = memory_terms.peak_phase_of(buffers)
     analytic = {}
     if model_config is not None and workload is not None and workload.seq:
         try:
@@ -444,7 +444,7 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
             )
         except ShardingError:  # a layout the analytic model does not cover
             analytic = {}
-    terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
+    terms = memory_terms.attribute(buffers, rows, seq=seq, analytic=analytic)
     # Without an analytic model (a pipelined step: the phase model knows no pipelines)
     # every term is unmodelled, and each still gets its line: what is live, and why not.
     return terms, memory_terms.explain(terms, phase), phase
