@@ -6,7 +6,6 @@ Example:
   P('data', None)
 """
 
-from shardkit import autoplanner, checkpoint, distributed, parallel, recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -17,7 +16,6 @@ from shardkit.annotate import (
     unbox,
 )
 from shardkit.attention import use_attention
-from shardkit.autoplanner import autoplan
 from shardkit.context import compute_dtype
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError, ShardingWarning
@@ -27,6 +25,11 @@ from shardkit.plan import Plan
 from shardkit.replicas import ReplicaView, per_replica
 from shardkit.rules import Rules
 from shardkit.state import AbstractState
+
+# isort: split
+# The packages above the core last: they import the core (shardkit.axes, ...) as they load.
+from shardkit import autoplanner, checkpoint, distributed, parallel, recipes, report
+from shardkit.autoplanner import autoplan
 
 __version__ = "0.1.0"
 

@@ -31,10 +31,15 @@ from typing import Any
 
 import jax
 
-from shardkit import train
+from shardkit import models, train
 from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
+from shardkit.mesh import make_mesh
+from shardkit.models.model import Model
+from shardkit.plan import Plan
+from shardkit.report.analytic import analytic_costs, with_phases
 from shardkit.report.lint import human_bytes
+from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 from shardkit.workload import Workload
 
 __all__ = ["Subject", "Pruned", "Analytic", "Evidence", "prune", "compile_candidate"]
@@ -53,8 +58,6 @@ class Subject:
 
     @classmethod
     def of(cls, model: Any, *, batch: int, seq: int) -> Subject:
-        from shardkit.plan import Plan
-
         plan = Plan(
             "dp", devices=jax.devices()[:1], annotations=getattr(model, "annotations", None)
         )
@@ -74,8 +77,6 @@ class Subject:
         config = getattr(self.model, "config", None)
         if candidate.remat is None or config is None or config.remat == candidate.remat:
             return self.model
-        from shardkit.models.model import Model
-
         return Model(dataclasses.replace(config, remat=candidate.remat), name=self.model.name)
 
     def workload(self, candidate: Candidate) -> Workload:
@@ -146,8 +147,6 @@ def _first_line(e: Exception) -> str:
 
 def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | Analytic:
     """:class:`Pruned` with the reason, or the candidate's :class:`Analytic` costs."""
-    from shardkit.report.analytic import analytic_costs, with_phases
-
     recipe = candidate.recipe_object()
     mesh = candidate.mesh_sizes
     stages = mesh.get("stage")
@@ -235,9 +234,6 @@ def _pipeline_options(candidate: Candidate) -> dict:
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
-    from shardkit.mesh import make_mesh
-    from shardkit.plan import Plan
-
     mesh = make_mesh(
         candidate.mesh_sizes, devices=devices[: math.prod(candidate.mesh_sizes.values())]
     )
@@ -258,9 +254,6 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     FLOPs and collectives a ranking needs and the named terms that explain the gap
     between the analytic and the compiled memory.
     """
-    from shardkit import models
-    from shardkit.report.wire_terms import TERMS as WIRE_TERMS
-
     devices = devices if devices is not None else jax.devices()
     pipeline = _pipeline_options(candidate) if candidate.microbatches is not None else None
     try:

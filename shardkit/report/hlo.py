@@ -38,6 +38,8 @@ import re
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
 from shardkit.collectives import KINDS, Kind
 from shardkit.report.provenance import (
     block_of,
@@ -309,8 +311,6 @@ def first_group(attrs: str, kind: str) -> tuple[int, ...]:
 
 def _iota(dims: str, perm: str | None):
     """``arange`` reshaped to ``dims`` and transposed by ``perm`` (HLO's iota lists)."""
-    import numpy as np
-
     shape = [int(x) for x in dims.split(",")]
     ids = np.arange(int(np.prod(shape))).reshape(shape)
     return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
@@ -318,8 +318,6 @@ def _iota(dims: str, perm: str | None):
 
 def _mesh_first_group(s: str) -> tuple[int, ...]:
     """First group of ``mesh['a'=2,'b'=4](, device_ids=(...))? {'b', 'a':(1)2}``."""
-    import numpy as np
-
     end = _skip_balanced(s, 4)
     axes = [
         (n.strip(" '\""), int(v))

@@ -41,9 +41,12 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardkit import recipes
+from shardkit.report.analytic import analytic_model
 from shardkit.report.buffers import BufferAssignment, Value
-from shardkit.report.lint import human_bytes
+from shardkit.report.phases import head_weight_copy_bytes, layer_peak_bytes, phase_peaks
 from shardkit.report.provenance import blocks_in, module_path_of, pass_of, without_blocks
+from shardkit.report.records import TOLERANCE, Explanation, MemoryTerm, human_bytes
 
 __all__ = ["MemoryTerm", "TERMS", "analytic_terms", "attribute", "explain", "peak_phase_of"]
 
@@ -81,33 +84,6 @@ _COLLECTIVES = (
     "collective-permute-start",
 )
 _REDUCTIONS = ("all-reduce", "reduce-scatter", "all-reduce-start")
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryTerm:
-    """One term of the temp memory at its peak: bytes, analytic value, largest buffers."""
-
-    term: str
-    bytes: int
-    analytic_bytes: float | None = None
-    top: tuple[str, ...] = ()  # "f32[64,256] layers/mlp/up (remat all-gather)", largest first
-    count: int = 0
-
-    @property
-    def ratio(self) -> float | None:
-        if not self.analytic_bytes:
-            return None
-        return self.bytes / self.analytic_bytes
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "term": self.term,
-            "bytes": self.bytes,
-            "analytic_bytes": self.analytic_bytes,
-            "ratio": self.ratio,
-            "buffers": self.count,
-            "top": list(self.top),
-        }
 
 
 def _dims(v: Value) -> tuple[int, ...] | None:
@@ -288,10 +264,6 @@ def analytic_terms(
       >>> t["gathered weights"] == 2 * CONFIGS["gpt-tiny"].dims().layer_params * 4
       True
     """
-    from shardkit import recipes
-    from shardkit.report.analytic import analytic_model
-    from shardkit.report.phases import head_weight_copy_bytes, layer_peak_bytes, phase_peaks
-
     recipe = recipes.get(recipe)
     remat = config.remat if remat is None else remat
     base = analytic_model(
@@ -348,11 +320,9 @@ def _in_loss(v: Value) -> bool:
     return any(b.split(".", 1)[0] == "loss" for b in blocks_in(v.op_name))
 
 
-def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10) -> list[Any]:
+def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = TOLERANCE) -> list[Any]:
     """One ``Explanation`` per term off by more than ``tolerance`` from its analytic value
     (or with no analytic value), saying what is live and why."""
-    from shardkit.report.report import Explanation
-
     modelled = any(t.analytic_bytes for t in terms)
     out = []
     for t in terms:

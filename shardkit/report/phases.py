@@ -23,9 +23,10 @@ then the analytic total. A guide, not a bound: XLA's temporaries inside a phase
 
 Example:
   >>> from shardkit.models import CONFIGS
-  >>> peaks = phase_peaks(CONFIGS["gpt-small"], "fsdp", {"fsdp": 8}, batch=8, seq=512,
-  ...                     remat="full")
-  >>> max(peaks, key=peaks.get)
+  >>> from shardkit.report.analytic import analytic_model
+  >>> m = analytic_model(CONFIGS["gpt-small"], "fsdp", {"fsdp": 8}, batch=8, seq=512,
+  ...                    remat="full")
+  >>> peak_phase(m.memory.phases)
   'layers'
 """
 
@@ -35,7 +36,10 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from shardkit import recipes
 from shardkit.errors import ShardingError
+from shardkit.loss import LOGITS, auto_chunks
+from shardkit.report.formulas import activation_bytes, logits_bytes, megatron_activations_per_layer
 
 __all__ = [
     "PHASES",
@@ -148,7 +152,7 @@ def layer_peak_bytes(
 
     With full recomputation, the layer being recomputed holds its activations again:
     Megatron's per-layer count for the layout (``mode``, see
-    :func:`~shardkit.report.analytic.megatron_activations_per_layer`); without it they
+    :func:`~shardkit.report.formulas.megatron_activations_per_layer`); without it they
     are among the saved activations already (0). Plus twice ``gathered_layer_bytes``:
     under FSDP one layer's weights gathered, and their gradient before it is
     reduce-scattered.
@@ -158,8 +162,6 @@ def layer_peak_bytes(
       >>> round(layer_peak_bytes(s=512, b=1, h=768, a=12) / 2**20, 2)
       55.5
     """
-    from shardkit.report.analytic import megatron_activations_per_layer
-
     layer = (
         megatron_activations_per_layer(s, b, h, a, t=t, mode=mode, bytes_per_value=bytes_per_value)
         if recompute
@@ -198,8 +200,6 @@ def head_weight_copy_bytes(
       >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"], "dp", {"data": 8})
       0.0
     """
-    from shardkit import recipes
-
     recipe = recipes.get(recipe)
     sizes = {a: int(v) for a, v in mesh.items()}
     table = ("vocab", "embed")
@@ -221,7 +221,7 @@ def phase_peaks(
     bytes_per_value: int = 4,
     remat: str | None = None,
     clip: Literal["scale", "select"] = "scale",
-    base: Any = None,
+    base: Any,
     precision: str = "f32",
 ) -> dict[str, float]:
     """Bytes per device at the peak of each phase of a reference model's training step.
@@ -236,8 +236,9 @@ def phase_peaks(
       bytes_per_value: bytes of a parameter, gradient or activation value.
       remat: overrides ``config.remat``.
       clip: the optimizer's clip (``"scale"``: ``shardkit.train.adamw``).
-      base: the ``AnalyticMemory`` of ``analytic_model`` for these arguments (computed
-        when not given).
+      base: the ``AnalyticMemory`` of
+        :func:`~shardkit.report.analytic.analytic_model` for these arguments (its state
+        and saved activations).
       precision: ``"bf16"``: activations, the recomputed layer, the hidden states and
         the head's weight copy at 2 bytes per value (the logits are scored in f32).
 
@@ -250,27 +251,15 @@ def phase_peaks(
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> peaks = phase_peaks(CONFIGS["gpt-small"], "dp", {"data": 8}, batch=8, seq=512,
-      ...                     remat="full", clip="select")
+      >>> from shardkit.report.analytic import analytic_model
+      >>> kw = dict(batch=8, seq=512, remat="full")
+      >>> base = analytic_model(CONFIGS["gpt-small"], "dp", {"data": 8}, **kw).memory
+      >>> peaks = phase_peaks(CONFIGS["gpt-small"], "dp", {"data": 8}, clip="select",
+      ...                     base=base, **kw)
       >>> max(peaks, key=peaks.get)
       'optimizer_step'
     """
-    from shardkit import recipes
-    from shardkit.loss import LOGITS, auto_chunks
-    from shardkit.report.analytic import activation_bytes, analytic_model
-
     recipe = recipes.get(recipe)
-    if base is None:
-        base = analytic_model(
-            config,
-            recipe,
-            mesh,
-            batch=batch,
-            seq=seq,
-            bytes_per_value=bytes_per_value,
-            remat=remat,
-            precision=precision,
-        ).memory
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
     data_kind, tensor_kind = par.data_kind, par.tensor_kind
@@ -279,7 +268,7 @@ def phase_peaks(
     act = activation_bytes(precision, nb)
     remat = config.remat if remat is None else remat
     state = base.params + base.grads + base.optimizer
-    logits_term = batch / (d * f) * seq / c * vocab * nb / t  # analytic_model's logits
+    logits_term = logits_bytes(b=batch / (d * f), s=seq / c, vocab=vocab, nbytes=nb, t=t)
     saved = base.activations - logits_term
 
     # The head: its layout is the activation rules' for the logits and for the weight.

@@ -22,7 +22,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 
 __all__ = ["abbreviate", "comparison_table", "memory_terms_table", "report_renderables", "to_text"]
 

@@ -25,85 +25,23 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from shardkit.errors import ShardingError
-from shardkit.report import lint
+from shardkit.report import lint, memory_terms, wire_terms
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
-from shardkit.report.memory_terms import MemoryTerm
-from shardkit.report.wire_terms import WireTerm
+from shardkit.report.records import (
+    TOLERANCE,
+    CollectiveGroup,
+    Explanation,
+    MemoryTerm,
+    ParamRow,
+    WireTerm,
+)
+from shardkit.report.render import report_renderables, to_text
 from shardkit.workload import Workload
 
 __all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report", "param_rows"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamRow:
-    """One state leaf: where it lives and what it costs each device."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    logical: tuple[str | None, ...]
-    spec: str
-    bytes_per_device: int
-    replicated: bool
-    kind: str  # "param", "optimizer" or "scalar"
-    shard_shape: tuple[int, ...] = ()
-    #: per dimension, the mesh axes that split it (``()`` for a whole dimension)
-    mesh_axes: tuple[tuple[str, ...], ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "shape": list(self.shape),
-            "logical": list(self.logical),
-            "spec": self.spec,
-            "bytes_per_device": self.bytes_per_device,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveGroup:
-    """Collectives with one cause: kind, pass, model path, source line and block.
-
-    ``kind`` ends in ``*`` for a reduce-scatter the CPU pipeline left as an all-reduce
-    plus a dynamic-slice; ``executions`` counts every run per step (ops × loop trips).
-    ``source`` is the model's line, ``block`` the shardkit building block that made the
-    collectives there (``attention.ring``; ``""`` for the model's own ops).
-    """
-
-    kind: str
-    pass_: str
-    where: str
-    source: str
-    ops: int
-    executions: int
-    wire_bytes: float
-    block: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class Explanation:
-    """Why one measured term differs from its analytic value by more than 10 %."""
-
-    term: str
-    measured_bytes: float
-    analytic_bytes: float
-    why: str
-
-    @property
-    def ratio(self) -> float:
-        return self.measured_bytes / self.analytic_bytes if self.analytic_bytes else math.inf
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "term": self.term,
-            "measured_bytes": self.measured_bytes,
-            "analytic_bytes": self.analytic_bytes,
-            "ratio": self.ratio,
-            "why": self.why,
-        }
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
@@ -237,13 +175,9 @@ class Report:
         }
 
     def __rich_console__(self, console: Any, options: Any):
-        from shardkit.report.render import report_renderables
-
         yield from report_renderables(self)
 
     def __str__(self) -> str:
-        from shardkit.report.render import to_text
-
         return to_text(self)
 
 
@@ -332,8 +266,6 @@ def build_report(
         peak is split into named terms (``Report.memory_terms``), and each term off by
         more than 10 % from its analytic value gets an explanation.
     """
-    from shardkit.report import wire_terms
-
     rows = param_rows(plan, state)
     collectives = tuple(wire_terms.attach_layouts(collectives_of(compiled), rows))
     recipe = plan.recipe
@@ -423,8 +355,6 @@ def build_report(
 
 def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
     """(memory terms, their explanations, the peak's phase) of the temp memory at its peak."""
-    from shardkit.report import memory_terms
-
     par = recipe.parallelism(mesh)
     seq = set()
     if workload is not None and workload.seq:  # whole, and split by sequence or TSP axes
@@ -457,7 +387,7 @@ def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list
     phases = analytic.memory.phases
     peak = max(phases, key=lambda k: phases[k])
     want = analytic.memory.total
-    if abs(memory.total / want - 1) <= 0.10:
+    if abs(memory.total / want - 1) <= TOLERANCE:
         return []
     over = memory.total > want
     why = f"the peak is the {peak} phase ({want / 2**20:,.1f} MiB analytic); " + (

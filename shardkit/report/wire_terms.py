@@ -45,8 +45,10 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from shardkit.report.hlo import Collective
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import TOLERANCE, Explanation, WireTerm, human_bytes
 
 __all__ = [
     "TERMS",
@@ -72,30 +74,6 @@ TERMS = (
 
 _GATHERS = ("all-gather", "collective-permute")
 _REDUCTIONS = ("reduce-scatter", "all-reduce")
-
-
-@dataclasses.dataclass(frozen=True)
-class WireTerm:
-    """One term of the step's wire bytes per device: measured, analytic, its collectives."""
-
-    term: str
-    bytes: float
-    analytic_bytes: float | None = None
-    collectives: tuple[Collective, ...] = ()
-
-    @property
-    def ratio(self) -> float | None:
-        return self.bytes / self.analytic_bytes if self.analytic_bytes else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "term": self.term,
-            "bytes": self.bytes,
-            "analytic_bytes": self.analytic_bytes,
-            "ratio": self.ratio,
-            "ops": len(self.collectives),
-            "runs": sum(c.count for c in self.collectives),
-        }
 
 
 def _squeeze(dims: Iterable[int]) -> tuple[int, ...]:
@@ -284,12 +262,10 @@ def rule_of(row: Any) -> str:
 
 
 def explain(
-    terms: Sequence[WireTerm], rows: Sequence[Any], *, tolerance: float = 0.10
+    terms: Sequence[WireTerm], rows: Sequence[Any], *, tolerance: float = TOLERANCE
 ) -> list[Any]:
     """One ``Explanation`` per wire term off by more than ``tolerance`` from its analytic
     value (or with none), computed from the collectives in it (module docstring)."""
-    from shardkit.report.report import Explanation
-
     params = ParamMatch.of(rows)
     layers = max((_per_layer(r) for r in rows if r.kind == "param" and _layered(r)), default=0)
     out = []
@@ -320,8 +296,6 @@ def explain(
 
 
 def _full_bytes(row: Any) -> float:
-    import numpy as np
-
     return math.prod(row.shape) * np.dtype(row.dtype).itemsize
 
 
@@ -455,7 +429,7 @@ def _by_source(t: WireTerm, layers: int = 0, top: int = 3) -> str:
         rest = sum(c.wire_bytes for _, cs in ranked[top:] for c in cs)
         parts.append(f"{len(ranked) - top} more groups, {human_bytes(rest)}")
     first = sum(c.wire_bytes for c in ranked[0][1]) if ranked else 0.0
-    if t.analytic_bytes and len(parts) > 1 and abs(first / t.analytic_bytes - 1) <= 0.10:
+    if t.analytic_bytes and len(parts) > 1 and abs(first / t.analytic_bytes - 1) <= TOLERANCE:
         # the largest group is the analytic formula's traffic; the others are beyond it
         return (
             f"the analytic formula's traffic is {parts[0]} ({first / t.analytic_bytes:.2f}×); "
