@@ -134,7 +134,7 @@ def run(
         compiled,
         abstract,
         workload=workload,
-        model_config=getattr(spec, "config", None),
+        dims=spec.config.dims() if getattr(spec, "config", None) is not None else None,
         pipeline=getattr(step, "pipeline", None),
     )
 

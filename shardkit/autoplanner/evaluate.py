@@ -207,7 +207,7 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             **extra,
         )
         if config is not None and not stages:
-            analytic = with_phases(analytic, config, recipe, mesh, workload)
+            analytic = with_phases(analytic, config.dims(), recipe, mesh, workload)
     except ShardingError as e:
         return Pruned(_first_line(e))
     state = analytic.memory.params + analytic.memory.grads + analytic.memory.optimizer

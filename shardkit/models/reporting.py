@@ -78,6 +78,6 @@ def report(
         abstract,
         token_batch(batch, seq),
         workload=workload,
-        model_config=config,
+        dims=None if config is None else config.dims(),
         **kwargs,
     )

@@ -23,6 +23,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
@@ -55,6 +56,7 @@ __all__ = [
     "analytic_costs",
     "analytic_model",
     "with_phases",
+    "workload_of",
 ]
 
 
@@ -344,55 +346,70 @@ def _tsp_costs(
     )
 
 
-def layer_params(config: Any) -> tuple[float, float]:
-    """(ringed weights of one layer Ψ_l, their input-side part) of a reference model.
-
-    The attention and MLP kernels (TSP's rings): GPT q/k/v/out + up/down, Llama
-    q/k/v/o + gate/up/down; input side: q/k/v and up (and gate).
+def workload_of(
+    dims: ModelDims,
+    *,
+    batch: int,
+    seq: int,
+    remat: str | None = "none",
+    precision: str = "f32",
+    model: str | None = None,
+) -> Workload:
+    """The :class:`~shardkit.workload.Workload` of a step of a model of ``dims``.
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> layer_params(CONFIGS["gpt-tiny"])
-      (49152, 28672)
+      >>> w = workload_of(CONFIGS["llama-tiny"].dims(), batch=8, seq=32)
+      >>> w.layers, w.n_kv_heads, w.in_projections, w.has_dims
+      (2, 8, 5, True)
     """
-    return config.dims().ringed_layer_params
+    return Workload(
+        batch=batch,
+        seq=seq,
+        layers=dims.layers,
+        d_model=dims.d_model,
+        n_heads=dims.n_heads,
+        n_kv_heads=dims.n_kv_heads,
+        vocab=dims.vocab,
+        in_projections=dims.in_projections,
+        remat=remat or "none",
+        precision=precision,
+        model=model,
+    )
 
 
 def analytic_model(
-    config: Any,
+    dims: ModelDims,
     recipe: Recipe | str,
     mesh: Mapping[str, int],
     *,
     batch: int,
     seq: int,
     bytes_per_value: int = 4,
-    remat: str | None = None,
+    remat: str = "none",
     precision: str = "f32",
     pipeline: Mapping[str, Any] | None = None,
 ) -> AnalyticModel:
-    """The analytic memory per device and wire bytes per step of a reference model.
+    """The analytic memory per device and wire bytes per step of a model of ``dims``.
 
-    :func:`analytic_costs` with the state counted from ``config`` for f32 Adam: params
+    :func:`analytic_costs` with the state counted from ``dims`` for f32 Adam: params
     ``BΨ``, grads ``BΨ``, optimizer ``2BΨ`` (m and v). Activations:
     :func:`megatron_activations_per_layer` × ``n_layers`` at the per-device micro-batch
     and sequence (mode ``tp`` or ``tp_sp`` under tensor recipes, ``full_recompute``
     with remat ``"full"``), plus the logits ``b·s·vocab·B`` (÷t, vocab-parallel). This
     is a guide, not a bound: it ignores XLA's temporaries and ``save_dots`` (counted as
-    no remat). For a reference model (a config with ``loss_chunks``) ``memory.phases``
-    holds the peak of each phase of the step (:func:`shardkit.report.phases.phase_peaks`:
-    the layer being recomputed, the chunked head and loss, the optimizer step) and the
-    total is the largest.
+    no remat). ``memory.phases`` holds the peak of each phase of the step
+    (:func:`with_phases`: the layer being recomputed, the chunked head and loss, the
+    optimizer step) and the total is the largest.
 
     Args:
-      config: a :class:`shardkit.models.ModelConfig` (or anything with ``vocab``,
-        ``d_model``, ``n_layers``, ``n_heads``, ``n_kv_heads``, ``remat``, ``param_count()``;
-        ``in_projections``, the layer's column-parallel projections for the tensor
-        collectives, defaults to 2, fused).
+      dims: the model's dimensions (:class:`~shardkit.dims.ModelDims`; a reference
+        model's ``config.dims()``).
       recipe: a ``Recipe`` or a registered recipe's name.
       mesh: mesh axis sizes; axes the recipe does not declare must be absent or 1.
       batch: global batch; seq: sequence length.
       bytes_per_value: bytes B of a parameter, gradient and activation value.
-      remat: overrides ``config.remat`` when given.
+      remat: ``"none"``, ``"full"`` or ``"save_dots"`` (counted as none).
       precision: ``"f32"`` or ``"bf16"`` (activations at 2 bytes per value, the state
         and the logits as ``bytes_per_value``; :func:`activation_bytes`).
       pipeline: a pipelined step's options (recipes with a ``stage`` axis; see
@@ -406,13 +423,14 @@ def analytic_model(
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> m = analytic_model(CONFIGS["gpt-tiny"], "fsdp", {"fsdp": 8}, batch=8, seq=128)
-      >>> m.memory.params == 4 * CONFIGS["gpt-tiny"].param_count() / 8
+      >>> dims = CONFIGS["gpt-tiny"].dims()
+      >>> m = analytic_model(dims, "fsdp", {"fsdp": 8}, batch=8, seq=128)
+      >>> m.memory.params == 4 * dims.param_count / 8
       True
     """
-    psi = config.param_count()
-    workload = Workload.from_config(config, batch=batch, seq=seq, remat=remat, precision=precision)
-    ringed, ringed_in = layer_params(config)
+    psi = dims.param_count
+    workload = workload_of(dims, batch=batch, seq=seq, remat=remat, precision=precision)
+    ringed, ringed_in = dims.ringed_layer_params
     model = analytic_costs(
         recipe,
         mesh,
@@ -423,32 +441,33 @@ def analytic_model(
         bytes_per_value=bytes_per_value,
         layer_params=ringed,
         in_params=ringed_in,
-        vocab_tables=config.dims().vocab_tables,
+        vocab_tables=dims.vocab_tables,
         pipeline=pipeline,
-        stack_param_bytes=bytes_per_value * config.n_layers * config.dims().layer_params,
-        stack_optimizer_bytes=2 * bytes_per_value * config.n_layers * config.dims().layer_params,
+        stack_param_bytes=bytes_per_value * dims.layers * dims.layer_params,
+        stack_optimizer_bytes=2 * bytes_per_value * dims.layers * dims.layer_params,
     )
-    return with_phases(model, config, recipe, mesh, workload)
+    return with_phases(model, dims, recipe, mesh, workload)
 
 
 def with_phases(
     model: AnalyticModel,
-    config: Any,
+    dims: ModelDims | None,
     recipe: Recipe | str,
     mesh: Mapping[str, int],
     workload: Workload,
 ) -> AnalyticModel:
-    """``model`` with the peak of each phase of a reference model's step as its total.
+    """``model`` with the peak of each phase of the step as its total.
 
-    A no-op unless ``config`` is a reference model's (it has ``loss_chunks``) and the
-    workload has a sequence. See :func:`shardkit.report.phases.phase_peaks`.
+    The phase model (:func:`shardkit.report.phases.phase_peaks`) is a model's whose
+    loss is shardkit's chunked head (``dims.loss_chunks``; ``None``: its automatic
+    chunks). A no-op without ``dims``, without a sequence, or for a pipeline.
     """
-    if not hasattr(config, "loss_chunks") or not workload.seq:
+    if dims is None or not workload.seq:
         return model
     if get_recipe(recipe).parallelism(mesh).stage > 1:  # the phase model knows no pipelines
         return model
     phases = phase_peaks(
-        config,
+        dims,
         recipe,
         mesh,
         batch=workload.batch,

@@ -7,8 +7,6 @@ the module/layer that caused it) and the likely cause.
 
 Example:
   >>> from shardkit.report.hlo import Collective
-from shardkit.report.records import human_bytes
-from shardkit.report.wire_terms import ParamMatch, term_of
   >>> c = Collective(kind="all-to-all", bytes=4096, group_size=8, wire_bytes=3584.0,
   ...                op_name="jit(step)/mlp/down/dot_general", dtype="f32", shape=(1024,))
   >>> unexpected_collectives([c], frozenset({"all-reduce"}), "tp")[0][:45]

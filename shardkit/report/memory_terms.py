@@ -42,8 +42,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shardkit import recipes
+from shardkit.dims import ModelDims
 from shardkit.report.analytic import analytic_model
 from shardkit.report.buffers import BufferAssignment, Value
+from shardkit.report.formulas import logits_bytes
 from shardkit.report.phases import head_weight_copy_bytes, layer_peak_bytes, phase_peaks
 from shardkit.report.provenance import blocks_in, module_path_of, pass_of, without_blocks
 from shardkit.report.records import TOLERANCE, Explanation, MemoryTerm, human_bytes
@@ -238,14 +240,14 @@ def attribute(
 
 
 def analytic_terms(
-    config: Any,
+    dims: ModelDims,
     recipe: Any,
     mesh: Mapping[str, int],
     *,
     batch: int,
     seq: int,
     phase: str,
-    remat: str | None = None,
+    remat: str = "none",
     bytes_per_value: int = 4,
 ) -> dict[str, float]:
     """The analytic temp bytes of each term in ``phase`` (the phase the peak is in).
@@ -259,20 +261,20 @@ def analytic_terms(
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> t = analytic_terms(CONFIGS["gpt-tiny"], "fsdp", {"fsdp": 8}, batch=8, seq=32,
-      ...                    phase="layers", remat="full")
-      >>> t["gathered weights"] == 2 * CONFIGS["gpt-tiny"].dims().layer_params * 4
+      >>> dims = CONFIGS["gpt-tiny"].dims()
+      >>> t = analytic_terms(dims, "fsdp", {"fsdp": 8}, batch=8, seq=32, phase="layers",
+      ...                    remat="full")
+      >>> t["gathered weights"] == 2 * dims.layer_params * 4
       True
     """
     recipe = recipes.get(recipe)
-    remat = config.remat if remat is None else remat
     base = analytic_model(
-        config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=bytes_per_value, remat=remat
+        dims, recipe, mesh, batch=batch, seq=seq, bytes_per_value=bytes_per_value, remat=remat
     ).memory
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence * max(par.tsp, 1)
     nb = bytes_per_value
-    logits = batch / (d * f) * seq / c * config.vocab * nb / t
+    logits = logits_bytes(b=batch / (d * f), s=seq / c, vocab=dims.vocab, nbytes=nb, t=t)
     out = {"gradients": base.grads}
     if phase == "optimizer_step":
         return out
@@ -282,18 +284,18 @@ def analytic_terms(
             mode = par.tensor_kind if t > 1 else "none"
             s, b = seq / c, batch / (d * f)
             layer = layer_peak_bytes(
-                s=s, b=b, h=config.d_model, a=config.n_heads, t=t, mode=mode, bytes_per_value=nb
+                s=s, b=b, h=dims.d_model, a=dims.n_heads, t=t, mode=mode, bytes_per_value=nb
             )
-            out["attention scores"] = 5 * config.n_heads * s * s * b / t * nb / 2
+            out["attention scores"] = 5 * dims.n_heads * s * s * b / t * nb / 2
             out["recomputation"] = layer - out["attention scores"]
         if f > 1:
-            out["gathered weights"] = 2 * config.dims().layer_params * nb / t
+            out["gathered weights"] = 2 * dims.layer_params * nb / t
     elif phase == "head_loss":
         peaks = phase_peaks(
-            config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb, remat=remat, base=base
+            dims, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb, remat=remat, base=base
         )
         state = base.params + base.grads + base.optimizer
-        copies = 3 * head_weight_copy_bytes(config, recipe, mesh, bytes_per_value=nb)
+        copies = 3 * head_weight_copy_bytes(dims, recipe, mesh, bytes_per_value=nb)
         out["gathered weights"] = copies  # the copy, its gradient, that gradient reduced
         out["logits / loss"] = peaks["head_loss"] - state - out["saved activations"] - copies
     return {k: v for k, v in out.items() if v > 0}

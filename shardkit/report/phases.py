@@ -24,7 +24,7 @@ then the analytic total. A guide, not a bound: XLA's temporaries inside a phase
 Example:
   >>> from shardkit.models import CONFIGS
   >>> from shardkit.report.analytic import analytic_model
-  >>> m = analytic_model(CONFIGS["gpt-small"], "fsdp", {"fsdp": 8}, batch=8, seq=512,
+  >>> m = analytic_model(CONFIGS["gpt-small"].dims(), "fsdp", {"fsdp": 8}, batch=8, seq=512,
   ...                    remat="full")
   >>> peak_phase(m.memory.phases)
   'layers'
@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from shardkit import recipes
+from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.loss import LOGITS, auto_chunks
 from shardkit.report.formulas import activation_bytes, logits_bytes, megatron_activations_per_layer
@@ -180,7 +181,7 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
 
 
 def head_weight_copy_bytes(
-    config: Any,
+    dims: ModelDims,
     recipe: Any,
     mesh: Mapping[str, int],
     *,
@@ -197,7 +198,7 @@ def head_weight_copy_bytes(
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"], "dp", {"data": 8})
+      >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"].dims(), "dp", {"data": 8})
       0.0
     """
     recipe = recipes.get(recipe)
@@ -206,25 +207,26 @@ def head_weight_copy_bytes(
     rules = recipe.activation_rules if rules is None else rules
     head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
     stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
-    weight = config.vocab * config.d_model * bytes_per_value
+    weight = dims.vocab * dims.d_model * bytes_per_value
     scale = 1.0 if act_bytes is None else act_bytes / bytes_per_value
     return max(0.0, weight / head_split - weight / stored_split) * scale
 
 
 def phase_peaks(
-    config: Any,
+    dims: ModelDims,
     recipe: Any,
     mesh: Mapping[str, int],
     *,
     batch: int,
     seq: int,
     bytes_per_value: int = 4,
-    remat: str | None = None,
+    remat: str = "none",
     clip: Literal["scale", "select"] = "scale",
     base: Any,
     precision: str = "f32",
 ) -> dict[str, float]:
-    """Bytes per device at the peak of each phase of a reference model's training step.
+    """Bytes per device at the peak of each phase of a training step whose loss is
+    shardkit's chunked head.
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (``loss_chunks`` as the model uses
@@ -234,7 +236,7 @@ def phase_peaks(
       mesh: mesh axis sizes.
       batch, seq: global batch and sequence length.
       bytes_per_value: bytes of a parameter, gradient or activation value.
-      remat: overrides ``config.remat``.
+      remat: ``"none"``, ``"full"`` or ``"save_dots"``.
       clip: the optimizer's clip (``"scale"``: ``shardkit.train.adamw``).
       base: the ``AnalyticMemory`` of
         :func:`~shardkit.report.analytic.analytic_model` for these arguments (its state
@@ -253,9 +255,9 @@ def phase_peaks(
       >>> from shardkit.models import CONFIGS
       >>> from shardkit.report.analytic import analytic_model
       >>> kw = dict(batch=8, seq=512, remat="full")
-      >>> base = analytic_model(CONFIGS["gpt-small"], "dp", {"data": 8}, **kw).memory
-      >>> peaks = phase_peaks(CONFIGS["gpt-small"], "dp", {"data": 8}, clip="select",
-      ...                     base=base, **kw)
+      >>> dims = CONFIGS["gpt-small"].dims()
+      >>> base = analytic_model(dims, "dp", {"data": 8}, **kw).memory
+      >>> peaks = phase_peaks(dims, "dp", {"data": 8}, clip="select", base=base, **kw)
       >>> max(peaks, key=peaks.get)
       'optimizer_step'
     """
@@ -264,9 +266,8 @@ def phase_peaks(
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
     data_kind, tensor_kind = par.data_kind, par.tensor_kind
     sizes = {a: int(v) for a, v in mesh.items()}
-    nb, vocab, h = bytes_per_value, config.vocab, config.d_model
+    nb, vocab, h = bytes_per_value, dims.vocab, dims.d_model
     act = activation_bytes(precision, nb)
-    remat = config.remat if remat is None else remat
     state = base.params + base.grads + base.optimizer
     logits_term = logits_bytes(b=batch / (d * f), s=seq / c, vocab=vocab, nbytes=nb, t=t)
     saved = base.activations - logits_term
@@ -277,10 +278,10 @@ def phase_peaks(
     token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
     weight = vocab * h * nb
     copy = head_weight_copy_bytes(
-        config, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
+        dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
     )
     quantum = _split(logits_spec, sizes, (1,))
-    chunks = config.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
+    chunks = dims.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
     head = head_loss_peak_bytes(
         tokens=batch * seq,
         vocab=vocab,
@@ -294,12 +295,12 @@ def phase_peaks(
 
     # One layer recomputed (full remat), its weights gathered under FSDP.
     mode = tensor_kind if t > 1 else "none"
-    layer_params = config.dims().layer_params
+    layer_params = dims.layer_params
     layer = layer_peak_bytes(
         s=seq / c,
         b=batch / (d * f),
         h=h,
-        a=config.n_heads,
+        a=dims.n_heads,
         t=t,
         mode=mode,
         bytes_per_value=act,

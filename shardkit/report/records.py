@@ -7,9 +7,9 @@ analytic value, and why one is off by more than :data:`TOLERANCE`
 (:class:`Explanation`); and how their bytes read (:func:`human_bytes`).
 
 Example:
-  >>> t = WireTerm("weight all-gathers", 1100.0, 1000.0)
-  >>> round(t.ratio, 2), abs(t.ratio - 1) > TOLERANCE, human_bytes(1536)
-  (1.1, False, '1.5 KiB')
+  >>> t = WireTerm("weight all-gathers", 1050.0, 1000.0)
+  >>> t.ratio, abs(t.ratio - 1) > TOLERANCE, human_bytes(1536)
+  (1.05, False, '1.5 KiB')
 """
 
 from __future__ import annotations

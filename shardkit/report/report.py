@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 from jax.sharding import NamedSharding
 
+from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.report import lint, memory_terms, wire_terms
-from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
+from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases, workload_of
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
@@ -234,7 +235,7 @@ def build_report(
     state: Any,
     *,
     workload: Workload | None = None,
-    model_config: Any = None,
+    dims: ModelDims | None = None,
     batch: int | None = None,
     seq: int | None = None,
     replicated_threshold_bytes: int = 1 << 20,
@@ -251,9 +252,10 @@ def build_report(
         (``jax.eval_shape(init_fn, key)``), or arrays whose logical axes the plan knows.
       workload: the step's sizes; enables the analytic model (state and data-parallel
         terms from the batch alone; activation terms with the model's dimensions).
-      model_config: a reference model's config: with ``workload`` it adds the analytic
-        peak of each phase of the step; alone (with ``batch``, ``seq``) it sets the workload.
-      batch, seq: with ``model_config`` and no ``workload``.
+      dims: the model's dimensions (:class:`~shardkit.dims.ModelDims`), for a model whose
+        loss is shardkit's chunked head: with ``workload`` they add the analytic peak of
+        each phase of the step; alone (with ``batch``, ``seq``) they set the workload.
+      batch, seq: with ``dims`` and no ``workload``.
       replicated_threshold_bytes, replicated_threshold_share: warn about replicated
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
@@ -270,10 +272,8 @@ def build_report(
     collectives = tuple(wire_terms.attach_layouts(collectives_of(compiled), rows))
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-    if workload is None and model_config is not None and batch and seq:
-        workload = Workload.from_config(
-            model_config, batch=batch, seq=seq, precision=plan.precision
-        )
+    if workload is None and dims is not None and batch and seq:
+        workload = workload_of(dims, batch=batch, seq=seq, precision=plan.precision)
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
@@ -302,8 +302,8 @@ def build_report(
                 stack_optimizer_bytes=stack["optimizer"],
                 tensor_rest_bytes=split,
             )
-            if model_config is not None:  # a reference model: its phases set the total
-                analytic = with_phases(analytic, model_config, recipe, mesh, workload)
+            if dims is not None:  # a chunked head: the step's phases set the total
+                analytic = with_phases(analytic, dims, recipe, mesh, workload)
         except ShardingError as e:  # a layout the analytic model does not cover
             notes.append(f"no analytic model: {' '.join(str(e).split())}")
     logical_names = {n for r in rows for n in r.logical if n}
@@ -333,7 +333,7 @@ def build_report(
     terms: list[MemoryTerm] = []
     phase = None
     if buffers is not None:
-        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config)
+        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload, dims)
         explanations += why
     return Report(
         recipe=recipe.name,
@@ -353,7 +353,7 @@ def build_report(
     )
 
 
-def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
+def _itemise(buffers, compiled, rows, recipe, mesh, workload, dims):
     """(memory terms, their explanations, the peak's phase) of the temp memory at its peak."""
     par = recipe.parallelism(mesh)
     seq = set()
@@ -361,10 +361,10 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
         seq = {workload.seq, workload.seq // par.sequence, workload.seq // max(par.tsp, 1)}
     phase = memory_terms.peak_phase_of(buffers)
     analytic = {}
-    if model_config is not None and workload is not None and workload.seq:
+    if dims is not None and workload is not None and workload.seq:
         try:
             analytic = memory_terms.analytic_terms(
-                model_config,
+                dims,
                 recipe,
                 mesh,
                 batch=workload.batch,

@@ -41,8 +41,8 @@ def test_phase_that_sets_the_peak():
     unchunked = dataclasses.replace(small, loss_chunks=1)
 
     def peaks(config, recipe, mesh, **more):
-        base = analytic_model(config, recipe, mesh, **kw).memory
-        return phase_peaks(config, recipe, mesh, base=base, **kw, **more)
+        base = analytic_model(config.dims(), recipe, mesh, **kw).memory
+        return phase_peaks(config.dims(), recipe, mesh, base=base, **kw, **more)
 
     assert peak_phase(peaks(unchunked, "fsdp", {"fsdp": 8})) == "head_loss"
     assert peak_phase(peaks(small, "dp", {"data": 8}, clip="select")) == "optimizer_step"
@@ -50,7 +50,9 @@ def test_phase_that_sets_the_peak():
 
 
 def test_analytic_total_is_the_largest_phase():
-    m = analytic_model(CONFIGS["gpt-small"], "fsdp", {"fsdp": 8}, batch=8, seq=512, remat="full")
+    m = analytic_model(
+        CONFIGS["gpt-small"].dims(), "fsdp", {"fsdp": 8}, batch=8, seq=512, remat="full"
+    )
     assert m.memory.total == max(m.memory.phases.values())
     assert m.memory.to_dict()["peak_phase"] == peak_phase(m.memory.phases)
     assert any("phase peak" in n for n in m.notes)

@@ -218,7 +218,7 @@ def test_explanations_of_other_terms_group_by_source_with_runs():
 def test_analytic_terms_split_the_analytic_wire_bytes(recipe):
     cfg = models.CONFIGS["gpt-small"]
     m = analytic_model(
-        cfg,
+        cfg.dims(),
         recipe,
         recipes.get(recipe).axis_sizes(8),
         batch=8,
@@ -235,7 +235,7 @@ def test_analytic_fsdp_terms_are_zero3s_formulas():
     cfg = models.CONFIGS["gpt-small"]
     psi = cfg.param_count()
     fsdp = recipes.get("fsdp").with_logits("tokens")  # the head gathers its weight
-    m = analytic_model(cfg, fsdp, {"fsdp": 8}, batch=8, seq=512, remat="full")
+    m = analytic_model(cfg.dims(), fsdp, {"fsdp": 8}, batch=8, seq=512, remat="full")
     # Rajbhandari et al.: all-gathers of 2Ψ forward + backward, a reduce-scatter of Ψ
     assert m.wire_terms == pytest.approx(
         {"weight all-gathers": 2 * psi * 4 * 7 / 8, "gradient reductions": psi * 4 * 7 / 8}
