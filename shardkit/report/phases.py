@@ -39,7 +39,7 @@ from typing import Any, Literal
 from shardkit import recipes
 from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
-from shardkit.loss import LOGITS, auto_chunks
+from shardkit.nn.loss import LOGITS, auto_chunks
 from shardkit.report.formulas import activation_bytes, logits_bytes, megatron_activations_per_layer
 
 __all__ = [
@@ -230,7 +230,7 @@ def phase_peaks(
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (``loss_chunks`` as the model uses
-        it: ``None`` is :func:`shardkit.loss.auto_chunks`).
+        it: ``None`` is :func:`shardkit.nn.loss.auto_chunks`).
       recipe: a ``Recipe`` or a registered recipe's name (its rules give the head's
         layout, and what each mesh axis runs: ``Recipe.parallelism``).
       mesh: mesh axis sizes.

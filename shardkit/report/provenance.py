@@ -111,12 +111,7 @@ _SHARDKIT = tuple(
         "context.py",
         "scopes.py",
         f"annotate{os.sep}",
-        f"nn{os.sep}",
-        "replicas.py",
-        "attention.py",
-        "loss.py",
-        os.path.join("parallel", "tsp.py"),
-        os.path.join("parallel", "tsp_head.py"),
+        f"nn{os.sep}",  # the building blocks: attention, loss, replicas, TSP's rings
         os.path.join("parallel", "pipeline.py"),
     )
 )

@@ -168,10 +168,10 @@ def test_the_block_is_the_innermost_shardkit_scope(op_name, blocks, block):
 
 def test_source_skips_shardkits_blocks_by_their_path_in_the_package_not_their_name():
     root = os.path.dirname(sk.__file__)
-    ours = Frame(os.path.join(root, "attention.py"), "_ring", 254)
+    ours = Frame(os.path.join(root, "nn", "attention.py"), "_ring", 254)
     theirs = Frame("/home/me/attention.py", "Attention.__call__", 12)
     assert source_of((ours, theirs)).where == "attention.py:12"
     assert source_of((ours, theirs)).file == "/home/me/attention.py"
-    tsp = Frame(os.path.join(root, "parallel", "tsp.py"), "TspDot.__call__", 380)
+    tsp = Frame(os.path.join(root, "nn", "tsp.py"), "TspDot.__call__", 380)
     model = Frame(os.path.join(root, "models", "gpt.py"), "Mlp.__call__", 142)
     assert source_of((tsp, model)).where == "gpt.py:142"
