@@ -263,7 +263,30 @@ def blocks_in(op_name: str) -> tuple[str, ...]:
       >>> blocks_in("jit(s)/jvp(shardkit.loss.chunked)/shardkit.model/wte/dot_general")
       ('loss.chunked', 'model')
     """
-    return tuple(_SCOPE.findall(op_name))
+    return tuple(_SCOPE.findall(_primary(op_name)))
+
+
+def _primary(op_name: str) -> str:
+    """The first of the ops XLA combined into one (``jit(f)/(a/x:b/y)`` → ``jit(f)/a/x``):
+    the one whose stack frame the combined op keeps, so its block and its source agree.
+
+    Example:
+      >>> _primary("jit(s)/(reduce_sum:jvp(shardkit.loss.chunked)/while/reduce_sum)")
+      'jit(s)/reduce_sum'
+    """
+    out = []
+    for seg in _segments(op_name):
+        if seg.startswith("(") and seg.endswith(")"):
+            inner, depth = seg[1:-1], 0
+            for i, ch in enumerate(inner):
+                depth += ch == "("
+                depth -= ch == ")"
+                if ch == ":" and depth == 0:
+                    inner = inner[:i]
+                    break
+            seg = inner
+        out.append(seg)
+    return "/".join(out)
 
 
 def without_blocks(op_name: str) -> str:

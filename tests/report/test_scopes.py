@@ -158,6 +158,17 @@ def test_a_blocks_collectives_name_the_models_line_and_the_block():
             ("loss.chunked", "model"),
             "",
         ),
+        # ops XLA combined into one: the first's block (its stack frame is the first's)
+        (
+            "jit(s)/(reduce_sum:reduce_sum:jvp(shardkit.loss.chunked)/while/reduce_sum)",
+            (),
+            "",
+        ),
+        (
+            "jit(s)/transpose(jvp(GPT))/(shardkit.model/scatter-add:shardkit.loss.head_view/r)",
+            ("model",),
+            "",
+        ),
         # a user's scope that merely contains the word
         ("jit(s)/jvp(Net)/my.shardkit.attention/dot_general", (), ""),
     ],
