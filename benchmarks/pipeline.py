@@ -82,11 +82,12 @@ def worker(spec: dict) -> dict:
         from shardkit.report.analytic import analytic_model
 
         a = analytic_model(
-            model.config,
+            model.config.dims(),
             recipe,
             dict(plan.mesh.shape),
             batch=b,
             seq=s,
+            remat=model.config.remat,
             pipeline={
                 "microbatches": spec["m"],
                 "schedule": spec["schedule"],

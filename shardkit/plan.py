@@ -502,7 +502,7 @@ class Plan:
                 compiled, kwargs["buffers"] = compile_with_buffers(lowered)
             else:
                 compiled = lowered.compile()
-            if kwargs.get("workload") is None and kwargs.get("model_config") is None:
+            if kwargs.get("workload") is None and kwargs.get("dims") is None:
                 kwargs["workload"] = _workload_of(batch, self.precision)
             if kwargs.get("pipeline") is None and isinstance(step, PipelinedStep):
                 kwargs["pipeline"] = step.options  # what the pipeline's analytic model counts

@@ -134,7 +134,7 @@ def run(
         compiled,
         abstract,
         workload=workload,
-        model_config=spec.config if isinstance(spec, models.Model) else None,
+        dims=spec.dims,
         pipeline=pipelined.options if pipelined else None,
     )
 

@@ -31,11 +31,15 @@ from typing import Any
 
 import jax
 
-from shardkit import train
+from shardkit import models, train
 from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
+from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
+from shardkit.plan import Plan
+from shardkit.report.analytic import analytic_costs, with_phases
 from shardkit.report.lint import human_bytes
+from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 from shardkit.workload import Workload
 
 __all__ = ["Subject", "Pruned", "Analytic", "Evidence", "prune", "compile_candidate"]
@@ -54,8 +58,6 @@ class Subject:
 
     @classmethod
     def of(cls, model: Any, *, batch: int, seq: int) -> Subject:
-        from shardkit.plan import Plan
-
         plan = Plan("dp", devices=jax.devices()[:1], annotations=model.annotations)
         abstract = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
         size = {"param": 0, "optimizer": 0}
@@ -147,8 +149,6 @@ def _first_line(e: Exception) -> str:
 
 def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | Analytic:
     """:class:`Pruned` with the reason, or the candidate's :class:`Analytic` costs."""
-    from shardkit.report.analytic import analytic_costs, with_phases
-
     recipe = candidate.recipe_object()
     mesh = candidate.mesh_sizes
     stages = mesh.get("stage")
@@ -158,7 +158,6 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             f"{4 * stages} micro-batches per data replica"
         )
     dims = subject.model.dims
-    config = subject.model.config if isinstance(subject.model, Model) else None
     ring = mesh.get(recipe.attention_axis, 1)
     zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
     if zigzag and ring > 1 and subject.seq % (2 * ring):
@@ -209,8 +208,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             optimizer_bytes=subject.optimizer_bytes,
             **extra,
         )
-        if config is not None and not stages:
-            analytic = with_phases(analytic, config, recipe, mesh, workload)
+        if isinstance(subject.model, Model) and not stages:  # shardkit's chunked head
+            analytic = with_phases(analytic, dims, recipe, mesh, workload)
     except ShardingError as e:
         return Pruned(_first_line(e))
     state = analytic.memory.params + analytic.memory.grads + analytic.memory.optimizer
@@ -237,9 +236,6 @@ def _pipeline_options(candidate: Candidate) -> dict:
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
-    from shardkit.mesh import make_mesh
-    from shardkit.plan import Plan
-
     mesh = make_mesh(
         candidate.mesh_sizes, devices=devices[: math.prod(candidate.mesh_sizes.values())]
     )
@@ -260,9 +256,6 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     FLOPs and collectives a ranking needs and the named terms that explain the gap
     between the analytic and the compiled memory.
     """
-    from shardkit import models
-    from shardkit.report.wire_terms import TERMS as WIRE_TERMS
-
     devices = devices if devices is not None else jax.devices()
     pipeline = _pipeline_options(candidate) if candidate.microbatches is not None else None
     try:

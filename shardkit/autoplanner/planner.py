@@ -35,6 +35,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from rich.progress import Progress
+from rich.table import Table
 
 from shardkit import recipes as recipe_registry
 from shardkit.autoplanner import hardware as hardware_table
@@ -49,7 +51,9 @@ from shardkit.autoplanner.evaluate import (
     prune,
 )
 from shardkit.autoplanner.roofline import Estimate, estimate, model_flops
+from shardkit.autoplanner.worker import compile_elsewhere
 from shardkit.errors import ShardingError
+from shardkit.models import resolve
 from shardkit.models.model import Model
 from shardkit.models.user import as_user_model
 from shardkit.protocol import Model as ProtocolModel
@@ -152,8 +156,6 @@ class AutoplanResult:
 
     def table(self, limit: int = 15):
         """A rich table of the ranked candidates (80 columns; full text in ``to_json``)."""
-        from rich.table import Table
-
         t = Table(
             title=f"{self.model} on {self.devices} {self.hardware.name} devices, batch "
             f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB "
@@ -343,8 +345,6 @@ def autoplan(
       NoLayoutFitsError: nothing fits; the message names the smallest memory that
         would fit and the device counts that would work.
     """
-    from shardkit.models import resolve
-
     if not isinstance(devices, int) or devices < 1:
         raise ShardingError(f"autoplan(devices=...) is a positive int, got {devices!r}.")
     for p in precisions:
@@ -475,8 +475,6 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
             )
     if not todo:
         return out
-    from rich.progress import Progress
-
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"compiling {len(todo)} layouts on {devices} devices", total=len(todo))
         if len(jax.devices()) >= devices:
@@ -488,8 +486,6 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
                     f"process (it has {len(jax.devices())}) or a model given by name.\nFix: pass "
                     "the model's name (e.g. 'gpt-7b' or 'package.module:factory')."
                 )
-            from shardkit.autoplanner.worker import compile_elsewhere
-
             results = compile_elsewhere(
                 {
                     "model": model,

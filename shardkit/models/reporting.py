@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from shardkit import train
-from shardkit.models.model import Model
 from shardkit.parallel.cli import for_plan
 from shardkit.workload import Workload
 
@@ -79,6 +78,6 @@ def report(
         abstract,
         token_batch(batch, seq),
         workload=workload,
-        model_config=model.config if isinstance(model, Model) else None,
+        dims=model.dims,
         **kwargs,
     )

@@ -49,6 +49,7 @@ from shardkit.annotate.constrain import (
 )
 from shardkit.nn.replicas import ReplicaView, per_replica
 from shardkit.nn.tsp_head import vocab_ring_cross_entropy
+from shardkit.scopes import block, model_code
 
 __all__ = [
     "ChunkError",
@@ -68,6 +69,7 @@ class ChunkError(errors.ShardingError):
     """A chunk count that does not split the tokens (or the devices' share of them)."""
 
 
+@block("loss")
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-token cross-entropy, written so a vocabulary split over devices stays split.
 
@@ -188,6 +190,7 @@ def _relayout_bwd(forward, backward, _, ct):
 _relayout.defvjp(_relayout_fwd, _relayout_bwd)
 
 
+@block("loss.head_view")
 def head_view(
     weight: jax.Array,
     weight_axes: Sequence[str | None],
@@ -287,6 +290,7 @@ def _head_view(
     return head_view(weight, weight_axes, data=targets, data_axes=token_axes)
 
 
+@block("loss.chunked")
 def chunked_cross_entropy(
     hidden: jax.Array,
     targets: jax.Array,
@@ -365,6 +369,7 @@ def chunked_cross_entropy(
             f"{len(logits_axes)} dimension(s); the logits have {hidden.ndim}.\n"
             "Fix: one logical name (or None) per token dimension, then the vocabulary's."
         )
+    project = model_code(project)  # the head's projection is the model's code
     if weight is not None and weight_axes is not None and not isinstance(weight, ReplicaView):
         # Under TSP's schedules the head's vocabulary shards travel a ring instead.
         losses = vocab_ring_cross_entropy(
@@ -448,6 +453,7 @@ def chunked_cross_entropy(
 HEAD_GRAD_CHUNKS = 8
 
 
+@block("loss.head_grad")
 def head_loss_and_grad(
     hidden: jax.Array,
     targets: jax.Array,

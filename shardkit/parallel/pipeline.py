@@ -84,6 +84,7 @@ from shardkit.parallel.schedules import (
 )
 from shardkit.recipes.recipe import VocabRules
 from shardkit.rules import Rules
+from shardkit.scopes import block, scope
 
 __all__ = [
     "PipelinedGrad",
@@ -142,6 +143,7 @@ def _full_spec(spec: PartitionSpec | None, ndim: int) -> tuple:
     return (entries + (None,) * ndim)[:ndim]
 
 
+@block("pipeline.gather")
 def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
     """All-gather ``x`` over every mesh axis (but those in ``skip``) its spec shards it on."""
     for d, entry in enumerate(_full_spec(spec, x.ndim)):
@@ -151,6 +153,7 @@ def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Arra
     return x
 
 
+@block("pipeline.scatter")
 def _scatter(g: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
     """Reduce-scatter ``g`` back to the shards ``spec`` gives (the transpose of ``_gather``)."""
     for d, entry in enumerate(_full_spec(spec, g.ndim)):
@@ -623,7 +626,8 @@ class _Body:
                     loss = loss + val.astype(jnp.float32)
                     store[-1][t % ring] = dy
                 if p > 1:
-                    recv_f = jax.lax.ppermute(y, stage, fwd_perm)
+                    with scope("pipeline.send"):
+                        recv_f = jax.lax.ppermute(y, stage, fwd_perm)
             if has_b:
                 j, k = at("b_mb", t), at("b_k", t)
                 slot = read_slots[t][s]
@@ -677,7 +681,8 @@ class _Body:
 
                     d_rest = jax.lax.cond(at("b_first", t), pre_grad, lambda d: d, d_rest)
                 if p > 1:
-                    recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
+                    with scope("pipeline.send"):
+                        recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
         flush(d_acc)
 
         # Sum over the batch axes (and, for rest, over stages); shards stay shards.
