@@ -42,11 +42,16 @@ highlight_language = "none"  # a fence without a language is plain text
 # API reference: from the docstrings (Google style), type hints in the descriptions.
 autosummary_generate = True
 autosummary_imported_members = True
+autosummary_ignore_module_all = False  # a module's page lists its __all__, nothing else
 autodoc_typehints = "description"
 autodoc_member_order = "bysource"
 napoleon_google_docstring = True
 napoleon_numpy_docstring = False
 napoleon_use_rtype = False
+napoleon_use_ivar = True
+# A name exported twice (``shardkit.ShardingError`` is ``shardkit.errors.ShardingError``)
+# makes an unqualified reference ambiguous; Sphinx links it to the first, which is right.
+suppress_warnings = ["ref.python"]  # "Attributes:" as fields, not a second entry beside autodoc's
 
 html_theme = "sphinx_book_theme"
 html_title = "shardkit"
