@@ -193,10 +193,17 @@ def write_pages(results: Path = HERE / "results", docs: Path = DOCS) -> list[Pat
         lines = [GENERATED, "", f"# {title}", "", about, ""]
         plot = PLOTS.get(page)
         if plot is not None and (image := plot(found[0][1], images)) is not None:
-            lines += [f"```{{figure}} _images/{image}", ":width: 100%", "", CAPTIONS[page], "```", ""]
+            lines += [
+                f"```{{figure}} _images/{image}",
+                ":width: 100%",
+                "",
+                CAPTIONS[page],
+                "```",
+                "",
+            ]
         for part, result in found:
             heading = result["title"]
-            lines += [f"## {heading}", "", f"```{{admonition}} Run", stamp(result["machine"])]
+            lines += [f"## {heading}", "", "```{admonition} Run", stamp(result["machine"])]
             lines += [f"Source: `benchmarks/results/{part}.json`.", "```", "", _body(result), ""]
         path = docs / f"{page}.md"
         path.write_text("\n".join(lines).rstrip() + "\n")
