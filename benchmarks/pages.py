@@ -85,18 +85,32 @@ def stamp(machine: dict[str, Any]) -> str:
         f"{k} {machine[k]}" for k in ("python", "jax", "flax", "shardkit") if machine.get(k)
     )
     return (
-        f"Run {machine['date']} on {machine['backend']} ({machine['device_kind']}), "
+        f"{machine['date']}; {machine['backend']} ({machine['device_kind']}), "
         f"{machine['devices']} device(s) in the measuring process, {machine['cpu_count']} CPU "
-        f"cores, {machine['host']}; {versions}."
+        f"cores; {machine['host']}; {versions}."
     )
 
 
-def _body(result: dict[str, Any]) -> str:
-    """The table and the notes the benchmark wrote under it, without its own heading."""
-    text = result["markdown"].split("\n", 1)[1].strip()
-    # The benchmark's italic provenance line is replaced by the stamp above the table.
-    lines = [line for line in text.splitlines() if not line.startswith("_20")]
-    return "\n".join(lines).strip()
+def _split_title(title: str) -> tuple[str, str]:
+    """A table's title as a short heading and the rest ("Layout quality: gpt-small, ..."
+    -> "Layout quality", "gpt-small, ...")."""
+    head, sep, rest = title.partition(": ")
+    return (head, rest) if sep else (title, "")
+
+
+def _body(result: dict[str, Any]) -> list[str]:
+    """The benchmark's tables and notes as it wrote them, each table under a short heading
+    with its full title below; its italic provenance lines give way to the stamp."""
+    lines = []
+    for line in result["markdown"].strip().splitlines():
+        if line.startswith("_20"):
+            continue
+        if line.startswith("### "):
+            head, rest = _split_title(line[4:])
+            lines += [f"## {head}", ""] + ([f"*{rest}*", ""] if rest else [])
+            continue
+        lines.append(line)
+    return lines
 
 
 def _plot_layout(result: dict[str, Any], out: Path) -> str | None:
@@ -202,9 +216,9 @@ def write_pages(results: Path = HERE / "results", docs: Path = DOCS) -> list[Pat
                 "",
             ]
         for part, result in found:
-            heading = result["title"]
-            lines += [f"## {heading}", "", "```{admonition} Run", stamp(result["machine"])]
-            lines += [f"Source: `benchmarks/results/{part}.json`.", "```", "", _body(result), ""]
+            lines += ["```{admonition} The run", stamp(result["machine"])]
+            lines += [f"Source: `benchmarks/results/{part}.json`.", "```", ""]
+            lines += [*_body(result), ""]
         path = docs / f"{page}.md"
         path.write_text("\n".join(lines).rstrip() + "\n")
         written.append(path)

@@ -56,6 +56,7 @@ suppress_warnings = ["ref.python"]  # "Attributes:" as fields, not a second entr
 html_theme = "sphinx_book_theme"
 html_title = "shardkit"
 html_static_path = ["_static"]
+html_css_files = ["shardkit.css"]
 templates_path = ["_templates"]
 html_theme_options = {
     "show_toc_level": 2,
