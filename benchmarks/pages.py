@@ -255,9 +255,9 @@ def headline(results: Path = HERE / "results") -> str | None:
     )
     rows = [[row[col[h]] for _, h in keep] for row in result["rows"]]
     m = result["machine"]
+    about = _split_title(result["title"])[1]  # the benchmark's own description of the run
     return (
         f"{markdown([k for k, _ in keep], rows)}\n\n"
-        f"_GPT-2 small, 8 × 512 tokens, f32 AdamW, full remat, compile only; "
-        f"{m['date']}, {m['backend']}, jax {m['jax']} "
+        f"_{about}; compile only; {m['date']}, {m['backend']}, jax {m['jax']} "
         f"([all benchmarks](docs/benchmarks/index.md))._"
     )
