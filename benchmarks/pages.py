@@ -119,7 +119,7 @@ def _plot_layout(result: dict[str, Any], out: Path) -> str | None:
     headers = result["headers"]
     col = {h: i for i, h in enumerate(headers)}
     rows = result["rows"]
-    names = [f"{r[col['recipe']]}\n{r[col['mesh']]}" for r in rows]
+    names = [r[col["recipe"]] for r in rows]  # the meshes are in the table
     series = [
         ("shardkit", "shardkit total MiB"),
         ("analytic", "analytic total MiB"),
@@ -132,7 +132,7 @@ def _plot_layout(result: dict[str, Any], out: Path) -> str | None:
             header = header if kind == "total" else header.replace("total", "wire")
             values = [r[col[header]] if isinstance(r[col[header]], float) else 0 for r in rows]
             ax.bar([i + (n - 1) * width for i in range(len(rows))], values, width, label=label)
-        ax.set_xticks(range(len(rows)), names, fontsize=7)
+        ax.set_xticks(range(len(rows)), names, fontsize=8)
         ax.set_ylabel("MiB per device" if kind == "total" else "wire MiB per device per step")
         ax.set_title("memory per device" if kind == "total" else "wire bytes per step")
     axes[0].legend(fontsize=8)
