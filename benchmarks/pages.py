@@ -98,7 +98,7 @@ def _split_title(title: str) -> tuple[str, str]:
     return (head, rest) if sep else (title, "")
 
 
-def _body(result: dict[str, Any]) -> list[str]:
+def _body(result: dict[str, Any], page_title: str = "") -> list[str]:
     """The benchmark's tables and notes as it wrote them, each table under a short heading
     with its full title below; its italic provenance lines give way to the stamp."""
     lines = []
@@ -107,7 +107,8 @@ def _body(result: dict[str, Any]) -> list[str]:
             continue
         if line.startswith("### "):
             head, rest = _split_title(line[4:])
-            lines += [f"## {head}", ""] + ([f"*{rest}*", ""] if rest else [])
+            lines += [f"## {head}", ""] if head != page_title else []  # not the page's again
+            lines += [f"*{rest}*", ""] if rest else []
             continue
         lines.append(line)
     return lines
@@ -218,7 +219,7 @@ def write_pages(results: Path = HERE / "results", docs: Path = DOCS) -> list[Pat
         for part, result in found:
             lines += ["```{admonition} The run", stamp(result["machine"])]
             lines += [f"Source: `benchmarks/results/{part}.json`.", "```", ""]
-            lines += [*_body(result), ""]
+            lines += [*_body(result, title), ""]
         path = docs / f"{page}.md"
         path.write_text("\n".join(lines).rstrip() + "\n")
         written.append(path)
