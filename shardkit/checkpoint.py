@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Sharding
 
+from shardkit import distributed
 from shardkit.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -316,8 +317,6 @@ def save(
         metrics=contents["metrics"],
         force=True,
     )
-    from shardkit import distributed
-
     distributed.note_checkpoint(os.fspath(path))
     if block:
         manager.wait_until_finished()

@@ -34,7 +34,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit import context
+from shardkit import checkpoint, context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
@@ -52,6 +52,7 @@ from shardkit.report.buffers import compile_with_buffers
 from shardkit.report.report import Report, build_report
 from shardkit.rules import Rules
 from shardkit.state import AbstractState, PlannedLeaf
+from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
 
 __all__ = ["Plan", "PlannedLeaf", "PlannedStep", "BATCH_AXES"]
@@ -391,15 +392,11 @@ class Plan:
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, path: Any, state: Any, *, step: int, data_state: Any = None, **kwargs: Any):
         """Save ``state`` as checkpoint ``step`` under ``path`` (:func:`shardkit.checkpoint.save`)."""
-        from shardkit import checkpoint
-
         return checkpoint.save(self, path, state, step=step, data_state=data_state, **kwargs)
 
     def restore(self, path: Any, *, like: Any, step: int | None = None):
         """Restore a checkpoint into this plan's layout (:func:`shardkit.checkpoint.restore`);
         ``like`` is an ``AbstractState`` (``plan.abstract_init``) or a tree of them."""
-        from shardkit import checkpoint
-
         if isinstance(like, AbstractState):
             like = self._own(like)
         return checkpoint.restore(self, path, like=like, step=step)
@@ -505,10 +502,10 @@ class Plan:
                 compiled, kwargs["buffers"] = compile_with_buffers(lowered)
             else:
                 compiled = lowered.compile()
-            if kwargs.get("workload") is None and kwargs.get("model_config") is None:
+            if kwargs.get("workload") is None and kwargs.get("dims") is None:
                 kwargs["workload"] = _workload_of(batch, self.precision)
-            if kwargs.get("pipeline") is None and getattr(step, "pipeline", None) is not None:
-                kwargs["pipeline"] = step.pipeline  # sk.parallel.train_step's options
+            if kwargs.get("pipeline") is None and isinstance(step, PipelinedStep):
+                kwargs["pipeline"] = step.options  # what the pipeline's analytic model counts
         return build_report(self, compiled, state, **kwargs)
 
     def _check_axes_known(self, state: Any) -> None:

@@ -36,6 +36,8 @@ def plot_reports(
     device per step (stacked by collective kind), each recipe's measured bar next to its
     analytic bar. ``title`` heads the figure (model, devices, workload); ``skipped``
     recipes are listed under it with their reason. Returns the path written."""
+    # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
+    # figure is asked for, so that the report works without it.
     import matplotlib
 
     matplotlib.use("Agg")

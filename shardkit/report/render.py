@@ -22,7 +22,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 
 __all__ = ["abbreviate", "comparison_table", "memory_terms_table", "report_renderables", "to_text"]
 
@@ -124,7 +124,7 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
         ops.add_row(
             kind,
             _PASS.get(g.pass_, g.pass_),
-            abbreviate(g.where or "–", 18),
+            abbreviate(g.block or g.where or "–", 18),  # the block that made it, if any
             abbreviate(g.source, 16),
             str(g.executions),
             human_bytes(g.wire_bytes),
