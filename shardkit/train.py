@@ -78,7 +78,7 @@ def adamw(
 
     ``eps`` defaults to 1e-5 rather than optax's 1e-8: smaller, Adam divides the f32
     rounding noise of near-zero gradients by it, and a sharded run drifts from one
-    device's (README: the equality claim and its conditions).
+    device's (docs/explain/correctness.md: the equality claim and its conditions).
 
     The clip is :func:`clip_by_global_norm` (a scalar factor, no copy of the gradients).
     """

@@ -46,7 +46,7 @@ __all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
-#: gpt-small and llama-small; see the README's known limits).
+#: gpt-small and llama-small; see docs/explain/limits.md).
 PHASE_WHY = {
     "layers": "the layer being recomputed in the backward pass holds XLA's f32 temporaries "
     "(about 20 buffers of b·s·h under tensor parallelism, and attention scores), which the "
