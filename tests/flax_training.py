@@ -124,6 +124,14 @@ def check_trains_as_flax_lays_it_out(model, recipe):
     assert kernels and all(k.prefix and k.axes == ("embed", "kv", None) for k in kernels)
     if recipe in ("fsdp", "fsdp_tp"):
         assert all(k.spec[0] == "fsdp" for k in kernels)
+    # Adam's moments of those kernels mirror their padded names and their layout.
+    moments = [
+        x for x in abstract.leaves if x.kind == "optimizer" and x.path.endswith("query/kernel")
+    ]
+    assert len(moments) == 2 * len(kernels)
+    assert all(
+        m.prefix and m.axes == kernels[0].axes and m.spec == kernels[0].spec for m in moments
+    )
 
     report = plan.report(compiled, abstract)
     rows = {r.path: r for r in report.params}
