@@ -179,7 +179,7 @@ def analytic_costs(
                 "pipeline's options and the layer stack's bytes.\nFix: analytic_costs(..., "
                 "pipeline={'microbatches': m, 'schedule': '1f1b'}, stack_param_bytes=..., "
                 "stack_optimizer_bytes=...), or report a step built by "
-                "sk.parallel.train_step (it carries them)."
+                "shardkit.train.train_step (its PipelinedStep carries them)."
             )
         stack_opt = (
             stack_param_bytes / param_bytes * optimizer_bytes

@@ -21,10 +21,10 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
 from jax.sharding import NamedSharding
 
 from shardkit.dims import ModelDims
+from shardkit.dtypes import dtype_name, itemsize
 from shardkit.errors import ShardingError
 from shardkit.report import lint, memory_terms, wire_terms
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases, workload_of
@@ -46,7 +46,7 @@ __all__ = ["Report", "build_report", "param_rows"]
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
-#: gpt-small and llama-small; see the README's known limits).
+#: gpt-small and llama-small; see docs/explain/limits.md).
 PHASE_WHY = {
     "layers": "the layer being recomputed in the backward pass holds XLA's f32 temporaries "
     "(about 20 buffers of b·s·h under tensor parallelism, and attention scores), which the "
@@ -183,7 +183,7 @@ class Report:
 
 
 def _full_bytes(row: ParamRow) -> int:
-    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+    return math.prod(row.shape) * itemsize(row.dtype)
 
 
 def param_rows(plan: Any, state: Any) -> list[ParamRow]:
@@ -197,14 +197,15 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
             ParamRow(
                 path=info.path,
                 shape=info.shape,
-                dtype=str(np.dtype(info.dtype)),
+                dtype=dtype_name(info.dtype),
                 logical=tuple(info.axes),
                 spec=str(leaf.spec),
-                bytes_per_device=math.prod(shard) * np.dtype(info.dtype).itemsize,
+                bytes_per_device=math.prod(shard) * itemsize(info.dtype),
                 replicated=all(e is None for e in leaf.spec),
                 kind=kind,
                 shard_shape=tuple(shard),
                 mesh_axes=_mesh_axes(leaf.spec, len(info.shape)),
+                prefix=info.prefix,
             )
         )
     return rows
@@ -261,7 +262,7 @@ def build_report(
         Gradients all-reduced more than once are checked for parameters over
         ``replicated_threshold_bytes``.
       pipeline: a pipelined step's options (``{"microbatches": m, "schedule": ...}``, what
-        ``sk.parallel.train_step`` attaches as ``step.pipeline``; ``plan.report`` reads it):
+        a ``PipelinedStep`` carries as ``step.options``; ``plan.report`` reads it):
         the analytic model of a recipe with a ``stage`` axis counts the stage's share.
       buffers: the step's buffer assignment
         (:func:`shardkit.report.buffers.compile_with_buffers`): the temp memory at its
