@@ -233,7 +233,7 @@ class Report:
     def __rich_console__(self, console: Any, options: Any):
         from shardkit.report.render import report_renderables
 
-        yield from report_renderables(self)
+        yield from report_renderables(self, width=options.max_width)
 
     def __str__(self) -> str:
         from shardkit.report.render import to_text
