@@ -184,7 +184,16 @@ def fit_table(
 def print_table(console: Console, table: Table) -> None:
     """Print ``table`` without cutting a cell: wider than the console, it runs over (as
     ``--wide`` asks) instead of wrapping or cropping names."""
-    console.print(table, width=max(console.width, table_width(table)), crop=False)
+    needed = table_width(table)
+    if needed <= console.width:
+        console.print(table)
+        return
+    narrow = console.width
+    console.width = needed  # rich renders no wider than its console
+    try:
+        console.print(table, crop=False)
+    finally:
+        console.width = narrow
 
 
 def to_lines(table: Table, width: int) -> list[str]:
