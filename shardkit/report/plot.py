@@ -44,11 +44,11 @@ _WIRE = dict(
     zip(
         KINDS,
         (
-            ("#6b1d1d", ""),
-            ("#c2513e", "//"),
-            ("#eb9a6e", "\\\\"),
-            ("#f6cfb0", "xx"),
-            ("#fbeee0", ".."),
+            ("#4a1010", ""),
+            ("#a8402f", "//"),
+            ("#e0875e", "\\\\"),
+            ("#f4c09c", "xx"),
+            ("#fdf3ea", ".."),
         ),
         strict=True,
     )
@@ -66,13 +66,15 @@ def figure_size(width: float, height: float) -> tuple[float, float]:
     return width, min(max(height, width / high), width / low)
 
 
-def save_figure(fig: Any, path: str | Path) -> str:
-    """Save ``fig`` to ``path`` (format from the suffix; SVG text stays text) and close it."""
+def save_figure(fig: Any, path: str | Path, *, close: bool = True) -> str:
+    """Save ``fig`` to ``path`` (format from the suffix; SVG text stays text, searchable)
+    and close it unless ``close=False``; returns the path."""
     import matplotlib.pyplot as plt
 
     with plt.rc_context({"svg.fonttype": "none"}):
         fig.savefig(path, dpi=120)
-    plt.close(fig)
+    if close:
+        plt.close(fig)
     return str(path)
 
 
