@@ -46,7 +46,7 @@ class ModelDims:
         under tensor parallelism: 2 when fused (``qkv``, ``up``), 5 for separate
         ``wq``, ``wk``, ``wv``, ``gate`` and ``up``.
       loss_chunks: chunks of the sequence the head and the loss run in, when the model
-        chunks its loss (``shardkit.loss.chunked_cross_entropy``); ``None`` otherwise.
+        chunks its loss (``shardkit.nn.loss.chunked_cross_entropy``); ``None`` otherwise.
 
     Raises:
       ShardingError: a size that is not a positive int, heads that do not divide

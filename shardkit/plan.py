@@ -47,6 +47,7 @@ from shardkit.mesh import check_devices, make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
 from shardkit.recipes import names as recipe_names
+from shardkit.recipes.tsp_layout import check_layout
 from shardkit.report.buffers import compile_with_buffers
 from shardkit.report.report import Report, build_report
 from shardkit.rules import Rules
@@ -150,8 +151,6 @@ class Plan:
         for rules in (self.rules, self.activation_rules, self.recipe.optimizer_rules):
             if rules is not None:
                 rules.validate(mesh)
-        from shardkit.parallel.tsp import check_layout  # TSP's own checks (issue 11)
-
         check_layout(self.recipe, mesh.shape)
 
     # -- rules -------------------------------------------------------------------------

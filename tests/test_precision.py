@@ -102,7 +102,7 @@ def _saved_activations(model, precision, batch, seq):
 )
 def test_bf16_halves_the_saved_activations(name, overrides, low, high):
     # bf16 keeps half the bytes of every saved activation, and the attention keeps only
-    # its bf16 probabilities (shardkit.attention.masked_softmax, 2 bytes per score) where
+    # its bf16 probabilities (shardkit.nn.attention.masked_softmax, 2 bytes per score) where
     # f32 keeps the masked scores, their exponentials and the mask (9 bytes): a little
     # under half on the reference models. The norms keep their f32 statistics. Before
     # masked_softmax: 0.71 on gpt-tiny; a bf16 path that saved f32 activations gives 1.0.

@@ -48,7 +48,7 @@ class ModelConfig:
       param_dtype: parameter dtype (float32: the master weights, whatever the precision).
       loss_chunks: chunks of the sequence the vocabulary head and the loss run in
         (``sk.chunked_cross_entropy``); ``None`` picks them from the step's size
-        (``shardkit.loss.auto_chunks``), 1 projects all the tokens at once.
+        (``shardkit.nn.loss.auto_chunks``), 1 projects all the tokens at once.
 
     Example:
       >>> cfg = ModelConfig("gpt", vocab=256, d_model=64, n_layers=2, n_heads=8,

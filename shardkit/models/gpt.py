@@ -30,11 +30,11 @@ import jax.numpy as jnp
 
 import shardkit as sk
 from shardkit import errors
-from shardkit.attention import causal_attention
-from shardkit.loss import head_view
 from shardkit.models.config import ModelConfig
-from shardkit.parallel.tsp import TspDot, active_axis
-from shardkit.parallel.tsp_head import vocab_ring_lookup
+from shardkit.nn.attention import causal_attention
+from shardkit.nn.loss import head_view
+from shardkit.nn.tsp import TspDot, active_axis
+from shardkit.nn.tsp_head import vocab_ring_lookup
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 

@@ -73,7 +73,7 @@ from shardkit.annotate.constrain import (
     is_explicit,
     param_rules,
 )
-from shardkit.attention import use_attention
+from shardkit.nn.attention import use_attention
 from shardkit.parallel.schedules import (
     MicrobatchError,
     PipelineError,
@@ -81,6 +81,7 @@ from shardkit.parallel.schedules import (
     StageDivisibilityError,
     make,
 )
+from shardkit.recipes.recipe import VocabRules
 from shardkit.rules import Rules
 
 __all__ = ["value_and_grad", "interleaved_order", "spec_axes", "STAGE", "STACK_ORDERS"]
@@ -169,7 +170,6 @@ def _auto_rules(rules: Rules | None, manual: frozenset[str]) -> Rules | None:
     """
     if rules is None:
         return None
-    from shardkit.recipes.recipe import VocabRules
 
     def strip(r: Rules) -> Rules:
         pairs, names = [], set()
@@ -250,7 +250,7 @@ def value_and_grad(
       stage_axis: the pipeline's mesh axis.
       post_grad: optional ``(rest, y, microbatch, d_rest, scale) -> (scale·loss, d_rest +
         scale·∂loss/∂rest, scale·∂loss/∂y)``, the last stage's loss and gradients added
-        into the running sum ``d_rest`` (e.g. with :func:`shardkit.loss.head_loss_and_grad`,
+        into the running sum ``d_rest`` (e.g. with :func:`shardkit.nn.loss.head_loss_and_grad`,
         which writes a vocabulary head's gradient in place, slice by slice). Without it
         the engine runs ``jax.value_and_grad(post_fn)`` and adds: on CPU XLA then holds
         the head's gradient twice, the sum and the new term. Not used with ``auto_axes``

@@ -372,7 +372,7 @@ def head_post_grad(
     ``rest[head_key]`` holds the head's one weight, ``[vocab, d]`` (``vocab_axis=0``, a
     tied embedding table) or ``[d, vocab]`` (``vocab_axis=1``); ``dtype()`` gives the
     products' dtype when traced (default the norm's output dtype). The head's gradient is
-    written into the running sum in vocabulary slices (:func:`shardkit.loss.
+    written into the running sum in vocabulary slices (:func:`shardkit.nn.loss.
     head_loss_and_grad`), so the last stage never holds it twice; the loss is the mean
     cross-entropy of ``mb["targets"]``.
 
@@ -387,7 +387,7 @@ def head_post_grad(
       >>> round(float(loss), 4), d_rest["head"]["w"].shape   # uniform over 10: log 10
       (2.3026, (4, 10))
     """
-    from shardkit.loss import head_loss_and_grad
+    from shardkit.nn.loss import head_loss_and_grad
 
     def post_grad(rest: Any, y: jax.Array, mb: Any, d_rest: Any, scale: Any):
         z, pull = jax.vjp(norm, rest[norm_key], y)
@@ -419,7 +419,7 @@ def reference_stages(model: Any) -> Stages:
     Raises:
       NotPipelinableError: the model's layers are not scanned (``scan=False``).
     """
-    from shardkit.loss import cross_entropy
+    from shardkit.nn.loss import cross_entropy
 
     cfg = model.config
     if not cfg.scan:
@@ -474,7 +474,7 @@ def reference_stages(model: Any) -> Stages:
         )
         return Stages(pre, layer, post, post_grad=post_grad)
 
-    from shardkit.models.llama import rope_tables
+    from shardkit.nn.rope import rope_tables
 
     def graphdef(part: str) -> Any:
         # An NNX module fixes its compute dtype when built: read it when traced, under the

@@ -282,7 +282,7 @@ def tsp() -> Recipe:
     weight (its ``embed`` rows or columns) and S/D of every sequence, so state *and*
     activations fall by D, and the head count need not divide D (gpt-small's 12 heads
     run on 8 devices). The layers run the paper's schedules (``layer_schedule="tsp"``,
-    :mod:`shardkit.parallel.tsp`): each projection passes the layer's weight shards
+    :mod:`shardkit.nn.tsp`): each projection passes the layer's weight shards
     around a ring (``ppermute``) while it multiplies the shard it holds, so at most
     two shards of a weight are live; attention is zigzag ring attention over ``tsp``.
     ``tsp_gspmd`` is the same layout left to XLA (it all-gathers each layer's weights).
@@ -299,7 +299,7 @@ def tsp() -> Recipe:
       f·2·b·S·h_kv·B (dK/dV home): f·(3Ψ_l + 4·b·S·h_kv)·B in all, + f·Ψ_in·B and one
       more K/V pass under full remat (Ψ_in: q/k/v, up, gate). The zigzag layout adds
       4·(h + h_kv)·b·S·B/D a pass. Once per step, the head's vocabulary shards travel
-      a ring too (3f·V·h·B, :mod:`shardkit.parallel.tsp_head`) and the lookup's
+      a ring too (3f·V·h·B, :mod:`shardkit.nn.tsp_head`) and the lookup's
       partial embeddings a ring reduce-scatter (f·b·S·h·B each way): no device holds
       a whole vocabulary table.
     - wire, ``tsp_gspmd``: FSDP's 3f·Ψ·B (all-gather forward and backward,

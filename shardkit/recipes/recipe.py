@@ -164,7 +164,7 @@ class Recipe:
       attention_axis: the mesh axis ring/allgather attention splits the sequence over.
       layer_schedule: ``"gspmd"`` (XLA places the layers' collectives) or ``"tsp"``
         (the projections circulate weight shards over ``attention_axis``; see
-        ``shardkit.parallel.tsp``).
+        ``shardkit.nn.tsp``).
       logits: the logits' layout where an activation rule splits the vocabulary over a
         mesh axis that also splits the tokens (``"auto"``, ``"vocab"``, ``"tokens"``;
         see :meth:`step_activation_rules`). Recipes without such a rule ignore it.

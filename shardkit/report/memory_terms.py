@@ -11,7 +11,7 @@ the state's parameters, first rule that matches:
 - ``gradients``: backward, update or loop-carried values of a parameter's shape;
 - ``attention scores``: values of an attention module ending in ``[…, s, s]`` (the
   sequence, whole or local);
-- ``logits / loss``: values computed in ``shardkit/loss.py`` (the head and its loss);
+- ``logits / loss``: values computed in ``shardkit/nn/loss.py`` (the head and its loss);
 - ``collective buffers``: results and operands of other collectives;
 - ``recomputation``: the rest of the rematerialised forward (the layer recomputed);
 - ``saved activations``: forward values still live (the backward pass reads them);
@@ -81,7 +81,7 @@ _COLLECTIVES = (
     "collective-permute-start",
 )
 _REDUCTIONS = ("all-reduce", "reduce-scatter", "all-reduce-start")
-_LOSS = os.path.join("shardkit", "loss.py")
+_LOSS = os.path.join("shardkit", "nn", "loss.py")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,7 +211,7 @@ def attribute(
         are ``[…, s, s]``.
       stacks: ``stack_frame_id`` → Python stack
         (:func:`~shardkit.report.provenance.frames_by_id` of the compiled module): values
-        computed in ``shardkit/loss.py`` (the head and its cross-entropy) are the head's.
+        computed in ``shardkit/nn/loss.py`` (the head and its cross-entropy) are the head's.
       analytic: the analytic bytes of each term (:func:`analytic_terms`).
       top: how many of each term's largest buffers to name.
 
@@ -337,7 +337,7 @@ def peak_phase_of(
 ) -> str:
     """The phase of the step the temp peak is in: ``layers``, ``head_loss`` or
     ``optimizer_step``, from the instruction that runs at the peak (or the value defined
-    last before it): computed in ``shardkit/loss.py`` (``stacks`` as :func:`attribute`),
+    last before it): computed in ``shardkit/nn/loss.py`` (``stacks`` as :func:`attribute`),
     the head; outside the differentiated function, the optimizer step; else the layers."""
     named = [v for v in ba.values if v.op_name and v.start is not None]
     at_peak = [v for v in named if v.instruction == ba.peak_instruction]

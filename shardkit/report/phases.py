@@ -228,7 +228,7 @@ def phase_peaks(
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (``loss_chunks`` as the model uses
-        it: ``None`` is :func:`shardkit.loss.auto_chunks`).
+        it: ``None`` is :func:`shardkit.nn.loss.auto_chunks`).
       recipe: a ``Recipe`` or a registered recipe's name (its rules give the head's
         layout, and what each mesh axis runs: ``Recipe.parallelism``).
       mesh: mesh axis sizes.
@@ -256,7 +256,7 @@ def phase_peaks(
       'optimizer_step'
     """
     from shardkit import recipes
-    from shardkit.loss import LOGITS, auto_chunks
+    from shardkit.nn.loss import LOGITS, auto_chunks
     from shardkit.report.analytic import activation_bytes, analytic_model
 
     recipe = recipes.get(recipe)

@@ -85,7 +85,7 @@ _PLUMBING = tuple(
         "plan.py",
         "state.py",
         "context.py",
-        "replicas.py",
+        f"nn{os.sep}replicas.py",
         f"annotate{os.sep}",
     )
 )

@@ -6,12 +6,12 @@ state's parameters (:class:`ParamMatch`):
 
 - ``pipeline transfers``: collective-permutes of a layout with a ``stage`` axis, outside
   the attention code;
-- ``context-parallel K/V``: collectives of ``shardkit/attention.py`` (ring or all-gather
+- ``context-parallel K/V``: collectives of ``shardkit/nn/attention.py`` (ring or all-gather
   attention over a sequence axis, its zigzag reorder);
 - ``weight all-gathers``: all-gathers and collective-permutes of a parameter's shape (a
   layer's slice of a stacked weight, whole or gathered over some of its mesh axes);
 - ``gradient reductions``: reduce-scatters and all-reduces of a parameter's shape;
-- ``logits / loss collectives``: collectives of ``shardkit/loss.py`` (the chunked head
+- ``logits / loss collectives``: collectives of ``shardkit/nn/loss.py`` (the chunked head
   and its cross-entropy: vocab-parallel statistics, hidden states gathered for it);
 - ``other collectives``: reductions of scalars (the gradient norm, the loss's mean);
 - ``activation collectives``: the rest (tensor and sequence parallelism's b·s·h

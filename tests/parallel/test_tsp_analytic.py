@@ -63,7 +63,7 @@ def test_measured_wire_within_15_percent_of_analytic(recipe):
     # the weights travel as the schedule says: rings (permutes) or XLA's all-gathers
     ring = 3 * (7 / 8) * layer_params(model.config)[0] * 2 * 4
     # No device gathers a whole vocabulary table (vocab·d_model f32) under the paper's
-    # schedules: the head's shards travel a ring (shardkit.parallel.tsp_head), forward
+    # schedules: the head's shards travel a ring (shardkit.nn.tsp_head), forward
     # 7 hops, backward 14, one of them shared. The rules-only layout gathers the head
     # for the chunked loss, which shows the check sees such a gather.
     cfg = model.config

@@ -47,7 +47,8 @@ from shardkit.annotate.constrain import (
     is_explicit,
     param_rules,
 )
-from shardkit.replicas import ReplicaView, per_replica
+from shardkit.nn.replicas import ReplicaView, per_replica
+from shardkit.nn.tsp_head import vocab_ring_cross_entropy
 
 __all__ = [
     "ChunkError",
@@ -311,7 +312,7 @@ def chunked_cross_entropy(
     split the tokens (``sk.per_replica``), so its gradient is reduced once after the
     loop, not once per chunk. Under TSP's schedules (``layer_schedule="tsp"``) with
     the weight's vocabulary split over the TSP axis, the loss is instead a ring over the
-    vocabulary shards (:mod:`shardkit.parallel.tsp_head`; ``chunks`` unused), so no
+    vocabulary shards (:mod:`shardkit.nn.tsp_head`; ``chunks`` unused), so no
     device holds the whole weight. A ``sk.ReplicaView`` (a tied embedding already read
     through ``sk.per_replica``) is used as it is. Each chunk's logits are constrained to
     ``logits_axes``; the hidden states are gathered to the layout the logits need once,
@@ -349,7 +350,7 @@ def chunked_cross_entropy(
       >>> chunked_cross_entropy(h, t, head, weight=w, chunks=4)
       Traceback (most recent call last):
       ...
-      shardkit.loss.ChunkError: chunked_cross_entropy: chunks=4 does not divide the last token dimension (6) of targets (2, 6).
+      shardkit.nn.loss.ChunkError: chunked_cross_entropy: chunks=4 does not divide the last token dimension (6) of targets (2, 6).
       Fix: pass chunks dividing 6 (e.g. 1, 2, 3, 6), or chunks=None to pick one.
     """
     if hidden.shape[:-1] != targets.shape or targets.ndim < 1:
@@ -365,8 +366,6 @@ def chunked_cross_entropy(
         )
     if weight is not None and weight_axes is not None and not isinstance(weight, ReplicaView):
         # Under TSP's schedules the head's vocabulary shards travel a ring instead.
-        from shardkit.parallel.tsp_head import vocab_ring_cross_entropy
-
         losses = vocab_ring_cross_entropy(
             hidden, targets, project, weight, weight_axes, logits_axes
         )

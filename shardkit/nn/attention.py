@@ -47,7 +47,7 @@ References:
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from shardkit.attention import causal_attention
+  >>> from shardkit.nn.attention import causal_attention
   >>> q = jnp.ones((1, 4, 2, 8))
   >>> causal_attention(q, q, q).shape   # no mesh: dense
   (1, 4, 2, 8)
