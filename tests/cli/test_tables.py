@@ -151,3 +151,17 @@ def test_recipes_command_at_80_columns(monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert max(map(len, lines)) <= 80
     assert sum(line.split()[:1] == ["dp_tsp_gspmd"] for line in lines) == 1
+
+
+def test_reshard_plan_at_80_columns_paths_whole(monkeypatch, capsys, tmp_path):
+    monkeypatch.setenv("COLUMNS", "80")
+    out_json = tmp_path / "reshard.json"
+    args = ["reshard-plan", "--from", "fsdp@8", "--to", "dp_tp_sp@8", "--json", str(out_json)]
+    assert main(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert max(map(len, lines)) <= 80
+    paths = [leaf["path"] for leaf in json.loads(out_json.read_text())["leaves"]]
+    starts = [line.split()[0] for line in lines if line.strip()]
+    # mu's and nu's leaves differ only in the middle of their paths: both whole, once each.
+    assert "opt_state/1/0/nu/layers/attn/out/bias" in paths
+    assert all(starts.count(p) == 1 for p in paths)
