@@ -160,15 +160,25 @@ class AutoplanResult:
         m_varies = len({r.candidate.microbatches for r in shown}) > 1
         logits_vary = len({r.candidate.logits for r in shown}) > 1
         columns = [
-            Column("#", lambda x: str(x[0])),
+            Column("#", lambda x: str(x[0]), keep=True, justify="right"),
             Column("recipe", lambda x: x[1].candidate.recipe, keep=True),
             Column("mesh", lambda x: x[1].candidate.mesh_label, keep=True),
             Column("remat", lambda x: dash(x[1].candidate.remat), keep=True),
             Column("prec.", lambda x: x[1].candidate.precision, keep=True),
             Column("m", lambda x: dash(x[1].candidate.microbatches), keep=m_varies, priority=2),
             Column("logits", lambda x: dash(x[1].candidate.logits), keep=logits_vary, priority=2),
-            Column("memory", lambda x: short_bytes(x[1].evidence.memory["total"])),
-            Column("step", lambda x: short_seconds(x[1].estimate.step_time_s)),
+            Column(
+                "memory",
+                lambda x: short_bytes(x[1].evidence.memory["total"]),
+                keep=True,
+                justify="right",
+            ),
+            Column(
+                "step",
+                lambda x: short_seconds(x[1].estimate.step_time_s),
+                keep=True,
+                justify="right",
+            ),
             Column("MFU", lambda x: f"{x[1].estimate.mfu:.0%}", priority=1),
             Column("wire", lambda x: short_bytes(x[1].evidence.wire_bytes), priority=1),
         ]
@@ -179,7 +189,7 @@ class AutoplanResult:
             wide=wide,
             title=f"{self.model} on {self.devices} {self.hardware.name} devices, batch "
             f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB each",
-            caption=f"memory and wire: bytes per device ({BYTES}); step: the roofline estimate",
+            caption=f"bytes per device ({BYTES}); step: the roofline estimate",
         )
 
     def memory_gap_lines(self, tolerance: float = 0.25) -> list[str]:
