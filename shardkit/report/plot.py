@@ -220,5 +220,5 @@ def _footnote(skipped: Mapping[str, str]) -> list[str]:
     """``Not shown: name (reason); ...`` wrapped to the figure's width, reasons cut short."""
     if not skipped:
         return []
-    parts = [f"{n} ({textwrap.shorten(why, 90, placeholder=' …')})" for n, why in skipped.items()]
+    parts = [f"{n} ({textwrap.shorten(why, 130, placeholder=' …')})" for n, why in skipped.items()]
     return textwrap.wrap("Not shown, no layout compiled: " + "; ".join(parts), 150)
