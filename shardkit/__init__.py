@@ -6,7 +6,6 @@ Example:
   P('data', None)
 """
 
-from shardkit import autoplanner, checkpoint, distributed, nn, parallel, recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -16,7 +15,6 @@ from shardkit.annotate import (
     logical_axes,
     unbox,
 )
-from shardkit.autoplanner import autoplan
 from shardkit.context import compute_dtype
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError, ShardingWarning
@@ -28,6 +26,11 @@ from shardkit.nn.replicas import ReplicaView, per_replica
 from shardkit.plan import Plan
 from shardkit.rules import Rules
 from shardkit.state import AbstractState
+
+# isort: split
+# The packages above the core last: they import the core (shardkit.axes, ...) as they load.
+from shardkit import autoplanner, checkpoint, distributed, nn, parallel, recipes, report
+from shardkit.autoplanner import autoplan
 
 __version__ = "0.1.0"
 

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from rich.progress import Progress
 
 from shardkit import recipes as recipe_registry
 from shardkit.autoplanner import hardware as hardware_table
@@ -49,7 +50,12 @@ from shardkit.autoplanner.evaluate import (
     prune,
 )
 from shardkit.autoplanner.roofline import Estimate, estimate, model_flops
+from shardkit.autoplanner.worker import compile_elsewhere
 from shardkit.errors import ShardingError
+from shardkit.models import resolve
+from shardkit.models.model import Model
+from shardkit.models.user import as_user_model
+from shardkit.protocol import Model as ProtocolModel
 from shardkit.report.lint import human_bytes
 
 __all__ = ["autoplan", "AutoplanResult", "Ranked", "Rejected", "NoLayoutFitsError"]
@@ -232,10 +238,9 @@ class AutoplanResult:
 
 
 def _model_key(model: Any, name: str) -> dict:
-    config = getattr(model, "config", None)
-    if config is not None:
-        return {"name": name, "config": repr(config)}
-    return {"name": name, "dims": getattr(model, "dims", {})}
+    if isinstance(model, Model):
+        return {"name": name, "config": repr(model.config)}
+    return {"name": name, "dims": None if model.dims is None else dataclasses.asdict(model.dims)}
 
 
 def _analytic_time(subject: Subject, c: Candidate, a: Analytic, hw, devices: int) -> float:
@@ -248,16 +253,16 @@ def _analytic_time(subject: Subject, c: Candidate, a: Analytic, hw, devices: int
 
 
 def _useful_flops(subject: Subject, c: Candidate, devices: int) -> float:
-    cfg = getattr(subject.model, "config", None)
+    dims = subject.model.dims
     tokens = subject.batch * subject.seq
-    if cfg is None:
+    if dims is None:
         return model_flops(params=subject.param_count, tokens=tokens) / devices
     return (
         model_flops(
-            params=cfg.param_count(),
+            params=dims.param_count,
             tokens=tokens,
-            layers=cfg.n_layers,
-            d_model=cfg.d_model,
+            layers=dims.layers,
+            d_model=dims.d_model,
             seq=subject.seq,
         )
         / devices
@@ -370,8 +375,6 @@ def autoplan(
       NoLayoutFitsError: nothing fits; the message names the smallest memory that
         would fit and the device counts that would work.
     """
-    from shardkit.models import resolve
-
     if not isinstance(devices, int) or devices < 1:
         raise ShardingError(f"autoplan(devices=...) is a positive int, got {devices!r}.")
     for p in precisions:
@@ -381,8 +384,10 @@ def autoplan(
     budget = float(memory_per_device or hw.memory_bytes)
     name = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
     model_obj = resolve(model) if isinstance(model, str) else model
+    if not isinstance(model_obj, ProtocolModel):  # init and loss alone: what can be derived
+        model_obj = as_user_model(model_obj, name=name)
     subject = Subject.of(model_obj, batch=batch, seq=seq)
-    reference = getattr(model_obj, "config", None) is not None
+    reference = isinstance(model_obj, Model)
     remats = tuple(remats or REMATS) if reference else (None,)
     names = list(recipes or recipe_registry.names())
     for n in names:
@@ -500,8 +505,6 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
             )
     if not todo:
         return out
-    from rich.progress import Progress
-
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"compiling {len(todo)} layouts on {devices} devices", total=len(todo))
         if len(jax.devices()) >= devices:
@@ -513,8 +516,6 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
                     f"process (it has {len(jax.devices())}) or a model given by name.\nFix: pass "
                     "the model's name (e.g. 'gpt-7b' or 'package.module:factory')."
                 )
-            from shardkit.autoplanner.worker import compile_elsewhere
-
             results = compile_elsewhere(
                 {
                     "model": model,

@@ -21,6 +21,8 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 
 def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     """Scatter of ranked candidates (and compiled ones over budget, hollow); returns path."""
+    # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
+    # figure is asked for, so that the planner works without it.
     import matplotlib
     import matplotlib.ticker
 

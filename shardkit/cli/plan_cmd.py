@@ -56,13 +56,18 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _logical(row) -> str:
+    """``layers,embed,·``; ``(prefix)`` where the names cover only the leading dimensions."""
+    return ",".join(a or "·" for a in row.logical) + (" (prefix)" if row.prefix else "")
+
+
 def leaves_table(rows, args: argparse.Namespace, mesh: dict[str, int], *, width: int):
     """One line per leaf: its whole path, shape, spec, bytes per device (logical axes
     and the shard's shape where they fit, or with ``--wide``)."""
     columns = [
         Column("path", lambda r: r.path, keep=True),
         Column("shape", lambda r: "×".join(map(str, r.shape)) or "()", priority=1),
-        Column("logical axes", lambda r: ",".join(a or "·" for a in r.logical), priority=2),
+        Column("logical axes", _logical, priority=2),
         Column("spec", lambda r: spec_text(r.mesh_axes), keep=True),
         Column("shard", lambda r: "×".join(map(str, r.shard_shape)) or "()", priority=3),
         Column("bytes", lambda r: short_bytes(r.bytes_per_device)),

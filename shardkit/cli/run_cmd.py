@@ -133,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
             recipe,
             mesh=_mesh(args, recipe, devices),
             precision=args.precision,
-            annotations=getattr(model, "annotations", None),
+            annotations=model.annotations,
         )
         plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")
     else:  # the batch and pipeline flags checked before compiling

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from shardkit import errors
+from shardkit import context, errors
 from shardkit.dims import ModelDims
 
 __all__ = ["ModelConfig", "CONFIGS", "REMAT_POLICIES"]
@@ -121,8 +121,6 @@ class ModelConfig:
           ...     cfg.compute_dtype, dataclasses.replace(cfg, dtype=jnp.float32).compute_dtype
           (<class 'jax.numpy.bfloat16'>, <class 'jax.numpy.float32'>)
         """
-        from shardkit import context
-
         return context.compute_dtype() if self.dtype is None else self.dtype
 
     @property

@@ -63,6 +63,7 @@ from shardkit.annotate.constrain import is_explicit
 from shardkit.errors import ShardingError
 from shardkit.nn.attention import causal_attention
 from shardkit.nn.rope import apply_rope
+from shardkit.scopes import scope
 
 __all__ = [
     "TspDot",
@@ -334,15 +335,16 @@ def tsp_dot_general(
     def spec(ndim: int) -> PartitionSpec:
         return PartitionSpec(batch, axis, *(None,) * (ndim - 2))
 
-    if is_explicit(mesh):
-        x, w = jax.sharding.reshard(x, spec(x.ndim)), jax.sharding.reshard(w, wspec)
-    return jax.shard_map(
-        lambda x, w: _ring_dot(x, w, ring),
-        mesh=mesh,
-        in_specs=(spec(x.ndim), wspec),
-        out_specs=spec(y_ndim),
-        check_vma=False,
-    )(x, w)
+    with scope("tsp.ring"):
+        if is_explicit(mesh):
+            x, w = jax.sharding.reshard(x, spec(x.ndim)), jax.sharding.reshard(w, wspec)
+        return jax.shard_map(
+            lambda x, w: _ring_dot(x, w, ring),
+            mesh=mesh,
+            in_specs=(spec(x.ndim), wspec),
+            out_specs=spec(y_ndim),
+            check_vma=False,
+        )(x, w)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec
 from shardkit import context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.nn.tsp import active_axis
+from shardkit.scopes import block
 
 __all__ = ["vocab_ring_cross_entropy", "vocab_ring_lookup"]
 
@@ -191,6 +192,7 @@ def _layout(
     return mesh, axis, mesh.shape[axis], vdim, PartitionSpec(*tspec)
 
 
+@block("tsp.head")
 def vocab_ring_cross_entropy(
     hidden: jax.Array,
     targets: jax.Array,
@@ -318,6 +320,7 @@ def _ring_lookup_fwd(table, ids, lookup):
 _ring_lookup.defvjp(_ring_lookup_fwd, _lookup_backward)
 
 
+@block("tsp.lookup")
 def vocab_ring_lookup(
     table: jax.Array,
     tokens: jax.Array,

@@ -392,7 +392,7 @@ def pp() -> Recipe:
     """Pipeline parallel: the layer stack cut into ``p`` stages over ``stage``.
 
     Each stage holds ``L/p`` layers' parameters, gradients and Adam state; the embedding,
-    head and final norm are replicated. Train with ``sk.parallel.train_step`` (micro-batches
+    head and final norm are replicated. Train with ``shardkit.train.train_step`` (micro-batches
     and a schedule: ``gpipe``, ``1f1b``, ``interleaved``). Wire per step: one activation
     ``b_micro·s·h`` forward and one gradient backward between neighbouring stages per
     micro-batch and tick (collective-permutes), plus an all-reduce over ``stage`` of the
@@ -456,13 +456,13 @@ def dp_tp_sp_pp() -> Recipe:
     each stage's layers split the Megatron way over ``tensor`` with the regions between
     them split along ``length`` (as ``tp_sp``), replicas over ``data``. The pipeline
     engine is manual over ``stage`` and ``data`` only; XLA shards inside each stage by
-    the rules (:func:`shardkit.parallel.pipeline.value_and_grad`'s ``auto_axes``).
+    the rules (:func:`shardkit.parallel.pipeline.mesh_value_and_grad`'s ``auto_axes``).
     Memory per device: 16Ψ/(p·T) of layer state (the embedding and head vocab-parallel
     over ``tensor``, replicated over ``stage``). Wire per step: the pipeline's permutes
     of each micro-batch's activation, b_micro·s·h/T (split along the sequence over
     ``tensor``); TP+SP's reduce-scatters and all-gathers of activations over ``tensor``;
     the stage's Ψ/(p·T) gradient all-reduced over ``data``. Train with
-    ``sk.parallel.train_step``.
+    ``shardkit.train.train_step``.
     """
     return Recipe(
         name="dp_tp_sp_pp",

@@ -92,6 +92,8 @@ def plot_reports(
     """Draw memory and wire bytes per device of each report (one row per recipe) to
     ``path``. ``title`` names the workload (model, devices, batch); ``skipped`` recipes
     and their reasons go in a footnote. Returns the path written."""
+    # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
+    # figure is asked for, so that the report works without it.
     import matplotlib
 
     matplotlib.use("Agg")

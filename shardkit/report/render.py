@@ -21,7 +21,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, table_width
 
 __all__ = ["abbreviate", "collectives_table", "memory_terms_table", "report_renderables", "to_text"]
@@ -113,6 +113,9 @@ def report_renderables(report: Any, *, top: int = 12, width: int = 80) -> list[R
             else "FLOPs: not reported by this backend"
         )
     )
+    prefixed = [r for r in params if r.prefix]
+    if prefixed:
+        out.append(Text(prefix_note(prefixed)))
     for e in report.explanations:
         head = f"is {e.ratio:.2f}× analytic" if e.analytic_bytes else "has no analytic term"
         out.append(Text.from_markup(f"[cyan]why {e.term} {head}:[/cyan] ") + Text(e.why))
@@ -135,7 +138,7 @@ def collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
 
     def columns(where_width: int | None) -> list[Column]:
         def where(g: Any) -> str:
-            text = g.where or "–"
+            text = g.block or g.where or "–"  # the block that made it, if any
             return text if where_width is None else abbreviate(text, where_width)
 
         return [
@@ -150,7 +153,7 @@ def collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
     rows = groups[:top]
     title = f"largest collectives by cause ({len(report.collectives)} ops, {len(groups)} causes)"
     spare = width - table_width(fit_table(columns(None), rows, width=width))
-    longest = max((len(g.where or "–") for g in rows), default=1)
+    longest = max((len(g.block or g.where or "–") for g in rows), default=1)
     # Too wide, the model path gives way, cut from the middle (both its ends stay).
     return fit_table(
         columns(None if spare >= 0 else max(12, longest + spare)),
@@ -158,6 +161,16 @@ def collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
         width=width,
         title=title,
         caption="\n".join(notes),
+    )
+
+
+def prefix_note(rows: Any) -> str:
+    """One line on parameters whose logical names were a prefix of their dimensions."""
+    first = rows[0]
+    return (
+        f"{len(rows)} parameter(s) carry fewer logical names than dimensions (e.g. "
+        f"{first.path} {tuple(first.shape)} as {tuple(first.logical)}): as Flax does, the "
+        "names apply to the leading dimensions and the rest are replicated."
     )
 
 

@@ -19,8 +19,8 @@ SHARDKIT = [sys.executable, "-m", "shardkit.cli"]
 
 
 def _readme_launch_command() -> list[str]:
-    """The README's ``shardkit launch`` line, as a user would type it."""
-    text = (ROOT / "README.md").read_text()
+    """The many-hosts guide's ``shardkit launch`` line, as a user would type it."""
+    text = (ROOT / "docs" / "howto" / "many_hosts.md").read_text()
     line = next(x for x in text.splitlines() if x.startswith("shardkit launch -n 2 -- "))
     return line.split("#")[0].split()
 
@@ -30,7 +30,7 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
     devices with dcn={"data": 2} give the losses of 1 x 8 (stored with each
     checkpoint), and killing process 1 stops process 0 within seconds, with one line."""
     ckpt = tmp_path / "ckpt"
-    command = _readme_launch_command()  # later flags override the README's
+    command = _readme_launch_command()  # later flags override the guide's
     assert command[:3] == ["shardkit", "launch", "-n"] and "--dcn" in command
     command += [
         "--steps",
