@@ -176,7 +176,7 @@ class Report:
         }
 
     def __rich_console__(self, console: Any, options: Any):
-        yield from report_renderables(self)
+        yield from report_renderables(self, width=options.max_width)
 
     def __str__(self) -> str:
         return to_text(self)
