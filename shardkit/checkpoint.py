@@ -52,6 +52,7 @@ import numpy as np
 from jax.sharding import Sharding
 
 from shardkit import distributed
+from shardkit.dtypes import dtype_name
 from shardkit.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -436,10 +437,10 @@ def _check_leaves(path: str, step: int, saved: list[dict], target: dict) -> None
         e = saved_by_name.get(name)
         if e is None:
             continue
-        if tuple(e["shape"]) != tuple(x.shape) or e["dtype"] != str(np.dtype(x.dtype)):
+        if tuple(e["shape"]) != tuple(x.shape) or e["dtype"] != dtype_name(x.dtype):
             differ.append(
                 f"{name}: checkpoint {tuple(e['shape'])} {e['dtype']}, "
-                f"like {tuple(x.shape)} {np.dtype(x.dtype)}"
+                f"like {tuple(x.shape)} {dtype_name(x.dtype)}"
             )
     if differ:
         problems.append(

@@ -58,6 +58,7 @@ def main(args: argparse.Namespace) -> int:
         table.add_column(col, justify="right" if col == "per device" else "left")
     for r in rows:
         logical = ", ".join("·" if a is None else a for a in r.logical)
+        logical += " (prefix)" if r.prefix else ""
         table.add_row(
             abbreviate(r.path, PATH_WIDTH),
             "×".join(map(str, r.shape)),

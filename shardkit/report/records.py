@@ -49,15 +49,19 @@ class ParamRow:
     shard_shape: tuple[int, ...] = ()
     #: per dimension, the mesh axes that split it (``()`` for a whole dimension)
     mesh_axes: tuple[tuple[str, ...], ...] = ()
+    #: its annotation named fewer dimensions than it has (Flax's prefix rule): ``logical``
+    #: ends in ``None`` for the rest, which are replicated
+    prefix: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "path": self.path,
             "shape": list(self.shape),
             "logical": list(self.logical),
             "spec": self.spec,
             "bytes_per_device": self.bytes_per_device,
         }
+        return {**out, "logical_prefix": True} if self.prefix else out
 
 
 @dataclasses.dataclass(frozen=True)

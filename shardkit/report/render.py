@@ -140,12 +140,25 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
             else "FLOPs: not reported by this backend"
         )
     )
+    prefixed = [r for r in params if r.prefix]
+    if prefixed:
+        out.append(Text(prefix_note(prefixed)))
     for e in report.explanations:
         head = f"is {e.ratio:.2f}× analytic" if e.analytic_bytes else "has no analytic term"
         out.append(Text.from_markup(f"[cyan]why {e.term} {head}:[/cyan] ") + Text(e.why))
     for warning in report.warnings:
         out.append(Text.from_markup("[yellow]warning:[/yellow] ") + Text(warning))
     return out
+
+
+def prefix_note(rows: Any) -> str:
+    """One line on parameters whose logical names were a prefix of their dimensions."""
+    first = rows[0]
+    return (
+        f"{len(rows)} parameter(s) carry fewer logical names than dimensions (e.g. "
+        f"{first.path} {tuple(first.shape)} as {tuple(first.logical)}): as Flax does, the "
+        "names apply to the leading dimensions and the rest are replicated."
+    )
 
 
 def memory_terms_table(report: Any) -> Table:

@@ -21,10 +21,10 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
 from jax.sharding import NamedSharding
 
 from shardkit.dims import ModelDims
+from shardkit.dtypes import dtype_name, itemsize
 from shardkit.errors import ShardingError
 from shardkit.report import lint, memory_terms, wire_terms
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases, workload_of
@@ -183,7 +183,7 @@ class Report:
 
 
 def _full_bytes(row: ParamRow) -> int:
-    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+    return math.prod(row.shape) * itemsize(row.dtype)
 
 
 def param_rows(plan: Any, state: Any) -> list[ParamRow]:
@@ -197,14 +197,15 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
             ParamRow(
                 path=info.path,
                 shape=info.shape,
-                dtype=str(np.dtype(info.dtype)),
+                dtype=dtype_name(info.dtype),
                 logical=tuple(info.axes),
                 spec=str(leaf.spec),
-                bytes_per_device=math.prod(shard) * np.dtype(info.dtype).itemsize,
+                bytes_per_device=math.prod(shard) * itemsize(info.dtype),
                 replicated=all(e is None for e in leaf.spec),
                 kind=kind,
                 shard_shape=tuple(shard),
                 mesh_axes=_mesh_axes(leaf.spec, len(info.shape)),
+                prefix=info.prefix,
             )
         )
     return rows

@@ -45,8 +45,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
+from shardkit.dtypes import itemsize
 from shardkit.report.hlo import Collective
 from shardkit.report.records import TOLERANCE, Explanation, WireTerm, human_bytes
 
@@ -296,7 +295,8 @@ def explain(
 
 
 def _full_bytes(row: Any) -> float:
-    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+
+    return math.prod(row.shape) * itemsize(row.dtype)
 
 
 def _short(path: str) -> str:
