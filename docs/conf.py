@@ -4,12 +4,16 @@ Build: pip install ".[docs]" && sphinx-build -W --keep-going -b html docs docs/_
 """
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # document this checkout, not an installed copy
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The API pages are generated each build: drop the last build's, so a name no longer
+# exported leaves no stale page behind.
+shutil.rmtree(ROOT / "docs" / "api" / "_autosummary", ignore_errors=True)
 
 import shardkit  # noqa: E402
 

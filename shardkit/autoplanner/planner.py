@@ -36,7 +36,6 @@ from typing import Any
 
 import jax
 from rich.progress import Progress
-from rich.table import Table
 
 from shardkit import recipes as recipe_registry
 from shardkit.autoplanner import hardware as hardware_table
@@ -154,26 +153,50 @@ class AutoplanResult:
             "rejected": [r.to_json() for r in self.rejected],
         }
 
-    def table(self, limit: int = 15):
-        """A rich table of the ranked candidates (80 columns; full text in ``to_json``)."""
-        t = Table(
+    def table(self, limit: int = 15, *, width: int = 80, wide: bool = False):
+        """A rich table of the ranked candidates, one line each, fitted to ``width``
+        columns (the layout's names whole; full text in ``to_json``)."""
+        from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, short_seconds
+
+        def dash(value: Any) -> str:
+            return "–" if value is None else str(value)
+
+        shown = self.candidates[:limit]
+        # The micro-batch count and the logits' layout tell two rows apart where they vary.
+        m_varies = len({r.candidate.microbatches for r in shown}) > 1
+        logits_vary = len({r.candidate.logits for r in shown}) > 1
+        columns = [
+            Column("#", lambda x: str(x[0]), keep=True, justify="right"),
+            Column("recipe", lambda x: x[1].candidate.recipe, keep=True),
+            Column("mesh", lambda x: x[1].candidate.mesh_label, keep=True),
+            Column("remat", lambda x: dash(x[1].candidate.remat), keep=True),
+            Column("prec.", lambda x: x[1].candidate.precision, keep=True),
+            Column("m", lambda x: dash(x[1].candidate.microbatches), keep=m_varies, priority=2),
+            Column("logits", lambda x: dash(x[1].candidate.logits), keep=logits_vary, priority=2),
+            Column(
+                "memory",
+                lambda x: short_bytes(x[1].evidence.memory["total"]),
+                keep=True,
+                justify="right",
+            ),
+            Column(
+                "step",
+                lambda x: short_seconds(x[1].estimate.step_time_s),
+                keep=True,
+                justify="right",
+            ),
+            Column("MFU", lambda x: f"{x[1].estimate.mfu:.0%}", priority=1),
+            Column("wire", lambda x: short_bytes(x[1].evidence.wire_bytes), priority=1),
+        ]
+        return fit_table(
+            columns,
+            enumerate(shown, 1),
+            width=width,
+            wide=wide,
             title=f"{self.model} on {self.devices} {self.hardware.name} devices, batch "
-            f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB "
-            "each",
-            title_justify="left",
+            f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB each",
+            caption=f"bytes per device ({BYTES}); step: the roofline estimate",
         )
-        for col in ("#", "layout", "memory", "wire", "step", "MFU"):
-            t.add_column(col, justify="left" if col == "layout" else "right")
-        for i, r in enumerate(self.candidates[:limit], 1):
-            t.add_row(
-                str(i),
-                r.candidate.label,
-                human_bytes(r.evidence.memory["total"]),
-                human_bytes(r.evidence.wire_bytes),
-                human_seconds(r.estimate.step_time_s),
-                f"{r.estimate.mfu:.0%}",
-            )
-        return t
 
     def memory_gap_lines(self, tolerance: float = 0.25) -> list[str]:
         """The best candidate's compiled memory against the analytic model, itemised by term
@@ -192,19 +215,26 @@ class AutoplanResult:
         return lines
 
     def __rich_console__(self, console: Any, options: Any):
-        yield self.table()
-        for i, r in enumerate(self.candidates[:5], 1):
-            yield f"{i}. {r.candidate.label}: {r.reason}"
-        yield from self.memory_gap_lines()
+        yield self.table(width=options.max_width)
+        yield from self.notes()
+
+    def notes(self) -> list[str]:
+        """What the table's rows mean: why the best five rank where they do, the best
+        one's memory against the analytic model, and how many were rejected where."""
+        lines = [
+            f"{i}. {r.candidate.label}: {r.reason}" for i, r in enumerate(self.candidates[:5], 1)
+        ]
+        lines += self.memory_gap_lines()
         stages: dict[str, int] = {}
         for r in self.rejected:
             stages[r.stage] = stages.get(r.stage, 0) + 1
         if stages:
-            yield (
+            lines.append(
                 "rejected: "
                 + ", ".join(f"{n} {s}" for s, n in stages.items())
                 + " (--json lists each with its reason)"
             )
+        return lines
 
 
 def _model_key(model: Any, name: str) -> dict:

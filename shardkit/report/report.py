@@ -42,7 +42,7 @@ from shardkit.report.records import (
 from shardkit.report.render import report_renderables, to_text
 from shardkit.workload import Workload
 
-__all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report", "param_rows"]
+__all__ = ["Report", "build_report", "param_rows"]
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
@@ -176,7 +176,7 @@ class Report:
         }
 
     def __rich_console__(self, console: Any, options: Any):
-        yield from report_renderables(self)
+        yield from report_renderables(self, width=options.max_width)
 
     def __str__(self) -> str:
         return to_text(self)

@@ -42,6 +42,8 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
         "--save-every",
         "1",
         "--no-report",
+        "--log-every",
+        "1",
     ]
     launcher = subprocess.Popen(
         [*SHARDKIT, *command[1:]],
@@ -79,6 +81,9 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
     )
     assert f"in {ckpt}, is the restart point" in lines[-2] and "--resume" in lines[-2]
     assert "Check failure stack trace" not in err and "    @ " not in err
+    # Its stderr is a pipe, not a terminal: log lines, from process 0 only (one per step).
+    assert err.count("step 1/100000  loss ") == 1
+    assert err.count("step 2/100000  loss ") == 1 and " tokens/s  ETA " in err
 
     steps = checkpoint.steps(ckpt)  # the last (up to) 3 saved, one per step
     saved = [checkpoint.manifest(ckpt, s) for s in steps]
