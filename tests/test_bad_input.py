@@ -304,6 +304,7 @@ def test_constrain_outside_jit_places_an_array_of_any_sharding():
                 y = sk.constrain(x, ("batch", "embed"), rules=rules)
             assert y.sharding == jax.sharding.NamedSharding(mesh, jax.P("data", "tensor"))
             np.testing.assert_array_equal(np.asarray(y), np.arange(32.0).reshape(8, 4))
-    with jax.sharding.use_abstract_mesh(MESH.abstract_mesh):
-        with pytest.raises(sk.ShardingError, match=r"(?s)outside jit.*Fix: call it inside jax.jit"):
-            sk.constrain(x, ("batch", "embed"), rules=rules)
+    for array in (x, np.ones((8, 4))):  # under an abstract mesh: a raw TypeError / assert
+        with jax.sharding.use_abstract_mesh(MESH.abstract_mesh):
+            with pytest.raises(sk.ShardingError, match=r"(?s)outside jit.*Fix: call it inside"):
+                sk.constrain(array, ("batch", "embed"), rules=rules)

@@ -42,7 +42,7 @@ from shardkit.report.records import (
 from shardkit.report.render import report_renderables, to_text
 from shardkit.workload import Workload
 
-__all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report", "param_rows"]
+__all__ = ["Report", "build_report", "param_rows"]
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on

@@ -89,7 +89,7 @@ class ParamMatch:
     each of those transposed.
 
     Example:
-      >>> from shardkit.report.report import ParamRow
+      >>> from shardkit.report.records import ParamRow
       >>> row = ParamRow("params/layers/mlp/up/kernel", (2, 64, 256), "float32",
       ...                ("layers", "embed", "mlp"), "P(None, 'fsdp')", 0, False, "param",
       ...                shard_shape=(2, 8, 256))

@@ -11,8 +11,8 @@ from shardkit.errors import ShardingError
 from shardkit.report import wire_terms
 from shardkit.report.analytic import analytic_model
 from shardkit.report.hlo import LOWERED_RS, Collective
+from shardkit.report.records import ParamRow
 from shardkit.report.render import to_text
-from shardkit.report.report import ParamRow
 from shardkit.report.wire_terms import ParamMatch, attribute, explain, term_of
 
 # ---------------------------------------------------------------- hand-built collectives
