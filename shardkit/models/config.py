@@ -202,7 +202,7 @@ def _llama(vocab, d, layers, heads, kv_heads, ff, seq) -> ModelConfig:
 CONFIGS: dict[str, ModelConfig] = {
     "gpt-tiny": _gpt(256, 64, 2, 8, 256, 128),
     # GPT-2 small with vocab padded to 50304: 124,475,904 parameters with 1024 positions
-    # (124,082,688 with 512). DESIGN.md's Ψ = 123.7M (123,689,472) is this model without
+    # (124,082,688 with 512). The often-quoted Ψ = 123.7M (123,689,472) is this model without
     # its position table; neither max_seq reproduces it, so max_seq stays GPT-2's 1024.
     "gpt-small": _gpt(50304, 768, 12, 12, 3072, 1024),
     # Planning configs pad the vocabulary to a multiple of 512 (as Megatron and MaxText

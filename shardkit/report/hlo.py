@@ -2,7 +2,7 @@
 
 :func:`parse_collectives` reads the text of ``jax.jit(f).lower(...).compile().as_text()``
 and returns one :class:`Collective` per collective op, with its buffer size, replica-group
-size, ring-algorithm wire bytes per device (DESIGN.md, "Measuring a layout") and how many
+size, ring-algorithm wire bytes per device and how many
 times it runs per step (the product of the trip counts of the while loops around it).
 
 Example:
@@ -102,7 +102,7 @@ Shape = tuple[str, tuple[int, ...], int] | list["Shape"]  # (dtype, dims, bits) 
 class Collective:
     """One collective op of a compiled program, built with keywords.
 
-    ``bytes`` is the buffer DESIGN.md's formula uses (the result for all-gather, the
+    ``bytes`` is the buffer the ring formula uses (the result for all-gather, the
     operand otherwise; summed over tuple elements), for one execution. ``wire_bytes``
     is the ring-algorithm traffic per device, already multiplied by ``count`` (the
     executions per step). ``shape`` is the dimensions of that buffer (a tuple of ints);
