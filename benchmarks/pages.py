@@ -232,6 +232,9 @@ def _plot_planning(results: Path, out: Path) -> str | None:
     planning = _load(results, "planning")
     if planning is None:
         return None
+    # "Planning gpt-7b (seq 2048, one sequence per device, full remat), compile only"
+    head, _, rest = planning["title"].partition(" (")
+    model, workload = head.removeprefix("Planning "), rest.partition(")")[0]
     mib = 2**20
     lines: dict[str, dict[float, tuple[float | None, float | None]]] = {}
     col = {h: i for i, h in enumerate(planning["headers"])}
@@ -255,7 +258,7 @@ def _plot_planning(results: Path, out: Path) -> str | None:
     if three_d is not None:
         col = {h: i for i, h in enumerate(three_d["headers"])}
         for row in three_d["rows"]:
-            if row[col["model"]] != "gpt-7b":
+            if row[col["model"]] != model:  # the same workload as the planning rows
                 continue
             for name, key in (("zeropp", "zeropp"), ("dp_tp_sp_pp (3D)", "3D")):
                 lines.setdefault(name, {})[row[col["devices"]]] = (
@@ -263,12 +266,18 @@ def _plot_planning(results: Path, out: Path) -> str | None:
                     row[col[f"{key} wire MiB"]] * mib,
                 )
     title = (
-        "gpt-7b: memory and wire bytes per device against the number of devices\n"
-        "seq 2048, one sequence per device, full remat; compiled, not run"
+        f"{model}: memory and wire bytes per device against the number of devices\n"
+        f"{workload}; compiled, not run"
     )
-    notes = [
-        "fsdp_tp: wire bytes not recorded (planning.json keeps their ratio to the analytic model, 1.002)."
-    ]
+    col = {h: i for i, h in enumerate(planning["headers"])}
+    notes = []
+    for name, pts in lines.items():
+        if all(wire is None for _, wire in pts.values()):
+            ratios = [r[col["wire/analytic"]] for r in planning["rows"] if r[col["recipe"]] == name]
+            notes.append(
+                f"{name}: wire bytes not recorded (planning.json keeps their ratio to the "
+                f"analytic model, {min(ratios):.3f} to {max(ratios):.3f})."
+            )
     return _both(
         lambda path: plot_sweep(lines, path, x_label="devices", title=title, notes=notes),
         out,
