@@ -66,6 +66,7 @@ class ModelDims:
     biases: bool = False
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     in_projections: int = 2
+    chunked_head: bool = False
     loss_chunks: int | None = None
 
     def __post_init__(self) -> None:
