@@ -57,6 +57,7 @@ from shardkit.models.model import Model
 from shardkit.models.user import as_user_model
 from shardkit.protocol import Model as ProtocolModel
 from shardkit.report.lint import human_bytes
+from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, short_seconds
 
 __all__ = ["autoplan", "AutoplanResult", "Ranked", "Rejected", "NoLayoutFitsError"]
 
@@ -156,7 +157,6 @@ class AutoplanResult:
     def table(self, limit: int = 15, *, width: int = 80, wide: bool = False):
         """A rich table of the ranked candidates, one line each, fitted to ``width``
         columns (the layout's names whole; full text in ``to_json``)."""
-        from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, short_seconds
 
         def dash(value: Any) -> str:
             return "–" if value is None else str(value)

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardkit.report.plot import figure_size, save_figure
+
 __all__ = ["plot_autoplan"]
 
 _GIB = 2**30
@@ -28,8 +30,6 @@ def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from shardkit.report.plot import figure_size, save_figure
 
     top = result.candidates[:label]
     fig, ax = plt.subplots(figsize=figure_size(9, 6 + 0.15 * len(top)))

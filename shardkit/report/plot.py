@@ -69,7 +69,7 @@ def figure_size(width: float, height: float) -> tuple[float, float]:
 def save_figure(fig: Any, path: str | Path, *, close: bool = True) -> str:
     """Save ``fig`` to ``path`` (format from the suffix; SVG text stays text, searchable)
     and close it unless ``close=False``; returns the path."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional (the ``plot`` extra): only when saving
 
     with plt.rc_context({"svg.fonttype": "none"}):
         fig.savefig(path, dpi=120)
