@@ -114,79 +114,201 @@ def _body(result: dict[str, Any], page_title: str = "") -> list[str]:
     return lines
 
 
-def _plot_layout(result: dict[str, Any], out: Path) -> str | None:
+#: The layout plot's bars: (label, header, fill, hatch), dark to light (greyscale-safe).
+_LAYOUT_BARS = (
+    ("shardkit (compiled)", "shardkit total MiB", "#1f3f73", ""),
+    ("analytic model", "analytic total MiB", "#5b8fc9", "//"),
+    ("hand-written Flax layout", "Flax total MiB", "#c9dcf0", ".."),
+)
+
+
+def _plot_layout(results: Path, out: Path) -> str | None:
+    """Memory and wire bytes per device of every recipe: shardkit, the analytic model and
+    the Flax baseline side by side."""
     import matplotlib.pyplot as plt
 
-    headers = result["headers"]
-    col = {h: i for i, h in enumerate(headers)}
+    from shardkit.report.plot import figure_size
+
+    result = _load(results, "layout")
+    if result is None:
+        return None
+    col = {h: i for i, h in enumerate(result["headers"])}
     rows = result["rows"]
     names = [r[col["recipe"]] for r in rows]  # the meshes are in the table
-    series = [
-        ("shardkit", "shardkit total MiB"),
-        ("analytic", "analytic total MiB"),
-        ("Flax baseline", "Flax total MiB"),
-    ]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    fig, axes = plt.subplots(1, 2, figsize=figure_size(11, 5.0))
     width = 0.27
     for ax, kind in zip(axes, ("total", "wire"), strict=True):
-        for n, (label, header) in enumerate(series):
+        for n, (label, header, color, hatch) in enumerate(_LAYOUT_BARS):
             header = header if kind == "total" else header.replace("total", "wire")
             values = [r[col[header]] if isinstance(r[col[header]], float) else 0 for r in rows]
-            ax.bar([i + (n - 1) * width for i in range(len(rows))], values, width, label=label)
+            ax.bar(
+                [i + (n - 1) * width for i in range(len(rows))],
+                values,
+                width,
+                label=label,
+                color=color,
+                hatch=hatch,
+                edgecolor="#333333",
+                lw=0.4,
+            )
         ax.set_xticks(range(len(rows)), names, fontsize=8)
-        ax.set_ylabel("MiB per device" if kind == "total" else "wire MiB per device per step")
-        ax.set_title("memory per device" if kind == "total" else "wire bytes per step")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "layout.png", dpi=110)
-    plt.close(fig)
-    return "layout.png"
+        ax.set_xlabel("recipe")
+        what = (
+            "memory per device at its peak" if kind == "total" else "wire bytes per device per step"
+        )
+        ax.set_ylabel(f"{what} (MiB)")
+        ax.set_title(what, fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    about = _split_title(result["title"])[1]
+    fig.suptitle(f"Memory and wire bytes per device, by recipe\n{about}", fontsize=11)
+    missing = [
+        n
+        for n, r in zip(names, rows, strict=True)
+        if not isinstance(r[col["Flax total MiB"]], float)
+    ]
+    if missing:
+        fig.text(
+            0.01,
+            0.01,
+            f"No Flax baseline for {', '.join(missing)}.",
+            fontsize=7,
+            ha="left",
+            va="bottom",
+        )
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return _save(fig, out, "layout")
 
 
-def _plot_tsp(result: dict[str, Any], out: Path) -> str | None:
-    import matplotlib.pyplot as plt
+def _save(fig_or_draw: Any, out: Path, name: str) -> str:
+    """Save a figure as ``name``.png and ``name``.svg under ``out``; return the PNG's name."""
+    from shardkit.report.plot import save_figure
 
-    sweep = result.get("sweep")
+    save_figure(fig_or_draw, out / f"{name}.svg", close=False)
+    save_figure(fig_or_draw, out / f"{name}.png")
+    return f"{name}.png"
+
+
+def _both(draw: Any, out: Path, name: str) -> str:
+    """Call ``draw(path)`` for ``name``.png and ``name``.svg; return the PNG's name."""
+    for suffix in ("svg", "png"):
+        draw(out / f"{name}.{suffix}")
+    return f"{name}.png"
+
+
+def _plot_tsp(results: Path, out: Path) -> str | None:
+    """The sweep of the sequence: memory and wire bytes per device against it, per recipe."""
+    from shardkit.report.plot import plot_sweep
+
+    result = _load(results, "tsp")
+    sweep = (result or {}).get("sweep")
     if not sweep:
         return None
-    recipes = sorted({r["recipe"] for r in sweep}, key=[r["recipe"] for r in sweep].index)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, key, label in ((axes[0], "total", "MiB per device"), (axes[1], "wire", "wire MiB")):
-        for recipe in recipes:
-            pts = [(r["seq"], r[key] / 2**20) for r in sweep if r["recipe"] == recipe]
-            ax.plot(*zip(*pts, strict=True), marker="o", label=recipe)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length (tokens)")
-        ax.set_ylabel(label)
-    axes[0].set_title("memory per device")
-    axes[1].set_title("wire bytes per step")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "tsp.png", dpi=110)
-    plt.close(fig)
-    return "tsp.png"
+    lines: dict[str, dict[float, tuple[float, float]]] = {}
+    for r in sweep:
+        lines.setdefault(r["recipe"], {})[r["seq"]] = (r["total"], r["wire"])
+    about = _split_title(result["title"])[1].split(" (")[0]  # "llama-1b, 8 devices, ..."
+    title = (
+        "Memory and wire bytes per device against the sequence length, by recipe\n"
+        f"{about}; compiled, not run"
+    )
+    return _both(
+        lambda path: plot_sweep(
+            lines, path, x_label="sequence length (tokens; 1K = 1024)", title=title
+        ),
+        out,
+        "tsp",
+    )
 
 
-def _plot_pipeline(result: dict[str, Any], out: Path) -> str | None:
+def _plot_planning(results: Path, out: Path) -> str | None:
+    """gpt-7b's memory and wire bytes per device against the device count: the planning
+    rows, FSDP's logits before the per-step choice, and the pipelines' 3D and ZeroPP rows
+    (the same workload: seq 2048, one sequence per device, full remat)."""
+    from shardkit.report.plot import plot_sweep
+
+    planning = _load(results, "planning")
+    if planning is None:
+        return None
+    # "Planning gpt-7b (seq 2048, one sequence per device, full remat), compile only"
+    head, _, rest = planning["title"].partition(" (")
+    model, workload = head.removeprefix("Planning "), rest.partition(")")[0]
+    mib = 2**20
+    lines: dict[str, dict[float, tuple[float | None, float | None]]] = {}
+    col = {h: i for i, h in enumerate(planning["headers"])}
+    for row in planning["rows"]:
+        # planning.json keeps wire bytes as a ratio to the analytic model only.
+        point = (row[col["total MiB/device"]] * mib, None)
+        lines.setdefault(row[col["recipe"]], {})[row[col["devices"]]] = point
+    logits = _load(results, "planning_logits")
+    if logits is not None:
+        col = {h: i for i, h in enumerate(logits["headers"])}
+        for row in logits["rows"]:
+            devices = row[col["devices"]]
+            # The auto rows are the planning fsdp rows (same total); they add its wire bytes.
+            fsdp = lines.setdefault("fsdp", {})
+            fsdp[devices] = (row[col["auto total MiB"]] * mib, row[col["auto wire MiB"]] * mib)
+            lines.setdefault("fsdp, logits split over the vocabulary", {})[devices] = (
+                row[col["vocab-split total MiB"]] * mib,
+                row[col["vocab-split wire MiB"]] * mib,
+            )
+    three_d = _load(results, "pipeline_3d")
+    if three_d is not None:
+        col = {h: i for i, h in enumerate(three_d["headers"])}
+        for row in three_d["rows"]:
+            if row[col["model"]] != model:  # the same workload as the planning rows
+                continue
+            for name, key in (("zeropp", "zeropp"), ("dp_tp_sp_pp (3D)", "3D")):
+                lines.setdefault(name, {})[row[col["devices"]]] = (
+                    row[col[f"{key} MiB"]] * mib,
+                    row[col[f"{key} wire MiB"]] * mib,
+                )
+    title = (
+        f"{model}: memory and wire bytes per device against the number of devices\n"
+        f"{workload}; compiled, not run"
+    )
+    col = {h: i for i, h in enumerate(planning["headers"])}
+    notes = []
+    for name, pts in lines.items():
+        if all(wire is None for _, wire in pts.values()):
+            ratios = [r[col["wire/analytic"]] for r in planning["rows"] if r[col["recipe"]] == name]
+            notes.append(
+                f"{name}: wire bytes not recorded (planning.json keeps their ratio to the "
+                f"analytic model, {min(ratios):.3f} to {max(ratios):.3f})."
+            )
+    return _both(
+        lambda path: plot_sweep(lines, path, x_label="devices", title=title, notes=notes),
+        out,
+        "planning",
+    )
+
+
+def _plot_pipeline(results: Path, out: Path) -> str | None:
     """Each schedule's timeline (from the schedule tables, p = 4, m = 8)."""
-    import matplotlib.pyplot as plt
-
     from shardkit.parallel.plot import plot_schedules
     from shardkit.parallel.schedules import make
 
+    if _load(results, "pipeline") is None:
+        return None
     fig = plot_schedules([make("gpipe", 4, 8), make("1f1b", 4, 8), make("interleaved", 4, 8, 2)])
-    fig.savefig(out / "pipeline.png", dpi=110)
-    plt.close(fig)
-    return "pipeline.png"
+    return _save(fig, out, "pipeline")
 
 
-PLOTS = {"layout": _plot_layout, "tsp": _plot_tsp, "pipeline": _plot_pipeline}
+PLOTS = {
+    "layout": _plot_layout,
+    "tsp": _plot_tsp,
+    "pipeline": _plot_pipeline,
+    "planning": _plot_planning,
+}
 CAPTIONS = {
     "layout": "The table's memory and wire bytes per recipe, side by side (the Flax baseline "
     "covers the recipes it has a layout for).",
-    "tsp": "The sweep below as lines: memory per device and wire bytes against the sequence "
-    "length (log scales).",
+    "tsp": "The sweep below as lines: memory per device at its peak and wire bytes per "
+    "device per step against the sequence length (log scales).",
+    "planning": "Memory and wire bytes per device against the device count, from the tables "
+    "below and the pipeline page's gpt-7b rows (the same workload).",
     "pipeline": "What each schedule runs at each tick (p = 4 stages, m = 8 micro-batches; "
     "forward blue, backward orange, blank cells the bubble): the shapes behind the memory "
     "columns below.",
@@ -207,7 +329,7 @@ def write_pages(results: Path = HERE / "results", docs: Path = DOCS) -> list[Pat
             continue
         lines = [GENERATED, "", f"# {title}", "", about, ""]
         plot = PLOTS.get(page)
-        if plot is not None and (image := plot(found[0][1], images)) is not None:
+        if plot is not None and (image := plot(results, images)) is not None:
             lines += [
                 f"```{{figure}} _images/{image}",
                 ":width: 100%",

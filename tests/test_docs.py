@@ -153,8 +153,25 @@ def test_benchmark_pages_are_generated_from_the_results(pages, tmp_path):
     layout = json.loads((ROOT / "benchmarks" / "results" / "layout.json").read_text())
     text = (DOCS / "benchmarks" / "layout.md").read_text()
     assert layout["machine"]["date"] in text and f"jax {layout['machine']['jax']}" in text
-    images = {p.name for p in (tmp_path / "_images").glob("*.png")}
-    assert images and images <= {p.name for p in (DOCS / "benchmarks" / "_images").glob("*.png")}
+    images = {p.name for p in (tmp_path / "_images").iterdir()}
+    assert images and images <= {p.name for p in (DOCS / "benchmarks" / "_images").iterdir()}
+
+
+def test_benchmark_figures_are_png_and_svg_between_square_and_two_to_one():
+    """Every committed benchmark figure has both formats and a shape a page shows whole;
+    the ones a question asks for are there (memory vs devices, the TSP sweep)."""
+    images = DOCS / "benchmarks" / "_images"
+    pngs = sorted(images.glob("*.png"))
+    assert {"planning.png", "tsp.png", "layout.png", "pipeline.png"} <= {p.name for p in pngs}
+    for png in pngs:
+        data = png.read_bytes()
+        width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+        assert 1.0 <= width / height <= 2.0, (png.name, width, height)
+        assert png.with_suffix(".svg").exists(), png.name
+    svg = (images / "planning.svg").read_text()
+    assert (
+        "against the number of devices" in svg and "fsdp, logits split over the vocabulary" in svg
+    )
 
 
 def test_readme_headline_is_the_generated_one(pages):

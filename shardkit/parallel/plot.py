@@ -45,7 +45,10 @@ def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> N
                     fontsize=6,
                     color=ink,
                 )
+    from matplotlib.ticker import MaxNLocator
+
     ax.set_xlim(0, schedule.ticks)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ticks are whole: no 2.5
     ax.set_ylim(p, 0)
     ax.set_yticks([s + 0.5 for s in range(p)], [f"stage {s}" for s in range(p)])
     ax.set_xlabel("tick (one stage's forward or backward of one micro-batch)")

@@ -1,11 +1,14 @@
-"""Pictures of reports: what each recipe costs per device, one row per recipe.
+"""Pictures of reports: what each recipe costs per device, one row per recipe, and how
+that cost moves as the device count or the sequence grows.
 
-Two panels share the recipes' rows: memory per device at its peak (stacked: arguments,
+:func:`plot_reports`: two panels share the recipes' rows: memory per device at its peak (stacked: arguments,
 temp, output less what aliases the arguments) and wire bytes per device per step (stacked
 by collective kind), each with the analytic model's total as a marker. Colours step in
 lightness and carry hatches, so they read in greyscale; the figure is between 1:1 and 2:1
 whatever the number of recipes; recipes that could not be compiled are listed in a
-footnote. The path's suffix picks the format (``.png``, ``.svg``, ``.pdf``).
+footnote. :func:`plot_sweep`: the same two quantities as lines against a swept number (the
+devices, the sequence length), one line per recipe, each with its own colour, marker and
+dash. The path's suffix picks the format (``.png``, ``.svg``, ``.pdf``).
 
 Example:
   >>> import shardkit as sk
@@ -21,14 +24,14 @@ Example:
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from shardkit.collectives import KINDS
 from shardkit.report.report import Report
 
-__all__ = ["ASPECT", "figure_size", "plot_reports", "save_figure"]
+__all__ = ["ASPECT", "figure_size", "plot_reports", "plot_sweep", "save_figure"]
 
 #: (narrowest, widest) width : height of every figure shardkit draws.
 ASPECT = (1.0, 2.0)
@@ -71,8 +74,10 @@ def save_figure(fig: Any, path: str | Path, *, close: bool = True) -> str:
     and close it unless ``close=False``; returns the path."""
     import matplotlib.pyplot as plt  # optional (the ``plot`` extra): only when saving
 
-    with plt.rc_context({"svg.fonttype": "none"}):
-        fig.savefig(path, dpi=120)
+    # No date and fixed ids in an SVG: the same figure saves to the same bytes.
+    svg = str(path).endswith(".svg")
+    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "shardkit"}):
+        fig.savefig(path, dpi=120, metadata={"Date": None} if svg else None)
     if close:
         plt.close(fig)
     return str(path)
@@ -224,3 +229,156 @@ def _footnote(skipped: Mapping[str, str]) -> list[str]:
         return []
     parts = [f"{n} ({textwrap.shorten(why, 130, placeholder=' …')})" for n, why in skipped.items()]
     return textwrap.wrap("Not shown, no layout compiled: " + "; ".join(parts), 150)
+
+
+#: Lines of a sweep, one per recipe: (colour, marker, dash). The colours step in lightness
+#: (0.1 apart in greyscale) and each line has its own marker, so print tells them apart.
+_LINES = (
+    ("#0b1e3f", "o", "-"),
+    ("#7a1f12", "s", "--"),
+    ("#2f6f3f", "^", "-."),
+    ("#3f7fbf", "D", ":"),
+    ("#e0875e", "v", "-"),
+    ("#e6b84a", "P", "--"),
+)
+
+#: One point of a sweep: a report, or ``(memory bytes, wire bytes)`` per device, either
+#: ``None`` where it was not measured.
+Point = Report | tuple[float | None, float | None]
+
+
+def plot_sweep(
+    results: Mapping[str, Mapping[float, Point]],
+    path: str | Path,
+    *,
+    x_label: str,
+    title: str,
+    notes: Sequence[str] = (),
+) -> str:
+    """Draw memory and wire bytes per device of each recipe against a swept number.
+
+    ``results`` maps a recipe (or any line's name) to ``{x: point}``: ``x`` the swept
+    number (devices, sequence length), the point a :class:`Report` or ``(memory bytes,
+    wire bytes)`` per device. ``x_label`` names the axis with its unit, ``title`` says what
+    was swept on what; ``notes`` go in a footnote. The x axis is in doublings where it
+    spans 4× or more (ticks at the points: 64, 512, 1K = 1024), the y axes logarithmic
+    where the values span more than 10×. At most six lines. Returns the path written.
+
+    Example:
+      >>> import tempfile, os
+      >>> gib = 2**30
+      >>> path = os.path.join(tempfile.mkdtemp(), "devices.svg")
+      >>> plot_sweep(
+      ...     {"fsdp": {64: (7.7 * gib, 73 * gib), 512: (6.3 * gib, 74 * gib)}},
+      ...     path, x_label="devices", title="gpt-7b against the device count",
+      ... )  # doctest: +ELLIPSIS
+      '...devices.svg'
+    """
+    from shardkit.errors import ShardingError
+
+    if not results or not any(results.values()):
+        raise ShardingError("plot_sweep: no points to draw; pass {name: {x: point}}.")
+    if len(results) > len(_LINES):
+        raise ShardingError(
+            f"plot_sweep: {len(results)} lines ({', '.join(results)}); at most "
+            f"{len(_LINES)} read apart in one figure: split them over two figures."
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+
+    series = {
+        name: sorted((x, _bytes(name, x, pt)) for x, pt in pts.items())
+        for name, pts in results.items()
+    }
+    width = 11.0
+    lines_of_notes = [line for note in notes for line in textwrap.wrap(note, 150)]
+    legend_rows = -(-len(series) // 3)
+    fig, axes = plt.subplots(
+        1,
+        2,
+        figsize=figure_size(width, 4.6 + 0.2 * legend_rows + 0.17 * len(lines_of_notes)),
+    )
+    xs = sorted({x for pts in series.values() for x, _ in pts})
+    panels = (
+        (0, "memory per device at its peak"),
+        (1, "wire bytes per device per step"),
+    )
+    for ax, (k, what) in zip(axes, panels, strict=True):
+        values = [b[k] for pts in series.values() for _, b in pts if b[k] is not None]
+        unit, scale = _unit(max(values, default=0))
+        for (name, pts), (color, marker, dash) in zip(series.items(), _LINES, strict=False):
+            shown = [(x, b[k] / scale) for x, b in pts if b[k] is not None]
+            if shown:
+                ax.plot(
+                    *zip(*shown, strict=True),
+                    color=color,
+                    marker=marker,
+                    ls=dash,
+                    lw=1.6,
+                    ms=6,
+                    label=name,
+                )
+        if values and max(values) > 10 * min(values) > 0:
+            ax.set_yscale("log")
+            ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
+        else:
+            ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
+        if xs[-1] >= 4 * xs[0] > 0:  # doublings: evenly spaced
+            ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_locator(FixedLocator(xs))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _count(v)))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel(x_label)
+        ax.set_ylabel(f"{what} ({unit})")
+        ax.set_title(what, fontsize=10)
+        ax.grid(True, which="major", alpha=0.3)
+        if not values:
+            ax.text(0.5, 0.5, "not measured", transform=ax.transAxes, ha="center", color="#555555")
+    handles = [
+        Line2D([], [], color=c, marker=m, ls=d, lw=1.6, ms=6, label=name)
+        for name, (c, m, d) in zip(series, _LINES, strict=False)
+    ]
+    fig.legend(
+        handles=handles,
+        loc="lower center",
+        ncol=min(3, len(handles)),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, (0.17 * len(lines_of_notes) + 0.05) / fig.get_figheight()),
+    )
+    fig.suptitle(title, fontsize=11)
+    if lines_of_notes:
+        fig.text(0.01, 0.01, "\n".join(lines_of_notes), fontsize=7, va="bottom", ha="left")
+    bottom = (0.17 * len(lines_of_notes) + 0.22 * legend_rows + 0.15) / fig.get_figheight()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
+    return save_figure(fig, path)
+
+
+def _bytes(name: str, x: float, point: Point) -> tuple[float | None, float | None]:
+    """``(memory, wire)`` bytes per device of one point of a sweep."""
+    if isinstance(point, Report):
+        return float(point.memory.total), float(point.wire_bytes)
+    try:
+        memory, wire = point
+    except (TypeError, ValueError):
+        from shardkit.errors import ShardingError
+
+        raise ShardingError(
+            f"plot_sweep: results[{name!r}][{x!r}] is {point!r}; give a Report or "
+            "(memory bytes, wire bytes) per device, None for either not measured."
+        ) from None
+    return memory, wire
+
+
+def _count(value: float) -> str:
+    """A tick's number, short: 64, 512, 1K, 64K (K = 1024), 2M."""
+    for size, suffix in ((2**20, "M"), (2**10, "K")):
+        if value >= size and value % size == 0:
+            return f"{int(value // size)}{suffix}"
+    return f"{value:g}"

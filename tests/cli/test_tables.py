@@ -96,13 +96,17 @@ def test_compare_command_at_80_columns(monkeypatch, capsys, tmp_path):
     assert max(map(len, lines)) <= 80
     data = json.loads(out_json.read_text())["reports"]
     rows = _rows(lines, names)
+    (header,) = [line.split() for line in lines if line.split()[:2] == ["recipe", "mesh"]]
     for name in names:
         (row,) = rows[name]
         cells = row.split()
         mesh = "×".join(f"{a}={s}" for a, s in data[name]["mesh"].items())
         assert cells[1] == mesh
+        # The total cell, read back as bytes (K/M/G = KiB/MiB/GiB), is the JSON's total.
         total = data[name]["memory_per_device_bytes"]["total"]
-        assert short_bytes(total) in cells[2:]
+        number, unit = re.fullmatch(r"([\d.]+)([KMGT]?)", cells[header.index("total")]).groups()
+        shown = float(number) * 1024 ** " KMGT".index(unit or " ")
+        assert abs(shown - total) <= 0.05 * total, (cells, total)
         assert all(re.fullmatch(r"[\d.]+[KMGT]?|[\d.]+%|–", c) for c in cells[2:]), row
 
 
@@ -122,9 +126,15 @@ def test_plan_at_80_columns_specs_on_one_line(monkeypatch, capsys):
     qkv = row["params/layers/attn/qkv/kernel"]
     assert qkv["shape"] == "2×64×3×8×8" and qkv["spec"] == "·,fsdp,·,tensor,·"
     assert qkv["bytes"] == "12K"
-    assert qkv.get("shard", "2×32×3×2×8") == "2×32×3×2×8"
     assert row["params/wte/embedding"]["spec"] == "tensor,fsdp"
     assert len(row) == 16  # gpt-tiny's 16 parameters, one line each
+    # --wide shows the shard's shape too: 2×(64/2)×3×(8/4)×8.
+    assert main(["plan", "--model", "gpt-tiny", "--recipe", "fsdp_tp", "--wide"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    (header,) = [line for line in lines if line.startswith("path ")]
+    (qkv,) = [line for line in lines if line.startswith("params/layers/attn/qkv/kernel ")]
+    names = header.replace("logical axes", "logical_axes").split()
+    assert dict(zip(names, qkv.split(), strict=True))["shard"] == "2×32×3×2×8"
 
 
 @pytest.mark.parametrize("width", [80, 120, 200])

@@ -82,3 +82,100 @@ def test_pipeline_timelines_are_a_grid_between_square_and_two_to_one(tmp_path, c
     assert 1.0 <= width / height <= 2.0, (width, height)
     assert fig.axes[0].get_xlabel().startswith("tick (")
     assert fig.get_suptitle().startswith("Pipeline schedules")
+
+
+GIB = 2**30
+#: gpt-7b's planning rows (benchmarks/results/planning.json, fsdp and fsdp_tp total MiB),
+#: as (memory bytes, wire bytes) per device; fsdp_tp's wire bytes were not recorded.
+DEVICES = {
+    "fsdp": {64: (7841.7 * 2**20, 73.2 * GIB), 256: (6660.2 * 2**20, 74.1 * GIB)},
+    "fsdp_tp": {64: (9203.1 * 2**20, None), 256: (7910.9 * 2**20, None)},
+}
+
+
+@pytest.fixture
+def drawn(monkeypatch):
+    """The figures plot_sweep saves, kept open to be read back."""
+    figures = []
+    real = plot.save_figure
+
+    def keep(fig, path, *, close=True):
+        figures.append(fig)
+        return real(fig, path, close=False)
+
+    monkeypatch.setattr(plot, "save_figure", keep)
+    return figures
+
+
+def lines_of(ax):
+    return {line.get_label(): line for line in ax.get_lines()}
+
+
+@pytest.mark.parametrize("count", [1, 3, 6])
+def test_sweep_figure_is_between_square_and_two_to_one(tmp_path, count):
+    path = tmp_path / "sweep.png"
+    results = {
+        f"recipe_{i}": {2**k: ((i + 1) * GIB, k * GIB) for k in range(9, 17)} for i in range(count)
+    }
+    notes = ["a note long enough to wrap onto two lines of the footnote " * 4]
+    plot.plot_sweep(results, path, x_label="sequence length (tokens)", title="t", notes=notes)
+    width, height = png_size(path)
+    assert width >= 1200
+    assert 1.0 <= width / height <= 2.0, (width, height)
+
+
+def test_sweep_figure_plots_the_points_in_their_units(tmp_path, drawn):
+    path = tmp_path / "devices.svg"
+    title = "gpt-7b: memory and wire bytes per device against the number of devices"
+    note = "fsdp_tp: wire bytes not recorded."
+    plot.plot_sweep(DEVICES, path, x_label="devices", title=title, notes=[note])
+    ax_mem, ax_wire = drawn[0].axes
+    mem = lines_of(ax_mem)
+    # Memory in GiB (largest 9203 MiB = 8.99 GiB >= 2 GiB): the table's MiB / 1024.
+    assert list(mem["fsdp"].get_xdata()) == [64, 256]
+    assert mem["fsdp"].get_ydata() == pytest.approx([7841.7 / 1024, 6660.2 / 1024])
+    assert mem["fsdp_tp"].get_ydata() == pytest.approx([9203.1 / 1024, 7910.9 / 1024])
+    # The wire panel draws what was measured only; the legend still lists every line.
+    assert set(lines_of(ax_wire)) == {"fsdp"}
+    assert lines_of(ax_wire)["fsdp"].get_ydata() == pytest.approx([73.2, 74.1])
+    legend = [t.get_text() for t in drawn[0].legends[0].get_texts()]
+    assert legend == ["fsdp", "fsdp_tp"]
+    # 64 -> 256 is two doublings: a base-2 axis with ticks at the points; the memory
+    # spans under 10x, so its axis is linear and starts at 0.
+    assert ax_mem.get_xscale() == "log" and list(ax_mem.get_xticks()) == [64, 256]
+    assert ax_mem.get_yscale() == "linear" and ax_mem.get_ylim()[0] == 0
+    svg = path.read_text()
+    assert title in svg and note in svg
+    assert "memory per device at its peak (GiB)" in svg
+    assert "wire bytes per device per step (GiB)" in svg
+    assert "<dc:date>" not in svg  # the same figure saves to the same bytes
+
+
+def test_sweep_takes_reports_and_spans_decades_on_log_axes(report, tmp_path, drawn):
+    small = {"dp": {512: report, 65536: (1000 * report.memory.total, None)}}
+    plot.plot_sweep(small, tmp_path / "seq.png", x_label="sequence length (tokens)", title="t")
+    ax_mem, ax_wire = drawn[0].axes
+    unit = 2**30 if 1000 * report.memory.total >= 2 * 2**30 else 2**20
+    assert lines_of(ax_mem)["dp"].get_ydata() == pytest.approx(
+        [report.memory.total / unit, 1000 * report.memory.total / unit]
+    )
+    assert lines_of(ax_wire)["dp"].get_ydata() == pytest.approx([report.wire_bytes / 2**20])
+    assert ax_mem.get_yscale() == "log"  # 1000x
+    assert [t.get_text() for t in ax_mem.get_xticklabels()] == ["512", "64K"]
+
+
+def test_sweep_mistakes_name_the_point_and_the_fix(tmp_path):
+    with pytest.raises(
+        sk.ShardingError, match=r"results\['fsdp'\]\[64\] is 7\.5.*\(memory bytes, wire bytes\)"
+    ):
+        plot.plot_sweep({"fsdp": {64: 7.5}}, tmp_path / "x.png", x_label="devices", title="t")
+    seven = {f"r{i}": {1: (1.0, 1.0)} for i in range(7)}
+    with pytest.raises(sk.ShardingError, match="7 lines .*at most 6.*two figures"):
+        plot.plot_sweep(seven, tmp_path / "x.png", x_label="devices", title="t")
+    with pytest.raises(sk.ShardingError, match="no points"):
+        plot.plot_sweep({}, tmp_path / "x.png", x_label="devices", title="t")
+
+
+def test_sweep_lines_differ_in_greyscale_and_marker():
+    test_the_colours_differ_in_greyscale([c for c, _, _ in plot._LINES])
+    assert len({m for _, m, _ in plot._LINES}) == len(plot._LINES)
