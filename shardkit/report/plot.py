@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from shardkit.collectives import KINDS
+from shardkit.errors import ShardingError
 from shardkit.report.report import Report
 
 __all__ = ["ASPECT", "figure_size", "plot_reports", "plot_sweep", "save_figure"]
@@ -274,8 +275,6 @@ def plot_sweep(
       ... )  # doctest: +ELLIPSIS
       '...devices.svg'
     """
-    from shardkit.errors import ShardingError
-
     if not results or not any(results.values()):
         raise ShardingError("plot_sweep: no points to draw; pass {name: {x: point}}.")
     if len(results) > len(_LINES):
@@ -283,7 +282,7 @@ def plot_sweep(
             f"plot_sweep: {len(results)} lines ({', '.join(results)}); at most "
             f"{len(_LINES)} read apart in one figure: split them over two figures."
         )
-    import matplotlib
+    import matplotlib  # optional (the ``plot`` extra): only when a figure is drawn
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -367,8 +366,6 @@ def _bytes(name: str, x: float, point: Point) -> tuple[float | None, float | Non
     try:
         memory, wire = point
     except (TypeError, ValueError):
-        from shardkit.errors import ShardingError
-
         raise ShardingError(
             f"plot_sweep: results[{name!r}][{x!r}] is {point!r}; give a Report or "
             "(memory bytes, wire bytes) per device, None for either not measured."
