@@ -127,7 +127,7 @@ def _plot_layout(results: Path, out: Path) -> str | None:
     the Flax baseline side by side."""
     import matplotlib.pyplot as plt
 
-    from shardkit.report.plot import figure_size
+    from shardkit.figures import figure_size
 
     result = _load(results, "layout")
     if result is None:
@@ -184,7 +184,7 @@ def _plot_layout(results: Path, out: Path) -> str | None:
 
 def _save(fig_or_draw: Any, out: Path, name: str) -> str:
     """Save a figure as ``name``.png and ``name``.svg under ``out``; return the PNG's name."""
-    from shardkit.report.plot import save_figure
+    from shardkit.figures import save_figure
 
     save_figure(fig_or_draw, out / f"{name}.svg", close=False)
     save_figure(fig_or_draw, out / f"{name}.png")

@@ -4,9 +4,9 @@ Malformed arguments of every kind (wrong types, sizes of 0 or below, duplicates,
 bytes patterns, strings where tuples belong, dicts where meshes belong, ...) must end
 in a ``ShardingError`` whose message names the offending argument — never a raw
 ``AttributeError``/``TypeError``/``IndexError`` from deep inside shardkit or JAX.
-Derandomized, so CI sees the same examples every run: a few hundred per target in the
-suite; ``SHARDKIT_FUZZ_EXAMPLES=1300`` draws more than 10,000 calls over all targets
-(the last test counts them).
+Derandomized, so CI sees the same examples every run: 1,300 per target, more than 10,000
+calls over all targets (the last test counts them); ``SHARDKIT_FUZZ_EXAMPLES=200`` for a
+quick run.
 """
 
 import os
@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import shardkit as sk
 
 #: Examples per target: the suite's profile, or the big run's.
-EXAMPLES = int(os.environ.get("SHARDKIT_FUZZ_EXAMPLES", "200"))
+EXAMPLES = int(os.environ.get("SHARDKIT_FUZZ_EXAMPLES", "1300"))
 SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,

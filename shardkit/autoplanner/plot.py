@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardkit.report.plot import figure_size, save_figure
+from shardkit.figures import figure_size, save_figure
 
 __all__ = ["plot_autoplan"]
 
@@ -25,11 +25,9 @@ def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     """Scatter of ranked candidates (and compiled ones over budget, hollow); returns path."""
     # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
     # figure is asked for, so that the planner works without it.
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    import matplotlib.ticker  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     top = result.candidates[:label]
     fig, ax = plt.subplots(figsize=figure_size(9, 6 + 0.15 * len(top)))

@@ -164,6 +164,7 @@ class ModelConfig:
             biases=gpt,
             norm="layernorm" if gpt else "rmsnorm",
             in_projections=self.in_projections,
+            chunked_head=True,
             loss_chunks=self.loss_chunks,
         )
 

@@ -45,7 +45,7 @@ from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.unbox import unbox
 from shardkit.dims import ModelDims
 from shardkit.errors import NoCutError, ShardingError
-from shardkit.protocol import Stages
+from shardkit.protocol import Model, Stages
 
 __all__ = ["UserModel", "load"]
 
@@ -259,12 +259,16 @@ def load(spec: str) -> UserModel:
     return as_user_model(factory(), name=spec)
 
 
-def as_user_model(obj: Any, *, name: str) -> UserModel:
-    """``obj`` (any form a factory may return) as a :class:`UserModel`."""
+def as_user_model(obj: Any, *, name: str) -> Model:
+    """``obj`` (any form a factory may return) as a model of the protocol: a
+    :class:`UserModel`, or ``obj`` itself when it has every member of
+    :class:`shardkit.protocol.Model` already (its cut is then read when a pipeline asks)."""
     if isinstance(obj, UserModel):
         if obj.name == "custom":
             obj = copy.copy(obj)
             object.__setattr__(obj, "name", name)
+        return obj
+    if isinstance(obj, Model):  # it speaks the protocol: its remat, precision, cut as it has them
         return obj
     if isinstance(obj, Mapping):
         extra = sorted(set(obj) - {"init", "loss", *_OPTIONAL})

@@ -14,9 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from shardkit.figures import figure_size, save_figure
 from shardkit.parallel.schedules import Schedule
 
 __all__ = ["plot_timeline", "plot_schedules"]
@@ -45,7 +47,7 @@ def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> N
                     fontsize=6,
                     color=ink,
                 )
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     ax.set_xlim(0, schedule.ticks)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ticks are whole: no 2.5
@@ -67,7 +69,7 @@ _BACKWARD = ("#f3b27a", "///", "black")
 
 
 def _rect(x: float, y: float, w: float, color: str, hatch: str = "") -> Any:
-    from matplotlib.patches import Rectangle
+    from matplotlib.patches import Rectangle  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     return Rectangle(
         (x, y + 0.05), w, 0.9, facecolor=color, hatch=hatch, edgecolor="#8a5a30", linewidth=0
@@ -82,11 +84,8 @@ def plot_schedules(
 ) -> Any:
     """A figure with one timeline per schedule (``titles`` replace the default ones), in
     one column up to three, else two; saved to ``path`` (``.png``, ``.svg``) if given."""
-    import math
 
-    import matplotlib.pyplot as plt
-
-    from shardkit.report.plot import figure_size
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     n = len(schedules)
     ncols = 1 if n <= 3 else 2
@@ -103,7 +102,5 @@ def plot_schedules(
     fig.suptitle("Pipeline schedules: what each stage runs at each tick", fontsize=11)
     fig.tight_layout()
     if path is not None:
-        from shardkit.report.plot import save_figure
-
         save_figure(fig, path, close=False)
     return fig

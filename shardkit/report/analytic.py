@@ -458,11 +458,12 @@ def with_phases(
 ) -> AnalyticModel:
     """``model`` with the peak of each phase of the step as its total.
 
-    The phase model (:func:`shardkit.report.phases.phase_peaks`) is a model's whose
-    loss is shardkit's chunked head (``dims.loss_chunks``; ``None``: its automatic
-    chunks). A no-op without ``dims``, without a sequence, or for a pipeline.
+    The phase model (:func:`shardkit.report.phases.phase_peaks`) is that of a model whose
+    head and loss are shardkit's chunked cross-entropy (``dims.chunked_head``, in
+    ``dims.loss_chunks`` chunks). A no-op for any other model, without a sequence, or
+    for a pipeline.
     """
-    if dims is None or not workload.seq:
+    if dims is None or not dims.chunked_head or not workload.seq:
         return model
     if get_recipe(recipe).parallelism(mesh).stage > 1:  # the phase model knows no pipelines
         return model

@@ -26,16 +26,13 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 from shardkit.collectives import KINDS
 from shardkit.errors import ShardingError
+from shardkit.figures import figure_size, save_figure
 from shardkit.report.report import Report
 
-__all__ = ["ASPECT", "figure_size", "plot_reports", "plot_sweep", "save_figure"]
-
-#: (narrowest, widest) width : height of every figure shardkit draws.
-ASPECT = (1.0, 2.0)
+__all__ = ["plot_reports", "plot_sweep"]
 
 #: Memory parts: dark to light, each with its own hatch (greyscale tells them apart).
 _MEMORY = (
@@ -59,31 +56,6 @@ _WIRE = dict(
 )
 
 
-def figure_size(width: float, height: float) -> tuple[float, float]:
-    """``(width, height)`` with the height clamped so the aspect lies within ``ASPECT``.
-
-    Example:
-      >>> figure_size(11, 3), figure_size(11, 7), figure_size(11, 20)
-      ((11, 5.5), (11, 7), (11, 11.0))
-    """
-    low, high = ASPECT
-    return width, min(max(height, width / high), width / low)
-
-
-def save_figure(fig: Any, path: str | Path, *, close: bool = True) -> str:
-    """Save ``fig`` to ``path`` (format from the suffix; SVG text stays text, searchable)
-    and close it unless ``close=False``; returns the path."""
-    import matplotlib.pyplot as plt  # optional (the ``plot`` extra): only when saving
-
-    # No date and fixed ids in an SVG: the same figure saves to the same bytes.
-    svg = str(path).endswith(".svg")
-    with plt.rc_context({"svg.fonttype": "none", "svg.hashsalt": "shardkit"}):
-        fig.savefig(path, dpi=120, metadata={"Date": None} if svg else None)
-    if close:
-        plt.close(fig)
-    return str(path)
-
-
 def _unit(largest: float) -> tuple[str, float]:
     return ("GiB", 2**30) if largest >= 2 * 2**30 else ("MiB", 2**20)
 
@@ -100,10 +72,8 @@ def plot_reports(
     and their reasons go in a footnote. Returns the path written."""
     # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
     # figure is asked for, so that the report works without it.
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     names = list(reports)
     notes = _footnote(skipped or {})
@@ -275,6 +245,7 @@ def plot_sweep(
       ... )  # doctest: +ELLIPSIS
       '...devices.svg'
     """
+
     if not results or not any(results.values()):
         raise ShardingError("plot_sweep: no points to draw; pass {name: {x: point}}.")
     if len(results) > len(_LINES):
@@ -282,12 +253,10 @@ def plot_sweep(
             f"plot_sweep: {len(results)} lines ({', '.join(results)}); at most "
             f"{len(_LINES)} read apart in one figure: split them over two figures."
         )
-    import matplotlib  # optional (the ``plot`` extra): only when a figure is drawn
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    from matplotlib.lines import Line2D  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     series = {
         name: sorted((x, _bytes(name, x, pt)) for x, pt in pts.items())

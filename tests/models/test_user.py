@@ -69,3 +69,17 @@ def test_bad_factories_name_what_is_wrong(factory_module):
 def test_resolve_picks_reference_names_or_factories(factory_module):
     assert models.resolve("gpt-tiny").name == "gpt-tiny"
     assert models.resolve("my_factories:as_pair").loss is _loss
+
+
+def test_a_factory_returning_a_model_of_the_protocol_keeps_it_whole():
+    """A reference model without a scanned stack (no cut) still loads, keeps its remat,
+    and only a pipeline asks for its cut."""
+    from shardkit.errors import NotPipelinableError
+    from shardkit.models import get
+    from shardkit.models.user import as_user_model
+
+    model = get("gpt-tiny", scan=False, remat="full")
+    loaded = as_user_model(model, name="pkg.mod:build")
+    assert loaded is model and loaded.remat == "full"
+    with pytest.raises(NotPipelinableError):
+        loaded.stages()

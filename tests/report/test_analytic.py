@@ -13,8 +13,10 @@ from shardkit.report.analytic import (
     megatron_activations_per_layer,
     wire_bytes,
     wire_bytes_hybrid,
+    with_phases,
     zero_memory,
 )
+from shardkit.workload import Workload
 
 PSI = 1_234_567
 
@@ -533,3 +535,16 @@ def test_tp_wire_matches_the_compiled_program(name, projections, remat):
     assert r.mesh == {"tensor": t}
     assert r.analytic.wire_bytes_by_kind["all-reduce"] == pytest.approx(want)
     assert r.wire_bytes_by_kind["all-reduce"] == pytest.approx(want, rel=0.005)
+
+
+def test_the_phase_model_is_only_for_shardkits_chunked_head():
+    """A model of one's own that declares its dims but computes its own loss gets the
+    plain analytic total, not the chunked head's phases (reference models do)."""
+    dims = CONFIGS["gpt-tiny"].dims()
+    plain = analytic_model(dims, "fsdp", {"fsdp": 8}, batch=8, seq=64)
+    assert plain.memory.phases  # a reference model: its chunked head's phases
+    own = dataclasses.replace(dims, chunked_head=False)
+    bare = analytic_model(own, "fsdp", {"fsdp": 8}, batch=8, seq=64)
+    assert not bare.memory.phases
+    workload = Workload(batch=8, seq=64, layers=2, d_model=64, n_heads=8, vocab=256)
+    assert with_phases(bare, own, "fsdp", {"fsdp": 8}, workload) is bare
