@@ -26,7 +26,10 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def machine() -> dict[str, Any]:
+    import flax
     import jax
+
+    import shardkit
 
     devices = jax.devices()
     return {
@@ -35,6 +38,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
+        "flax": flax.__version__,
+        "shardkit": shardkit.__version__,
         "backend": devices[0].platform,
         "device_kind": devices[0].device_kind,
         "devices": len(devices),

@@ -29,7 +29,7 @@ def measure(
     import jax
 
     import shardkit as sk
-    from shardkit import models, parallel, train
+    from shardkit import models, train
     from shardkit.models.reporting import token_batch
     from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
 
@@ -42,8 +42,8 @@ def measure(
     if microbatches is None:
         step = train.train_step(model, tx)
     else:
-        stages = parallel.reference_stages(model)
-        step = parallel.train_step(stages, tx, plan, abstract, microbatches=microbatches)
+        pipeline = {"microbatches": microbatches}
+        step = train.train_step(model, tx, plan=plan, abstract=abstract, pipeline=pipeline)
     compiled = plan.jit(step, state=abstract).lower(abstract, token_batch(batch, seq)).compile()
     ma = compiled.memory_analysis()
     total = (

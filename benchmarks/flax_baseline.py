@@ -1,4 +1,4 @@
-"""The hand-written Flax path shardkit is measured against (DESIGN.md, "Baseline to beat").
+"""The hand-written Flax path shardkit is measured against.
 
 What a JAX/Flax user writes today to shard GPT-2 without shardkit, following the Flax
 and MaxText documentation:

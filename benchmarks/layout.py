@@ -4,7 +4,7 @@ Compile only (nothing runs), 8 emulated CPU devices, GPT-2-small shape (full rem
 block), f32 AdamW (``shardkit.train.adamw()``), seq 512, global batch 8. Per recipe,
 per device: memory total (arguments + output + temp − alias) and ring wire bytes per step,
 for (a) shardkit (``models.report(sk.Plan(recipe), model)``), (b) the Flax baseline of
-``flax_baseline.py`` (DESIGN.md, "Baseline to beat") and (c) the analytic model
+``flax_baseline.py`` (the hand-written Flax path) and (c) the analytic model
 (``report.analytic``). "Flax" is the baseline as written, whose activation constraints the
 legacy ``with mesh:`` silently drops; "Flax pinned" passes the mesh to them explicitly.
 shardkit's models scan their layers and the baseline unrolls them; "shardkit unrolled"

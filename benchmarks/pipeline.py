@@ -36,8 +36,8 @@ def worker(spec: dict) -> dict:
     import jax
 
     from shardkit import models, train
-    from shardkit.parallel.report import measure, useful_flops
     from shardkit.report.pipeline_analytic import zeropp_beats_tp
+    from shardkit.report.pipeline_measure import measure, useful_flops
 
     model = models.get(spec["model"], **spec.get("overrides", {}))
     recipe = sk.recipes.get(spec["recipe"])
@@ -82,11 +82,12 @@ def worker(spec: dict) -> dict:
         from shardkit.report.analytic import analytic_model
 
         a = analytic_model(
-            model.config,
+            model.config.dims(),
             recipe,
             dict(plan.mesh.shape),
             batch=b,
             seq=s,
+            remat=model.config.remat,
             pipeline={
                 "microbatches": spec["m"],
                 "schedule": spec["schedule"],

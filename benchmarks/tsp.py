@@ -34,7 +34,7 @@ sk.emulate_devices(8)
 from bench_util import MIB, emit, parser  # noqa: E402
 
 from shardkit import models  # noqa: E402
-from shardkit.report.analytic import analytic_model, layer_params  # noqa: E402
+from shardkit.report.analytic import analytic_model  # noqa: E402
 
 #: (recipe, mesh axis sizes) on 8 devices; batch 1 per data replica.
 HEAD_TO_HEAD = (
@@ -77,7 +77,7 @@ def _measure(model_name: str, recipe: str, mesh: dict[str, int], seq: int) -> di
     by_kind: dict[str, float] = collections.Counter()
     for c in report.collectives:
         by_kind[c.kind] += c.wire_bytes
-    analytic = analytic_model(model.config, recipe, mesh, batch=batch, seq=seq, remat="full")
+    analytic = analytic_model(model.config.dims(), recipe, mesh, batch=batch, seq=seq, remat="full")
     return {
         "recipe": recipe,
         "seq": seq,
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
     name, seqs, head_seq = ("llama-tiny", (64,), 64) if args.tiny else ("llama-1b", SEQS, 8192)
     cfg = models.get(name).config
-    psi_l, psi_in = layer_params(cfg)
+    psi_l, psi_in = cfg.dims().ringed_layer_params
 
     # 1. head to head at one sequence
     head = [measure(name, r, m, head_seq) for r, m in HEAD_TO_HEAD]

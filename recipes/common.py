@@ -64,7 +64,7 @@ def train_pipelined_and_report(
     import jax
     from rich.console import Console
 
-    from shardkit import parallel, train
+    from shardkit import train
     from shardkit.data import MarkovSource
     from shardkit.models import get
 
@@ -72,16 +72,13 @@ def train_pipelined_and_report(
     plan = sk.Plan(recipe, devices=jax.devices()[:devices])
     abstract = plan.abstract_init(train.init_fn(net, tx), jax.random.key(0))
     state = plan.init(abstract)
-    pipelined = parallel.stages.train_step(
-        parallel.stages.reference_stages(net),
-        tx,
-        plan,
-        abstract,
-        microbatches=args.microbatches,
-        schedule=args.schedule,
-        virtual_stages=args.virtual_stages,
-        unit=args.unit,
-    )
+    options = {
+        "microbatches": args.microbatches,
+        "schedule": args.schedule,
+        "virtual_stages": args.virtual_stages,
+        "unit": args.unit,
+    }
+    pipelined = train.train_step(net, tx, plan=plan, abstract=abstract, pipeline=options)
     step = plan.jit(pipelined, state=abstract)
     source = MarkovSource(vocab=net.config.vocab)
     console = Console()

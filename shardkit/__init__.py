@@ -6,7 +6,6 @@ Example:
   P('data', None)
 """
 
-from shardkit import autoplanner, checkpoint, distributed, parallel, recipes, report
 from shardkit.annotate import (
     LogicalAxes,
     PathAxes,
@@ -16,17 +15,22 @@ from shardkit.annotate import (
     logical_axes,
     unbox,
 )
-from shardkit.attention import use_attention
-from shardkit.autoplanner import autoplan
 from shardkit.context import compute_dtype
 from shardkit.devices import emulate_devices
 from shardkit.errors import ShardingError, ShardingWarning
-from shardkit.loss import chunked_cross_entropy
 from shardkit.mesh import make_mesh
+from shardkit.nn import attention, loss, replicas
+from shardkit.nn.attention import use_attention
+from shardkit.nn.loss import chunked_cross_entropy
+from shardkit.nn.replicas import ReplicaView, per_replica
 from shardkit.plan import Plan
-from shardkit.replicas import ReplicaView, per_replica
 from shardkit.rules import Rules
 from shardkit.state import AbstractState
+
+# isort: split
+# The packages above the core last: they import the core (shardkit.axes, ...) as they load.
+from shardkit import autoplanner, checkpoint, distributed, nn, parallel, recipes, report
+from shardkit.autoplanner import autoplan
 
 __version__ = "0.1.0"
 
@@ -40,6 +44,7 @@ __all__ = [
     "ShardingError",
     "ShardingWarning",
     "activation_rules",
+    "attention",
     "autoplan",
     "autoplanner",
     "axes",
@@ -50,10 +55,13 @@ __all__ = [
     "distributed",
     "emulate_devices",
     "logical_axes",
+    "loss",
     "make_mesh",
+    "nn",
     "parallel",
     "per_replica",
     "recipes",
+    "replicas",
     "report",
     "unbox",
     "use_attention",

@@ -49,8 +49,12 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 from jax.sharding import Sharding
+from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
+from shardkit import distributed
+from shardkit.dtypes import dtype_name
 from shardkit.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -142,8 +146,6 @@ _managers: dict[str, tuple[tuple, Any]] = {}
 
 
 def _manager(path: str, *, keep: int | None, keep_best: int, best_metric: str, best_mode: str):
-    import orbax.checkpoint as ocp
-    from orbax.checkpoint.checkpoint_managers import preservation_policy as pp
 
     key = os.path.abspath(os.fspath(path))
     options_key = (keep, keep_best, best_metric, best_mode)
@@ -208,7 +210,6 @@ def steps(path: str | os.PathLike) -> list[int]:
 def manifest(path: str | os.PathLike, step: int) -> dict[str, Any]:
     """What checkpoint ``step`` holds: leaves (name, shape, dtype, checksum), the step,
     ``data_state``, ``metrics``, and the recipe and mesh that saved it."""
-    import orbax.checkpoint as ocp
 
     reader = _reader(os.fspath(path))
     try:
@@ -294,7 +295,6 @@ def save(
             f"save(data_state=...): JSON cannot hold it ({e}).\n"
             "Fix: pass numbers, strings, lists and dicts (e.g. {'next_batch': 120, 'seed': 0})."
         ) from None
-    import orbax.checkpoint as ocp
 
     manager = _manager(
         os.fspath(path),
@@ -316,8 +316,6 @@ def save(
         metrics=contents["metrics"],
         force=True,
     )
-    from shardkit import distributed
-
     distributed.note_checkpoint(os.fspath(path))
     if block:
         manager.wait_until_finished()
@@ -346,7 +344,6 @@ def restore(plan: Any, path: str | os.PathLike, *, like: Any, step: int | None =
         each named.
       CheckpointCorruptError: unreadable files or a leaf failing its checksum, named.
     """
-    import orbax.checkpoint as ocp
 
     tree = getattr(like, "tree", like)
     path = os.fspath(path)
@@ -437,10 +434,10 @@ def _check_leaves(path: str, step: int, saved: list[dict], target: dict) -> None
         e = saved_by_name.get(name)
         if e is None:
             continue
-        if tuple(e["shape"]) != tuple(x.shape) or e["dtype"] != str(np.dtype(x.dtype)):
+        if tuple(e["shape"]) != tuple(x.shape) or e["dtype"] != dtype_name(x.dtype):
             differ.append(
                 f"{name}: checkpoint {tuple(e['shape'])} {e['dtype']}, "
-                f"like {tuple(x.shape)} {np.dtype(x.dtype)}"
+                f"like {tuple(x.shape)} {dtype_name(x.dtype)}"
             )
     if differ:
         problems.append(
@@ -463,7 +460,6 @@ def _check_leaves(path: str, step: int, saved: list[dict], target: dict) -> None
 
 def _find_unreadable_leaf(path: str, step: int, target: dict) -> str | None:
     """The first leaf that fails to restore alone (error path only)."""
-    import orbax.checkpoint as ocp
 
     directory = os.path.join(os.path.abspath(path), str(step), _STATE)
     for name, x in target.items():

@@ -54,7 +54,7 @@ __all__ = [
 
 AttentionStrategy = Literal["dense", "allgather", "ring"]
 #: How the layers' matmuls treat weights sharded over ``attention_axis``: ``"gspmd"``
-#: leaves them to XLA; ``"tsp"`` runs shardkit.parallel.tsp's weight-shard ring.
+#: leaves them to XLA; ``"tsp"`` runs shardkit.nn.tsp's weight-shard ring.
 LayerSchedule = Literal["gspmd", "tsp"]
 #: ``"f32"``: everything in float32. ``"bf16"``: mixed precision, activations and matrix
 #: products in bfloat16, parameters, gradients and optimizer state in float32.
@@ -83,7 +83,7 @@ class ShardingContext:
       attention: how ``causal_attention`` treats a sharded sequence.
       attention_axis: the mesh axis that splits the sequence for attention.
       layer_schedule: how the models' projections run (``"tsp"``: weight shards
-        circulate over ``attention_axis``, see ``shardkit.parallel.tsp``).
+        circulate over ``attention_axis``, see ``shardkit.nn.tsp``).
       precision: ``"f32"`` or ``"bf16"`` (see :func:`compute_dtype`).
     """
 

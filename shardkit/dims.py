@@ -45,8 +45,11 @@ class ModelDims:
         attention's or the MLP's input), each reducing its input's gradient on its own
         under tensor parallelism: 2 when fused (``qkv``, ``up``), 5 for separate
         ``wq``, ``wk``, ``wv``, ``gate`` and ``up``.
-      loss_chunks: chunks of the sequence the head and the loss run in, when the model
-        chunks its loss (``shardkit.loss.chunked_cross_entropy``); ``None`` otherwise.
+      chunked_head: the model's head and loss are shardkit's chunked cross-entropy
+        (``shardkit.nn.loss.chunked_cross_entropy``); the analytic model then counts the
+        step's phases (the layers, the head and loss, the optimizer step) one by one.
+      loss_chunks: with ``chunked_head``, the chunks of the sequence the head and the
+        loss run in; ``None``: chosen from the step's size.
 
     Raises:
       ShardingError: a size that is not a positive int, heads that do not divide
@@ -66,6 +69,7 @@ class ModelDims:
     biases: bool = False
     norm: Literal["layernorm", "rmsnorm"] = "rmsnorm"
     in_projections: int = 2
+    chunked_head: bool = False
     loss_chunks: int | None = None
 
     def __post_init__(self) -> None:

@@ -33,6 +33,9 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointCorruptError",
     "PeerFailedError",
+    "PipelineError",
+    "NotPipelinableError",
+    "NoCutError",
 ]
 
 
@@ -106,3 +109,16 @@ class CheckpointCorruptError(CheckpointError):
 
 class PeerFailedError(ShardingError):
     """Another process of a multi-process run died or stopped responding."""
+
+
+class PipelineError(ShardingError):
+    """A pipeline cannot run as asked."""
+
+
+class NotPipelinableError(PipelineError):
+    """A model or recipe that cannot run as a pipeline (no scanned stack, no stage axis, no cut)."""
+
+
+class NoCutError(NotPipelinableError):
+    """A model that gives no pipeline cut (``stages``), or whose parameters have no stack of
+    identical layers to cut: the fix is in the model, not in the recipe."""

@@ -31,6 +31,7 @@ Example:
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,8 +40,17 @@ from jax.sharding import PartitionSpec
 
 from shardkit import context
 from shardkit.annotate.constrain import is_explicit
+from shardkit.errors import ShardingError
 
-__all__ = ["auto", "out_spec"]
+__all__ = ["auto", "auto_axes_error", "out_spec"]
+
+#: JAX's refusal of a mesh-axis ``out_sharding=`` (or ``reshard``) under Auto axes.
+_AUTO_REFUSAL = re.compile(
+    r"PartitionSpec passed to (?P<op>\S+) cannot contain axis names that are of type Auto"
+    r".*?Got PartitionSpec: (?P<spec>P\(.*?\)) with axis name: (?P<axis>\S+) of type: "
+    r"AxisType\.Auto(?:.*?This error occurs at source:\s*(?P<source>[^\n]*))?",
+    re.DOTALL,
+)
 
 
 def out_spec(logical: Sequence[str | None], shape: Sequence[int]) -> PartitionSpec | None:
@@ -70,3 +80,32 @@ def auto(fn: Callable[..., Any], logical: Sequence[str | None], shape: Sequence[
     if spec is None:
         return fn
     return jax.sharding.auto_axes(fn, out_sharding=spec)
+
+
+def auto_axes_error(error: BaseException, recipe: str) -> ShardingError | None:
+    """A ``ShardingError`` for JAX's refusal of a mesh-axis ``out_sharding=`` under
+    Auto axes (the NNX way: ``jnp.einsum(..., out_sharding=P('data', None))``), naming
+    the op, its spec and where the model calls it; ``None`` for any other error.
+
+    Such a model annotates with mesh axes and asks for sharding in types: it runs under
+    an Explicit mesh, ``sk.Plan(recipe, explicit=True)``.
+
+    Example:
+      >>> e = ValueError("PartitionSpec passed to einsum cannot contain axis names that "
+      ...                "are of type Auto or Manual. Got PartitionSpec: P('data', None) "
+      ...                "with axis name: data of type: AxisType.Auto.")
+      >>> print(auto_axes_error(e, "fsdp"))  # doctest: +ELLIPSIS
+      The model passes out_sharding=P('data', None) to einsum, ... sk.Plan('fsdp', explicit=True) ...
+    """
+    match = _AUTO_REFUSAL.search(str(error))
+    if match is None:
+        return None
+    where = f" at {match['source'].strip()}" if match["source"] else ""
+    return ShardingError(
+        f"The model passes out_sharding={match['spec']} to {match['op']}{where}, but the "
+        f"plan's mesh axes are Auto (mesh axis {match['axis']!r}): a mesh-axis sharding on "
+        "an op is sharding in types, which JAX allows only on Explicit axes.\n"
+        f"Fix: sk.Plan({recipe!r}, explicit=True) (or a mesh from "
+        "sk.make_mesh(..., explicit=True)); or drop out_sharding= and let the plan's "
+        "rules lay the op out (sk.constrain(x, logical_axes) where it matters)."
+    )

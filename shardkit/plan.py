@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import warnings
@@ -34,7 +35,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit import context
+from shardkit import checkpoint, context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
@@ -42,15 +43,19 @@ from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
 from shardkit.collectives import KINDS
+from shardkit.dtypes import is_key, itemsize
 from shardkit.errors import ArgumentTypeError, RuleError, ShardingError, ShardingWarning
+from shardkit.explicit import auto_axes_error
 from shardkit.mesh import check_devices, make_mesh
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
 from shardkit.recipes import names as recipe_names
+from shardkit.recipes.tsp_layout import check_layout
 from shardkit.report.buffers import compile_with_buffers
 from shardkit.report.report import Report, build_report
 from shardkit.rules import Rules
 from shardkit.state import AbstractState, PlannedLeaf
+from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
 
 __all__ = ["Plan", "PlannedLeaf", "PlannedStep", "BATCH_AXES"]
@@ -150,8 +155,6 @@ class Plan:
         for rules in (self.rules, self.activation_rules, self.recipe.optimizer_rules):
             if rules is not None:
                 rules.validate(mesh)
-        from shardkit.parallel.tsp import check_layout  # TSP's own checks (issue 11)
-
         check_layout(self.recipe, mesh.shape)
 
     # -- rules -------------------------------------------------------------------------
@@ -380,27 +383,30 @@ class Plan:
         processes = jax.process_count()
 
         def place(path, x):
-            x = np.asarray(x)
-            global_shape = (x.shape[0] * processes, *x.shape[1:]) if x.ndim else x.shape
-            sharding = self.batch_sharding(global_shape, ("batch", *path))
+            if is_key(getattr(x, "dtype", None)):  # typed keys travel as their key data
+                data = place_array(path, np.asarray(jax.random.key_data(x)), x.ndim)
+                return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+            return place_array(path, np.asarray(x), np.ndim(x))
+
+        def place_array(path, x, ndim):
+            """``x`` placed by the batch sharding of its first ``ndim`` dimensions."""
+            shape = (x.shape[0] * processes, *x.shape[1:]) if ndim else x.shape
+            spec = self.batch_sharding(shape[:ndim], ("batch", *path)).spec
+            sharding = NamedSharding(self.mesh, PartitionSpec(*spec, *[None] * (x.ndim - ndim)))
             if processes == 1:
                 return jax.device_put(x, sharding)
-            return jax.make_array_from_process_local_data(sharding, x, global_shape)
+            return jax.make_array_from_process_local_data(sharding, x, shape)
 
         return jax.tree_util.tree_map_with_path(place, host_batch)
 
     # -- checkpoints ----------------------------------------------------------------------
     def save(self, path: Any, state: Any, *, step: int, data_state: Any = None, **kwargs: Any):
         """Save ``state`` as checkpoint ``step`` under ``path`` (:func:`shardkit.checkpoint.save`)."""
-        from shardkit import checkpoint
-
         return checkpoint.save(self, path, state, step=step, data_state=data_state, **kwargs)
 
     def restore(self, path: Any, *, like: Any, step: int | None = None):
         """Restore a checkpoint into this plan's layout (:func:`shardkit.checkpoint.restore`);
         ``like`` is an ``AbstractState`` (``plan.abstract_init``) or a tree of them."""
-        from shardkit import checkpoint
-
         if isinstance(like, AbstractState):
             like = self._own(like)
         return checkpoint.restore(self, path, like=like, step=step)
@@ -506,10 +512,10 @@ class Plan:
                 compiled, kwargs["buffers"] = compile_with_buffers(lowered)
             else:
                 compiled = lowered.compile()
-            if kwargs.get("workload") is None and kwargs.get("model_config") is None:
+            if kwargs.get("workload") is None and kwargs.get("dims") is None:
                 kwargs["workload"] = _workload_of(batch, self.precision)
-            if kwargs.get("pipeline") is None and getattr(step, "pipeline", None) is not None:
-                kwargs["pipeline"] = step.pipeline  # sk.parallel.train_step's options
+            if kwargs.get("pipeline") is None and isinstance(step, PipelinedStep):
+                kwargs["pipeline"] = step.options  # what the pipeline's analytic model counts
         return build_report(self, compiled, state, **kwargs)
 
     def _check_axes_known(self, state: Any) -> None:
@@ -598,7 +604,18 @@ class PlannedStep:
                 # Explicit axes: the state's types may have drifted (zero1's update reads
                 # split moments), and a constraint would only assert; reshard them back.
                 pin = jax.sharding.reshard if plan.explicit else jax.lax.with_sharding_constraint
-                new_state = pin(new_state, state_sh)
+                try:
+                    new_state = pin(new_state, state_sh)
+                except ValueError:
+                    given, returned = jax.tree.structure(state), jax.tree.structure(new_state)
+                    if given == returned:
+                        raise
+                    raise ShardingError(
+                        "plan.jit: the step returned its new state in another structure than "
+                        f"the state it was given.\n  given:    {given}\n  returned: {returned}"
+                        "\nFix: return (new_state, *outputs) with new_state built like the "
+                        "state (NNX: nnx.as_pure(nnx.state(model, ...)) for plain arrays)."
+                    ) from None
                 return (new_state, *rest)
 
             kwargs = dict(self.jit_kwargs)
@@ -640,12 +657,24 @@ class PlannedStep:
                 "A step runs on arrays; an AbstractState only describes them.\nFix: "
                 "step(plan.init(abstract), batch), or step.lower(abstract, batch) to compile."
             )
-        with jax.set_mesh(self.plan.mesh):
+        with jax.set_mesh(self.plan.mesh), self._auto_axes_explained():
             state, jitted = self._prepare(state, batch, len(extra))
             return jitted(state, batch, *extra)
 
+    @contextlib.contextmanager
+    def _auto_axes_explained(self):
+        """JAX's refusal of a model's mesh-axis ``out_sharding=`` under Auto axes, as a
+        ``ShardingError`` that names the op and says ``explicit=True``."""
+        try:
+            yield
+        except ValueError as e:
+            error = None if self.plan.explicit else auto_axes_error(e, self.plan.recipe.name)
+            if error is None:
+                raise
+            raise error from None
+
     def lower(self, state: Any, batch: Any, *extra: Any):
-        with jax.set_mesh(self.plan.mesh):
+        with jax.set_mesh(self.plan.mesh), self._auto_axes_explained():
             state, jitted = self._prepare(state, batch, len(extra))
             # An abstract batch without shardings gets the plan's: under Explicit axes a
             # ShapeDtypeStruct's sharding is its type inside the step (a shard_map checks it).
@@ -668,7 +697,7 @@ def _shapes(tree: Any) -> tuple:
 
 
 def _nbytes(leaf: PlannedLeaf) -> int:
-    return int(np.prod(leaf.shape)) * np.dtype(leaf.info.dtype).itemsize
+    return int(np.prod(leaf.shape)) * itemsize(leaf.info.dtype)
 
 
 def _user_stacklevel() -> int:
@@ -696,6 +725,7 @@ def _workload_of(batch: Any, precision: str = "f32") -> Workload | None:
         x
         for x in leaves
         if len(np.shape(x)) == 2
+        and not is_key(getattr(x, "dtype", None))
         and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)
     ]
     seq = int(np.shape(tokens[0])[1]) if tokens else None

@@ -33,9 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from shardkit.checkpoint import leaf_paths
+from shardkit.dtypes import dtype_name
+from shardkit.dtypes import itemsize as dtype_itemsize
 from shardkit.errors import CheckpointMismatchError
 
 __all__ = ["LeafRead", "ReshardPlan", "reshard_plan", "saved_chunk_shape"]
@@ -147,7 +148,7 @@ def reshard_plan(
                 f"{name}: the restored layout has shape {tuple(target.shape)}, the saved one "
                 f"{found}.\nFix: compare layouts of the same model."
             )
-        shape, itemsize = tuple(target.shape), np.dtype(target.dtype).itemsize
+        shape, itemsize = tuple(target.shape), dtype_itemsize(target.dtype)
         chunk = saved_chunk_shape(shape, source.sharding) if shape else ()
         per_device_read, per_device_held = {}, {}
         per_process: dict[int, set] = {}
@@ -172,7 +173,7 @@ def reshard_plan(
             LeafRead(
                 path=name,
                 shape=shape,
-                dtype=str(np.dtype(target.dtype)),
+                dtype=dtype_name(target.dtype),
                 saved_spec=_spec(source.sharding),
                 restored_spec=_spec(target.sharding),
                 chunk_shape=chunk,

@@ -15,6 +15,8 @@ Resolution, used for every model (linen and NNX alike):
    ``strict=True`` and no rule at all, an error).
 4. With a mesh, mesh axes of size 1 are dropped; with a shape too, every
    dimension must be divisible by the product of its mesh axis sizes.
+5. With a shape, fewer names than dimensions name the leading dimensions (as
+   ``nn.logical_to_mesh_axes`` does); the rest are replicated. More is an error.
 
 Example:
   >>> import shardkit as sk
@@ -24,6 +26,8 @@ Example:
   P('fsdp', 'tensor')
   >>> rules.spec(("batch", "embed"), mesh={"data": 4, "fsdp": 1, "tensor": 2})
   P('data', None)
+  >>> rules.spec(("embed", "mlp"), shape=(64, 8, 8))  # a prefix: the rest replicated
+  P('fsdp', 'tensor', None)
 """
 
 from __future__ import annotations
@@ -215,7 +219,9 @@ class Rules:
         """The ``PartitionSpec`` for an array with these logical axes.
 
         Args:
-          logical_axes: one logical name (or ``None``) per dimension.
+          logical_axes: one logical name (or ``None``) per dimension; with ``shape``,
+            fewer names than dimensions name the leading ones and the rest are
+            replicated (Flax's rule for the kernels its layers reshape).
           shape: the array's shape; enables the rank and divisibility checks.
           mesh: a ``Mesh``, ``AbstractMesh`` or ``{axis: size}``; enables the
             unknown-axis check, dropping of size-1 axes and divisibility.
@@ -245,12 +251,14 @@ class Rules:
         if shape is not None:
             shape = _check_shape(shape, where)
         sizes = axis_sizes_of(mesh)
-        if shape is not None and len(shape) != len(logical_axes):
+        if shape is not None and len(shape) < len(logical_axes):
             raise errors.RankMismatchError(
                 f"{where}: shape {tuple(shape)} has {len(shape)} dimension(s) but logical axes "
                 f"{logical_axes} name {len(logical_axes)}.\nFix: give one logical name (or "
-                "None) per dimension in the annotation of this parameter."
+                "None) per dimension in the annotation of this parameter, at most."
             )
+        if shape is not None:  # fewer names than dimensions: a prefix, as Flax reads it
+            logical_axes += (None,) * (len(shape) - len(logical_axes))
         if self.strict:
             missing = [n for n in logical_axes if n is not None and n not in self.logical_names]
             if missing:

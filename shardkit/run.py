@@ -1,4 +1,4 @@
-"""The main job: train a reference model under a recipe and measure it.
+"""The main job: train a model under a recipe and measure it.
 
 Library code: it returns data and reports progress through a callback; the
 ``shardkit run`` command renders both.
@@ -22,9 +22,11 @@ import jax
 from shardkit import checkpoint, models, train
 from shardkit.data import MarkovSource
 from shardkit.errors import CheckpointMismatchError, ShardingError
+from shardkit.parallel.cli import for_plan
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
 from shardkit.report.report import Report
+from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
 
 __all__ = ["RunResult", "run"]
@@ -96,20 +98,18 @@ def run(
     spec = models.resolve(model) if isinstance(model, str) else model
     if isinstance(recipe, Plan) and devices is not None:
         raise ShardingError("run(recipe=Plan(...), devices=...): the plan has its mesh already.")
-    annotations = getattr(spec, "annotations", None)
     if isinstance(recipe, Plan):
         plan = recipe
     else:
         plan = Plan(
-            get_recipe(recipe), devices=devices, annotations=annotations, precision=precision
+            get_recipe(recipe), devices=devices, annotations=spec.annotations, precision=precision
         )
-    vocab = spec.config.vocab if hasattr(spec, "config") else spec.vocab
-    if vocab is None:
+    if spec.vocab is None:
         raise ShardingError(
             f"run({spec.name}): the model gives no vocab, so no tokens can be drawn for it.\n"
             "Fix: return 'vocab': N (the token range of its inputs) from the factory."
         )
-    source = MarkovSource(vocab=vocab, seed=seed)
+    source = MarkovSource(vocab=spec.vocab, seed=seed)
     tx = train.adamw(learning_rate)
     abstract = plan.abstract_init(train.init_fn(spec, tx), jax.random.key(seed))
     first_step, state = _resume(
@@ -118,24 +118,24 @@ def run(
     if state is None:
         state = plan.init(abstract)
     first = plan.shard_batch(_local_batch(source, batch, seq, first_step))
-    # Compile once; the same executable trains and is reported on.
-    step = train.train_step(spec, tx)
-    if "stage" in plan.mesh.shape or pipeline is not None:  # sk.parallel: micro-batches, schedule
-        from shardkit.parallel.cli import step_for
-
-        step = step_for(spec, tx, plan, abstract, pipeline) or step
+    # Compile once; the same executable trains and is reported on. A recipe with a stage
+    # axis pipelines (micro-batches, schedule: shardkit.parallel.cli).
+    step = train.train_step(
+        spec, tx, plan=plan, abstract=abstract, pipeline=for_plan(plan, pipeline)
+    )
     # interleaved: the stack trained in the schedule's order, saved in layer order
-    to_stored, to_layers = getattr(step, "to_stored", None), getattr(step, "to_layers", None)
-    if to_stored is not None:
-        state = to_stored(state)
+    pipelined = step if isinstance(step, PipelinedStep) else None
+    to_layers = pipelined.to_layers if pipelined else None
+    if pipelined and pipelined.to_stored is not None:
+        state = pipelined.to_stored(state)
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq, precision=plan.precision)
     report = plan.report(
         compiled,
         abstract,
         workload=workload,
-        model_config=getattr(spec, "config", None),
-        pipeline=getattr(step, "pipeline", None),
+        dims=spec.dims,
+        pipeline=pipelined.options if pipelined else None,
     )
 
     def step_fn(state, batch):

@@ -29,11 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from shardkit.annotate.logical import LeafInfo
 from shardkit.annotate.logical_axes_type import LogicalAxes
+from shardkit.dtypes import itemsize
 from shardkit.errors import ShardingError
 
 __all__ = ["AbstractState", "PlannedLeaf"]
@@ -62,13 +62,18 @@ class PlannedLeaf:
     def kind(self) -> str:
         return self.info.kind
 
+    @property
+    def prefix(self) -> bool:
+        """Its logical names were fewer than its dimensions (Flax's prefix rule)."""
+        return self.info.prefix
+
     def shard_shape(self, mesh: Mesh) -> tuple[int, ...]:
         """The shape each device holds on ``mesh``."""
         return tuple(NamedSharding(mesh, self.spec).shard_shape(self.info.shape))
 
     def bytes_per_device(self, mesh: Mesh) -> int:
         """Bytes of this leaf on each device of ``mesh``."""
-        return math.prod(self.shard_shape(mesh)) * np.dtype(self.info.dtype).itemsize
+        return math.prod(self.shard_shape(mesh)) * itemsize(self.info.dtype)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

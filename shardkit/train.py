@@ -1,4 +1,4 @@
-"""A minimal functional training loop for the reference models.
+"""A minimal functional training loop for any model, pipelined or not.
 
 The pieces ``shardkit run``, the recipes and the tests share: a ``TrainState``,
 an AdamW optimizer, an init function whose params come out annotated (so
@@ -17,7 +17,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -25,6 +25,10 @@ import jax.numpy as jnp
 import optax
 
 from shardkit.annotate.unbox import unbox
+from shardkit.errors import NotPipelinableError, ShardingError
+from shardkit.parallel.stages import order_converters, pipeline_value_and_grad
+from shardkit.protocol import Stages
+from shardkit.step import PipelinedStep
 
 __all__ = ["TrainState", "adamw", "clip_by_global_norm", "init_fn", "train_step"]
 
@@ -74,7 +78,7 @@ def adamw(
 
     ``eps`` defaults to 1e-5 rather than optax's 1e-8: smaller, Adam divides the f32
     rounding noise of near-zero gradients by it, and a sharded run drifts from one
-    device's (README: the equality claim and its conditions).
+    device's (docs/explain/correctness.md: the equality claim and its conditions).
 
     The clip is :func:`clip_by_global_norm` (a scalar factor, no copy of the gradients).
     """
@@ -95,16 +99,103 @@ def init_fn(model: Any, tx: optax.GradientTransformation) -> Callable[[jax.Array
 
 
 def train_step(
-    model: Any, tx: optax.GradientTransformation, *, return_grads: bool = False
-) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-    """An ordinary ``step(state, batch) -> (state, {"loss": ...})``.
+    model: Any,
+    tx: optax.GradientTransformation,
+    *,
+    plan: Any = None,
+    abstract: Any = None,
+    pipeline: Mapping[str, Any] | None = None,
+    return_grads: bool = False,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]] | PipelinedStep:
+    """The training step ``step(state, batch) -> (state, {"loss": ...})`` of any model.
 
-    With ``return_grads=True`` the metrics also hold the gradients (for tests
-    that compare layouts).
+    Under a plan with a ``stage`` axis (``pp``, ``dp_pp``, ``zeropp``, ``dp_tp_sp_pp``) the
+    loss and gradients come from the pipeline engine
+    (:func:`shardkit.parallel.stages.pipeline_value_and_grad`) run on the model's cut
+    (``model.stages()``, :mod:`shardkit.protocol`; or ``model`` itself when it is a
+    ``Stages``), and the step is a :class:`~shardkit.step.PipelinedStep`. Otherwise the
+    step is ``jax.value_and_grad(model.loss)`` and an optimizer update.
+
+    Args:
+      model: a model (:class:`shardkit.protocol.Model`) or a ``Stages``.
+      tx: the optimizer.
+      plan, abstract: the plan and its abstract state (``plan.abstract_init``); a
+        pipelined step reads the layout from them.
+      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order"}``
+        (defaults: one micro-batch per stage, ``"1f1b"``, 1, one weight gather per step,
+        ``"layers"``). ``stack_order="interleaved"`` (``interleaved`` schedule): the
+        state's layer stacks are stored in the schedule's order; the step's
+        ``to_stored`` / ``to_layers`` convert the state once each way.
+      return_grads: the metrics also hold the gradients (tests that compare layouts).
+
+    Raises:
+      NotPipelinableError: pipeline options under a plan with no ``stage`` axis, or a
+        model without a cut (what to provide is in the message).
+
+    Example:
+      >>> import jax, shardkit as sk
+      >>> from shardkit.models import get
+      >>> model, tx = get("gpt-tiny", n_layers=4), adamw()
+      >>> plan = sk.Plan("pp", devices=jax.devices()[:4])
+      >>> abstract = plan.abstract_init(init_fn(model, tx), jax.random.key(0))
+      >>> step = train_step(model, tx, plan=plan, abstract=abstract,
+      ...                   pipeline={"microbatches": 8, "schedule": "gpipe"})
+      >>> step.options["microbatches"], round(step.schedule.bubble, 3)
+      (8, 0.273)
     """
+    stages = None if plan is None else dict(plan.mesh.shape).get("stage")
+    if stages is None:
+        if pipeline is not None:
+            where = "no plan" if plan is None else f"recipe {plan.recipe.name!r} has "
+            where += "" if plan is None else str(dict(plan.mesh.shape))
+            raise NotPipelinableError(
+                f"train_step(pipeline={dict(pipeline)}): a pipeline needs a plan with a "
+                f"'stage' axis; {where}.\nFix: plan=sk.Plan('pp' | 'dp_pp' | 'zeropp' | "
+                "'dp_tp_sp_pp', ...), or drop pipeline=."
+            )
+        return _step(jax.value_and_grad(model.loss), tx, return_grads)
+    if abstract is None:
+        raise ShardingError(
+            f"train_step(plan=<{plan.recipe.name}>): a pipelined step reads the layout from "
+            "the abstract state.\nFix: pass abstract=plan.abstract_init(init_fn(model, tx), "
+            "key)."
+        )
+    opts = {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+    unknown = sorted(set(pipeline or {}) - {*opts, "microbatches"})
+    if unknown:
+        raise ShardingError(
+            f"train_step(pipeline=...): {unknown} are not pipeline options.\nFix: use "
+            "microbatches, schedule, virtual_stages, unit, stack_order."
+        )
+    cut = model if isinstance(model, Stages) else model.stages()
+    opts.update({k: v for k, v in (pipeline or {}).items() if v is not None})
+    opts["microbatches"] = int(opts.get("microbatches") or stages)
+    grad_fn = pipeline_value_and_grad(cut, plan, abstract, **opts)
+    to_stored = to_layers = None
+    if opts["stack_order"] == "interleaved":
+        to_stored, to_layers = order_converters(
+            plan, abstract, int(stages), int(opts["virtual_stages"])
+        )
+    return PipelinedStep(
+        _step(grad_fn, tx, return_grads),
+        schedule=grad_fn.schedule,
+        microbatches=opts["microbatches"],
+        schedule_name=opts["schedule"],
+        virtual_stages=int(opts["virtual_stages"]),
+        unit=opts["unit"],
+        stack_order=opts["stack_order"],
+        to_stored=to_stored,
+        to_layers=to_layers,
+    )
 
+
+def _step(
+    value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]],
+    tx: optax.GradientTransformation,
+    return_grads: bool,
+) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-        loss, grads = jax.value_and_grad(model.loss)(state.params, batch)
+        loss, grads = value_and_grad(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = {"loss": loss, "grads": grads} if return_grads else {"loss": loss}

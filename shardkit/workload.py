@@ -20,6 +20,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
+from shardkit.context import check_precision
+from shardkit.protocol import Model
+
 __all__ = ["Workload"]
 
 
@@ -57,8 +62,6 @@ class Workload:
     model: str | None = None
 
     def __post_init__(self) -> None:
-        from shardkit.context import check_precision
-
         check_precision(self.precision, "Workload(precision)")
 
     @property
@@ -96,23 +99,35 @@ class Workload:
         )
 
     @classmethod
-    def of_model(cls, model: Any, *, batch: int, seq: int, precision: str = "f32") -> Workload:
-        """The workload of a reference ``Model`` (from its config) or a user's model
-        (``dims`` it declares; its own code decides remat, so ``remat`` is ``None``).
+    def of_model(cls, model: Model, *, batch: int, seq: int, precision: str = "f32") -> Workload:
+        """The workload of any model (:class:`shardkit.protocol.Model`): its declared
+        ``dims`` (none: batch and sequence only), its ``remat`` (``None``: its own code
+        decides) and its ``precision`` (``None``: the plan's ``precision``, which a model of
+        your own is assumed to follow by reading ``sk.compute_dtype()``).
 
-        ``precision`` is the plan's; a user's model is assumed to follow it (it reads
-        ``sk.compute_dtype()``)."""
-        name = getattr(model, "name", None)
-        config = getattr(model, "config", None)
-        if config is not None:
-            return cls.from_config(config, batch=batch, seq=seq, model=name, precision=precision)
+        Example:
+          >>> from shardkit import models
+          >>> Workload.of_model(models.get("llama-tiny"), batch=8, seq=32).in_projections
+          5
+        """
+        dims = model.dims
+        sizes = {}
+        if dims is not None:
+            sizes = {
+                "layers": dims.layers,
+                "d_model": dims.d_model,
+                "n_heads": dims.n_heads,
+                "n_kv_heads": dims.n_kv_heads,
+                "vocab": dims.vocab,
+                "in_projections": dims.in_projections,
+            }
         return cls(
             batch=batch,
             seq=seq,
-            model=name,
-            remat=None,
-            precision=precision,
-            **getattr(model, "dims", {}),
+            model=model.name,
+            remat=model.remat,
+            precision=model.precision or precision,
+            **sizes,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -123,6 +138,4 @@ def _precision_of(dtype: Any, default: str | None) -> str:
     """``"bf16"``/``"f32"`` of a config's explicit ``dtype``; ``default`` when it has none."""
     if dtype is None:
         return default or "f32"
-    import numpy as np
-
     return "bf16" if np.dtype(dtype).name == "bfloat16" else "f32"

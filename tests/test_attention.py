@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 import shardkit as sk
 from shardkit.annotate import activation_rules
-from shardkit.attention import causal_attention, current_attention, use_attention
+from shardkit.nn.attention import causal_attention, current_attention, use_attention
 from shardkit.report.hlo import parse_collectives
 
 MESHES = {
@@ -184,7 +184,7 @@ def test_grouped_kv_heads_match_repeated_and_cross_as_kv_heads(strategy):
 def test_masked_softmax_is_softmax_and_keeps_only_its_output():
     from jax._src.ad_checkpoint import saved_residuals
 
-    from shardkit.attention import masked_softmax
+    from shardkit.nn.attention import masked_softmax
 
     b, h, s = 2, 3, 16
     scores = jax.random.normal(jax.random.key(0), (b, h, s, s), jnp.float32) * 4

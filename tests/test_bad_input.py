@@ -4,10 +4,12 @@ Malformed arguments of every kind (wrong types, sizes of 0 or below, duplicates,
 bytes patterns, strings where tuples belong, dicts where meshes belong, ...) must end
 in a ``ShardingError`` whose message names the offending argument — never a raw
 ``AttributeError``/``TypeError``/``IndexError`` from deep inside shardkit or JAX.
-Together the targets below draw more than 10,000 examples (derandomized, so CI sees
-the same ones every run).
+Derandomized, so CI sees the same examples every run: 1,300 per target, more than 10,000
+calls over all targets (the last test counts them); ``SHARDKIT_FUZZ_EXAMPLES=200`` for a
+quick run.
 """
 
+import os
 import sys
 
 import flax.linen as nn
@@ -20,7 +22,8 @@ from hypothesis import strategies as st
 
 import shardkit as sk
 
-EXAMPLES = 1500
+#: Examples per target: the suite's profile, or the big run's.
+EXAMPLES = int(os.environ.get("SHARDKIT_FUZZ_EXAMPLES", "1300"))
 SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -170,6 +173,7 @@ def test_axes_decorator(pairs, kind):
 
 
 MESH = sk.make_mesh({"data": 2, "tensor": 4})
+EXPLICIT = sk.make_mesh({"data": 2, "tensor": 4}, explicit=True)
 
 
 @SETTINGS
@@ -186,6 +190,40 @@ def test_constrain(shape, axes, with_mesh, pairs):
             if isinstance(x, jax.ShapeDtypeStruct):
                 return jax.eval_shape(lambda a: sk.constrain(a, axes, rules=pairs), x)
             return sk.constrain(x, axes, rules=pairs)
+
+    outcome(use, "constrain", "logical", "shape", "Rule", "mesh", "dimension")
+
+
+OTHER_MESH = sk.make_mesh({"x": 8})
+#: Eager arrays of every kind of sharding: on one device (any), on another mesh, host.
+eager_arrays = st.one_of(
+    st.tuples(st.sampled_from(DEVICES), st.sampled_from([(8, 4), (8,), (3, 5), ()])).map(
+        lambda d: jax.device_put(np.ones(d[1], np.float32), d[0])
+    ),
+    st.sampled_from([(8, 4), (16,), (8, 2, 2)]).map(
+        lambda s: jax.device_put(
+            np.ones(s, np.float32), jax.sharding.NamedSharding(OTHER_MESH, jax.P("x"))
+        )
+    ),
+    st.sampled_from([(8, 4), (7,)]).map(lambda s: np.ones(s, np.float32)),
+)
+
+
+@SETTINGS
+@given(eager_arrays, logical, st.sampled_from(["none", "mesh", "explicit", "abstract"]), rules)
+def test_constrain_eager(x, axes, where, pairs):
+    """``sk.constrain`` outside jit, on arrays whose sharding is not the mesh's."""
+
+    def use():
+        if where == "none":
+            return sk.constrain(x, axes, rules=pairs)
+        if where == "abstract":
+            with jax.sharding.use_abstract_mesh(MESH.abstract_mesh):
+                return sk.constrain(x, axes, rules=pairs)
+        with jax.set_mesh(EXPLICIT if where == "explicit" else MESH):
+            y = sk.constrain(x, axes, rules=pairs)
+        assert isinstance(y.sharding, jax.sharding.NamedSharding) and y.shape == np.shape(x)
+        return y
 
     outcome(use, "constrain", "logical", "shape", "Rule", "mesh", "dimension")
 
@@ -216,12 +254,14 @@ def test_plan(recipe, mesh, devs, annotations, policy):
     )
 
 
-def test_the_targets_drew_at_least_10000_examples():
+def test_the_targets_drew_their_examples():
     """Counts the calls the targets above really made (pytest runs a file in order, and
-    the README's ``--dist loadfile`` keeps a file on one xdist worker)."""
-    if len(CALLS) < 7:
+    the README's ``--dist loadfile`` keeps a file on one xdist worker): at least 10,000
+    in the big run (``SHARDKIT_FUZZ_EXAMPLES`` >= 1300)."""
+    if len(CALLS) < 8:
         pytest.skip("run with the whole file: counts the calls of every target above")
-    assert sum(CALLS.values()) >= 10_000, CALLS
+    want = 10_000 if EXAMPLES >= 1300 else 8 * EXAMPLES // 2  # some spaces are small
+    assert sum(CALLS.values()) >= want, CALLS
 
 
 @pytest.mark.parametrize(
@@ -247,3 +287,24 @@ def test_each_reported_case_names_its_fix(call, kind, message):
     with pytest.raises(sk.ShardingError, match=None) as e:
         call()
     assert isinstance(e.value, kind) and message in str(e.value)
+
+
+def test_constrain_outside_jit_places_an_array_of_any_sharding():
+    """The fuzz's raw ``TypeError``/``ValueError`` from ``with_sharding_constraint``: an
+    eager array on one device, or on another mesh, under ``jax.set_mesh``."""
+    rules = [("batch", "data"), ("embed", "tensor")]
+    for x in (
+        jax.device_put(np.arange(32.0).reshape(8, 4), DEVICES[3]),
+        jax.device_put(
+            np.arange(32.0).reshape(8, 4), jax.sharding.NamedSharding(OTHER_MESH, jax.P("x"))
+        ),
+    ):
+        for mesh in (MESH, EXPLICIT):
+            with jax.set_mesh(mesh):
+                y = sk.constrain(x, ("batch", "embed"), rules=rules)
+            assert y.sharding == jax.sharding.NamedSharding(mesh, jax.P("data", "tensor"))
+            np.testing.assert_array_equal(np.asarray(y), np.arange(32.0).reshape(8, 4))
+    for array in (x, np.ones((8, 4))):  # under an abstract mesh: a raw TypeError / assert
+        with jax.sharding.use_abstract_mesh(MESH.abstract_mesh):
+            with pytest.raises(sk.ShardingError, match=r"(?s)outside jit.*Fix: call it inside"):
+                sk.constrain(array, ("batch", "embed"), rules=rules)

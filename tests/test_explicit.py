@@ -12,7 +12,7 @@ import pytest
 from jax.sharding import AxisType
 
 import shardkit as sk
-from shardkit import explicit, models, parallel, train
+from shardkit import explicit, models, train
 from shardkit.data import MarkovSource
 
 BATCH, SEQ, LR, EPS = 8, 32, 1e-2, 1e-5
@@ -26,12 +26,12 @@ def first_step(model_name, plan):
     model, tx = models.get(model_name), train.adamw(LR, eps=EPS)
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     if plan.recipe.name in PIPELINE:
-        step = parallel.train_step(
-            parallel.reference_stages(model),
+        step = train.train_step(
+            model,
             tx,
-            plan,
-            abstract,
-            microbatches=PIPELINE[plan.recipe.name][1],
+            plan=plan,
+            abstract=abstract,
+            pipeline={"microbatches": PIPELINE[plan.recipe.name][1]},
             return_grads=True,
         )
     else:
@@ -95,8 +95,8 @@ def test_explicit_program_has_the_auto_programs_shardings_and_costs():
     for mode in (False, True):
         plan = sk.Plan("dp_pp", explicit=mode)
         abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-        step = parallel.train_step(
-            parallel.reference_stages(model), tx, plan, abstract, microbatches=2
+        step = train.train_step(
+            model, tx, plan=plan, abstract=abstract, pipeline={"microbatches": 2}
         )
         batch = models.reporting.token_batch(BATCH, SEQ)
         compiled[mode] = plan.compile(step, abstract, batch)

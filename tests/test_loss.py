@@ -12,8 +12,8 @@ import pytest
 
 import shardkit as sk
 from shardkit import models, train
-from shardkit.loss import ChunkError, auto_chunks
 from shardkit.models import get
+from shardkit.nn.loss import ChunkError, auto_chunks
 
 B, S = 8, 32
 

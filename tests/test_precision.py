@@ -102,7 +102,7 @@ def _saved_activations(model, precision, batch, seq):
 )
 def test_bf16_halves_the_saved_activations(name, overrides, low, high):
     # bf16 keeps half the bytes of every saved activation, and the attention keeps only
-    # its bf16 probabilities (shardkit.attention.masked_softmax, 2 bytes per score) where
+    # its bf16 probabilities (shardkit.nn.attention.masked_softmax, 2 bytes per score) where
     # f32 keeps the masked scores, their exponentials and the mask (9 bytes): a little
     # under half on the reference models. The norms keep their f32 statistics. Before
     # masked_softmax: 0.71 on gpt-tiny; a bf16 path that saved f32 activations gives 1.0.
@@ -115,8 +115,8 @@ def test_bf16_halves_the_saved_activations(name, overrides, low, high):
 def test_analytic_activations_halve_state_unchanged():
     cfg = CONFIGS["gpt-small"]
     kw = dict(batch=8, seq=512, remat="none")
-    f32 = analytic_model(cfg, "fsdp", {"fsdp": 8}, **kw).memory
-    bf16 = analytic_model(cfg, "fsdp", {"fsdp": 8}, precision="bf16", **kw).memory
+    f32 = analytic_model(cfg.dims(), "fsdp", {"fsdp": 8}, **kw).memory
+    bf16 = analytic_model(cfg.dims(), "fsdp", {"fsdp": 8}, precision="bf16", **kw).memory
     # The layers' term is Megatron's count at 2 bytes a value instead of 4 (an
     # independent evaluation of the formula); the logits stay f32 (scored in f32).
     per_layer = megatron_activations_per_layer(512, 1, 768, 12, mode="none", bytes_per_value=4)

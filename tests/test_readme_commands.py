@@ -1,7 +1,7 @@
-"""The README's checkpoint and multi-host commands name real flags; the cheap one runs.
+"""The checkpoint and multi-host guides' commands name real flags; the cheap one runs.
 
 The training commands run in tests/test_checkpoint.py and tests/multiprocess/ (the
-launch line is read from the README there)."""
+launch line is read from docs/howto/many_hosts.md there)."""
 
 import re
 import shlex
@@ -9,11 +9,11 @@ from pathlib import Path
 
 from shardkit.cli import build_parser, main
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+HOWTO = Path(__file__).resolve().parents[1] / "docs" / "howto"
 
 
-def _commands(section: str) -> list[list[str]]:
-    body = README.split(f"## {section}", 1)[1].split("\n## ", 1)[0]
+def _commands(page: str) -> list[list[str]]:
+    body = (HOWTO / page).read_text()
     lines = [
         line.split("  #")[0]
         for block in re.findall(r"```bash\n(.*?)```", body, flags=re.S)
@@ -23,10 +23,10 @@ def _commands(section: str) -> list[list[str]]:
 
 
 def test_readme_commands_parse_and_reshard_plan_runs(capsys):
-    commands = _commands("Checkpoints") + _commands("Past one machine")
+    commands = _commands("checkpoints.md") + _commands("many_hosts.md")
     assert len(commands) == 5
     for argv in commands:
         build_parser().parse_args(argv)  # exits on an unknown flag
     (reshard,) = [c for c in commands if c[0] == "reshard-plan"]
     assert main(reshard) == 0
-    assert "reads 1.3 MiB to hold 445.1 KiB" in capsys.readouterr().out  # the README's numbers
+    assert "reads 1.3 MiB to hold 445.1 KiB" in capsys.readouterr().out  # the guide's numbers

@@ -1,5 +1,6 @@
 import math
 
+import flax.linen as nn
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -80,7 +81,16 @@ def test_malformed_rules(bad):
 
 def test_rank_mismatch_names_path():
     with pytest.raises(errors.RankMismatchError, match=r"layers/w: shape \(4, 8\) has 2"):
-        sk.Rules([]).spec(("embed",), shape=(4, 8), path="layers/w")
+        sk.Rules([]).spec(("embed", "mlp", "heads"), shape=(4, 8), path="layers/w")
+
+
+def test_fewer_names_than_dimensions_are_a_prefix_as_in_flax():
+    rules = [("embed", "fsdp"), ("kv", None), ("heads", "tensor")]
+    mesh = {"fsdp": 2, "tensor": 2}
+    for names in [("embed", "kv"), ("heads",), ("kv", "embed"), ()]:
+        want = nn.logical_to_mesh_axes(names, rules)  # Flax's resolver, on the names alone
+        got = sk.Rules(rules).spec(names, shape=(8, 4, 2), mesh=mesh)
+        assert tuple(got) == (*want, *[None] * (3 - len(want))), names
 
 
 def test_indivisible_error_exact_text():

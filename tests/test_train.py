@@ -123,7 +123,8 @@ def test_adamw_step_holds_no_copy_of_the_gradients():
 
 
 def test_shardkit_runs_defaults_meet_the_equality_claim():
-    # The README's claim, with `shardkit run`'s own defaults (AdamW eps 1e-5): 10 steps of
+    # docs/explain/correctness.md's claim, with `shardkit run`'s own defaults (AdamW eps
+    # 1e-5): 10 steps of
     # llama-tiny under fsdp on 8 devices give the losses of one device within rtol 1e-5.
     # (With eps 1e-8 they differed by 6.4e-4: Adam divides f32 rounding noise in
     # near-zero gradients by eps.)

@@ -2,7 +2,8 @@
 
 Works inside ``jit`` under Auto meshes (``with_sharding_constraint``) and
 Explicit meshes (``reshard``, where Flax's ``with_logical_constraint`` fails an
-assertion), and is a no-op when no mesh or no rules are active.
+assertion), outside ``jit`` on arrays of any sharding (``device_put`` onto the active
+mesh), and is a no-op when no mesh or no rules are active.
 
 Example:
   >>> import jax, jax.numpy as jnp, shardkit as sk
@@ -119,6 +120,24 @@ def _pin(x: jax.Array, logical: Sequence[str | None], rules: Rules | None, path:
     if rules is None or mesh is None:
         return x
     spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path)
+    if not isinstance(x, jax.core.Tracer):
+        return _place(x, spec, path)  # an eager array: its sharding may be of any kind
     if is_explicit(mesh):
         return jax.sharding.reshard(x, spec)
     return jax.lax.with_sharding_constraint(x, spec)
+
+
+def _place(x: Any, spec: Any, path: Any) -> jax.Array:
+    """Outside ``jit``, put ``x`` (on the host, on one device, or on another mesh) in
+    ``spec``."""
+    mesh = jax.sharding.get_mesh()
+    if mesh is None or mesh.empty:
+        where = getattr(x, "sharding", "none: a host array")
+        raise errors.ShardingError(
+            f"sk.constrain ({path}): an array outside jit, of shape {tuple(x.shape)} with "
+            f"sharding {where}, under an abstract mesh only "
+            f"({dict(context.active_mesh().shape)}): there are no devices to place it on.\n"
+            "Fix: call it inside jax.jit (plan.jit), or under jax.set_mesh(mesh) with a "
+            "concrete Mesh."
+        )
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))

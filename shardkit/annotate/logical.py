@@ -6,7 +6,8 @@ scalar, or a parameter (everything else). Then, for each leaf:
 
 1. axes stored by Flax on the leaf (``nn.LogicallyPartitioned``, NNX
    ``out_sharding``; ``@sk.axes`` produces these);
-2. parameters: a ``sk.PathAxes`` passed as ``annotations``;
+2. parameters: a ``sk.PathAxes`` passed as ``annotations`` (also where the stored
+   names are fewer than the dimensions: a pattern naming more of them applies);
 3. optimizer state: *mirroring* — optimizer states copy the params tree (``mu``,
    ``nu``, masked and chained states), so the leaf takes the axes of the parameter
    sharing the longest path ending with it and its shape; no boxed metadata has
@@ -19,6 +20,10 @@ scalar, or a parameter (everything else). Then, for each leaf:
 5. scalars (step counters) are replicated;
 6. anything else follows ``on_unmatched``: all-``None`` axes, or an error that
    names every unmatched parameter.
+
+Fewer names than dimensions name the leading dimensions, the rest replicated, as Flax
+resolves them (its attention layers create a 3-D kernel with 2 names): the axes come
+back padded with ``None`` and ``LeafInfo.prefix`` says so. More names is an error.
 
 Parameters never mirror one another: an unannotated parameter that merely shares a
 name and shape with an annotated one is unmatched, not a copy.
@@ -68,6 +73,9 @@ class LeafInfo:
     axes: LogicalAxes
     source: Source
     optimizer: bool = False
+    #: the annotation named fewer dimensions than the leaf has (``axes`` is padded with
+    #: ``None``): Flax's prefix rule, the rest replicated
+    prefix: bool = False
 
     @property
     def kind(self) -> Literal["param", "optimizer", "scalar"]:
@@ -138,19 +146,18 @@ def describe_leaves(
         shape, dtype = _shape_dtype(leaf)
         optimizer = _is_optimizer_leaf(path, leaf, optax_paths)
         axes, source = stored_axes(leaf, where), "flax"
-        if axes is None and not optimizer and annotations is not None:
-            axes, source = annotations.match(where, shape), "annotation"
+        # A pattern naming more dimensions replaces names Flax stored as a prefix.
+        short = axes is None or len(axes) < len(shape)
+        if short and not optimizer and annotations is not None:
+            given = annotations.match(where, shape)
+            if given is not None and (axes is None or len(given) > len(axes)):
+                axes, source = given, "annotation"
         if axes is None:  # decided below, once every annotated parameter is known
             (pending_optimizer if optimizer else pending_params).append(
                 (i, path, where, shape, dtype)
             )
             continue
-        if len(axes) != len(shape):
-            raise errors.RankMismatchError(
-                f"{where}: shape {shape} has {len(shape)} dimension(s) but its logical axes "
-                f"{tuple(axes)} name {len(axes)}.\nFix: give one name (or None) per dimension."
-            )
-        infos[i] = LeafInfo(where, shape, dtype, axes, source, optimizer)
+        infos[i] = _info(where, shape, dtype, axes, source, optimizer)
 
     # Deeper copies of an annotated parameter (an optimizer state made by hand).
     annotated = [
@@ -169,7 +176,8 @@ def describe_leaves(
             and info.shape == shape
         ]
         if copies:
-            infos[i] = LeafInfo(where, shape, dtype, _agreed(copies, where).axes, "mirror", True)
+            ref = _agreed(copies, where)
+            infos[i] = LeafInfo(where, shape, dtype, ref.axes, "mirror", True, ref.prefix)
         else:
             source = "scalar" if not shape else "unmatched"
             infos[i] = LeafInfo(where, shape, dtype, LogicalAxes((None,) * len(shape)), source)
@@ -183,12 +191,12 @@ def describe_leaves(
     for i, path, where, shape, dtype in pending_optimizer:
         ref = _mirror(_names(path), shape, params, where)
         if ref is not None:
-            infos[i] = LeafInfo(where, shape, dtype, ref.axes, "mirror", True)
+            infos[i] = LeafInfo(where, shape, dtype, ref.axes, "mirror", True, ref.prefix)
             continue
         axes = annotations.match(where, shape) if annotations is not None else None
         source = "annotation" if axes is not None else "scalar" if not shape else "unmatched"
         axes = axes if axes is not None else LogicalAxes((None,) * len(shape))
-        infos[i] = LeafInfo(where, shape, dtype, axes, source, True)
+        infos[i] = _info(where, shape, dtype, axes, source, True)
 
     unmatched = [f"{i.path} {i.shape}" for i in infos if i.source == "unmatched"]
     if unmatched and on_unmatched == "error":
@@ -200,6 +208,19 @@ def describe_leaves(
             "on_unmatched='replicate' to replicate them."
         )
     return infos, treedef  # type: ignore[return-value]
+
+
+def _info(where, shape, dtype, axes, source, optimizer) -> LeafInfo:
+    """A leaf's info; fewer names than dimensions name the leading ones (Flax's rule)."""
+    if len(axes) > len(shape):
+        raise errors.RankMismatchError(
+            f"{where}: shape {shape} has {len(shape)} dimension(s) but its logical axes "
+            f"{tuple(axes)} name {len(axes)}.\nFix: give one name (or None) per dimension, "
+            "at most (fewer name the leading dimensions, as Flax reads them)."
+        )
+    prefix = len(axes) < len(shape)
+    axes = LogicalAxes((*axes, *(None,) * (len(shape) - len(axes))))
+    return LeafInfo(where, shape, dtype, axes, source, optimizer, prefix)
 
 
 def _relative(path: tuple[Any, ...]) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
+from shardkit.annotate.logical import logical_axes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.errors import RuleError
 
@@ -51,6 +52,4 @@ class PathAxes(PatternAxes):
         return hash((self.entries, self.on_unmatched))
 
     def __call__(self, tree: Any) -> Any:
-        from shardkit.annotate.logical import logical_axes
-
         return logical_axes(tree, annotations=self, on_unmatched=self.on_unmatched)

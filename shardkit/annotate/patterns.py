@@ -91,9 +91,12 @@ class PatternAxes:
     ) -> LogicalAxes | None:
         """The logical axes for ``path``, ``None`` if no pattern matches.
 
+        Fewer names than dimensions name the leading ones (Flax's rule: the rest are
+        replicated); the names are returned as given.
+
         Raises:
           AmbiguousAxesError: two matching patterns give different axes.
-          RankMismatchError: the matched axes do not have one name per dimension.
+          RankMismatchError: the matched axes name more dimensions than ``shape`` has.
         """
         where = where or path
         hits = [(p.pattern, a) for p, a in self.entries if p.search(path)]
@@ -108,10 +111,10 @@ class PatternAxes:
                 "exactly one applies."
             )
         pattern, axes = hits[0]
-        if len(axes) != len(shape):
+        if len(axes) > len(shape):
             raise errors.RankMismatchError(
                 f"{where}: shape {tuple(shape)} has {len(shape)} dimension(s) but annotation "
                 f"{pattern!r} gives {len(axes)} logical axes {tuple(axes)}.\nFix: give one "
-                "name (or None) per dimension."
+                "name (or None) per dimension, at most."
             )
         return axes

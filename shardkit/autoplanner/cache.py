@@ -23,14 +23,14 @@ import json
 import os
 from pathlib import Path
 
+import jax
+
+import shardkit
+
 __all__ = ["Cache", "versions"]
 
 
 def versions() -> dict[str, str]:
-    import jax
-
-    import shardkit
-
     return {"shardkit": shardkit.__version__, "jax": jax.__version__}
 
 

@@ -31,10 +31,15 @@ from typing import Any
 
 import jax
 
-from shardkit import train
+from shardkit import models, train
 from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
+from shardkit.mesh import make_mesh
+from shardkit.models.model import Model
+from shardkit.plan import Plan
+from shardkit.report.analytic import analytic_costs, with_phases
 from shardkit.report.lint import human_bytes
+from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 from shardkit.workload import Workload
 
 __all__ = ["Subject", "Pruned", "Analytic", "Evidence", "prune", "compile_candidate"]
@@ -53,11 +58,7 @@ class Subject:
 
     @classmethod
     def of(cls, model: Any, *, batch: int, seq: int) -> Subject:
-        from shardkit.plan import Plan
-
-        plan = Plan(
-            "dp", devices=jax.devices()[:1], annotations=getattr(model, "annotations", None)
-        )
+        plan = Plan("dp", devices=jax.devices()[:1], annotations=model.annotations)
         abstract = plan.abstract_init(train.init_fn(model, train.adamw()), jax.random.key(0))
         size = {"param": 0, "optimizer": 0}
         for leaf in abstract.leaves:
@@ -71,12 +72,14 @@ class Subject:
 
     def model_for(self, candidate: Candidate) -> Any:
         """The model with the candidate's remat (reference models only)."""
-        config = getattr(self.model, "config", None)
-        if candidate.remat is None or config is None or config.remat == candidate.remat:
-            return self.model
-        from shardkit.models.model import Model
-
-        return Model(dataclasses.replace(config, remat=candidate.remat), name=self.model.name)
+        model = self.model
+        if (
+            candidate.remat is None
+            or not isinstance(model, Model)
+            or model.remat == candidate.remat
+        ):
+            return model
+        return Model(dataclasses.replace(model.config, remat=candidate.remat), name=model.name)
 
     def workload(self, candidate: Candidate) -> Workload:
         return Workload.of_model(
@@ -146,8 +149,6 @@ def _first_line(e: Exception) -> str:
 
 def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | Analytic:
     """:class:`Pruned` with the reason, or the candidate's :class:`Analytic` costs."""
-    from shardkit.report.analytic import analytic_costs, with_phases
-
     recipe = candidate.recipe_object()
     mesh = candidate.mesh_sizes
     stages = mesh.get("stage")
@@ -156,7 +157,7 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             f"batch {subject.batch} does not split into {stages}, {2 * stages} or "
             f"{4 * stages} micro-batches per data replica"
         )
-    config = getattr(subject.model, "config", None)
+    dims = subject.model.dims
     ring = mesh.get(recipe.attention_axis, 1)
     zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
     if zigzag and ring > 1 and subject.seq % (2 * ring):
@@ -165,8 +166,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             f"into 2·{ring} = {2 * ring} zigzag chunks; sequence {subject.seq} does "
             "not divide"
         )
-    if stages and config is not None and config.n_layers % stages:
-        return Pruned(f"{config.n_layers} layers do not split into {stages} stages")
+    if stages and dims is not None and dims.layers % stages:
+        return Pruned(f"{dims.layers} layers do not split into {stages} stages")
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)
     try:
         for leaf in subject.leaves:
@@ -182,16 +183,16 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         recipe.activation_rules.spec(
             ("batch", "length"), (subject.batch, subject.seq), mesh, path="batch"
         )
-        if config is not None:  # heads are activations' dimensions too
+        if dims is not None:  # heads are activations' dimensions too
             recipe.activation_rules.spec(
                 ("batch", "length", "heads"),
-                (subject.batch, subject.seq, config.n_heads),
+                (subject.batch, subject.seq, dims.n_heads),
                 mesh,
                 path="attention",
             )
         extra = {}
-        if stages:  # a reference model's stack (sk.parallel pipelines only those)
-            stack = 4 * config.n_layers * config.dims().layer_params if config is not None else None
+        if stages:  # the layer stack's bytes, from the dims the model declares
+            stack = 4 * dims.stack_params if dims is not None else None
             extra = {
                 "pipeline": _pipeline_options(candidate),
                 "stack_param_bytes": stack,
@@ -207,8 +208,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             optimizer_bytes=subject.optimizer_bytes,
             **extra,
         )
-        if config is not None and not stages:
-            analytic = with_phases(analytic, config, recipe, mesh, workload)
+        if not stages:  # a no-op unless the model's loss is shardkit's chunked head
+            analytic = with_phases(analytic, dims, recipe, mesh, workload)
     except ShardingError as e:
         return Pruned(_first_line(e))
     state = analytic.memory.params + analytic.memory.grads + analytic.memory.optimizer
@@ -235,9 +236,6 @@ def _pipeline_options(candidate: Candidate) -> dict:
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
-    from shardkit.mesh import make_mesh
-    from shardkit.plan import Plan
-
     mesh = make_mesh(
         candidate.mesh_sizes, devices=devices[: math.prod(candidate.mesh_sizes.values())]
     )
@@ -245,7 +243,7 @@ def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
     return Plan(
         candidate.recipe_object(),
         mesh,
-        annotations=getattr(subject.model, "annotations", None),
+        annotations=subject.model.annotations,
         **kwargs,
     )
 
@@ -258,9 +256,6 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     FLOPs and collectives a ranking needs and the named terms that explain the gap
     between the analytic and the compiled memory.
     """
-    from shardkit import models
-    from shardkit.report.wire_terms import TERMS as WIRE_TERMS
-
     devices = devices if devices is not None else jax.devices()
     pipeline = _pipeline_options(candidate) if candidate.microbatches is not None else None
     try:

@@ -26,6 +26,8 @@ import dataclasses
 import functools
 import time
 
+import numpy as np
+
 from shardkit.errors import ShardingError
 
 __all__ = ["Hardware", "HARDWARE", "get", "names"]
@@ -143,8 +145,6 @@ HARDWARE: dict[str, Hardware] = {
 
 @functools.cache
 def _measured_cpu() -> Hardware:
-    import numpy as np
-
     a = np.ones((512, 512), np.float32)
     a @ a
     start, reps = time.perf_counter(), 8

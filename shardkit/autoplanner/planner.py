@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from rich.progress import Progress
 
 from shardkit import recipes as recipe_registry
 from shardkit.autoplanner import hardware as hardware_table
@@ -49,8 +50,14 @@ from shardkit.autoplanner.evaluate import (
     prune,
 )
 from shardkit.autoplanner.roofline import Estimate, estimate, model_flops
+from shardkit.autoplanner.worker import compile_elsewhere
 from shardkit.errors import ShardingError
+from shardkit.models import resolve
+from shardkit.models.model import Model
+from shardkit.models.user import as_user_model
+from shardkit.protocol import Model as ProtocolModel
 from shardkit.report.lint import human_bytes
+from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, short_seconds
 
 __all__ = ["autoplan", "AutoplanResult", "Ranked", "Rejected", "NoLayoutFitsError"]
 
@@ -147,28 +154,49 @@ class AutoplanResult:
             "rejected": [r.to_json() for r in self.rejected],
         }
 
-    def table(self, limit: int = 15):
-        """A rich table of the ranked candidates (80 columns; full text in ``to_json``)."""
-        from rich.table import Table
+    def table(self, limit: int = 15, *, width: int = 80, wide: bool = False):
+        """A rich table of the ranked candidates, one line each, fitted to ``width``
+        columns (the layout's names whole; full text in ``to_json``)."""
 
-        t = Table(
+        def dash(value: Any) -> str:
+            return "–" if value is None else str(value)
+
+        shown = self.candidates[:limit]
+        # The micro-batch count and the logits' layout tell two rows apart where they vary.
+        m_varies = len({r.candidate.microbatches for r in shown}) > 1
+        logits_vary = len({r.candidate.logits for r in shown}) > 1
+        columns = [
+            Column("#", lambda x: str(x[0]), keep=True, justify="right"),
+            Column("recipe", lambda x: x[1].candidate.recipe, keep=True),
+            Column("mesh", lambda x: x[1].candidate.mesh_label, keep=True),
+            Column("remat", lambda x: dash(x[1].candidate.remat), keep=True),
+            Column("prec.", lambda x: x[1].candidate.precision, keep=True),
+            Column("m", lambda x: dash(x[1].candidate.microbatches), keep=m_varies, priority=2),
+            Column("logits", lambda x: dash(x[1].candidate.logits), keep=logits_vary, priority=2),
+            Column(
+                "memory",
+                lambda x: short_bytes(x[1].evidence.memory["total"]),
+                keep=True,
+                justify="right",
+            ),
+            Column(
+                "step",
+                lambda x: short_seconds(x[1].estimate.step_time_s),
+                keep=True,
+                justify="right",
+            ),
+            Column("MFU", lambda x: f"{x[1].estimate.mfu:.0%}", priority=1),
+            Column("wire", lambda x: short_bytes(x[1].evidence.wire_bytes), priority=1),
+        ]
+        return fit_table(
+            columns,
+            enumerate(shown, 1),
+            width=width,
+            wide=wide,
             title=f"{self.model} on {self.devices} {self.hardware.name} devices, batch "
-            f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB "
-            "each",
-            title_justify="left",
+            f"{self.batch}, seq {self.seq}, {self.memory_per_device / GIB:.0f} GiB each",
+            caption=f"bytes per device ({BYTES}); step: the roofline estimate",
         )
-        for col in ("#", "layout", "memory", "wire", "step", "MFU"):
-            t.add_column(col, justify="left" if col == "layout" else "right")
-        for i, r in enumerate(self.candidates[:limit], 1):
-            t.add_row(
-                str(i),
-                r.candidate.label,
-                human_bytes(r.evidence.memory["total"]),
-                human_bytes(r.evidence.wire_bytes),
-                human_seconds(r.estimate.step_time_s),
-                f"{r.estimate.mfu:.0%}",
-            )
-        return t
 
     def memory_gap_lines(self, tolerance: float = 0.25) -> list[str]:
         """The best candidate's compiled memory against the analytic model, itemised by term
@@ -187,26 +215,32 @@ class AutoplanResult:
         return lines
 
     def __rich_console__(self, console: Any, options: Any):
-        yield self.table()
-        for i, r in enumerate(self.candidates[:5], 1):
-            yield f"{i}. {r.candidate.label}: {r.reason}"
-        yield from self.memory_gap_lines()
+        yield self.table(width=options.max_width)
+        yield from self.notes()
+
+    def notes(self) -> list[str]:
+        """What the table's rows mean: why the best five rank where they do, the best
+        one's memory against the analytic model, and how many were rejected where."""
+        lines = [
+            f"{i}. {r.candidate.label}: {r.reason}" for i, r in enumerate(self.candidates[:5], 1)
+        ]
+        lines += self.memory_gap_lines()
         stages: dict[str, int] = {}
         for r in self.rejected:
             stages[r.stage] = stages.get(r.stage, 0) + 1
         if stages:
-            yield (
+            lines.append(
                 "rejected: "
                 + ", ".join(f"{n} {s}" for s, n in stages.items())
                 + " (--json lists each with its reason)"
             )
+        return lines
 
 
 def _model_key(model: Any, name: str) -> dict:
-    config = getattr(model, "config", None)
-    if config is not None:
-        return {"name": name, "config": repr(config)}
-    return {"name": name, "dims": getattr(model, "dims", {})}
+    if isinstance(model, Model):
+        return {"name": name, "config": repr(model.config)}
+    return {"name": name, "dims": None if model.dims is None else dataclasses.asdict(model.dims)}
 
 
 def _analytic_time(subject: Subject, c: Candidate, a: Analytic, hw, devices: int) -> float:
@@ -219,16 +253,16 @@ def _analytic_time(subject: Subject, c: Candidate, a: Analytic, hw, devices: int
 
 
 def _useful_flops(subject: Subject, c: Candidate, devices: int) -> float:
-    cfg = getattr(subject.model, "config", None)
+    dims = subject.model.dims
     tokens = subject.batch * subject.seq
-    if cfg is None:
+    if dims is None:
         return model_flops(params=subject.param_count, tokens=tokens) / devices
     return (
         model_flops(
-            params=cfg.param_count(),
+            params=dims.param_count,
             tokens=tokens,
-            layers=cfg.n_layers,
-            d_model=cfg.d_model,
+            layers=dims.layers,
+            d_model=dims.d_model,
             seq=subject.seq,
         )
         / devices
@@ -341,8 +375,6 @@ def autoplan(
       NoLayoutFitsError: nothing fits; the message names the smallest memory that
         would fit and the device counts that would work.
     """
-    from shardkit.models import resolve
-
     if not isinstance(devices, int) or devices < 1:
         raise ShardingError(f"autoplan(devices=...) is a positive int, got {devices!r}.")
     for p in precisions:
@@ -352,8 +384,10 @@ def autoplan(
     budget = float(memory_per_device or hw.memory_bytes)
     name = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
     model_obj = resolve(model) if isinstance(model, str) else model
+    if not isinstance(model_obj, ProtocolModel):  # init and loss alone: what can be derived
+        model_obj = as_user_model(model_obj, name=name)
     subject = Subject.of(model_obj, batch=batch, seq=seq)
-    reference = getattr(model_obj, "config", None) is not None
+    reference = isinstance(model_obj, Model)
     remats = tuple(remats or REMATS) if reference else (None,)
     names = list(recipes or recipe_registry.names())
     for n in names:
@@ -471,8 +505,6 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
             )
     if not todo:
         return out
-    from rich.progress import Progress
-
     with Progress(transient=True, disable=not progress) as bar:
         task = bar.add_task(f"compiling {len(todo)} layouts on {devices} devices", total=len(todo))
         if len(jax.devices()) >= devices:
@@ -484,8 +516,6 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
                     f"process (it has {len(jax.devices())}) or a model given by name.\nFix: pass "
                     "the model's name (e.g. 'gpt-7b' or 'package.module:factory')."
                 )
-            from shardkit.autoplanner.worker import compile_elsewhere
-
             results = compile_elsewhere(
                 {
                     "model": model,

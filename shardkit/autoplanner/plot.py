@@ -1,6 +1,9 @@
 """A picture of an autoplan: each compiled candidate's memory per device against its
 estimated step time, the budget as a line, the best ones named.
 
+Each recipe has its own marker shape as well as its colour (it reads in greyscale); the
+figure is between 1:1 and 2:1; the path's suffix picks the format (``.png``, ``.svg``).
+
 Example:
   >>> # result = sk.autoplan(...); plot_autoplan(result, "plan.png")
 """
@@ -9,31 +12,38 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from shardkit.figures import figure_size, save_figure
+
 __all__ = ["plot_autoplan"]
 
 _GIB = 2**30
+#: One marker shape per recipe, so the recipes differ in greyscale too.
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 
 
 def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     """Scatter of ranked candidates (and compiled ones over budget, hollow); returns path."""
-    import matplotlib
-    import matplotlib.ticker
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
+    # figure is asked for, so that the planner works without it.
+    import matplotlib  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    import matplotlib.ticker  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     top = result.candidates[:label]
-    fig, ax = plt.subplots(figsize=(8, 5 + 0.15 * len(top)))
+    fig, ax = plt.subplots(figsize=figure_size(9, 6 + 0.15 * len(top)))
     recipes = sorted({r.candidate.recipe for r in result.candidates})
-    cmap = plt.get_cmap("tab20")
+    cmap = plt.get_cmap("viridis")
     for k, name in enumerate(recipes):
         rows = [r for r in result.candidates if r.candidate.recipe == name]
         ax.scatter(
             [r.evidence.memory["total"] / _GIB for r in rows],
             [r.estimate.step_time_s for r in rows],
-            color=cmap(k % 20),
+            color=cmap(k / max(1, len(recipes) - 1) * 0.9),
+            marker=_MARKERS[k % len(_MARKERS)],
+            edgecolor="black",
+            linewidth=0.5,
             label=name,
-            s=36,
+            s=40,
             zorder=3,
         )
     for i, r in enumerate(top, 1):
@@ -54,7 +64,9 @@ def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     ax.set_xlabel("compiled memory per device (GiB)")
     ax.set_ylabel(f"estimated step time on {result.hardware.name} (s, roofline)")
     ax.set_title(
-        f"{result.model} on {result.devices} devices: batch {result.batch}, seq {result.seq}",
+        "Compiled memory per device against estimated step time, per layout\n"
+        f"{result.model} on {result.devices} {result.hardware.name} devices: batch "
+        f"{result.batch}, seq {result.seq}",
         fontsize=10,
     )
     ax.legend(fontsize=7, ncol=2, loc="best")
@@ -66,6 +78,4 @@ def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     ]
     fig.text(0.01, 0.01, "\n".join(lines), fontsize=7, va="bottom", family="monospace")
     fig.tight_layout(rect=(0, 0.01 + 0.026 * len(top), 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)

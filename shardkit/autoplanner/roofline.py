@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardkit.autoplanner.hardware import Hardware
+from shardkit.parallel.schedules import bubble_fraction
 
 __all__ = ["Estimate", "estimate", "crosses_nodes", "model_flops", "bubble"]
 
@@ -66,8 +67,6 @@ def crosses_nodes(group: tuple[int, ...], devices_per_node: int) -> bool:
 
 def bubble(stages: int, microbatches: int) -> float:
     """Idle fraction of a 1F1B pipeline (the schedule the planner runs)."""
-    from shardkit.parallel.schedules import bubble_fraction
-
     return bubble_fraction("1f1b", stages, microbatches) if stages > 1 else 0.0
 
 

@@ -18,7 +18,12 @@ import sys
 import threading
 from collections.abc import Iterator
 
+import jax
+
+from shardkit.autoplanner.candidates import Candidate
+from shardkit.autoplanner.evaluate import Evidence, Subject, compile_candidate
 from shardkit.devices import compile_only_env
+from shardkit.models import resolve
 
 __all__ = ["compile_elsewhere"]
 
@@ -91,12 +96,7 @@ def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
 
 def main() -> int:
     job = json.loads(sys.stdin.read())
-    import jax
-
-    jax.config.update("jax_num_cpu_devices", job["devices"])
-    from shardkit.autoplanner.candidates import Candidate
-    from shardkit.autoplanner.evaluate import Evidence, Subject, compile_candidate
-    from shardkit.models import resolve
+    jax.config.update("jax_num_cpu_devices", job["devices"])  # before any device is used
 
     subject = Subject.of(resolve(job["model"]), batch=job["batch"], seq=job["seq"])
     for index, c in enumerate(job["candidates"]):

@@ -9,7 +9,14 @@ from rich.console import Console
 from shardkit.autoplanner import hardware
 from shardkit.cli.fixes import FlagError, problem_of
 from shardkit.cli.model_arg import MODEL_HELP, default_seq, resolve_model
-from shardkit.cli.options import add_json, check_outputs, emit_json, recipe_for, wants_tables
+from shardkit.cli.options import (
+    add_json,
+    add_wide,
+    check_outputs,
+    emit_json,
+    recipe_for,
+    wants_tables,
+)
 from shardkit.errors import ShardingError
 
 
@@ -54,6 +61,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--plot", metavar="PNG", help="draw memory against step time to PNG")
     add_json(p)
+    add_wide(p)
     p.set_defaults(handler=main, check=check)
 
 
@@ -103,5 +111,10 @@ def main(args: argparse.Namespace) -> int:
 
         plot_autoplan(result, args.plot)
     if wants_tables(args):
-        Console().print(result)
+        from shardkit.report.tables import print_table
+
+        console = Console()
+        print_table(console, result.table(width=console.width, wide=args.wide))
+        for line in result.notes():
+            console.print(line)
     return 0

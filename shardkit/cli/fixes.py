@@ -212,11 +212,12 @@ def mesh_text(sizes: Mapping[str, int]) -> str:
 
 
 def _candidates(error: ShardingError, args: argparse.Namespace) -> list[Edit]:
-    from shardkit.parallel.schedules import PipelineError
-    from shardkit.parallel.stages import NotPipelinableError
+    from shardkit.errors import NoCutError, NotPipelinableError, PipelineError
 
     if isinstance(error, FlagError):
         return error.fixes
+    if isinstance(error, NoCutError):  # the fix is in the model: the library's message says it
+        return []
     if isinstance(error, NotPipelinableError):
         return _pipeline_recipes(args)
     if isinstance(error, PipelineError):

@@ -43,6 +43,7 @@ def resolve_model(name: str, *, remat: str | None = None) -> Any:
 
 
 def default_seq(model: Any) -> int:
-    """``min(512, max_seq)`` for a reference model; 128 for a user's."""
-    config = getattr(model, "config", None)
-    return min(512, config.max_seq) if config is not None else USER_SEQ
+    """``min(512, max_seq)`` for a model whose dims declare ``max_seq`` (the reference
+    models do); 128 otherwise."""
+    dims = model.dims
+    return min(512, dims.max_seq) if dims is not None and dims.max_seq else USER_SEQ

@@ -5,6 +5,8 @@
 - ``--precision f32|bf16``: ``bf16`` is mixed precision (bfloat16 activations and matrix
   products, float32 weights, gradients and Adam state), ``sk.Plan(..., precision=...)``.
 - ``--mesh data=2,tensor=4`` sets mesh axis sizes (one may be -1) on top of the recipe's.
+- ``--wide`` shows every column of a table; by default the columns that do not fit the
+  terminal (``COLUMNS``) are left out and named under it. Names are never cut.
 - ``--explicit`` makes the mesh's axes Explicit (JAX's sharding-in-types), not Auto.
 - Output paths (``--json PATH``, ``--plot PNG``) are checked before any work starts.
 """
@@ -23,6 +25,7 @@ __all__ = [
     "add_logits",
     "add_mesh",
     "add_precision",
+    "add_wide",
     "check_outputs",
     "emit_json",
     "mesh_axes_of",
@@ -40,6 +43,15 @@ def add_json(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="JSON on stdout instead of tables; with PATH, write it there as well as the tables",
+    )
+
+
+def add_wide(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--wide",
+        action="store_true",
+        help="every column, however wide the terminal (by default the secondary columns "
+        "that do not fit are left out and named under the table)",
     )
 
 

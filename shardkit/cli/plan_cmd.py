@@ -5,17 +5,13 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
-from rich.table import Table
 
 from shardkit.cli import preflight
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP
-from shardkit.cli.options import add_json, add_mesh, emit_json, wants_tables
+from shardkit.cli.options import add_json, add_mesh, add_wide, emit_json, wants_tables
 from shardkit.report.lint import human_bytes
-from shardkit.report.render import abbreviate
-
-#: Paths are cut from the middle to this width, keeping the leaf name.
-PATH_WIDTH = 26
+from shardkit.report.tables import BYTES, Column, fit_table, print_table, short_bytes, spec_text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="include optimizer state and scalars")
     add_mesh(p)
     add_json(p)
+    add_wide(p)
     p.set_defaults(handler=main, check=preflight.check)
 
 
@@ -52,20 +49,36 @@ def main(args: argparse.Namespace) -> int:
     )
     if not wants_tables(args):
         return 0
-    table = Table(title=f"{args.model} under {args.recipe} on {mesh}")
-    table.add_column("path", no_wrap=True, min_width=PATH_WIDTH)
-    for col in ("shape", "logical axes", "spec", "per device"):
-        table.add_column(col, justify="right" if col == "per device" else "left")
-    for r in rows:
-        logical = ", ".join("·" if a is None else a for a in r.logical)
-        table.add_row(
-            abbreviate(r.path, PATH_WIDTH),
-            "×".join(map(str, r.shape)),
-            logical,
-            r.spec,
-            human_bytes(r.bytes_per_device),
-        )
+    console = Console()
+    print_table(console, leaves_table(rows, args, mesh, width=console.width))
     total = sum(r.bytes_per_device for r in rows)
-    Console().print(table)
-    Console().print(f"{len(rows)} leaves, {human_bytes(total)} per device")
+    console.print(f"{len(rows)} leaves, {human_bytes(total)} per device")
     return 0
+
+
+def _logical(row) -> str:
+    """``layers,embed,·``; ``(prefix)`` where the names cover only the leading dimensions."""
+    return ",".join(a or "·" for a in row.logical) + (" (prefix)" if row.prefix else "")
+
+
+def leaves_table(rows, args: argparse.Namespace, mesh: dict[str, int], *, width: int):
+    """One line per leaf: its whole path, shape, spec, bytes per device (logical axes
+    and the shard's shape where they fit, or with ``--wide``)."""
+    columns = [
+        Column("path", lambda r: r.path, keep=True),
+        Column("shape", lambda r: "×".join(map(str, r.shape)) or "()", priority=1),
+        Column("logical axes", _logical, priority=2),
+        Column("spec", lambda r: spec_text(r.mesh_axes), keep=True),
+        Column("shard", lambda r: "×".join(map(str, r.shard_shape)) or "()", priority=3),
+        Column("bytes", lambda r: short_bytes(r.bytes_per_device)),
+    ]
+    sizes = " × ".join(f"{a}={s}" for a, s in mesh.items())
+    return fit_table(
+        columns,
+        rows,
+        width=width,
+        wide=args.wide,
+        title=f"{args.model} under {args.recipe} on {sizes}",
+        caption=f"bytes per device ({BYTES}); spec: the mesh axes splitting each "
+        "dimension, · for none",
+    )

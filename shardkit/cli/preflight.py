@@ -42,12 +42,12 @@ def prepare(args: argparse.Namespace) -> Any:
         recipe_for(name, args, flag=flag, others=names)
     if hasattr(args, "seq"):
         args.seq = args.seq or default_seq(model)
-        config = getattr(model, "config", None)
-        if config is not None and config.family == "gpt" and args.seq > config.max_seq:
+        dims = model.dims
+        if dims is not None and dims.position_table and args.seq > dims.max_seq:
             raise FlagError(
-                f"--seq {args.seq}: {args.model} has {config.max_seq} positions "
+                f"--seq {args.seq}: {args.model} has {dims.max_seq} positions "
                 "(its learned position table).",
-                [{"--seq": str(config.max_seq)}],
+                [{"--seq": str(dims.max_seq)}],
             )
     return model
 
@@ -63,7 +63,7 @@ def layout(args: argparse.Namespace, name: str, model: Any, devices: list) -> An
         recipe_for(name, args),
         devices=devices,
         explicit=getattr(args, "explicit", False),
-        annotations=getattr(model, "annotations", None),
+        annotations=model.annotations,
         precision=getattr(args, "precision", "f32"),
     )
     if getattr(args, "batch", False) is None:
@@ -96,9 +96,9 @@ def _check_attention(args: argparse.Namespace, plan: Any) -> None:
 
 def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) -> None:
     """What the pipelined step checks while it is traced, checked before (as it does)."""
+    from shardkit.errors import NotPipelinableError
     from shardkit.parallel.cli import options
     from shardkit.parallel.pipeline import spec_axes
-    from shardkit.parallel.stages import NotPipelinableError
 
     opts = options(args)
     mesh = {str(a): int(s) for a, s in plan.mesh.shape.items()}
@@ -110,19 +110,16 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
                 f": recipe {name!r} has no 'stage' axis to pipeline over (mesh {mesh})."
             )
         return
-    if not hasattr(model, "config"):
-        raise NotPipelinableError(
-            f"--recipe {name}: {args.model} is a model of your own; the command line "
-            "pipelines the reference models only (yours needs its cut into stages, in Python)."
-        )
+    cut = model.stages()  # a model without a cut raises, naming how to give one
+    layers = _stack_layers(model, cut)
     opts = opts or {"schedule": "1f1b", "virtual_stages": 1}
     micro = opts.get("microbatches") or stages
     chunks = stages * opts["virtual_stages"]
-    if model.config.n_layers % chunks:
+    if layers % chunks:
         devices = math.prod(mesh.values())
-        fewer = [d for d in range(stages - 1, 0, -1) if model.config.n_layers % d == 0]
+        fewer = [d for d in range(stages - 1, 0, -1) if layers % d == 0]
         raise FlagError(
-            f"{model.config.n_layers} layers of {args.model} do not split into {stages} stages"
+            f"{layers} layers of {args.model} do not split into {stages} stages"
             f" × {opts['virtual_stages']} virtual stages.",
             [
                 {"--virtual-stages": None, "--schedule": "1f1b"},
@@ -160,7 +157,7 @@ def check(args: argparse.Namespace) -> None:
     import jax
 
     from shardkit import train
-    from shardkit.parallel.cli import options, step_for
+    from shardkit.parallel.cli import for_plan, options
 
     model = prepare(args)
     devices = select_devices(getattr(args, "devices", None))
@@ -169,4 +166,18 @@ def check(args: argparse.Namespace) -> None:
         plan = layout(args, name, model, devices)
         abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
         if "stage" in plan.mesh.shape:
-            step_for(model, tx, plan, abstract, options(args))
+            train.train_step(
+                model, tx, plan=plan, abstract=abstract, pipeline=for_plan(plan, options(args))
+            )
+
+
+def _stack_layers(model: Any, cut: Any) -> int:
+    """Layers of the stack a pipeline cuts: the declared ones, else the stack's leading axis."""
+    if model.dims is not None:
+        return model.dims.layers
+    import jax
+
+    from shardkit.annotate.unbox import unbox
+
+    stack, _ = cut.split(unbox(jax.eval_shape(lambda: model.init(jax.random.key(0)))))
+    return int(jax.tree.leaves(stack)[0].shape[0])

@@ -25,6 +25,7 @@ from shardkit.cli.options import (
     add_logits,
     add_mesh,
     add_precision,
+    add_wide,
     emit_json,
     wants_tables,
 )
@@ -77,7 +78,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--recipes", default=None, help="comma-separated (default: every recipe that fits)"
     )
-    c.add_argument("--plot", metavar="PNG", help="draw all recipes into one figure")
+    c.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw memory and wire bytes per device of every recipe into one figure (.png or .svg)",
+    )
+    add_wide(c)
     c.set_defaults(handler=main_compare, check=preflight.check)
 
 
@@ -150,13 +156,48 @@ def main_compare(args: argparse.Namespace) -> int:
         },
     )
     if wants_tables(args):
-        from shardkit.report.render import comparison_table, memory_terms_table
+        from shardkit.report.render import memory_terms_table
+        from shardkit.report.tables import print_table
 
         out = Console()
-        out.print(comparison_table(reports))
+        print_table(out, comparison_table(reports, width=out.width, wide=args.wide))
         for name, report in reports.items() if args.itemise else ():
             out.print(f"[bold]{name}[/bold]")
             out.print(memory_terms_table(report))
         for name, why in skipped.items():
             out.print(f"[dim]skipped {name}: {why}[/dim]")
     return 0
+
+
+def comparison_table(reports, *, width: int, wide: bool = False):
+    """The reports side by side, one line per recipe, fitted to ``width`` columns."""
+    from shardkit.report.tables import BYTES, Column, fit_table, short_bytes
+
+    def ratio(r, key):
+        value = r.ratios().get(key)
+        return f"{value:.2f}" if value is not None else "–"
+
+    def total_ratio(r):  # against the analytic total only where it has activation terms
+        a, w = r.analytic, r.workload
+        whole = a is not None and w is not None and w.has_dims and a.memory.total
+        return f"{r.memory.total / a.memory.total:.2f}" if whole else "–"
+
+    columns = [
+        Column("recipe", lambda x: x[0], keep=True),
+        Column("mesh", lambda x: "×".join(f"{k}={v}" for k, v in x[1].mesh.items()), keep=True),
+        Column("state", lambda x: short_bytes(x[1].memory.arguments), priority=1),
+        Column("temp", lambda x: short_bytes(x[1].memory.temp), priority=1),
+        Column("total", lambda x: short_bytes(x[1].memory.total)),
+        Column("wire/step", lambda x: short_bytes(x[1].wire_bytes)),
+        Column("total/analytic", lambda x: total_ratio(x[1]), priority=3),
+        Column("wire/analytic", lambda x: ratio(x[1], "wire_bytes"), priority=2),
+        Column("replicated", lambda x: f"{x[1].replicated_fraction:.0%}", priority=4),
+        Column("warnings", lambda x: str(len(x[1].warnings)), priority=5),
+    ]
+    return fit_table(
+        columns,
+        reports.items(),
+        width=width,
+        wide=wide,
+        title=f"recipes side by side, bytes per device ({BYTES})",
+    )

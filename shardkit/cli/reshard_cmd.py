@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import re
 
-from rich import box
 from rich.console import Console
-from rich.table import Table
 
 from shardkit import recipes
 from shardkit.cli.fixes import FlagError, closest, problem_of
 from shardkit.cli.options import add_json, check_outputs, emit_json, wants_tables
 from shardkit.errors import IndivisibleError, MeshError
-from shardkit.report.render import abbreviate
+from shardkit.report.tables import BYTES, Column, fit_table, print_table, short_bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -121,8 +119,9 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-#: Leaf paths are cut from the middle to this width, keeping the leaf name.
-LEAF_WIDTH = 28
+def _ratio(leaf) -> str:
+    """What a device reads over what it holds of ``leaf``."""
+    return f"{leaf.read_per_device / leaf.held_per_device if leaf.held_per_device else 1.0:.2f}"
 
 
 def _short_spec(spec: str) -> str:
@@ -138,25 +137,21 @@ def _short_spec(spec: str) -> str:
 
 def _print(plan, args, n_target) -> None:
     console = Console()
-    table = Table(
-        title=f"restore {args.model}: {args.source} → {args.target} (per device)",
-        caption="shapes and saved chunks: --json",
-        box=box.SIMPLE_HEAD,
+    columns = [
+        Column("leaf", lambda leaf: leaf.path, keep=True),
+        Column("restored spec", lambda leaf: _short_spec(leaf.restored_spec), keep=True),
+        Column("holds", lambda leaf: short_bytes(leaf.held_per_device), keep=True, justify="right"),
+        Column("reads", lambda leaf: short_bytes(leaf.read_per_device), keep=True, justify="right"),
+        Column("×", _ratio, keep=True, justify="right"),
+    ]
+    table = fit_table(
+        columns,
+        plan.leaves,
+        width=console.width,
+        title=f"restore {args.model}: {args.source} → {args.target}",
+        caption=f"bytes per device ({BYTES}); shapes and saved chunks: --json",
     )
-    table.add_column("leaf", no_wrap=True)
-    table.add_column("restored spec", no_wrap=True)
-    for col in ("holds", "reads", "×"):
-        table.add_column(col, justify="right", no_wrap=True, min_width=4 if col == "×" else 9)
-    for leaf in plan.leaves:
-        ratio = leaf.read_per_device / leaf.held_per_device if leaf.held_per_device else 1.0
-        table.add_row(
-            abbreviate(leaf.path, LEAF_WIDTH),
-            _short_spec(leaf.restored_spec),
-            _size(leaf.held_per_device),
-            _size(leaf.read_per_device),
-            f"{ratio:.2f}",
-        )
-    console.print(table)
+    print_table(console, table)
     reads, held = plan.read_by_device, plan.held_by_device
     low, high = _size(min(reads.values())), _size(max(reads.values()))
     console.print(

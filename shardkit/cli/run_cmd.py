@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from shardkit.cli import preflight
@@ -21,6 +20,7 @@ from shardkit.cli.options import (
     recipe_for,
     wants_tables,
 )
+from shardkit.cli.progress import MODES, StepProgress
 from shardkit.errors import ShardingError
 
 
@@ -38,6 +38,27 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     add_precision(p)
     add_json(p)
+    p.add_argument(
+        "--progress",
+        choices=MODES,
+        default="auto",
+        help="a bar on a terminal, log lines (step, loss, tokens/s, ETA) otherwise (auto, "
+        "the default); bar, log or none to choose",
+    )
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="log lines: one every N steps (default: about 20 lines per run)",
+    )
+    p.add_argument(
+        "--log-seconds",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="log lines: also one whenever S seconds passed since the last (default: 30)",
+    )
     p.add_argument(
         "--no-report",
         action="store_true",
@@ -75,6 +96,10 @@ def _validate(args: argparse.Namespace):
                 f"--{flag} must be at least 1, got {getattr(args, flag)}.",
                 [{f"--{flag}": "1"}, {f"--{flag}": None}],
             )
+    if args.log_every is not None and args.log_every < 1:
+        raise FlagError(
+            f"--log-every must be at least 1, got {args.log_every}.", [{"--log-every": None}]
+        )
     if args.save_every is not None and args.save_every < 1:
         raise FlagError(
             f"--save-every must be at least 1, got {args.save_every}.", [{"--save-every": None}]
@@ -108,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
             recipe,
             mesh=_mesh(args, recipe, devices),
             precision=args.precision,
-            annotations=getattr(model, "annotations", None),
+            annotations=model.annotations,
         )
         plan.batch_sharding((args.batch, args.seq), path="--batch/--seq")
     else:  # the batch and pipeline flags checked before compiling
@@ -117,30 +142,18 @@ def main(args: argparse.Namespace) -> int:
     import jax
 
     main_process = jax.process_index() == 0  # reports and logs print once
-    console = Console(stderr=True, quiet=not main_process)
-    columns = (
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.4f}  {task.fields[tps]:,.0f} tok/s"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task(
-            f"{args.model} · {args.recipe} · compiling",
-            total=args.steps,
-            loss=float("nan"),
-            tps=0.0,
-        )
+    mode = args.progress if main_process else "none"  # the others quiet unless they fail
+    with StepProgress(
+        args.steps,
+        f"{args.model} · {args.recipe}",
+        first_step=_first_step(args),
+        mode=mode,
+        every=args.log_every,
+        seconds=args.log_seconds,
+    ) as progress:
 
         def on_step(step: int, loss: float, tps: float) -> None:
-            progress.update(
-                task,
-                completed=step + 1,
-                loss=loss,
-                tps=tps,
-                description=f"{args.model} · {args.recipe}",
-            )
+            progress.update(step, loss=loss, tokens_per_s=tps)
 
         result = _run_or_stop_with_peers(
             run,
@@ -183,6 +196,18 @@ def _run_or_stop_with_peers(run, *args, **kwargs):
         raise
 
 
+def _first_step(args: argparse.Namespace) -> int:
+    """The step a ``--resume`` run starts from (0 for a fresh run): the latest checkpoint."""
+    if not args.resume:
+        return 0
+    from shardkit import checkpoint
+
+    try:
+        return max(checkpoint.steps(args.checkpoint_dir), default=0)
+    except OSError:
+        return 0
+
+
 def _mesh(args: argparse.Namespace, recipe, devices):
     from shardkit.mesh import make_mesh
 
@@ -202,22 +227,30 @@ def _dcn_item(text: str) -> tuple[str, int]:
 def _print_summary(result) -> None:
     mib = 1 / 2**20
     mem = result.memory_per_device_bytes
-    table = Table(title=f"shardkit run: {result.model} under {result.recipe}", show_header=False)
-    table.add_column(style="bold")
+    table = Table(
+        title=f"shardkit run: {result.model} under {result.recipe}",
+        title_justify="left",
+        show_header=False,
+        box=None,
+        pad_edge=False,
+        padding=(0, 2, 0, 0),
+    )
+    table.add_column(style="bold", no_wrap=True)
     table.add_column()
     mesh = " × ".join(f"{a}={s}" for a, s in result.mesh.items())
     table.add_row("mesh", f"{mesh} ({result.devices} {result.platform} devices)")
     table.add_row(
         "memory / device",
-        f"{mem['total'] * mib:,.2f} MiB (arguments {mem['arguments'] * mib:,.2f}, "
-        f"temp {mem['temp'] * mib:,.2f}, output {mem['output'] * mib:,.2f}, "
-        f"alias {mem['alias'] * mib:,.2f})",
+        f"{mem['total'] * mib:,.2f} MiB: arguments {mem['arguments'] * mib:,.2f} + temp "
+        f"{mem['temp'] * mib:,.2f} + output {mem['output'] * mib:,.2f} − alias "
+        f"{mem['alias'] * mib:,.2f}",
     )
     first, last = result.losses[0], result.losses[-1]
     if result.first_step:
         table.add_row(
             "resumed",
-            f"from step {result.first_step} (losses of steps {result.first_step}–{result.first_step + len(result.losses) - 1})",
+            f"from step {result.first_step} (losses of steps {result.first_step}–"
+            f"{result.first_step + len(result.losses) - 1})",
         )
     table.add_row("loss", f"{first:.4f} → {last:.4f} nats/token")
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import jax.numpy as jnp
 
-from shardkit import errors
+from shardkit import context, errors
 from shardkit.dims import ModelDims
 
 __all__ = ["ModelConfig", "CONFIGS", "REMAT_POLICIES"]
@@ -48,7 +48,7 @@ class ModelConfig:
       param_dtype: parameter dtype (float32: the master weights, whatever the precision).
       loss_chunks: chunks of the sequence the vocabulary head and the loss run in
         (``sk.chunked_cross_entropy``); ``None`` picks them from the step's size
-        (``shardkit.loss.auto_chunks``), 1 projects all the tokens at once.
+        (``shardkit.nn.loss.auto_chunks``), 1 projects all the tokens at once.
 
     Example:
       >>> cfg = ModelConfig("gpt", vocab=256, d_model=64, n_layers=2, n_heads=8,
@@ -121,8 +121,6 @@ class ModelConfig:
           ...     cfg.compute_dtype, dataclasses.replace(cfg, dtype=jnp.float32).compute_dtype
           (<class 'jax.numpy.bfloat16'>, <class 'jax.numpy.float32'>)
         """
-        from shardkit import context
-
         return context.compute_dtype() if self.dtype is None else self.dtype
 
     @property
@@ -166,6 +164,7 @@ class ModelConfig:
             biases=gpt,
             norm="layernorm" if gpt else "rmsnorm",
             in_projections=self.in_projections,
+            chunked_head=True,
             loss_chunks=self.loss_chunks,
         )
 
@@ -204,7 +203,7 @@ def _llama(vocab, d, layers, heads, kv_heads, ff, seq) -> ModelConfig:
 CONFIGS: dict[str, ModelConfig] = {
     "gpt-tiny": _gpt(256, 64, 2, 8, 256, 128),
     # GPT-2 small with vocab padded to 50304: 124,475,904 parameters with 1024 positions
-    # (124,082,688 with 512). DESIGN.md's Ψ = 123.7M (123,689,472) is this model without
+    # (124,082,688 with 512). The often-quoted Ψ = 123.7M (123,689,472) is this model without
     # its position table; neither max_seq reproduces it, so max_seq stays GPT-2's 1024.
     "gpt-small": _gpt(50304, 768, 12, 12, 3072, 1024),
     # Planning configs pad the vocabulary to a multiple of 512 (as Megatron and MaxText

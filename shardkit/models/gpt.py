@@ -28,13 +28,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-import shardkit as sk
 from shardkit import errors
-from shardkit.attention import causal_attention
-from shardkit.loss import head_view
+from shardkit.annotate import axes, constrain
 from shardkit.models.config import ModelConfig
-from shardkit.parallel.tsp import TspDot, active_axis
-from shardkit.parallel.tsp_head import vocab_ring_lookup
+from shardkit.nn.attention import causal_attention
+from shardkit.nn.loss import chunked_cross_entropy, head_view
+from shardkit.nn.replicas import per_replica
+from shardkit.nn.tsp import TspDot, active_axis
+from shardkit.nn.tsp_head import vocab_ring_lookup
 
 __all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
 
@@ -64,7 +65,7 @@ def checkpoint_policy(remat: str) -> Callable[..., Any] | None:
     return None
 
 
-@sk.axes(
+@axes(
     {
         r"^qkv/kernel$": ("embed", None, "heads", "kv"),
         r"^qkv/bias$": (None, "heads", "kv"),
@@ -102,9 +103,9 @@ class CausalSelfAttention(nn.Module):
             dot_general=TspDot(("embed", None, "heads", "kv")),  # a ring under tsp
             name="qkv",
         )(x)
-        qkv = sk.constrain(qkv, ("batch", "length", None, "heads", "kv"))
-        q, k, v = (sk.constrain(qkv[:, :, i], HEADS) for i in range(3))
-        y = sk.constrain(causal_attention(q, k, v), HEADS)
+        qkv = constrain(qkv, ("batch", "length", None, "heads", "kv"))
+        q, k, v = (constrain(qkv[:, :, i], HEADS) for i in range(3))
+        y = constrain(causal_attention(q, k, v), HEADS)
         return nn.DenseGeneral(
             cfg.d_model,
             axis=(-2, -1),
@@ -116,7 +117,7 @@ class CausalSelfAttention(nn.Module):
         )(y)
 
 
-@sk.axes(
+@axes(
     {
         r"^up/kernel$": ("embed", "mlp"),
         r"^up/bias$": ("mlp",),
@@ -147,7 +148,7 @@ class Mlp(nn.Module):
             dot_general=TspDot(("embed", "mlp")),
             name="up",
         )(x)
-        h = sk.constrain(nn.gelu(h), HIDDEN)
+        h = constrain(nn.gelu(h), HIDDEN)
         return nn.Dense(
             cfg.d_model,
             dtype=cfg.compute_dtype,
@@ -158,7 +159,7 @@ class Mlp(nn.Module):
         )(h)
 
 
-@sk.axes({r"^ln_[12]/(scale|bias)$": ("embed",)})
+@axes({r"^ln_[12]/(scale|bias)$": ("embed",)})
 class Block(nn.Module):
     """Pre-LayerNorm transformer block; ``(x, _) -> (x, None)`` so ``nn.scan`` can stack it.
 
@@ -177,14 +178,14 @@ class Block(nn.Module):
     def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
         cfg = self.config
         norm = dict(epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype)
-        x = sk.constrain(x, RESIDUAL)
+        x = constrain(x, RESIDUAL)
         x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(**norm, name="ln_1")(x))
-        x = sk.constrain(x, RESIDUAL)
+        x = constrain(x, RESIDUAL)
         x = x + Mlp(cfg, name="mlp")(nn.LayerNorm(**norm, name="ln_2")(x))
-        return sk.constrain(x, RESIDUAL), None
+        return constrain(x, RESIDUAL), None
 
 
-@sk.axes(
+@axes(
     {
         r"^wte/embedding$": TABLE,
         r"^wpe/embedding$": (None, "embed"),
@@ -195,6 +196,7 @@ class GPT(nn.Module):
     """GPT-2 language model: ``int32[batch, seq]`` tokens to ``f32[batch, seq, vocab]`` logits.
 
     Example:
+      >>> import shardkit as sk
       >>> from shardkit.models.config import CONFIGS
       >>> model = GPT(CONFIGS["gpt-tiny"])
       >>> tokens = jnp.zeros((2, 8), jnp.int32)
@@ -235,7 +237,7 @@ class GPT(nn.Module):
         # The embedding is tied: read by the lookup and by the logits. One replica view
         # for both uses makes data parallelism all-reduce its gradient once, not twice.
         weight = wte.embedding.astype(cfg.compute_dtype)
-        table = sk.per_replica(weight, TABLE, data=tokens, data_axes=("batch", "length"))
+        table = per_replica(weight, TABLE, data=tokens, data_axes=("batch", "length"))
         if targets is not None and table.n > 1:
             # The chunked head reads the table in its own layout (see head_view). Where
             # the lookup has replicas, it reads that view too, so the two uses'
@@ -245,7 +247,7 @@ class GPT(nn.Module):
         if x is None:
             x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
         x = x + wpe(jnp.arange(seq)[None, :])
-        x = sk.constrain(x.astype(cfg.compute_dtype), RESIDUAL)
+        x = constrain(x.astype(cfg.compute_dtype), RESIDUAL)
 
         block: Any = Block
         if cfg.remat != "none":
@@ -270,10 +272,10 @@ class GPT(nn.Module):
 
         if targets is not None:
             if table.n == 1 and active_axis() is not None:  # TSP: a ring of vocab shards
-                return sk.chunked_cross_entropy(
+                return chunked_cross_entropy(
                     x, targets, head, weight=weight, weight_axes=TABLE, chunks=cfg.loss_chunks
                 )
             if table.n == 1:  # the head's layout, here, after the layers
                 table = head_view(weight, TABLE, data=targets, reuse=table)
-            return sk.chunked_cross_entropy(x, targets, head, weight=table, chunks=cfg.loss_chunks)
-        return sk.constrain(table.map(head, x).astype(jnp.float32), LOGITS)
+            return chunked_cross_entropy(x, targets, head, weight=table, chunks=cfg.loss_chunks)
+        return constrain(table.map(head, x).astype(jnp.float32), LOGITS)

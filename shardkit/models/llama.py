@@ -33,53 +33,28 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-import shardkit as sk
-from shardkit.attention import causal_attention
+from shardkit.annotate import axes, constrain
 from shardkit.models.config import ModelConfig
 from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, checkpoint_policy
-from shardkit.parallel.tsp import TspDot, TspEinsum
-from shardkit.parallel.tsp_head import vocab_ring_lookup
+from shardkit.nn.attention import causal_attention
+from shardkit.nn.loss import chunked_cross_entropy
+from shardkit.nn.rope import apply_rope, rope_tables
+from shardkit.nn.tsp import TspDot, TspEinsum
+from shardkit.nn.tsp_head import vocab_ring_lookup
 
-__all__ = ["Llama", "Block", "Attention", "Mlp", "rope_tables", "apply_rope"]
+__all__ = ["Llama", "Block", "Attention", "Mlp"]
 
 KV_HEADS = ("batch", "length", "kv_heads", "kv")
 HEAD = ("embed", "vocab")
 INIT_STD = 0.02
 NORM_EPS = 1e-5
-ROPE_THETA = 10000.0
-
-
-def rope_tables(seq: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
-    """``cos`` and ``sin`` of the rotary angles, each ``f32[seq, head_dim // 2]``.
-
-    Example:
-      >>> cos, sin = rope_tables(4, 8)
-      >>> cos.shape, float(cos[0, 0]), float(sin[0, 0])
-      ((4, 4), 1.0, 0.0)
-    """
-    inv_freq = 1.0 / ROPE_THETA ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
-    angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-    return jnp.cos(angles), jnp.sin(angles)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate ``x[batch, seq, heads, head_dim]`` by position (half-split pairs), in f32.
-
-    Example:
-      >>> x = jnp.ones((1, 4, 2, 8))
-      >>> bool(jnp.allclose(apply_rope(x, *rope_tables(4, 8))[:, 0], x[:, 0]))
-      True
-    """
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
-    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
 def _normal() -> nnx.Initializer:
     return nnx.initializers.normal(INIT_STD)
 
 
-@sk.axes(
+@axes(
     {
         r"^wq/kernel$": ("embed", "heads", "kv"),
         r"^w[kv]/kernel$": ("embed", "kv_heads", "kv"),
@@ -119,15 +94,15 @@ class Attention(nnx.Module):
         )
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        q = apply_rope(sk.constrain(self.wq(x), HEADS), cos, sin)
-        k = apply_rope(sk.constrain(self.wk(x), KV_HEADS), cos, sin)
-        v = sk.constrain(self.wv(x), KV_HEADS)
+        q = apply_rope(constrain(self.wq(x), HEADS), cos, sin)
+        k = apply_rope(constrain(self.wk(x), KV_HEADS), cos, sin)
+        v = constrain(self.wv(x), KV_HEADS)
         # GQA: K/V keep their n_kv_heads; causal_attention groups the query heads (ring
         # attention moves n_kv_heads/n_heads of the bytes) or repeats them (dense).
-        return self.wo(sk.constrain(causal_attention(q, k, v), HEADS))
+        return self.wo(constrain(causal_attention(q, k, v), HEADS))
 
 
-@sk.axes({r"^(gate|up)/kernel$": ("embed", "mlp"), r"^down/kernel$": ("mlp", "embed")})
+@axes({r"^(gate|up)/kernel$": ("embed", "mlp"), r"^down/kernel$": ("mlp", "embed")})
 class Mlp(nnx.Module):
     """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, no biases.
 
@@ -155,7 +130,7 @@ class Mlp(nnx.Module):
         self.down = linear(cfg.d_ff, cfg.d_model, dot_general=ring_out)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        h = sk.constrain(nnx.silu(self.gate(x)) * self.up(x), HIDDEN)
+        h = constrain(nnx.silu(self.gate(x)) * self.up(x), HIDDEN)
         return self.down(h)
 
 
@@ -169,7 +144,7 @@ def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
     )
 
 
-@sk.axes({r"^(attn_norm|mlp_norm)/scale$": ("embed",)})
+@axes({r"^(attn_norm|mlp_norm)/scale$": ("embed",)})
 class Block(nnx.Module):
     """Pre-RMSNorm transformer block: attention then SwiGLU, each residual.
 
@@ -189,12 +164,12 @@ class Block(nnx.Module):
         self.mlp = Mlp(config, rngs=rngs)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-        x = sk.constrain(x, RESIDUAL)
-        x = sk.constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
-        return sk.constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+        x = constrain(x, RESIDUAL)
+        x = constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
+        return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
 
 
-@sk.axes(
+@axes(
     {
         r"^embed/embedding$": ("vocab", "embed"),
         r"^norm/scale$": ("embed",),
@@ -263,7 +238,7 @@ class Llama(nnx.Module):
         # Under TSP's schedules the table's vocabulary shards serve a ring lookup.
         x = vocab_ring_lookup(self.embed.embedding[...], tokens, ("vocab", "embed"))
         x = self.embed(tokens) if x is None else x
-        x = sk.constrain(x.astype(cfg.compute_dtype), RESIDUAL)
+        x = constrain(x.astype(cfg.compute_dtype), RESIDUAL)
         cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
         if cfg.scan:
             graphdef, state = nnx.split(self.layers)
@@ -276,7 +251,7 @@ class Llama(nnx.Module):
         x = self.norm(x)
         if targets is not None:
             kernel = self.head.kernel[...].astype(cfg.compute_dtype)
-            return sk.chunked_cross_entropy(
+            return chunked_cross_entropy(
                 x,
                 targets,
                 lambda w, h: jnp.einsum("...d,dv->...v", h, w),
@@ -284,4 +259,4 @@ class Llama(nnx.Module):
                 weight_axes=HEAD,
                 chunks=cfg.loss_chunks,
             )
-        return sk.constrain(self.head(x).astype(jnp.float32), LOGITS)
+        return constrain(self.head(x).astype(jnp.float32), LOGITS)

@@ -1,9 +1,11 @@
-"""``Model``: one interface over the linen GPT and the NNX Llama reference models.
+"""``Model``: the linen GPT and the NNX Llama reference models behind the model protocol.
 
-``init`` gives annotated parameters (linen: ``nn.LogicallyPartitioned`` boxes;
-NNX: an ``nnx.State`` of ``nnx.Param`` Variables with ``out_sharding``
-metadata), which ``sk.logical_axes`` reads; ``apply`` and ``loss`` take the
-plain arrays ``sk.unbox`` returns (or the annotated tree itself).
+A ``Model`` is a :class:`shardkit.protocol.Model`: ``init``, ``loss``, its pipeline cut
+(:meth:`Model.stages`: embedding / one block / final norm, head and loss) and its
+dimensions (:attr:`Model.dims`). ``init`` gives annotated parameters (linen:
+``nn.LogicallyPartitioned`` boxes; NNX: an ``nnx.State`` of ``nnx.Param`` Variables with
+``out_sharding`` metadata), which ``sk.logical_axes`` reads; ``apply`` and ``loss`` take
+the plain arrays ``sk.unbox`` returns (or the annotated tree itself).
 
 Example:
   >>> import jax, jax.numpy as jnp, shardkit as sk
@@ -20,17 +22,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from shardkit import errors, explicit
 from shardkit.annotate import activation_rules
+from shardkit.dims import ModelDims
+from shardkit.errors import NotPipelinableError
 from shardkit.models.config import CONFIGS, ModelConfig
-from shardkit.models.gpt import GPT, LOGITS
+from shardkit.models.gpt import GPT, LN_EPS, LOGITS, Block, checkpoint_policy
 from shardkit.models.llama import Llama
+from shardkit.nn.loss import cross_entropy, head_post_grad
+from shardkit.nn.rope import rope_tables
+from shardkit.nn.stack import linen_layer
+from shardkit.protocol import Stages
 
 __all__ = ["Model", "get", "names"]
 
@@ -54,9 +64,34 @@ class Model:
       (('vocab', 'embed'), (50688, 4096))
     """
 
+    #: A reference model annotates its own parameters (``@sk.axes``).
+    annotations = None
+
     def __init__(self, config: ModelConfig, name: str = "custom"):
         self.config = config
         self.name = name
+
+    @property
+    def dims(self) -> ModelDims:
+        """The model's dimensions (``config.dims()``)."""
+        return self.config.dims()
+
+    @property
+    def vocab(self) -> int:
+        """The token range of the model's inputs."""
+        return self.config.vocab
+
+    @property
+    def remat(self) -> str:
+        """What each block rematerialises (``config.remat``)."""
+        return self.config.remat
+
+    @property
+    def precision(self) -> str | None:
+        """``"bf16"``/``"f32"`` when the config fixes the compute dtype; ``None``: the plan's."""
+        if self.config.dtype is None:
+            return None
+        return "bf16" if jnp.dtype(self.config.dtype) == jnp.bfloat16 else "f32"
 
     def __repr__(self) -> str:
         return f"Model(name={self.name!r}, config={self.config!r})"
@@ -150,6 +185,100 @@ class Model:
         """
         mean = lambda p, i, t: self._forward(p, i, t).mean()  # noqa: E731
         return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"])
+
+    def stages(self) -> Stages:
+        """The model cut into embedding, blocks and head, for a pipeline.
+
+        The same operations as :meth:`loss`, in the same order (a test checks they agree);
+        ``post_grad`` writes the vocabulary head's gradient in place
+        (:func:`shardkit.nn.loss.head_post_grad`).
+
+        Raises:
+          NotPipelinableError: the model's layers are not scanned (``scan=False``).
+
+        Example:
+          >>> get("llama-tiny").stages().key
+          'layers'
+        """
+        cfg, model = self.config, self
+        if not cfg.scan:
+            raise NotPipelinableError(
+                f"{model.name}: scan=False keeps its {cfg.n_layers} layers as separate "
+                "parameters (layers_0, ...); a pipeline cuts one stacked 'layers' axis.\n"
+                f"Fix: get({model.name!r}, scan=True) (the default)."
+            )
+
+        def loss_of(logits: jax.Array, mb: Any) -> jax.Array:
+            return cross_entropy(logits.astype(jnp.float32), mb["targets"]).mean()
+
+        def remat(fn: Callable) -> Callable:
+            if cfg.remat == "none":
+                return fn
+            return jax.checkpoint(fn, prevent_cse=False, policy=checkpoint_policy(cfg.remat))
+
+        if cfg.family == "gpt":
+
+            def pre(rest: Any, mb: Any) -> jax.Array:
+                tokens = mb["inputs"]
+                table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
+                x = jnp.take(table, tokens, axis=0)
+                x = x + jnp.take(
+                    rest["wpe"]["embedding"], jnp.arange(tokens.shape[-1])[None], axis=0
+                )
+                return x.astype(cfg.compute_dtype)
+
+            layer = remat(linen_layer(Block(cfg)))
+
+            def final_norm(params: Any, y: jax.Array) -> jax.Array:
+                # Built when traced: the compute dtype is the plan's (sk.compute_dtype()).
+                norm = nn.LayerNorm(
+                    epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype
+                )
+                return norm.apply({"params": params}, y)
+
+            def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
+                y = final_norm(rest["ln_f"], y)
+                table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
+                return loss_of(jnp.einsum("...d,vd->...v", y, table), mb)
+
+            post_grad = head_post_grad(
+                final_norm,
+                norm_key="ln_f",
+                head_key="wte",
+                vocab_axis=0,
+                dtype=lambda: cfg.compute_dtype,
+            )
+            return Stages(pre, layer, post, post_grad=post_grad)
+
+        def graphdef(part: str) -> Any:
+            # An NNX module fixes its compute dtype when built: read it when traced, under the
+            # plan's precision (``model.module`` is built once per dtype).
+            return nnx.split(getattr(model.module, part))[0]
+
+        def pre(rest: Any, mb: Any) -> jax.Array:
+            return nnx.merge(graphdef("embed"), rest["embed"])(mb["inputs"]).astype(
+                cfg.compute_dtype
+            )
+
+        def block(state: Any, x: jax.Array) -> jax.Array:
+            cos, sin = rope_tables(x.shape[1], cfg.head_dim)
+            return nnx.merge(graphdef("layers"), state)(x, cos, sin)
+
+        def final_norm(params: Any, y: jax.Array) -> jax.Array:
+            return nnx.merge(graphdef("norm"), params)(y)
+
+        def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
+            y = final_norm(rest["norm"], y)
+            return loss_of(nnx.merge(graphdef("head"), rest["head"])(y), mb)
+
+        post_grad = head_post_grad(
+            final_norm,
+            norm_key="norm",
+            head_key="head",
+            vocab_axis=1,
+            dtype=lambda: cfg.compute_dtype,
+        )
+        return Stages(pre, remat(block), post, post_grad=post_grad)
 
     def _forward(self, params: Any, tokens: jax.Array, targets: jax.Array | None = None):
         if self.config.family == "gpt":

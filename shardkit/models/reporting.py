@@ -1,4 +1,4 @@
-"""Compile-only reports of the reference models' training step.
+"""Compile-only reports of a model's training step.
 
 ``models.report(plan, model, batch=..., seq=...)`` is ``plan.report`` with the
 pieces a reference model brings: its init, its loss, an AdamW train step, an
@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from shardkit import train
+from shardkit.parallel.cli import for_plan
 from shardkit.workload import Workload
 
 __all__ = ["report", "token_batch"]
@@ -46,8 +47,8 @@ def report(
 
     Args:
       plan: an ``sk.Plan``.
-      model: a reference ``Model`` (``models.get``) or a user's model loaded by
-        ``models.load`` (anything with ``init(rng)`` and ``loss(params, batch)``).
+      model: a model (:class:`shardkit.protocol.Model`): a reference ``Model``
+        (``models.get``) or a user's loaded by ``models.load``.
       tx: the optimizer (default: ``train.adamw()``).
       batch, seq: global batch and sequence length.
       seed: the PRNG seed of the (abstract) init.
@@ -59,11 +60,8 @@ def report(
     tx = train.adamw() if tx is None else tx
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
     workload = Workload.of_model(model, batch=batch, seq=seq, precision=plan.precision)
-    config = getattr(model, "config", None)
     stages = dict(plan.mesh.shape).get("stage")
     if stages:  # a pipeline runs its own step (1F1B, one micro-batch per stage by default)
-        from shardkit.parallel.cli import step_for
-
         opts = {
             "microbatches": stages,
             "schedule": "1f1b",
@@ -71,13 +69,15 @@ def report(
             "unit": None,
             **(pipeline or {}),
         }
-        step = step_for(model, tx, plan, abstract, opts)
+        step = train.train_step(
+            model, tx, plan=plan, abstract=abstract, pipeline=for_plan(plan, opts)
+        )
         return plan.report(step, abstract, token_batch(batch, seq), workload=workload, **kwargs)
     return plan.report(
         train.train_step(model, tx),
         abstract,
         token_batch(batch, seq),
         workload=workload,
-        model_config=config,
+        dims=model.dims,
         **kwargs,
     )

@@ -1,33 +1,35 @@
 """Pipeline parallelism: schedules (``gpipe``, ``1f1b``, ``interleaved``) and their engine.
 
+The engine runs a model's cut (:class:`Stages`, from ``model.stages()``); it never names
+a model. ``shardkit.train.train_step`` is the training step around it.
+
 Example:
   >>> from shardkit import parallel
   >>> parallel.schedules.make("gpipe", stages=4, microbatches=16).bubble
   0.15789473684210525
 """
 
+from shardkit.errors import NotPipelinableError, PipelineError
+from shardkit.nn.loss import head_post_grad
+from shardkit.nn.stack import linen_layer, nnx_layer
 from shardkit.parallel import pipeline, schedules, stages
-from shardkit.parallel.pipeline import STAGE, value_and_grad
+from shardkit.parallel.pipeline import STAGE, PipelinedGrad, mesh_value_and_grad
 from shardkit.parallel.schedules import (
     SCHEDULES,
     MicrobatchError,
-    PipelineError,
     PipelineWarning,
     StageDivisibilityError,
     UnknownScheduleError,
     bubble_fraction,
 )
 from shardkit.parallel.stages import (
-    NotPipelinableError,
-    Stages,
     from_interleaved,
-    head_post_grad,
-    linen_layer,
-    nnx_layer,
-    reference_stages,
+    order_converters,
+    pipeline_value_and_grad,
     to_interleaved,
-    train_step,
 )
+from shardkit.protocol import Stages
+from shardkit.step import PipelinedStep
 
 __all__ = [
     "NotPipelinableError",
@@ -37,18 +39,20 @@ __all__ = [
     "MicrobatchError",
     "PipelineError",
     "PipelineWarning",
+    "PipelinedGrad",
+    "PipelinedStep",
     "StageDivisibilityError",
     "UnknownScheduleError",
     "bubble_fraction",
     "from_interleaved",
     "head_post_grad",
     "linen_layer",
+    "mesh_value_and_grad",
     "nnx_layer",
+    "order_converters",
     "pipeline",
-    "reference_stages",
+    "pipeline_value_and_grad",
     "schedules",
     "stages",
     "to_interleaved",
-    "train_step",
-    "value_and_grad",
 ]

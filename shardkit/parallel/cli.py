@@ -7,8 +7,9 @@ number of stages); the flags with any other recipe are an error that names the f
 Under ``interleaved`` (``V > 1``) the step takes the layer stack stored in the schedule's
 order (``stack_order="interleaved"``): in layer order it would reorder the stack and its
 gradient across stages every step (all-gathers, 2.6x the analytic wire on gpt-small). The
-step carries ``to_stored`` / ``to_layers``, run once on the state as it enters the loop
-and wherever it leaves it (a checkpoint stays in layer order, for any schedule or recipe).
+step (``shardkit.step.PipelinedStep``) carries ``to_stored`` / ``to_layers``, run once on
+the state as it enters the loop and wherever it leaves it (a checkpoint stays in layer
+order, for any schedule or recipe).
 
 Example:
   >>> import argparse
@@ -23,18 +24,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import jax
-
+from shardkit.errors import NotPipelinableError
 from shardkit.parallel.schedules import SCHEDULES
-from shardkit.parallel.stages import (
-    NotPipelinableError,
-    from_interleaved,
-    reference_stages,
-    to_interleaved,
-    train_step,
-)
 
-__all__ = ["add_arguments", "options", "step_for"]
+__all__ = ["add_arguments", "for_plan", "options"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,54 +76,39 @@ def options(args: argparse.Namespace) -> dict[str, Any] | None:
     }
 
 
-def step_for(model: Any, tx: Any, plan: Any, abstract: Any, opts: dict[str, Any] | None):
-    """The pipelined train step for a plan with a ``stage`` axis, else ``None``.
+def for_plan(plan: Any, opts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The pipeline options of ``shardkit.train.train_step`` for ``plan``, or ``None`` (no
+    ``stage`` axis: the plain step).
 
-    Under ``interleaved`` with ``virtual_stages > 1`` the step takes the stack stored in
-    the schedule's order: pass the state through ``step.to_stored`` once before the
-    first step and through ``step.to_layers`` to save or read it per layer. Other steps
-    have ``to_stored = to_layers = None`` (the state is used as is). ``opts`` may name
+    Fills what the flags leave out: one micro-batch per stage, ``1f1b``; under
+    ``interleaved`` with ``virtual_stages > 1`` the stack stored in the schedule's order
+    (the step's ``to_stored`` / ``to_layers`` convert the state). ``opts`` may name
     ``stack_order="layers"`` to keep the layer order (to measure what it costs).
 
     Raises:
-      NotPipelinableError: pipeline flags with a recipe that has no ``stage`` axis, or a
-        model that is not a scanned reference model.
+      NotPipelinableError: pipeline flags with a recipe that has no ``stage`` axis.
+
+    Example:
+      >>> import jax, shardkit as sk
+      >>> plan = sk.Plan("pp", devices=jax.devices()[:2])
+      >>> for_plan(plan, {"schedule": "interleaved", "virtual_stages": 2})["stack_order"]
+      'interleaved'
     """
     stages = dict(plan.mesh.shape).get("stage")
     if stages is None:
         if opts is not None:
             raise NotPipelinableError(
                 f"--microbatches/--schedule/--unit need a recipe with a 'stage' axis; "
-                f"{plan.recipe.name!r} has {dict(plan.mesh.shape)}.\nFix: --recipe pp, dp_pp, zeropp "
-                "or dp_tp_sp_pp, or drop the pipeline flags."
+                f"{plan.recipe.name!r} has {dict(plan.mesh.shape)}.\nFix: --recipe pp, dp_pp, "
+                "zeropp or dp_tp_sp_pp, or drop the pipeline flags."
             )
         return None
-    if not hasattr(model, "config"):
-        raise NotPipelinableError(
-            f"Recipe {plan.recipe.name!r} pipelines the reference models from the command line;"
-            " a model of your own needs its cut (pre, layer, post).\nFix: "
-            "sk.parallel.Stages(pre, layer, post) and sk.parallel.train_step in Python."
-        )
     opts = dict(opts or {"schedule": "1f1b", "virtual_stages": 1, "unit": None})
     opts["microbatches"] = opts.get("microbatches") or int(stages)
     v = int(opts.get("virtual_stages") or 1)
+    opts["virtual_stages"] = v
     interleaved = opts.get("schedule") == "interleaved" and v > 1
-    order = opts.pop("stack_order", None) or ("interleaved" if interleaved else "layers")
-    stored = order == "interleaved" and interleaved
-    step = train_step(reference_stages(model), tx, plan, abstract, **opts, stack_order=order)
-    step.to_stored = _reorder(to_interleaved, plan, int(stages), v, abstract) if stored else None
-    step.to_layers = _reorder(from_interleaved, plan, int(stages), v, abstract) if stored else None
-    return step
-
-
-def _reorder(convert: Any, plan: Any, stages: int, virtual: int, abstract: Any):
-    """``convert`` (:func:`to_interleaved` / :func:`from_interleaved`) of a whole state,
-    jitted once, its output laid out as ``abstract`` lays the state."""
-    shardings = jax.tree.map(lambda x: x.sharding, getattr(abstract, "tree", abstract))
-    fn = jax.jit(lambda state: convert(state, stages, virtual), out_shardings=shardings)
-
-    def apply(state: Any) -> Any:
-        with jax.set_mesh(plan.mesh):
-            return fn(state)
-
-    return apply
+    opts["stack_order"] = opts.get("stack_order") or ("interleaved" if interleaved else "layers")
+    if not interleaved:
+        opts["stack_order"] = "layers"
+    return opts

@@ -3,7 +3,7 @@
 A model is cut into three functions: ``pre(rest, mb) -> x`` (the embedding, on the first
 stage), ``layer(layer_params, x) -> x`` (one of ``L`` identical layers whose parameters are
 stacked along a leading axis) and ``post(rest, y, mb) -> loss`` (the head and the mean
-loss of one micro-batch, on the last stage). :func:`value_and_grad` runs them as a
+loss of one micro-batch, on the last stage). :func:`mesh_value_and_grad` runs them as a
 pipeline: the stack is cut into ``p`` stages of ``L/p`` layers (the stack's leading axis
 sharded over ``stage``), the batch into ``m`` micro-batches, and a schedule
 (:mod:`shardkit.parallel.schedules`: ``gpipe``, ``1f1b``, ``interleaved``) says which stage
@@ -43,7 +43,7 @@ Example:
   >>> post = lambda rest, y, mb: jnp.mean((y - mb["y"]) ** 2)
   >>> ws = jax.random.normal(jax.random.key(0), (8, 16, 16)) / 4   # 8 layers
   >>> batch = {"x": jnp.ones((8, 16)), "y": jnp.zeros((8, 16))}
-  >>> step = value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="1f1b")
+  >>> step = mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="1f1b")
   >>> loss, (g_stack, g_rest) = jax.jit(step)(ws, {}, batch)
   >>> def ref(ws):
   ...     x = batch["x"]
@@ -57,6 +57,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -73,7 +74,7 @@ from shardkit.annotate.constrain import (
     is_explicit,
     param_rules,
 )
-from shardkit.attention import use_attention
+from shardkit.nn.attention import use_attention
 from shardkit.parallel.schedules import (
     MicrobatchError,
     PipelineError,
@@ -81,9 +82,18 @@ from shardkit.parallel.schedules import (
     StageDivisibilityError,
     make,
 )
+from shardkit.recipes.recipe import VocabRules
 from shardkit.rules import Rules
+from shardkit.scopes import block, scope
 
-__all__ = ["value_and_grad", "interleaved_order", "spec_axes", "STAGE", "STACK_ORDERS"]
+__all__ = [
+    "PipelinedGrad",
+    "mesh_value_and_grad",
+    "interleaved_order",
+    "spec_axes",
+    "STAGE",
+    "STACK_ORDERS",
+]
 
 #: How a layer stack is stored: ``"layers"`` (layer order) or ``"interleaved"`` (each
 #: stage's ``v`` chunks contiguous, see :func:`interleaved_order`).
@@ -133,6 +143,7 @@ def _full_spec(spec: PartitionSpec | None, ndim: int) -> tuple:
     return (entries + (None,) * ndim)[:ndim]
 
 
+@block("pipeline.gather")
 def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
     """All-gather ``x`` over every mesh axis (but those in ``skip``) its spec shards it on."""
     for d, entry in enumerate(_full_spec(spec, x.ndim)):
@@ -142,6 +153,7 @@ def _gather(x: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Arra
     return x
 
 
+@block("pipeline.scatter")
 def _scatter(g: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Array:
     """Reduce-scatter ``g`` back to the shards ``spec`` gives (the transpose of ``_gather``)."""
     for d, entry in enumerate(_full_spec(spec, g.ndim)):
@@ -169,7 +181,6 @@ def _auto_rules(rules: Rules | None, manual: frozenset[str]) -> Rules | None:
     """
     if rules is None:
         return None
-    from shardkit.recipes.recipe import VocabRules
 
     def strip(r: Rules) -> Rules:
         pairs, names = [], set()
@@ -189,6 +200,27 @@ def _auto_rules(rules: Rules | None, manual: frozenset[str]) -> Rules | None:
     return strip(rules)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jax.jit keys a function
+class PipelinedGrad:
+    """A pipeline's ``value_and_grad``: call it as the function it holds.
+
+    Attributes:
+      fn: the function (``(stack, rest, batch)`` or, from
+        :func:`shardkit.parallel.stages.pipeline_value_and_grad`, ``(params, batch)``)
+        returning the loss and the gradients.
+      schedule: the :class:`~shardkit.parallel.schedules.Schedule` it runs.
+      auto_axes: the mesh axes left to XLA inside each stage (``tensor`` in
+        ``dp_tp_sp_pp``).
+    """
+
+    fn: Callable[..., tuple[jax.Array, Any]]
+    schedule: Schedule
+    auto_axes: tuple[str, ...] = ()
+
+    def __call__(self, *args: Any) -> tuple[jax.Array, Any]:
+        return self.fn(*args)
+
+
 def _used_axes(spec: PartitionSpec | None) -> set[str]:
     return {a for e in tuple(spec or ()) for a in spec_axes(e)}
 
@@ -197,7 +229,7 @@ def _psum_over(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return jax.lax.psum(x, axes) if axes else x
 
 
-def value_and_grad(
+def mesh_value_and_grad(
     layer_fn: Callable[[Any, jax.Array], jax.Array],
     pre_fn: Callable[[Any, Any], jax.Array],
     post_fn: Callable[[Any, jax.Array, Any], jax.Array],
@@ -214,7 +246,7 @@ def value_and_grad(
     stack_order: str = "layers",
     stage_axis: str = STAGE,
     post_grad: Callable[..., tuple[jax.Array, Any, jax.Array]] | None = None,
-) -> Callable[[Any, Any, Any], tuple[jax.Array, tuple[Any, Any]]]:
+) -> PipelinedGrad:
     """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
 
     Args:
@@ -250,7 +282,7 @@ def value_and_grad(
       stage_axis: the pipeline's mesh axis.
       post_grad: optional ``(rest, y, microbatch, d_rest, scale) -> (scale·loss, d_rest +
         scale·∂loss/∂rest, scale·∂loss/∂y)``, the last stage's loss and gradients added
-        into the running sum ``d_rest`` (e.g. with :func:`shardkit.loss.head_loss_and_grad`,
+        into the running sum ``d_rest`` (e.g. with :func:`shardkit.nn.loss.head_loss_and_grad`,
         which writes a vocabulary head's gradient in place, slice by slice). Without it
         the engine runs ``jax.value_and_grad(post_fn)`` and adds: on CPU XLA then holds
         the head's gradient twice, the sum and the new term. Not used with ``auto_axes``
@@ -397,9 +429,7 @@ def value_and_grad(
             d_stack = jax.tree.map(lambda x: jnp.take(x, inverse, axis=0), d_stack)
         return loss, (d_stack, d_rest)
 
-    run.schedule = sched  # type: ignore[attr-defined]
-    run.auto_axes = tuple(sorted(auto))  # type: ignore[attr-defined]
-    return run
+    return PipelinedGrad(run, schedule=sched, auto_axes=tuple(sorted(auto)))
 
 
 def _divisors(n: int) -> list[int]:
@@ -596,7 +626,8 @@ class _Body:
                     loss = loss + val.astype(jnp.float32)
                     store[-1][t % ring] = dy
                 if p > 1:
-                    recv_f = jax.lax.ppermute(y, stage, fwd_perm)
+                    with scope("pipeline.send"):
+                        recv_f = jax.lax.ppermute(y, stage, fwd_perm)
             if has_b:
                 j, k = at("b_mb", t), at("b_k", t)
                 slot = read_slots[t][s]
@@ -650,7 +681,8 @@ class _Body:
 
                     d_rest = jax.lax.cond(at("b_first", t), pre_grad, lambda d: d, d_rest)
                 if p > 1:
-                    recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
+                    with scope("pipeline.send"):
+                        recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
         flush(d_acc)
 
         # Sum over the batch axes (and, for rest, over stages); shards stay shards.

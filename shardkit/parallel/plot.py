@@ -1,5 +1,8 @@
 """Matplotlib timelines of pipeline schedules: which stage does what at each tick.
 
+Forward cells are dark, backward cells light and hatched (they differ in greyscale); a
+figure of several schedules is a grid between 1:1 and 2:1, saved by ``path``'s suffix.
+
 Example:
   >>> import matplotlib
   >>> matplotlib.use("Agg")
@@ -11,9 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
+from shardkit.figures import figure_size, save_figure
 from shardkit.parallel.schedules import Schedule
 
 __all__ = ["plot_timeline", "plot_schedules"]
@@ -21,17 +26,17 @@ __all__ = ["plot_timeline", "plot_schedules"]
 
 def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> None:
     """Draw ``schedule`` on ``ax``: one row per stage, one column per tick; forward cells
-    blue, backward cells orange (both halves of a tick when a stage runs both), the
-    micro-batch number inside; blank cells are the bubble."""
+    dark blue, backward cells light orange and hatched (both halves of a tick when a
+    stage runs both), the micro-batch number inside; blank cells are the bubble."""
     p = schedule.stages
     for t in range(schedule.ticks):
         for s in range(p):
             f, b = schedule.forward[t][s], schedule.backward[t][s]
-            cells = [(f, "#4c72b0"), (b, "#dd8452")]
+            cells = [(f, _FORWARD), (b, _BACKWARD)]
             cells = [(item, c) for item, c in cells if item is not None]
-            for n, (item, color) in enumerate(cells):
+            for n, (item, (color, hatch, ink)) in enumerate(cells):
                 w = 1.0 / len(cells)
-                ax.add_patch(_rect(t + n * w, s, w, color))
+                ax.add_patch(_rect(t + n * w, s, w, color, hatch))
                 label = str(item[0]) + (f".{item[1]}" if schedule.virtual > 1 else "")
                 ax.text(
                     t + (n + 0.5) * w,
@@ -40,12 +45,15 @@ def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> N
                     ha="center",
                     va="center",
                     fontsize=6,
-                    color="white",
+                    color=ink,
                 )
+    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+
     ax.set_xlim(0, schedule.ticks)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ticks are whole: no 2.5
     ax.set_ylim(p, 0)
     ax.set_yticks([s + 0.5 for s in range(p)], [f"stage {s}" for s in range(p)])
-    ax.set_xlabel("tick")
+    ax.set_xlabel("tick (one stage's forward or backward of one micro-batch)")
     ax.set_title(
         title
         or f"{schedule.name}: p={p}, m={schedule.microbatches}, "
@@ -55,20 +63,44 @@ def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> N
     )
 
 
-def _rect(x: float, y: float, w: float, color: str) -> Any:
-    from matplotlib.patches import Rectangle
+#: (fill, hatch, text colour): dark forward, light hatched backward.
+_FORWARD = ("#1f3f73", "", "white")
+_BACKWARD = ("#f3b27a", "///", "black")
 
-    return Rectangle((x, y + 0.05), w, 0.9, color=color, linewidth=0)
 
+def _rect(x: float, y: float, w: float, color: str, hatch: str = "") -> Any:
+    from matplotlib.patches import Rectangle  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
-def plot_schedules(schedules: Sequence[Schedule], titles: Sequence[str] | None = None) -> Any:
-    """A figure with one timeline per schedule (``titles`` replace the default ones)."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(
-        len(schedules), 1, figsize=(10, 1.6 * len(schedules) + 0.8), squeeze=False
+    return Rectangle(
+        (x, y + 0.05), w, 0.9, facecolor=color, hatch=hatch, edgecolor="#8a5a30", linewidth=0
     )
-    for n, (sched, ax) in enumerate(zip(schedules, axes[:, 0], strict=True)):
-        plot_timeline(sched, ax, title=None if titles is None else titles[n])
+
+
+def plot_schedules(
+    schedules: Sequence[Schedule],
+    titles: Sequence[str] | None = None,
+    *,
+    path: str | None = None,
+) -> Any:
+    """A figure with one timeline per schedule (``titles`` replace the default ones), in
+    one column up to three, else two; saved to ``path`` (``.png``, ``.svg``) if given."""
+
+    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+
+    n = len(schedules)
+    ncols = 1 if n <= 3 else 2
+    nrows = math.ceil(n / ncols)
+    width = 10.0 * ncols
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=figure_size(width, 1.8 * nrows + 1.2), squeeze=False
+    )
+    cells = list(axes.flat)
+    for k, (sched, ax) in enumerate(zip(schedules, cells, strict=False)):
+        plot_timeline(sched, ax, title=None if titles is None else titles[k])
+    for ax in cells[n:]:
+        ax.set_visible(False)
+    fig.suptitle("Pipeline schedules: what each stage runs at each tick", fontsize=11)
     fig.tight_layout()
+    if path is not None:
+        save_figure(fig, path, close=False)
     return fig

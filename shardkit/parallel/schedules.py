@@ -47,7 +47,7 @@ import warnings
 
 import numpy as np
 
-from shardkit.errors import ShardingError
+from shardkit.errors import PipelineError
 
 __all__ = [
     "SCHEDULES",
@@ -64,10 +64,6 @@ __all__ = [
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 Item = tuple[int, int] | None  # (microbatch, virtual round) or idle
-
-
-class PipelineError(ShardingError):
-    """A pipeline cannot run as asked."""
 
 
 class UnknownScheduleError(PipelineError):

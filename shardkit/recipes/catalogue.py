@@ -282,7 +282,7 @@ def tsp() -> Recipe:
     weight (its ``embed`` rows or columns) and S/D of every sequence, so state *and*
     activations fall by D, and the head count need not divide D (gpt-small's 12 heads
     run on 8 devices). The layers run the paper's schedules (``layer_schedule="tsp"``,
-    :mod:`shardkit.parallel.tsp`): each projection passes the layer's weight shards
+    :mod:`shardkit.nn.tsp`): each projection passes the layer's weight shards
     around a ring (``ppermute``) while it multiplies the shard it holds, so at most
     two shards of a weight are live; attention is zigzag ring attention over ``tsp``.
     ``tsp_gspmd`` is the same layout left to XLA (it all-gathers each layer's weights).
@@ -299,7 +299,7 @@ def tsp() -> Recipe:
       f·2·b·S·h_kv·B (dK/dV home): f·(3Ψ_l + 4·b·S·h_kv)·B in all, + f·Ψ_in·B and one
       more K/V pass under full remat (Ψ_in: q/k/v, up, gate). The zigzag layout adds
       4·(h + h_kv)·b·S·B/D a pass. Once per step, the head's vocabulary shards travel
-      a ring too (3f·V·h·B, :mod:`shardkit.parallel.tsp_head`) and the lookup's
+      a ring too (3f·V·h·B, :mod:`shardkit.nn.tsp_head`) and the lookup's
       partial embeddings a ring reduce-scatter (f·b·S·h·B each way): no device holds
       a whole vocabulary table.
     - wire, ``tsp_gspmd``: FSDP's 3f·Ψ·B (all-gather forward and backward,
@@ -392,7 +392,7 @@ def pp() -> Recipe:
     """Pipeline parallel: the layer stack cut into ``p`` stages over ``stage``.
 
     Each stage holds ``L/p`` layers' parameters, gradients and Adam state; the embedding,
-    head and final norm are replicated. Train with ``sk.parallel.train_step`` (micro-batches
+    head and final norm are replicated. Train with ``shardkit.train.train_step`` (micro-batches
     and a schedule: ``gpipe``, ``1f1b``, ``interleaved``). Wire per step: one activation
     ``b_micro·s·h`` forward and one gradient backward between neighbouring stages per
     micro-batch and tick (collective-permutes), plus an all-reduce over ``stage`` of the
@@ -456,13 +456,13 @@ def dp_tp_sp_pp() -> Recipe:
     each stage's layers split the Megatron way over ``tensor`` with the regions between
     them split along ``length`` (as ``tp_sp``), replicas over ``data``. The pipeline
     engine is manual over ``stage`` and ``data`` only; XLA shards inside each stage by
-    the rules (:func:`shardkit.parallel.pipeline.value_and_grad`'s ``auto_axes``).
+    the rules (:func:`shardkit.parallel.pipeline.mesh_value_and_grad`'s ``auto_axes``).
     Memory per device: 16Ψ/(p·T) of layer state (the embedding and head vocab-parallel
     over ``tensor``, replicated over ``stage``). Wire per step: the pipeline's permutes
     of each micro-batch's activation, b_micro·s·h/T (split along the sequence over
     ``tensor``); TP+SP's reduce-scatters and all-gathers of activations over ``tensor``;
     the stage's Ψ/(p·T) gradient all-reduced over ``data``. Train with
-    ``sk.parallel.train_step``.
+    ``shardkit.train.train_step``.
     """
     return Recipe(
         name="dp_tp_sp_pp",

@@ -25,7 +25,7 @@ from shardkit.errors import ShardingError
 from shardkit.mesh import resolve_axis_sizes
 from shardkit.rules import Rules
 
-__all__ = ["LogitsLayout", "Parallelism", "Recipe", "VocabRules"]
+__all__ = ["LogitsLayout", "Parallelism", "Recipe", "VocabRules", "expected_collectives"]
 
 #: How a recipe lays out the logits when its activation rules split the vocabulary over
 #: a mesh axis that also splits the tokens (``fsdp``): ``"vocab"`` as the rules say,
@@ -157,14 +157,16 @@ class Recipe:
         (ZeRO-1 shards only the optimizer state).
       attention: how attention handles a sharded sequence.
       collectives: the collective kinds the layout is meant to emit (its golden
-        inventory); the report flags any other kind that moves real bytes.
+        inventory); the report flags any other kind that moves real bytes. Default:
+        derived from the rules (:func:`expected_collectives`); ``dataclasses.replace``
+        keeps the set, ``collectives=None`` derives it again.
       optional_names: logical names the rules cover that a model may not have (the
         built-in recipes serve GPT and Llama, so ``kv_heads`` may match nothing); the
         report does not flag their rules as unused.
       attention_axis: the mesh axis ring/allgather attention splits the sequence over.
       layer_schedule: ``"gspmd"`` (XLA places the layers' collectives) or ``"tsp"``
         (the projections circulate weight shards over ``attention_axis``; see
-        ``shardkit.parallel.tsp``).
+        ``shardkit.nn.tsp``).
       logits: the logits' layout where an activation rule splits the vocabulary over a
         mesh axis that also splits the tokens (``"auto"``, ``"vocab"``, ``"tokens"``;
         see :meth:`step_activation_rules`). Recipes without such a rule ignore it.
@@ -177,13 +179,17 @@ class Recipe:
     activation_rules: Rules
     optimizer_rules: Rules | None = None
     attention: Literal["dense", "ring", "allgather"] = "dense"
-    collectives: frozenset[str] = frozenset({"all-reduce"})
+    collectives: frozenset[str] | None = None
     optional_names: frozenset[str] = frozenset()
     attention_axis: str = "sequence"
     layer_schedule: Literal["gspmd", "tsp"] = "gspmd"
     logits: LogitsLayout = "auto"
 
     def __post_init__(self) -> None:
+        if self.collectives is None:
+            object.__setattr__(self, "collectives", expected_collectives(self))
+        else:
+            object.__setattr__(self, "collectives", frozenset(self.collectives))
         if self.logits not in get_args(LogitsLayout):
             raise ShardingError(
                 f"Recipe {self.name!r}: logits is one of {list(get_args(LogitsLayout))}, got "
@@ -359,3 +365,59 @@ class Recipe:
         merged = dict(self.mesh_axes)
         merged.update(axes)
         return dataclasses.replace(self, mesh_axes=tuple(merged.items()))
+
+
+#: What each role of a mesh axis (:meth:`Recipe.axis_role`) moves in a training step.
+_ROLE_COLLECTIVES = {
+    # the batch split, state whole: the gradients all-reduced
+    "data": {"all-reduce"},
+    # the state split: weights all-gathered where used, gradients reduce-scattered
+    "fsdp": {"all-gather", "reduce-scatter"},
+    # Megatron: the partial activations of row-parallel layers all-reduced
+    "tensor": {"all-reduce"},
+    # the sequence split, state whole: gradients all-reduced (attention adds its own)
+    "sequence": {"all-reduce"},
+    # state and sequence split: FSDP's gathers and scatters, the replicated leaves'
+    # gradients all-reduced
+    "tsp": {"all-gather", "reduce-scatter", "all-reduce"},
+    # stages: activations passed on, the non-layer parameters' gradients all-reduced
+    "stage": {"collective-permute", "all-reduce"},
+}
+
+
+def expected_collectives(recipe: Recipe) -> frozenset[str]:
+    """The collective kinds ``recipe``'s rules imply, axis by axis (never its name).
+
+    An axis that splits parameters (FSDP-like) expects all-gathers and
+    reduce-scatters; one that splits only the batch, an all-reduce; a tensor axis
+    (heads or MLP units split, the batch not) all-reduces, and adds reduce-scatters
+    and all-gathers when it also splits the activations' ``length`` (sequence
+    parallelism); a data axis that shards optimizer state (ZeRO-1) adds them too. Ring
+    attention over a sequence axis permutes K/V blocks; all-gather attention gathers.
+
+    Example:
+      >>> from shardkit.rules import Rules
+      >>> custom = Recipe("mine", "FSDP by a Flax rule list", (("data", 2), ("fsdp", -1)),
+      ...                 Rules([("embed", "fsdp"), ("mlp", "fsdp")]),
+      ...                 Rules([("batch", ("data", "fsdp"))]))
+      >>> sorted(custom.collectives)
+      ['all-gather', 'all-reduce', 'reduce-scatter']
+    """
+    axes = dict.fromkeys(a for a, _ in recipe.mesh_axes)
+    for rules in (recipe.rules, recipe.activation_rules, recipe.optimizer_rules):
+        axes.update(dict.fromkeys(sorted((rules or Rules([])).mesh_axis_names)))
+    out: set[str] = set()
+    for axis in axes:
+        role = recipe.axis_role(axis)
+        if role is None:
+            continue
+        out |= _ROLE_COLLECTIVES[role]
+        if role == "tensor" and "length" in _names_on(recipe.activation_rules, axis):
+            out |= {"reduce-scatter", "all-gather"}
+        if role == "data" and _names_on(recipe.optimizer_rules, axis):
+            out |= {"reduce-scatter", "all-gather"}
+        if axis == recipe.attention_axis and role in ("sequence", "tsp"):
+            out |= {"ring": {"collective-permute"}, "allgather": {"all-gather"}}.get(
+                recipe.attention, set()
+            )
+    return frozenset(out or {"all-reduce"})

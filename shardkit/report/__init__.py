@@ -12,7 +12,8 @@ Example:
 from shardkit.report.analytic import AnalyticMemory, AnalyticModel, analytic_costs
 from shardkit.report.hlo import Collective, bytes_by_kind, parse_collectives, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats
-from shardkit.report.report import ParamRow, Report, build_report, param_rows
+from shardkit.report.records import ParamRow
+from shardkit.report.report import Report, build_report, param_rows
 from shardkit.workload import Workload
 
 __all__ = [

@@ -6,21 +6,21 @@ kernels), one data replica's b sequences of S tokens, width h, K/V width h_kv
 (n_kv_heads·head_dim: GQA's K/V travel with their own heads), vocabulary V, and
 Ψ_r the weights left over (norms, biases, position table):
 
-Paper's schedules (``layer_schedule="tsp"``, :mod:`shardkit.parallel.tsp`):
+Paper's schedules (``layer_schedule="tsp"``, :mod:`shardkit.nn.tsp`):
 
 - weight rings, collective-permute: forward, each device receives the D − 1 other
   shards of every ringed kernel, f·Ψ_l·B per layer; backward, the shards again and a
   gradient accumulator for D − 1 hops, 2f·Ψ_l·B. Full remat re-runs the forward of
   the input-side projections (q/k/v, up, gate: Ψ_in of Ψ_l; the output projections'
   results are not needed again), + f·Ψ_in·B.
-- the vocabulary head's ring (:mod:`shardkit.parallel.tsp_head`), collective-permute:
+- the vocabulary head's ring (:mod:`shardkit.nn.tsp_head`), collective-permute:
   f·V·h·B forward, 2f·V·h·B backward.
 - K/V ring (zigzag ring attention), collective-permute: D − 1 blocks of K and V,
   f·2·b·S·h_kv·B forward and the same for dK/dV backward (+ one forward again under
   full remat). The zigzag reorder of q, k, v and of the output moves at most one local
   block of each per device: 4·(h + h_kv)·b·S·B/D per pass (forward, backward,
   recompute; 8·b·S·h·B/D without GQA).
-- the embedding lookup (:func:`shardkit.parallel.tsp_head.vocab_ring_lookup`): each
+- the embedding lookup (:func:`shardkit.nn.tsp_head.vocab_ring_lookup`): each
   device looks its vocabulary rows up for every token (the token ids all-gathered,
   f·b·S·4 bytes) and the partial embeddings travel a ring reduce-scatter,
   f·b·S·h·B, collective-permute; backward, their gradient a ring all-gather, f·b·S·h·B.

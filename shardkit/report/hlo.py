@@ -2,7 +2,7 @@
 
 :func:`parse_collectives` reads the text of ``jax.jit(f).lower(...).compile().as_text()``
 and returns one :class:`Collective` per collective op, with its buffer size, replica-group
-size, ring-algorithm wire bytes per device (DESIGN.md, "Measuring a layout") and how many
+size, ring-algorithm wire bytes per device and how many
 times it runs per step (the product of the trip counts of the while loops around it).
 
 Example:
@@ -38,8 +38,11 @@ import re
 from collections import defaultdict
 from typing import Any
 
+import numpy as np
+
 from shardkit.collectives import KINDS, Kind
 from shardkit.report.provenance import (
+    block_of,
     frames_by_id,
     metadata_of,
     module_path_of,
@@ -102,7 +105,7 @@ Shape = tuple[str, tuple[int, ...], int] | list["Shape"]  # (dtype, dims, bits) 
 class Collective:
     """One collective op of a compiled program, built with keywords.
 
-    ``bytes`` is the buffer DESIGN.md's formula uses (the result for all-gather, the
+    ``bytes`` is the buffer the ring formula uses (the result for all-gather, the
     operand otherwise; summed over tuple elements), for one execution. ``wire_bytes``
     is the ring-algorithm traffic per device, already multiplied by ``count`` (the
     executions per step). ``shape`` is the dimensions of that buffer (a tuple of ints);
@@ -115,7 +118,10 @@ class Collective:
     first replica group (for a collective-permute, every device that sends or receives);
     empty when the program does not say. ``logical`` and ``rule``: the logical axes of
     the parameter the op moves and the plan's rules that shard them, where one matches
-    (:func:`shardkit.report.wire_terms.attach_layouts`).
+    (:func:`shardkit.report.wire_terms.attach_layouts`). ``source`` is the model's line
+    that asked for the op and ``block`` the shardkit building block that made it
+    (``attention.ring``; ``""`` for the model's own ops), see
+    :mod:`shardkit.report.provenance`.
 
     Example:
       >>> c = Collective(kind="all-gather", bytes=256, group_size=4, wire_bytes=192.0,
@@ -140,6 +146,7 @@ class Collective:
     pass_: str = ""
     source: str = ""
     function: str = ""
+    block: str = ""
     group: tuple[int, ...] = ()
     logical: tuple[str | None, ...] = ()
     rule: str = ""
@@ -307,8 +314,6 @@ def first_group(attrs: str, kind: str) -> tuple[int, ...]:
 
 def _iota(dims: str, perm: str | None):
     """``arange`` reshaped to ``dims`` and transposed by ``perm`` (HLO's iota lists)."""
-    import numpy as np
-
     shape = [int(x) for x in dims.split(",")]
     ids = np.arange(int(np.prod(shape))).reshape(shape)
     return ids.transpose([int(x) for x in perm.split(",")]) if perm else ids
@@ -316,8 +321,6 @@ def _iota(dims: str, perm: str | None):
 
 def _mesh_first_group(s: str) -> tuple[int, ...]:
     """First group of ``mesh['a'=2,'b'=4](, device_ids=(...))? {'b', 'a':(1)2}``."""
-    import numpy as np
-
     end = _skip_balanced(s, 4)
     axes = [
         (n.strip(" '\""), int(v))
@@ -677,6 +680,7 @@ def parse_collectives(
                     pass_=pass_of(name),
                     source=origin.where if origin else "",
                     function=origin.function if origin else "",
+                    block=block_of(name),
                     group=first_group(attrs, kind),
                 )
             )

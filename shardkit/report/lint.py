@@ -20,6 +20,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from shardkit.report.hlo import Collective
+from shardkit.report.records import human_bytes
+from shardkit.report.wire_terms import ParamMatch, term_of
 
 __all__ = [
     "grows_with_devices",
@@ -48,15 +50,6 @@ _CAUSES = {
 }
 
 
-def human_bytes(n: float) -> str:
-    """``1536 -> '1.5 KiB'``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def unexpected_collectives(
     collectives: Sequence[Collective],
     expected: Iterable[str],
@@ -69,8 +62,6 @@ def unexpected_collectives(
     the vocabulary of the report's explanations; ``rows``, the state's ``ParamRow`` s,
     tell a weight or a gradient from an activation) and the parameter it moves.
     """
-    from shardkit.report.wire_terms import ParamMatch, term_of
-
     params = ParamMatch.of(rows)
     expected = frozenset(expected)
     total = sum(c.wire_bytes for c in collectives) or 1.0

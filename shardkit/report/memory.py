@@ -1,4 +1,4 @@
-"""Per-device memory of a compiled program, as DESIGN.md defines it.
+"""Per-device memory of a compiled program (docs/explain/measurement.md).
 
 ``total = arguments + output + temp − alias`` from ``compiled.memory_analysis()``
 (``peak_memory_in_bytes`` is not reliable on CPU: it reports arguments only).

@@ -9,9 +9,10 @@ the state's parameters, first rule that matches:
   copies of them; under a sharded layout, a layer's unreduced gradient (whole
   parameter shape, feeding a reduction): the analytic ``layers`` phase counts both;
 - ``gradients``: backward, update or loop-carried values of a parameter's shape;
-- ``attention scores``: values of an attention module ending in ``[…, s, s]`` (the
-  sequence, whole or local);
-- ``logits / loss``: values computed in ``shardkit/loss.py`` (the head and its loss);
+- ``attention scores``: values of an attention module (a Flax scope named ``attn`` or
+  ``attention``) ending in ``[…, s, s]`` (the sequence, whole or local);
+- ``logits / loss``: values computed in shardkit's loss block (its ``loss`` scopes: the
+  head and its cross-entropy);
 - ``collective buffers``: results and operands of other collectives;
 - ``recomputation``: the rest of the rematerialised forward (the layer recomputed);
 - ``saved activations``: forward values still live (the backward pass reads them);
@@ -37,13 +38,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shardkit import recipes
+from shardkit.dims import ModelDims
+from shardkit.report.analytic import analytic_model
 from shardkit.report.buffers import BufferAssignment, Value
-from shardkit.report.lint import human_bytes
-from shardkit.report.provenance import Frame, module_path_of, pass_of
+from shardkit.report.formulas import logits_bytes
+from shardkit.report.phases import head_weight_copy_bytes, layer_peak_bytes, phase_peaks
+from shardkit.report.provenance import blocks_in, module_path_of, pass_of, without_blocks
+from shardkit.report.records import TOLERANCE, Explanation, MemoryTerm, human_bytes
 
 __all__ = ["MemoryTerm", "TERMS", "analytic_terms", "attribute", "explain", "peak_phase_of"]
 
@@ -81,34 +86,6 @@ _COLLECTIVES = (
     "collective-permute-start",
 )
 _REDUCTIONS = ("all-reduce", "reduce-scatter", "all-reduce-start")
-_LOSS = os.path.join("shardkit", "loss.py")
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryTerm:
-    """One term of the temp memory at its peak: bytes, analytic value, largest buffers."""
-
-    term: str
-    bytes: int
-    analytic_bytes: float | None = None
-    top: tuple[str, ...] = ()  # "f32[64,256] layers/mlp/up (remat all-gather)", largest first
-    count: int = 0
-
-    @property
-    def ratio(self) -> float | None:
-        if not self.analytic_bytes:
-            return None
-        return self.bytes / self.analytic_bytes
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "term": self.term,
-            "bytes": self.bytes,
-            "analytic_bytes": self.analytic_bytes,
-            "ratio": self.ratio,
-            "buffers": self.count,
-            "top": list(self.top),
-        }
 
 
 def _dims(v: Value) -> tuple[int, ...] | None:
@@ -171,7 +148,8 @@ def _term(v: Value, shapes: _Shapes, gathered: set[str], seq: set[int], head: bo
         return "gathered weights"
     if shapes.param(dims) and (pass_ in ("backward", "update") or (v.phi or not v.op_name)):
         return "gradients"
-    attention = "attn" in v.op_name or "attention" in v.op_name.lower()
+    model_scopes = without_blocks(v.op_name)
+    attention = "attn" in model_scopes or "attention" in model_scopes.lower()
     if attention and seq and dims and len(dims) >= 2 and set(dims[-2:]) <= seq and pass_:
         return "attention scores"
     if head and pass_:
@@ -198,7 +176,6 @@ def attribute(
     rows: Sequence[Any],
     *,
     seq: int | Sequence[int] = (),
-    stacks: Mapping[int, tuple[Frame, ...]] | None = None,
     analytic: Mapping[str, float] | None = None,
     top: int = 3,
 ) -> list[MemoryTerm]:
@@ -209,9 +186,6 @@ def attribute(
       rows: the state's ``ParamRow`` s (their shapes tell parameters and gradients apart).
       seq: the sequence length, or lengths (whole and per device): attention scores
         are ``[…, s, s]``.
-      stacks: ``stack_frame_id`` → Python stack
-        (:func:`~shardkit.report.provenance.frames_by_id` of the compiled module): values
-        computed in ``shardkit/loss.py`` (the head and its cross-entropy) are the head's.
       analytic: the analytic bytes of each term (:func:`analytic_terms`).
       top: how many of each term's largest buffers to name.
 
@@ -221,7 +195,6 @@ def attribute(
     """
     shapes = _Shapes.of(rows)
     live = ba.live_temps()
-    stacks = stacks or {}
     lengths = {seq} if isinstance(seq, int) else set(seq)
     # Same-sized values computed from a gathered weight are layout copies of it.
     gathered_names = {
@@ -236,7 +209,7 @@ def attribute(
     }
     by_term: dict[str, list[Value]] = {}
     for v in live:
-        by_term.setdefault(_term(v, shapes, gathered, lengths, _in_loss(v, stacks)), []).append(v)
+        by_term.setdefault(_term(v, shapes, gathered, lengths, _in_loss(v)), []).append(v)
     analytic = analytic or {}
     out = []
     for term in TERMS:
@@ -267,14 +240,14 @@ def attribute(
 
 
 def analytic_terms(
-    config: Any,
+    dims: ModelDims,
     recipe: Any,
     mesh: Mapping[str, int],
     *,
     batch: int,
     seq: int,
     phase: str,
-    remat: str | None = None,
+    remat: str = "none",
     bytes_per_value: int = 4,
 ) -> dict[str, float]:
     """The analytic temp bytes of each term in ``phase`` (the phase the peak is in).
@@ -288,24 +261,20 @@ def analytic_terms(
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> t = analytic_terms(CONFIGS["gpt-tiny"], "fsdp", {"fsdp": 8}, batch=8, seq=32,
-      ...                    phase="layers", remat="full")
-      >>> t["gathered weights"] == 2 * CONFIGS["gpt-tiny"].dims().layer_params * 4
+      >>> dims = CONFIGS["gpt-tiny"].dims()
+      >>> t = analytic_terms(dims, "fsdp", {"fsdp": 8}, batch=8, seq=32, phase="layers",
+      ...                    remat="full")
+      >>> t["gathered weights"] == 2 * dims.layer_params * 4
       True
     """
-    from shardkit import recipes
-    from shardkit.report.analytic import analytic_model
-    from shardkit.report.phases import head_weight_copy_bytes, layer_peak_bytes, phase_peaks
-
     recipe = recipes.get(recipe)
-    remat = config.remat if remat is None else remat
     base = analytic_model(
-        config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=bytes_per_value, remat=remat
+        dims, recipe, mesh, batch=batch, seq=seq, bytes_per_value=bytes_per_value, remat=remat
     ).memory
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence * max(par.tsp, 1)
     nb = bytes_per_value
-    logits = batch / (d * f) * seq / c * config.vocab * nb / t
+    logits = logits_bytes(b=batch / (d * f), s=seq / c, vocab=dims.vocab, nbytes=nb, t=t)
     out = {"gradients": base.grads}
     if phase == "optimizer_step":
         return out
@@ -315,50 +284,47 @@ def analytic_terms(
             mode = par.tensor_kind if t > 1 else "none"
             s, b = seq / c, batch / (d * f)
             layer = layer_peak_bytes(
-                s=s, b=b, h=config.d_model, a=config.n_heads, t=t, mode=mode, bytes_per_value=nb
+                s=s, b=b, h=dims.d_model, a=dims.n_heads, t=t, mode=mode, bytes_per_value=nb
             )
-            out["attention scores"] = 5 * config.n_heads * s * s * b / t * nb / 2
+            out["attention scores"] = 5 * dims.n_heads * s * s * b / t * nb / 2
             out["recomputation"] = layer - out["attention scores"]
         if f > 1:
-            out["gathered weights"] = 2 * config.dims().layer_params * nb / t
+            out["gathered weights"] = 2 * dims.layer_params * nb / t
     elif phase == "head_loss":
         peaks = phase_peaks(
-            config, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb, remat=remat, base=base
+            dims, recipe, mesh, batch=batch, seq=seq, bytes_per_value=nb, remat=remat, base=base
         )
         state = base.params + base.grads + base.optimizer
-        copies = 3 * head_weight_copy_bytes(config, recipe, mesh, bytes_per_value=nb)
+        copies = 3 * head_weight_copy_bytes(dims, recipe, mesh, bytes_per_value=nb)
         out["gathered weights"] = copies  # the copy, its gradient, that gradient reduced
         out["logits / loss"] = peaks["head_loss"] - state - out["saved activations"] - copies
     return {k: v for k, v in out.items() if v > 0}
 
 
-def peak_phase_of(
-    ba: BufferAssignment, stacks: Mapping[int, tuple[Frame, ...]] | None = None
-) -> str:
+def peak_phase_of(ba: BufferAssignment) -> str:
     """The phase of the step the temp peak is in: ``layers``, ``head_loss`` or
     ``optimizer_step``, from the instruction that runs at the peak (or the value defined
-    last before it): computed in ``shardkit/loss.py`` (``stacks`` as :func:`attribute`),
-    the head; outside the differentiated function, the optimizer step; else the layers."""
+    last before it): computed in shardkit's loss block, the head; outside the differentiated function, the optimizer step; else the layers."""
     named = [v for v in ba.values if v.op_name and v.start is not None]
     at_peak = [v for v in named if v.instruction == ba.peak_instruction]
     before = [v for v in named if v.start <= ba.peak_time]
     if not at_peak and not before:
         return "layers"
     value = at_peak[0] if at_peak else max(before, key=lambda v: v.start or 0)
-    if _in_loss(value, stacks or {}):
+    if _in_loss(value):
         return "head_loss"
     return "optimizer_step" if pass_of(value.op_name) == "update" else "layers"
 
 
-def _in_loss(v: Value, stacks: Mapping[int, tuple[Frame, ...]]) -> bool:
-    return any(f.file.endswith(_LOSS) for f in stacks.get(v.frame_id, ()))
+def _in_loss(v: Value) -> bool:
+    """Computed in shardkit's loss block (its scopes, also where it calls the model's
+    head back)."""
+    return any(b.split(".", 1)[0] == "loss" for b in blocks_in(v.op_name))
 
 
-def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = 0.10) -> list[Any]:
+def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = TOLERANCE) -> list[Any]:
     """One ``Explanation`` per term off by more than ``tolerance`` from its analytic value
     (or with no analytic value), saying what is live and why."""
-    from shardkit.report.report import Explanation
-
     modelled = any(t.analytic_bytes for t in terms)
     out = []
     for t in terms:

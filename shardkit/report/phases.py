@@ -23,9 +23,10 @@ then the analytic total. A guide, not a bound: XLA's temporaries inside a phase
 
 Example:
   >>> from shardkit.models import CONFIGS
-  >>> peaks = phase_peaks(CONFIGS["gpt-small"], "fsdp", {"fsdp": 8}, batch=8, seq=512,
-  ...                     remat="full")
-  >>> max(peaks, key=peaks.get)
+  >>> from shardkit.report.analytic import analytic_model
+  >>> m = analytic_model(CONFIGS["gpt-small"].dims(), "fsdp", {"fsdp": 8}, batch=8, seq=512,
+  ...                    remat="full")
+  >>> peak_phase(m.memory.phases)
   'layers'
 """
 
@@ -35,7 +36,11 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from shardkit import recipes
+from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
+from shardkit.nn.loss import LOGITS, auto_chunks
+from shardkit.report.formulas import activation_bytes, logits_bytes, megatron_activations_per_layer
 
 __all__ = [
     "PHASES",
@@ -148,7 +153,7 @@ def layer_peak_bytes(
 
     With full recomputation, the layer being recomputed holds its activations again:
     Megatron's per-layer count for the layout (``mode``, see
-    :func:`~shardkit.report.analytic.megatron_activations_per_layer`); without it they
+    :func:`~shardkit.report.formulas.megatron_activations_per_layer`); without it they
     are among the saved activations already (0). Plus twice ``gathered_layer_bytes``:
     under FSDP one layer's weights gathered, and their gradient before it is
     reduce-scattered.
@@ -158,8 +163,6 @@ def layer_peak_bytes(
       >>> round(layer_peak_bytes(s=512, b=1, h=768, a=12) / 2**20, 2)
       55.5
     """
-    from shardkit.report.analytic import megatron_activations_per_layer
-
     layer = (
         megatron_activations_per_layer(s, b, h, a, t=t, mode=mode, bytes_per_value=bytes_per_value)
         if recompute
@@ -178,7 +181,7 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
 
 
 def head_weight_copy_bytes(
-    config: Any,
+    dims: ModelDims,
     recipe: Any,
     mesh: Mapping[str, int],
     *,
@@ -195,49 +198,49 @@ def head_weight_copy_bytes(
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"], "dp", {"data": 8})
+      >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"].dims(), "dp", {"data": 8})
       0.0
     """
-    from shardkit import recipes
-
     recipe = recipes.get(recipe)
     sizes = {a: int(v) for a, v in mesh.items()}
     table = ("vocab", "embed")
     rules = recipe.activation_rules if rules is None else rules
     head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
     stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
-    weight = config.vocab * config.d_model * bytes_per_value
+    weight = dims.vocab * dims.d_model * bytes_per_value
     scale = 1.0 if act_bytes is None else act_bytes / bytes_per_value
     return max(0.0, weight / head_split - weight / stored_split) * scale
 
 
 def phase_peaks(
-    config: Any,
+    dims: ModelDims,
     recipe: Any,
     mesh: Mapping[str, int],
     *,
     batch: int,
     seq: int,
     bytes_per_value: int = 4,
-    remat: str | None = None,
+    remat: str = "none",
     clip: Literal["scale", "select"] = "scale",
-    base: Any = None,
+    base: Any,
     precision: str = "f32",
 ) -> dict[str, float]:
-    """Bytes per device at the peak of each phase of a reference model's training step.
+    """Bytes per device at the peak of each phase of a training step whose loss is
+    shardkit's chunked head.
 
     Args:
       config: a :class:`shardkit.models.ModelConfig` (``loss_chunks`` as the model uses
-        it: ``None`` is :func:`shardkit.loss.auto_chunks`).
+        it: ``None`` is :func:`shardkit.nn.loss.auto_chunks`).
       recipe: a ``Recipe`` or a registered recipe's name (its rules give the head's
         layout, and what each mesh axis runs: ``Recipe.parallelism``).
       mesh: mesh axis sizes.
       batch, seq: global batch and sequence length.
       bytes_per_value: bytes of a parameter, gradient or activation value.
-      remat: overrides ``config.remat``.
+      remat: ``"none"``, ``"full"`` or ``"save_dots"``.
       clip: the optimizer's clip (``"scale"``: ``shardkit.train.adamw``).
-      base: the ``AnalyticMemory`` of ``analytic_model`` for these arguments (computed
-        when not given).
+      base: the ``AnalyticMemory`` of
+        :func:`~shardkit.report.analytic.analytic_model` for these arguments (its state
+        and saved activations).
       precision: ``"bf16"``: activations, the recomputed layer, the hidden states and
         the head's weight copy at 2 bytes per value (the logits are scored in f32).
 
@@ -250,36 +253,23 @@ def phase_peaks(
 
     Example:
       >>> from shardkit.models import CONFIGS
-      >>> peaks = phase_peaks(CONFIGS["gpt-small"], "dp", {"data": 8}, batch=8, seq=512,
-      ...                     remat="full", clip="select")
+      >>> from shardkit.report.analytic import analytic_model
+      >>> kw = dict(batch=8, seq=512, remat="full")
+      >>> dims = CONFIGS["gpt-small"].dims()
+      >>> base = analytic_model(dims, "dp", {"data": 8}, **kw).memory
+      >>> peaks = phase_peaks(dims, "dp", {"data": 8}, clip="select", base=base, **kw)
       >>> max(peaks, key=peaks.get)
       'optimizer_step'
     """
-    from shardkit import recipes
-    from shardkit.loss import LOGITS, auto_chunks
-    from shardkit.report.analytic import activation_bytes, analytic_model
-
     recipe = recipes.get(recipe)
-    if base is None:
-        base = analytic_model(
-            config,
-            recipe,
-            mesh,
-            batch=batch,
-            seq=seq,
-            bytes_per_value=bytes_per_value,
-            remat=remat,
-            precision=precision,
-        ).memory
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
     data_kind, tensor_kind = par.data_kind, par.tensor_kind
     sizes = {a: int(v) for a, v in mesh.items()}
-    nb, vocab, h = bytes_per_value, config.vocab, config.d_model
+    nb, vocab, h = bytes_per_value, dims.vocab, dims.d_model
     act = activation_bytes(precision, nb)
-    remat = config.remat if remat is None else remat
     state = base.params + base.grads + base.optimizer
-    logits_term = batch / (d * f) * seq / c * vocab * nb / t  # analytic_model's logits
+    logits_term = logits_bytes(b=batch / (d * f), s=seq / c, vocab=vocab, nbytes=nb, t=t)
     saved = base.activations - logits_term
 
     # The head: its layout is the activation rules' for the logits and for the weight.
@@ -288,10 +278,10 @@ def phase_peaks(
     token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
     weight = vocab * h * nb
     copy = head_weight_copy_bytes(
-        config, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
+        dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
     )
     quantum = _split(logits_spec, sizes, (1,))
-    chunks = config.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
+    chunks = dims.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
     head = head_loss_peak_bytes(
         tokens=batch * seq,
         vocab=vocab,
@@ -305,12 +295,12 @@ def phase_peaks(
 
     # One layer recomputed (full remat), its weights gathered under FSDP.
     mode = tensor_kind if t > 1 else "none"
-    layer_params = config.dims().layer_params
+    layer_params = dims.layer_params
     layer = layer_peak_bytes(
         s=seq / c,
         b=batch / (d * f),
         h=h,
-        a=config.n_heads,
+        a=dims.n_heads,
         t=t,
         mode=mode,
         bytes_per_value=act,

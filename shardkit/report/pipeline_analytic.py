@@ -41,10 +41,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from shardkit.parallel.schedules import bubble_fraction
+from shardkit.errors import ShardingError
+from shardkit.parallel.schedules import bubble_fraction, make
+from shardkit.report.formulas import (
+    AnalyticMemory,
+    AnalyticModel,
+    hybrid_wire,
+    logits_bytes,
+    megatron_activations_per_layer,
+)
 
 __all__ = [
     "PipelineCosts",
@@ -163,10 +172,6 @@ def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -
       >>> in_flight("gpipe", 4, 16), in_flight("1f1b", 4, 16), in_flight("1f1b", 4, 2)
       (16, 7, 2)
     """
-    import warnings
-
-    from shardkit.parallel.schedules import make
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # m < p: the schedule's own warning, not ours
         return make(schedule, stages, microbatches, virtual).slots
@@ -234,13 +239,6 @@ def pipeline_model(
       >>> m.wire_bytes_by_kind["collective-permute"]  # 2·(3 − 1) ticks × 2·16·64·4/2 B
       16384.0
     """
-    from shardkit.errors import ShardingError
-    from shardkit.report.analytic import (
-        AnalyticMemory,
-        AnalyticModel,
-        megatron_activations_per_layer,
-    )
-
     p, f, d, t = par.stage, par.fsdp, par.data, par.tensor
     if par.sequence > 1 or par.tsp > 1 or (t > 1 and (par.tensor_kind != "tp_sp" or f > 1)):
         raise ShardingError(
@@ -288,7 +286,8 @@ def pipeline_model(
         )
         items = in_flight(schedule, p, m, v)
         layers = workload.layers / (p * v)
-        activations = items * layers * per_layer + b * s * workload.vocab * nb / t
+        logits = logits_bytes(b=b, s=s, vocab=workload.vocab, nbytes=nb, t=t)
+        activations = items * layers * per_layer + logits
         act_bytes = b * s * h * nb / t
         notes.append(
             f"activations: {items} items in flight × {layers:g} layers × Megatron '{mode}' at "
@@ -359,11 +358,9 @@ def _tensor_wire(
     terms: dict[str, float],
 ) -> tuple[dict[str, float], list[str]]:
     """TP+SP's wire bytes by kind (and by term into ``terms``) of a pipelined step, with the
-    formula of the unpipelined ``dp_tp_sp`` (:func:`shardkit.report.analytic.wire_bytes_hybrid`
+    formula of the unpipelined ``dp_tp_sp`` (:func:`shardkit.report.formulas.wire_bytes_hybrid`
     on the tensor axis alone): ``ticks·layers`` layer runs of a ``b``-row micro-batch, and
     the embedding, head and loss once per micro-batch."""
-    from shardkit.report.analytic import _hybrid
-
     w, runs = workload, ticks * layers
     out: dict[str, float] = {}
     notes = [
@@ -372,7 +369,7 @@ def _tensor_wire(
     ]
     for n, vocab, scale in ((runs, None, 1), (0, w.vocab, microbatches)):
         part: dict[str, float] = {}
-        wire, why = _hybrid(
+        wire, why = hybrid_wire(
             {"tensor": t},
             psi=0.0,
             nbytes=bytes_per_value,

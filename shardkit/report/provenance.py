@@ -1,10 +1,10 @@
-"""Where a collective comes from: the model path, the pass, and the line of code.
+"""Where a collective comes from: the model path, the pass, the block and the model's line.
 
-XLA keeps, for every instruction, the ``op_name`` JAX traced it under (transforms and
-Flax module scopes: ``jit(step)/transpose(jvp(GPT))/layers/mlp/down/dot_general``) and a
-``stack_frame_id`` into the module's index of Python frames (read from the serialized
-``HloModuleProto``, where each frame links to its caller). From
-those this module gives each collective:
+XLA keeps, for every instruction, the ``op_name`` JAX traced it under (transforms,
+Flax module scopes and named scopes: ``jit(step)/transpose(jvp(GPT))/layers/attn/
+shardkit.attention/shardkit.attention.ring/ppermute``) and a ``stack_frame_id`` into the
+module's index of Python frames (read from the serialized ``HloModuleProto``, where each
+frame links to its caller). From those this module gives each collective:
 
 - ``module_path``: the Flax module scopes in the op name (``layers/mlp/down``); for code
   without name scopes (NNX), the function of the innermost model frame
@@ -12,8 +12,13 @@ those this module gives each collective:
 - ``pass``: ``forward``, ``backward`` (under ``transpose``), ``remat`` (a forward
   recomputed in the backward pass) or ``update`` (outside the differentiated function:
   the optimizer step);
-- ``source``: ``file.py:line`` of the innermost frame outside JAX, Flax, optax and
-  shardkit's own plumbing (the line of the model that asked for the op).
+- ``block``: the innermost of shardkit's building blocks that made the op, from the
+  ``shardkit.<block>`` named scopes (:mod:`shardkit.scopes`): ``attention.ring``,
+  ``loss.chunked``, ``tsp.ring``, ``pipeline.send``; ``""`` for the model's own ops
+  (a block calling the model back opens ``shardkit.model``);
+- ``source``: ``file.py:line`` of the innermost frame outside JAX, Flax, optax,
+  shardkit's plumbing and its building blocks: the line of the model that asked for
+  the op, whatever its files are called.
 
 Example:
   >>> module_path_of("jit(traced)/transpose(jvp(GPT))/while/body/layers/mlp/down/dot_general")
@@ -22,6 +27,9 @@ Example:
   'remat'
   >>> pass_of("jit(traced)/jvp(GPT)/wte/gather"), pass_of("jit(traced)/mul")
   ('forward', 'update')
+  >>> op = "jit(s)/jvp(GPT)/layers/attn/shardkit.attention/shardkit.attention.ring/ppermute"
+  >>> block_of(op), module_path_of(op)
+  ('attention.ring', 'layers/attn')
 """
 
 from __future__ import annotations
@@ -31,14 +39,19 @@ import os
 import re
 from collections.abc import Callable, Iterable
 
+from shardkit.scopes import MODEL, PREFIX
+
 __all__ = [
     "Frame",
+    "block_of",
+    "blocks_in",
     "frames_by_id",
     "metadata_of",
     "module_path_of",
     "named_after_use",
     "pass_of",
     "source_of",
+    "without_blocks",
 ]
 
 #: The two fields of an HLO instruction's ``metadata={...}`` this module reads (the one
@@ -89,16 +102,25 @@ _LIBRARIES = (
     f"{os.sep}contextlib.py",
     "<frozen ",
 )
-_PLUMBING = tuple(
-    f"shardkit{os.sep}{p}"
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # shardkit/
+#: shardkit's plumbing and building blocks, by path inside the package (never by a base
+#: name: a model's own ``attention.py`` is the model's): frames here are not the
+#: model's line. The blocks name themselves in the op's scopes instead (``block``).
+_SHARDKIT = tuple(
+    os.path.join(_ROOT, p)
     for p in (
         "plan.py",
         "state.py",
         "context.py",
-        "replicas.py",
+        "scopes.py",
         f"annotate{os.sep}",
+        f"nn{os.sep}",  # the building blocks: attention, loss, replicas, TSP's rings
+        os.path.join("parallel", "pipeline.py"),
     )
 )
+#: A shardkit named scope in an op name (also inside a transform's parentheses).
+_SCOPE = re.compile(r"(?:^|[/(])" + re.escape(PREFIX) + r"([\w.]+)")
+_SCOPE_NAME = re.compile(re.escape(PREFIX) + r"[\w.]+")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +240,7 @@ def module_path_of(op_name: str) -> str:
     """The Flax module scopes in an op name (``layers/mlp/down``), ``""`` if none."""
     parts = []
     for seg in _segments(op_name)[:-1]:  # the last segment is the primitive
-        if seg.startswith("(") or _EINSUM.match(seg) or seg in _NOT_MODULES:
+        if seg.startswith(("(", PREFIX)) or _EINSUM.match(seg) or seg in _NOT_MODULES:
             continue
         if any(seg.startswith(t + "(") for t in _TRANSFORMS):
             continue
@@ -289,12 +311,65 @@ def pass_of(op_name: str) -> str:
     return "update"
 
 
+def blocks_in(op_name: str) -> tuple[str, ...]:
+    """Every shardkit scope in an op name, outermost first (``model`` included).
+
+    Example:
+      >>> blocks_in("jit(s)/jvp(shardkit.loss.chunked)/shardkit.model/wte/dot_general")
+      ('loss.chunked', 'model')
+    """
+    return tuple(_SCOPE.findall(_primary(op_name)))
+
+
+def _primary(op_name: str) -> str:
+    """The first of the ops XLA combined into one (``jit(f)/(a/x:b/y)`` → ``jit(f)/a/x``):
+    the one whose stack frame the combined op keeps, so its block and its source agree.
+
+    Example:
+      >>> _primary("jit(s)/(reduce_sum:jvp(shardkit.loss.chunked)/while/reduce_sum)")
+      'jit(s)/reduce_sum'
+    """
+    out = []
+    for seg in _segments(op_name):
+        if seg.startswith("(") and seg.endswith(")"):
+            inner, depth = seg[1:-1], 0
+            for i, ch in enumerate(inner):
+                depth += ch == "("
+                depth -= ch == ")"
+                if ch == ":" and depth == 0:
+                    inner = inner[:i]
+                    break
+            seg = inner
+        out.append(seg)
+    return "/".join(out)
+
+
+def without_blocks(op_name: str) -> str:
+    """``op_name`` without shardkit's scopes: the model's transforms and module scopes.
+
+    Example:
+      >>> without_blocks("jit(s)/jvp(shardkit.attention)/shardkit.attention.ring/ppermute")
+      'jit(s)/jvp()//ppermute'
+    """
+    return _SCOPE_NAME.sub("", op_name)
+
+
+def block_of(op_name: str) -> str:
+    """The innermost shardkit block that made the op; ``""`` where the model's own code
+    made it (no block, or a block called the model back: ``shardkit.model``)."""
+    blocks = blocks_in(op_name)
+    return "" if not blocks or blocks[-1] == MODEL else blocks[-1]
+
+
 def source_of(stack: tuple[Frame, ...]) -> Frame | None:
-    """The innermost frame of ``stack`` that is neither a library nor shardkit plumbing."""
+    """The innermost frame of ``stack`` outside the libraries and shardkit's plumbing and
+    building blocks: the model's line."""
     for frame in stack:
         if not frame.file.endswith(".py") and not frame.file.startswith("<"):
             continue
-        if any(p in frame.file for p in _LIBRARIES + _PLUMBING):
+        if any(p in frame.file for p in _LIBRARIES) or os.path.abspath(frame.file).startswith(
+            _SHARDKIT
+        ):
             continue
         return frame
     return None

@@ -14,7 +14,6 @@ Example:
 from __future__ import annotations
 
 import io
-from collections.abc import Mapping
 from typing import Any
 
 from rich import box
@@ -22,9 +21,10 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
+from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, table_width
 
-__all__ = ["abbreviate", "comparison_table", "memory_terms_table", "report_renderables", "to_text"]
+__all__ = ["abbreviate", "collectives_table", "memory_terms_table", "report_renderables", "to_text"]
 
 
 #: Short pass names for the 80-column table (the JSON has the full ones).
@@ -37,8 +37,9 @@ def _ratio(measured: float, analytic: float | None) -> str:
     return f"{measured / analytic:.2f}×" if analytic else "–"
 
 
-def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
-    """The report as rich renderables: header, memory, wire, largest collectives, notes."""
+def report_renderables(report: Any, *, top: int = 12, width: int = 80) -> list[RenderableType]:
+    """The report as rich renderables: header, memory, wire, largest collectives, notes
+    (the tables fitted to ``width`` columns)."""
     a = report.analytic
     mesh = " × ".join(f"{k}={v}" for k, v in report.mesh.items())
     out: list[RenderableType] = [Text.from_markup(f"[bold]{report.recipe}[/bold] on {mesh}")]
@@ -101,35 +102,7 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
     if report.wire_terms:
         out.append(wire_terms_table(report))
 
-    groups = report.collective_groups()
-    lowered = any(g.kind.endswith("*") for g in groups)
-    ops = Table(
-        title=f"largest collectives by cause ({len(report.collectives)} ops, {len(groups)} causes)",
-        caption="* a reduce-scatter lowered as all-reduce + dynamic-slice on CPU"
-        if lowered
-        else None,
-        box=box.SIMPLE_HEAD,
-    )
-    for col, justify in (
-        ("kind", "left"),
-        ("pass", "left"),
-        ("where", "left"),
-        ("source", "left"),
-        ("runs", "right"),
-        ("wire", "right"),
-    ):
-        ops.add_column(col, justify=justify, no_wrap=True)
-    for g in groups[:top]:  # 15 + 6 + 18 + 16 + 4 + 10 characters, padding: 80 columns
-        kind = _KIND.get(g.kind.rstrip("*"), g.kind.rstrip("*")) + "*" * g.kind.endswith("*")
-        ops.add_row(
-            kind,
-            _PASS.get(g.pass_, g.pass_),
-            abbreviate(g.where or "–", 18),
-            abbreviate(g.source, 16),
-            str(g.executions),
-            human_bytes(g.wire_bytes),
-        )
-    out.append(ops)
+    out.append(collectives_table(report, top=top, width=width))
 
     params = [r for r in report.params if r.kind == "param"]
     out.append(
@@ -140,12 +113,65 @@ def report_renderables(report: Any, *, top: int = 12) -> list[RenderableType]:
             else "FLOPs: not reported by this backend"
         )
     )
+    prefixed = [r for r in params if r.prefix]
+    if prefixed:
+        out.append(Text(prefix_note(prefixed)))
     for e in report.explanations:
         head = f"is {e.ratio:.2f}× analytic" if e.analytic_bytes else "has no analytic term"
         out.append(Text.from_markup(f"[cyan]why {e.term} {head}:[/cyan] ") + Text(e.why))
     for warning in report.warnings:
         out.append(Text.from_markup("[yellow]warning:[/yellow] ") + Text(warning))
     return out
+
+
+def collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
+    """The ``top`` collectives by cause, one line each, fitted to ``width`` columns: the
+    kind, pass and source line whole, the model path cut from the middle to what is left."""
+    groups = report.collective_groups()
+    lowered = any(g.kind.endswith("*") for g in groups)
+    notes = [f"wire: bytes per device per step ({BYTES})"]
+    if lowered:
+        notes.append("* a reduce-scatter lowered as all-reduce + dynamic-slice on CPU")
+
+    def kind(g: Any) -> str:
+        return _KIND.get(g.kind.rstrip("*"), g.kind.rstrip("*")) + "*" * g.kind.endswith("*")
+
+    def columns(where_width: int | None) -> list[Column]:
+        def where(g: Any) -> str:
+            text = g.block or g.where or "–"  # the block that made it, if any
+            return text if where_width is None else abbreviate(text, where_width)
+
+        return [
+            Column("kind", kind, keep=True),
+            Column("pass", lambda g: _PASS.get(g.pass_, g.pass_), keep=True),
+            Column("where", where, keep=True),
+            Column("source", lambda g: g.source, keep=True),
+            Column("runs", lambda g: str(g.executions), keep=True, justify="right"),
+            Column("wire", lambda g: short_bytes(g.wire_bytes), keep=True, justify="right"),
+        ]
+
+    rows = groups[:top]
+    title = f"largest collectives by cause ({len(report.collectives)} ops, {len(groups)} causes)"
+    spare = width - table_width(fit_table(columns(None), rows, width=width))
+    longest = max((len(g.block or g.where or "–") for g in rows), default=1)
+    # Too wide, the model path gives way, cut from the middle (both its ends stay).
+    return fit_table(
+        columns(None if spare >= 0 else max(12, longest + spare)),
+        rows,
+        width=width,
+        title=title,
+        caption="\n".join(notes),
+    )
+
+
+def prefix_note(rows: Any) -> str:
+    """One line on parameters whose logical names were a prefix of their dimensions."""
+    first = rows[0]
+    return (
+        f"{len(rows)} parameter(s) carry fewer logical names than dimensions (e.g. "
+        f"{first.path} {tuple(first.shape)} as {tuple(first.logical)}): as Flax does, the "
+        "names apply to the leading dimensions and the rest are replicated."
+    )
 
 
 def memory_terms_table(report: Any) -> Table:
@@ -207,37 +233,6 @@ def abbreviate(text: str, width: int) -> str:
         if len(tail) + 2 <= width:
             return "…/" + tail
     return "…" + text[-(width - 1) :]
-
-
-def comparison_table(reports: Mapping[str, Any]) -> Table:
-    """Several reports side by side, one row each (per device)."""
-    table = Table(title="recipes side by side (per device)")
-    for col in (
-        "recipe",
-        "mesh",
-        "state",
-        "temp",
-        "total",
-        "wire",
-        "wire/analytic",
-        "replicated",
-        "warnings",
-    ):
-        table.add_column(col, justify="left" if col in ("recipe", "mesh") else "right")
-    for name, r in reports.items():
-        ratios = r.ratios()
-        table.add_row(
-            name,
-            "×".join(f"{k}={v}" for k, v in r.mesh.items()),
-            human_bytes(r.memory.arguments),
-            human_bytes(r.memory.temp),
-            human_bytes(r.memory.total),
-            human_bytes(r.wire_bytes),
-            f"{ratios['wire_bytes']:.2f}" if "wire_bytes" in ratios else "–",
-            f"{r.replicated_fraction:.0%}",
-            str(len(r.warnings)),
-        )
-    return table
 
 
 def to_text(report: Any, *, width: int = 120) -> str:

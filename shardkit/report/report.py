@@ -21,90 +21,32 @@ import dataclasses
 import math
 from typing import Any
 
-import numpy as np
 from jax.sharding import NamedSharding
 
+from shardkit.dims import ModelDims
+from shardkit.dtypes import dtype_name, itemsize
 from shardkit.errors import ShardingError
-from shardkit.report import lint
-from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
+from shardkit.report import lint, memory_terms, wire_terms
+from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases, workload_of
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
-from shardkit.report.memory_terms import MemoryTerm
-from shardkit.report.wire_terms import WireTerm
+from shardkit.report.records import (
+    TOLERANCE,
+    CollectiveGroup,
+    Explanation,
+    MemoryTerm,
+    ParamRow,
+    WireTerm,
+)
+from shardkit.report.render import report_renderables, to_text
 from shardkit.workload import Workload
 
-__all__ = ["CollectiveGroup", "Explanation", "ParamRow", "Report", "build_report", "param_rows"]
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamRow:
-    """One state leaf: where it lives and what it costs each device."""
-
-    path: str
-    shape: tuple[int, ...]
-    dtype: str
-    logical: tuple[str | None, ...]
-    spec: str
-    bytes_per_device: int
-    replicated: bool
-    kind: str  # "param", "optimizer" or "scalar"
-    shard_shape: tuple[int, ...] = ()
-    #: per dimension, the mesh axes that split it (``()`` for a whole dimension)
-    mesh_axes: tuple[tuple[str, ...], ...] = ()
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "shape": list(self.shape),
-            "logical": list(self.logical),
-            "spec": self.spec,
-            "bytes_per_device": self.bytes_per_device,
-        }
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectiveGroup:
-    """Collectives with one cause: kind, pass, model path and source line.
-
-    ``kind`` ends in ``*`` for a reduce-scatter the CPU pipeline left as an all-reduce
-    plus a dynamic-slice; ``executions`` counts every run per step (ops × loop trips).
-    """
-
-    kind: str
-    pass_: str
-    where: str
-    source: str
-    ops: int
-    executions: int
-    wire_bytes: float
-
-
-@dataclasses.dataclass(frozen=True)
-class Explanation:
-    """Why one measured term differs from its analytic value by more than 10 %."""
-
-    term: str
-    measured_bytes: float
-    analytic_bytes: float
-    why: str
-
-    @property
-    def ratio(self) -> float:
-        return self.measured_bytes / self.analytic_bytes if self.analytic_bytes else math.inf
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "term": self.term,
-            "measured_bytes": self.measured_bytes,
-            "analytic_bytes": self.analytic_bytes,
-            "ratio": self.ratio,
-            "why": self.why,
-        }
+__all__ = ["Report", "build_report", "param_rows"]
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
-#: gpt-small and llama-small; see the README's known limits).
+#: gpt-small and llama-small; see docs/explain/limits.md).
 PHASE_WHY = {
     "layers": "the layer being recomputed in the backward pass holds XLA's f32 temporaries "
     "(about 20 buffers of b·s·h under tensor parallelism, and attention scores), which the "
@@ -164,10 +106,11 @@ class Report:
         return out
 
     def collective_groups(self) -> list[CollectiveGroup]:
-        """Collectives grouped by cause (kind, pass, model path, source line), largest first."""
+        """Collectives grouped by cause (kind, pass, model path, source line, block),
+        largest first."""
         groups: dict[tuple[str, ...], list[Collective]] = {}
         for c in self.collectives:
-            key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source)
+            key = (c.kind + ("*" if c.lowered_as else ""), c.pass_, c.where, c.source, c.block)
             groups.setdefault(key, []).append(c)
         rows = [
             CollectiveGroup(
@@ -175,6 +118,7 @@ class Report:
                 pass_=k[1],
                 where=k[2],
                 source=k[3],
+                block=k[4],
                 ops=len(cs),
                 executions=sum(c.count for c in cs),
                 wire_bytes=sum(c.wire_bytes for c in cs),
@@ -207,6 +151,7 @@ class Report:
                     "module_path": c.module_path,
                     "pass": c.pass_,
                     "source": c.source,
+                    "block": c.block,
                     "function": c.function,
                     "dtype": c.dtype,
                     "shape": list(c.shape),
@@ -231,18 +176,14 @@ class Report:
         }
 
     def __rich_console__(self, console: Any, options: Any):
-        from shardkit.report.render import report_renderables
-
-        yield from report_renderables(self)
+        yield from report_renderables(self, width=options.max_width)
 
     def __str__(self) -> str:
-        from shardkit.report.render import to_text
-
         return to_text(self)
 
 
 def _full_bytes(row: ParamRow) -> int:
-    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+    return math.prod(row.shape) * itemsize(row.dtype)
 
 
 def param_rows(plan: Any, state: Any) -> list[ParamRow]:
@@ -256,14 +197,15 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
             ParamRow(
                 path=info.path,
                 shape=info.shape,
-                dtype=str(np.dtype(info.dtype)),
+                dtype=dtype_name(info.dtype),
                 logical=tuple(info.axes),
                 spec=str(leaf.spec),
-                bytes_per_device=math.prod(shard) * np.dtype(info.dtype).itemsize,
+                bytes_per_device=math.prod(shard) * itemsize(info.dtype),
                 replicated=all(e is None for e in leaf.spec),
                 kind=kind,
                 shard_shape=tuple(shard),
                 mesh_axes=_mesh_axes(leaf.spec, len(info.shape)),
+                prefix=info.prefix,
             )
         )
     return rows
@@ -294,7 +236,7 @@ def build_report(
     state: Any,
     *,
     workload: Workload | None = None,
-    model_config: Any = None,
+    dims: ModelDims | None = None,
     batch: int | None = None,
     seq: int | None = None,
     replicated_threshold_bytes: int = 1 << 20,
@@ -311,31 +253,28 @@ def build_report(
         (``jax.eval_shape(init_fn, key)``), or arrays whose logical axes the plan knows.
       workload: the step's sizes; enables the analytic model (state and data-parallel
         terms from the batch alone; activation terms with the model's dimensions).
-      model_config: a reference model's config: with ``workload`` it adds the analytic
-        peak of each phase of the step; alone (with ``batch``, ``seq``) it sets the workload.
-      batch, seq: with ``model_config`` and no ``workload``.
+      dims: the model's dimensions (:class:`~shardkit.dims.ModelDims`), for a model whose
+        loss is shardkit's chunked head: with ``workload`` they add the analytic peak of
+        each phase of the step; alone (with ``batch``, ``seq``) they set the workload.
+      batch, seq: with ``dims`` and no ``workload``.
       replicated_threshold_bytes, replicated_threshold_share: warn about replicated
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
         ``replicated_threshold_bytes``.
       pipeline: a pipelined step's options (``{"microbatches": m, "schedule": ...}``, what
-        ``sk.parallel.train_step`` attaches as ``step.pipeline``; ``plan.report`` reads it):
+        a ``PipelinedStep`` carries as ``step.options``; ``plan.report`` reads it):
         the analytic model of a recipe with a ``stage`` axis counts the stage's share.
       buffers: the step's buffer assignment
         (:func:`shardkit.report.buffers.compile_with_buffers`): the temp memory at its
         peak is split into named terms (``Report.memory_terms``), and each term off by
         more than 10 % from its analytic value gets an explanation.
     """
-    from shardkit.report import wire_terms
-
     rows = param_rows(plan, state)
     collectives = tuple(wire_terms.attach_layouts(collectives_of(compiled), rows))
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-    if workload is None and model_config is not None and batch and seq:
-        workload = Workload.from_config(
-            model_config, batch=batch, seq=seq, precision=plan.precision
-        )
+    if workload is None and dims is not None and batch and seq:
+        workload = workload_of(dims, batch=batch, seq=seq, precision=plan.precision)
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}
@@ -364,8 +303,8 @@ def build_report(
                 stack_optimizer_bytes=stack["optimizer"],
                 tensor_rest_bytes=split,
             )
-            if model_config is not None:  # a reference model: its phases set the total
-                analytic = with_phases(analytic, model_config, recipe, mesh, workload)
+            if dims is not None:  # a chunked head: the step's phases set the total
+                analytic = with_phases(analytic, dims, recipe, mesh, workload)
         except ShardingError as e:  # a layout the analytic model does not cover
             notes.append(f"no analytic model: {' '.join(str(e).split())}")
     logical_names = {n for r in rows for n in r.logical if n}
@@ -395,7 +334,7 @@ def build_report(
     terms: list[MemoryTerm] = []
     phase = None
     if buffers is not None:
-        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config)
+        terms, why, phase = _itemise(buffers, compiled, rows, recipe, mesh, workload, dims)
         explanations += why
     return Report(
         recipe=recipe.name,
@@ -415,26 +354,18 @@ def build_report(
     )
 
 
-def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
+def _itemise(buffers, compiled, rows, recipe, mesh, workload, dims):
     """(memory terms, their explanations, the peak's phase) of the temp memory at its peak."""
-    from shardkit.report import memory_terms
-    from shardkit.report.provenance import frames_by_id
-
-    try:
-        module = compiled.runtime_executable().hlo_modules()[0]
-        stacks = frames_by_id(module.as_serialized_hlo_module_proto())
-    except Exception:  # a runtime without module protos: no head by source line
-        stacks = {}
     par = recipe.parallelism(mesh)
     seq = set()
     if workload is not None and workload.seq:  # whole, and split by sequence or TSP axes
         seq = {workload.seq, workload.seq // par.sequence, workload.seq // max(par.tsp, 1)}
-    phase = memory_terms.peak_phase_of(buffers, stacks)
+    phase = memory_terms.peak_phase_of(buffers)
     analytic = {}
-    if model_config is not None and workload is not None and workload.seq:
+    if dims is not None and workload is not None and workload.seq:
         try:
             analytic = memory_terms.analytic_terms(
-                model_config,
+                dims,
                 recipe,
                 mesh,
                 batch=workload.batch,
@@ -444,7 +375,7 @@ def _itemise(buffers, compiled, rows, recipe, mesh, workload, model_config):
             )
         except ShardingError:  # a layout the analytic model does not cover
             analytic = {}
-    terms = memory_terms.attribute(buffers, rows, seq=seq, stacks=stacks, analytic=analytic)
+    terms = memory_terms.attribute(buffers, rows, seq=seq, analytic=analytic)
     # Without an analytic model (a pipelined step: the phase model knows no pipelines)
     # every term is unmodelled, and each still gets its line: what is live, and why not.
     return terms, memory_terms.explain(terms, phase), phase
@@ -457,7 +388,7 @@ def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list
     phases = analytic.memory.phases
     peak = max(phases, key=lambda k: phases[k])
     want = analytic.memory.total
-    if abs(memory.total / want - 1) <= 0.10:
+    if abs(memory.total / want - 1) <= TOLERANCE:
         return []
     over = memory.total > want
     why = f"the peak is the {peak} phase ({want / 2**20:,.1f} MiB analytic); " + (

@@ -6,13 +6,15 @@ state's parameters (:class:`ParamMatch`):
 
 - ``pipeline transfers``: collective-permutes of a layout with a ``stage`` axis, outside
   the attention code;
-- ``context-parallel K/V``: collectives of ``shardkit/attention.py`` (ring or all-gather
-  attention over a sequence axis, its zigzag reorder);
+- ``context-parallel K/V``: collectives made by shardkit's attention block (the
+  ``attention`` scopes: ring or all-gather attention over a sequence axis, its zigzag
+  reorder);
 - ``weight all-gathers``: all-gathers and collective-permutes of a parameter's shape (a
   layer's slice of a stacked weight, whole or gathered over some of its mesh axes);
 - ``gradient reductions``: reduce-scatters and all-reduces of a parameter's shape;
-- ``logits / loss collectives``: collectives of ``shardkit/loss.py`` (the chunked head
-  and its cross-entropy: vocab-parallel statistics, hidden states gathered for it);
+- ``logits / loss collectives``: collectives made by shardkit's loss block (the ``loss``
+  scopes: the chunked head and its cross-entropy: vocab-parallel statistics, hidden
+  states gathered for it; not the head's projection, which is the model's code);
 - ``other collectives``: reductions of scalars (the gradient norm, the loss's mean);
 - ``activation collectives``: the rest (tensor and sequence parallelism's b·s·h
   all-reduces, or reduce-scatters and all-gathers, a vocab-parallel embedding lookup).
@@ -43,8 +45,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from shardkit.dtypes import itemsize
 from shardkit.report.hlo import Collective
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import TOLERANCE, Explanation, WireTerm, human_bytes
 
 __all__ = [
     "TERMS",
@@ -72,30 +75,6 @@ _GATHERS = ("all-gather", "collective-permute")
 _REDUCTIONS = ("reduce-scatter", "all-reduce")
 
 
-@dataclasses.dataclass(frozen=True)
-class WireTerm:
-    """One term of the step's wire bytes per device: measured, analytic, its collectives."""
-
-    term: str
-    bytes: float
-    analytic_bytes: float | None = None
-    collectives: tuple[Collective, ...] = ()
-
-    @property
-    def ratio(self) -> float | None:
-        return self.bytes / self.analytic_bytes if self.analytic_bytes else None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "term": self.term,
-            "bytes": self.bytes,
-            "analytic_bytes": self.analytic_bytes,
-            "ratio": self.ratio,
-            "ops": len(self.collectives),
-            "runs": sum(c.count for c in self.collectives),
-        }
-
-
 def _squeeze(dims: Iterable[int]) -> tuple[int, ...]:
     return tuple(d for d in dims if d != 1)
 
@@ -110,7 +89,7 @@ class ParamMatch:
     each of those transposed.
 
     Example:
-      >>> from shardkit.report.report import ParamRow
+      >>> from shardkit.report.records import ParamRow
       >>> row = ParamRow("params/layers/mlp/up/kernel", (2, 64, 256), "float32",
       ...                ("layers", "embed", "mlp"), "P(None, 'fsdp')", 0, False, "param",
       ...                shard_shape=(2, 8, 256))
@@ -188,12 +167,18 @@ def _layered(row: Any) -> bool:
     return bool(row.logical) and row.logical[0] == "layers"
 
 
+def _family(c: Collective) -> str:
+    """The building block a collective's innermost shardkit scope names
+    (``attention`` for ``attention.ring``), ``""`` for the model's own ops."""
+    return c.block.split(".", 1)[0]
+
+
 def _is_attention(c: Collective) -> bool:
-    return c.source.startswith("attention.py:")
+    return _family(c) == "attention"
 
 
 def _is_loss(c: Collective) -> bool:
-    return c.source.startswith("loss.py:")
+    return _family(c) == "loss"
 
 
 def term_of(c: Collective, params: ParamMatch, *, stages: int = 1) -> str:
@@ -276,12 +261,10 @@ def rule_of(row: Any) -> str:
 
 
 def explain(
-    terms: Sequence[WireTerm], rows: Sequence[Any], *, tolerance: float = 0.10
+    terms: Sequence[WireTerm], rows: Sequence[Any], *, tolerance: float = TOLERANCE
 ) -> list[Any]:
     """One ``Explanation`` per wire term off by more than ``tolerance`` from its analytic
     value (or with none), computed from the collectives in it (module docstring)."""
-    from shardkit.report.report import Explanation
-
     params = ParamMatch.of(rows)
     layers = max((_per_layer(r) for r in rows if r.kind == "param" and _layered(r)), default=0)
     out = []
@@ -312,9 +295,8 @@ def explain(
 
 
 def _full_bytes(row: Any) -> float:
-    import numpy as np
 
-    return math.prod(row.shape) * np.dtype(row.dtype).itemsize
+    return math.prod(row.shape) * itemsize(row.dtype)
 
 
 def _short(path: str) -> str:
@@ -419,14 +401,15 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
 
 
 def _by_source(t: WireTerm, layers: int = 0, top: int = 3) -> str:
-    """The largest groups of the term's collectives by kind, source line and function,
-    with their runs per step by pass (and per layer, for ``layers`` > 1)."""
+    """The largest groups of the term's collectives by kind, source line, block and
+    function, with their runs per step by pass (and per layer, for ``layers`` > 1)."""
     groups: dict[tuple[str, ...], list[Collective]] = defaultdict(list)
     for c in t.collectives:
-        groups[(c.kind, c.source or c.computation, c.function or c.module_path)].append(c)
+        where = c.source or c.computation
+        groups[(c.kind, where, c.block, c.function or c.module_path)].append(c)
     ranked = sorted(groups.items(), key=lambda kv: -sum(c.wire_bytes for c in kv[1]))
     parts = []
-    for (kind, source, function), cs in ranked[:top]:
+    for (kind, source, block, function), cs in ranked[:top]:
         wire = sum(c.wire_bytes for c in cs)
         runs = sum(c.count for c in cs)
         big = max(cs, key=lambda c: c.wire_bytes)
@@ -439,13 +422,14 @@ def _by_source(t: WireTerm, layers: int = 0, top: int = 3) -> str:
         parts.append(
             f"{runs} run{'s' if runs != 1 else ''} of {kind}{of} ({passes}, "
             f"largest {big.dtype}{big.shape_text} over {big.group_size}) from {source}"
-            f"{' in ' + function if function else ''}: {human_bytes(wire)}"
+            f"{f' ({block})' if block else ''}{' in ' + function if function else ''}: "
+            f"{human_bytes(wire)}"
         )
     if len(ranked) > top:
         rest = sum(c.wire_bytes for _, cs in ranked[top:] for c in cs)
         parts.append(f"{len(ranked) - top} more groups, {human_bytes(rest)}")
     first = sum(c.wire_bytes for c in ranked[0][1]) if ranked else 0.0
-    if t.analytic_bytes and len(parts) > 1 and abs(first / t.analytic_bytes - 1) <= 0.10:
+    if t.analytic_bytes and len(parts) > 1 and abs(first / t.analytic_bytes - 1) <= TOLERANCE:
         # the largest group is the analytic formula's traffic; the others are beyond it
         return (
             f"the analytic formula's traffic is {parts[0]} ({first / t.analytic_bytes:.2f}×); "

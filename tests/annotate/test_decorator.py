@@ -104,7 +104,7 @@ def test_flax_native_annotations_are_read_as_is():
 
 
 def test_decorator_rank_mismatch_and_ambiguity():
-    @sk.axes({"kernel": ("embed",)})
+    @sk.axes({"kernel": ("embed", "mlp", "heads")})
     class Bad(nn.Module):
         @nn.compact
         def __call__(self, x):

@@ -104,7 +104,10 @@ def test_path_axes_ambiguous_and_rank_errors():
         "b",
     )
     with pytest.raises(errors.RankMismatchError, match=r"attn/kernel: shape \(4, 8\)"):
-        sk.PathAxes([("kernel", ("embed",))])(tree)
+        sk.PathAxes([("kernel", ("embed", "mlp", "heads"))])(tree)
+    # fewer names than dimensions: a prefix, as Flax reads them; the rest replicated
+    (info,) = sk.annotate.describe_leaves(tree, annotations=sk.PathAxes([("kernel", ("e",))]))[0]
+    assert (info.axes, info.prefix) == (("e", None), True)
     with pytest.raises(errors.RuleError):
         sk.PathAxes([("kernel", "embed")])
     with pytest.raises(errors.RuleError):
@@ -220,3 +223,32 @@ def test_a_copy_of_parameters_that_disagree_is_ambiguous():
     pa = sk.PathAxes([("a/w$", ("embed",)), ("b/w$", ("mlp",))])
     with pytest.raises(errors.AmbiguousAxesError, match=r"(?s)opt_state/mu/w.*params/a/w.*b/w"):
         sk.logical_axes(tree, annotations=pa)
+
+
+def test_flax_names_fewer_than_dimensions_are_a_prefix_a_pattern_completes():
+    tree = {
+        "attn": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 2, 4)), ("embed", "kv"))},
+        "mlp": {"kernel": nn.LogicallyPartitioned(np.zeros((8, 4)), ("embed", "mlp"))},
+    }
+    infos = {i.path: i for i in sk.annotate.describe_leaves(tree)[0]}
+    assert (infos["attn/kernel"].axes, infos["attn/kernel"].prefix) == (("embed", "kv", None), True)
+    assert (infos["mlp/kernel"].axes, infos["mlp/kernel"].prefix) == (("embed", "mlp"), False)
+    # A pattern replaces a prefix Flax stored; names Flax stored in full win over it.
+    pa = sk.PathAxes([("kernel$", ("embed", "heads", "kv")), ("mlp/kernel$", ("mlp", "embed"))])
+    infos = {i.path: i for i in sk.annotate.describe_leaves(tree, annotations=pa)[0]}
+    assert (infos["attn/kernel"].axes, infos["attn/kernel"].source) == (
+        ("embed", "heads", "kv"),
+        "annotation",
+    )
+    assert not infos["attn/kernel"].prefix
+    assert (infos["mlp/kernel"].axes, infos["mlp/kernel"].source) == (("embed", "mlp"), "flax")
+    # ... and a pattern naming fewer dimensions than the stored prefix does not.
+    short = sk.PathAxes([("kernel$", ("mlp",))])
+    (attn, _) = sk.annotate.describe_leaves(tree, annotations=short)[0]
+    assert (attn.axes, attn.source) == (("embed", "kv", None), "flax")
+    # A moment (a deeper copy of the parameter) mirrors the padded axes and the flag.
+    moments = sk.annotate.describe_leaves((tree, {"mu": sk.unbox(tree)}))[0]
+    mu = next(i for i in moments if i.path == "1/mu/attn/kernel")
+    assert (mu.axes, mu.prefix, mu.kind) == (("embed", "kv", None), True, "optimizer")
+    with pytest.raises(errors.RankMismatchError, match=r"attn/kernel: shape \(8,\) has 1"):
+        sk.logical_axes({"attn": {"kernel": nn.LogicallyPartitioned(np.zeros(8), ("a", "b"))}})

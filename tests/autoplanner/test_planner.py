@@ -9,6 +9,7 @@ from shardkit.autoplanner import NoLayoutFitsError, autoplan
 from shardkit.autoplanner.cache import Cache
 from shardkit.autoplanner.hardware import get
 from shardkit.autoplanner.roofline import crosses_nodes
+from shardkit.report.tables import to_lines
 from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 
 MIB = 2**20
@@ -182,6 +183,20 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
         assert off and off <= {e["term"] for e in j["memory_explanations"]}
         # ... and only memory's: the report's wire-term lines stay out of them
         assert not {e["term"] for e in j["memory_explanations"]} & set(WIRE_TERMS)
+    # At 80 columns the two rows differ only by the logits' layout: the table shows it,
+    # one line per row, the names whole.
+    table = to_lines(r.table(width=80), 80)
+    assert max(map(len, table)) <= 80
+    header = table[1].split()
+    assert header[:3] == ["#", "recipe", "mesh"] and "logits" in header
+    rows = [dict(zip(header, line.split(), strict=False)) for line in table[3:5]]
+    assert {(row["recipe"], row["mesh"], row["logits"]) for row in rows} == {
+        ("fsdp", "fsdp=8", "vocab"),
+        ("fsdp", "fsdp=8", "tokens"),
+    }
+    narrow = to_lines(r.table(width=40), 40)  # narrower than the names: they still win
+    ranked = [line.split() for line in narrow if line.split()[:1] in (["1"], ["2"])]
+    assert {cells[-3] for cells in ranked} == {"vocab", "tokens"}
     # the CLI prints #1's gap by term (at any tolerance below its own ratio's distance)
     lines = r.memory_gap_lines(tolerance=0.0)
     assert lines[0].startswith("#1's analytic memory is")

@@ -30,7 +30,7 @@ def factory_module(monkeypatch):
     }
     module.as_pair = lambda: (_init, _loss)
     module.as_object = lambda: types.SimpleNamespace(init=_init, loss=_loss, vocab=16)
-    module.as_user_model = lambda: models.UserModel(_init, _loss, dims={"layers": 1})
+    module.as_user_model = lambda: models.UserModel(_init, _loss, vocab=16)
     module.as_nonsense = lambda: 42
     module.with_extra_keys = lambda: {"init": _init, "loss": _loss, "lr": 1e-3}
     monkeypatch.setitem(sys.modules, "my_factories", module)
@@ -44,7 +44,7 @@ def test_every_form_a_factory_may_return(form, factory_module):
     if form == "as_mapping":
         assert m.vocab == 16 and m.annotations(_init(jax.random.key(0)))["w"] == ("vocab", "embed")
     if form == "as_user_model":
-        assert m.dims == {"layers": 1}
+        assert m.vocab == 16 and m.dims is None
 
 
 def test_a_loaded_model_reports_like_a_reference_one(factory_module):
@@ -60,7 +60,7 @@ def test_bad_factories_name_what_is_wrong(factory_module):
         models.load("my_factories:as_nonsense")
     with pytest.raises(sk.ShardingError, match=r"keys \['init', 'loss', 'lr'\]"):
         models.load("my_factories:with_extra_keys")
-    with pytest.raises(sk.ShardingError, match="are not workload sizes"):
+    with pytest.raises(sk.ShardingError, match=r"\['width'\] are not ModelDims fields"):
         models.UserModel(_init, _loss, dims={"width": 3})
     with pytest.raises(sk.ShardingError, match="must be callables"):
         models.UserModel(_init, "loss")
@@ -69,3 +69,17 @@ def test_bad_factories_name_what_is_wrong(factory_module):
 def test_resolve_picks_reference_names_or_factories(factory_module):
     assert models.resolve("gpt-tiny").name == "gpt-tiny"
     assert models.resolve("my_factories:as_pair").loss is _loss
+
+
+def test_a_factory_returning_a_model_of_the_protocol_keeps_it_whole():
+    """A reference model without a scanned stack (no cut) still loads, keeps its remat,
+    and only a pipeline asks for its cut."""
+    from shardkit.errors import NotPipelinableError
+    from shardkit.models import get
+    from shardkit.models.user import as_user_model
+
+    model = get("gpt-tiny", scan=False, remat="full")
+    loaded = as_user_model(model, name="pkg.mod:build")
+    assert loaded is model and loaded.remat == "full"
+    with pytest.raises(NotPipelinableError):
+        loaded.stages()

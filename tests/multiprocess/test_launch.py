@@ -19,8 +19,8 @@ SHARDKIT = [sys.executable, "-m", "shardkit.cli"]
 
 
 def _readme_launch_command() -> list[str]:
-    """The README's ``shardkit launch`` line, as a user would type it."""
-    text = (ROOT / "README.md").read_text()
+    """The many-hosts guide's ``shardkit launch`` line, as a user would type it."""
+    text = (ROOT / "docs" / "howto" / "many_hosts.md").read_text()
     line = next(x for x in text.splitlines() if x.startswith("shardkit launch -n 2 -- "))
     return line.split("#")[0].split()
 
@@ -30,7 +30,7 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
     devices with dcn={"data": 2} give the losses of 1 x 8 (stored with each
     checkpoint), and killing process 1 stops process 0 within seconds, with one line."""
     ckpt = tmp_path / "ckpt"
-    command = _readme_launch_command()  # later flags override the README's
+    command = _readme_launch_command()  # later flags override the guide's
     assert command[:3] == ["shardkit", "launch", "-n"] and "--dcn" in command
     command += [
         "--steps",
@@ -42,6 +42,8 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
         "--save-every",
         "1",
         "--no-report",
+        "--log-every",
+        "1",
     ]
     launcher = subprocess.Popen(
         [*SHARDKIT, *command[1:]],
@@ -79,6 +81,9 @@ def test_readme_launch_trains_like_one_process_and_a_killed_peer_stops_it(tmp_pa
     )
     assert f"in {ckpt}, is the restart point" in lines[-2] and "--resume" in lines[-2]
     assert "Check failure stack trace" not in err and "    @ " not in err
+    # Its stderr is a pipe, not a terminal: log lines, from process 0 only (one per step).
+    assert err.count("step 1/100000  loss ") == 1
+    assert err.count("step 2/100000  loss ") == 1 and " tokens/s  ETA " in err
 
     steps = checkpoint.steps(ckpt)  # the last (up to) 3 saved, one per step
     saved = [checkpoint.manifest(ckpt, s) for s in steps]

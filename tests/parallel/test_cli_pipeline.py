@@ -9,9 +9,7 @@ import numpy as np
 import pytest
 
 import shardkit as sk
-from shardkit import train
 from shardkit.cli import main
-from shardkit.models import get
 from shardkit.models.config import CONFIGS
 from shardkit.parallel import cli
 
@@ -33,14 +31,12 @@ def test_flags_to_options():
 
 
 def test_flags_with_a_recipe_that_cannot_pipeline_name_the_fix():
-    model, tx = get("gpt-tiny"), train.adamw()
     plan = sk.Plan("fsdp", devices=jax.devices()[:2])
-    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-    assert cli.step_for(model, tx, plan, abstract, None) is None  # no flags: the plain step
+    assert cli.for_plan(plan, None) is None  # no flags: the plain step
     with pytest.raises(
         sk.parallel.NotPipelinableError, match="--recipe pp, dp_pp, zeropp or dp_tp_sp_pp"
     ):
-        cli.step_for(model, tx, plan, abstract, cli.options(parse("--microbatches", "4")))
+        cli.for_plan(plan, cli.options(parse("--microbatches", "4")))
 
 
 def test_report_of_the_3d_pipeline_has_its_analytic_wire(capsys):

@@ -39,7 +39,7 @@ def compile_pipeline(
     mesh = sk.make_mesh(axes, devices=devices)
     stack = {"k": jax.ShapeDtypeStruct((layers, h, h), jnp.float32)}
     batch = {"x": jax.ShapeDtypeStruct((rows, h), jnp.float32)}
-    fn = pipeline.value_and_grad(
+    fn = pipeline.mesh_value_and_grad(
         layer,
         pre,
         post,

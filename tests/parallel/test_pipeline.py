@@ -14,7 +14,6 @@ import shardkit as sk
 from shardkit import parallel, train
 from shardkit.data import MarkovSource
 from shardkit.models import get
-from shardkit.parallel.stages import reference_stages
 
 STEPS, BATCH, SEQ, LR, EPS, LAYERS = 3, 32, 16, 1e-2, 1e-5, 4
 # every layout has p = 2 stages here (dp_tp_sp_pp: data 2 × stage 2 × tensor 2)
@@ -31,8 +30,8 @@ def run_steps(model_name, plan, pipelined=None):
     if pipelined is None:
         step = plan.jit(train.train_step(model, tx, return_grads=True))
     else:
-        fn = parallel.stages.train_step(
-            reference_stages(model), tx, plan, abstract, return_grads=True, **pipelined
+        fn = train.train_step(
+            model, tx, plan=plan, abstract=abstract, pipeline=pipelined, return_grads=True
         )
         step = plan.jit(fn, state=abstract)
         if pipelined.get("stack_order") == "interleaved":  # the state stored in its order
@@ -113,18 +112,20 @@ def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, one_d
 def test_bad_pipelines_raise_sharding_errors_naming_the_fix():
     model, tx = get("gpt-tiny"), train.adamw()
     with pytest.raises(parallel.NotPipelinableError, match=r"scan=False(.|\n)*Fix: get"):
-        reference_stages(get("gpt-tiny", scan=False))
+        get("gpt-tiny", scan=False).stages()
     with pytest.raises(sk.ShardingError):  # a subclass: never a raw traceback
-        reference_stages(get("gpt-tiny", scan=False))
+        get("gpt-tiny", scan=False).stages()
     plan = sk.Plan("fsdp", devices=jax.devices()[:2])
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     with pytest.raises(
         parallel.NotPipelinableError, match=r"no .stage. axis(.|\n)*pp, dp_pp, zeropp"
     ):
-        parallel.train_step(reference_stages(model), tx, plan, abstract, microbatches=2)
+        parallel.pipeline_value_and_grad(model.stages(), plan, abstract, microbatches=2)
+    with pytest.raises(parallel.NotPipelinableError, match=r"'stage' axis(.|\n)*'dp_pp'"):
+        train.train_step(model, tx, plan=plan, abstract=abstract, pipeline={"microbatches": 2})
     # a stage axis that the recipe's rules lay nothing over: it cannot pipeline
     no_layers = sk.recipes.get("dp").with_mesh({"stage": 2})
     plan = sk.Plan(no_layers, devices=jax.devices()[:8])
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     with pytest.raises(parallel.NotPipelinableError, match="not over 'stage' alone"):
-        parallel.train_step(reference_stages(model), tx, plan, abstract, microbatches=2)
+        train.train_step(model, tx, plan=plan, abstract=abstract, pipeline={"microbatches": 2})

@@ -48,7 +48,7 @@ def test_tensor_axis_left_to_xla_is_exact_and_sharded():
         return post({}, x, batch)
 
     want, want_g = jax.value_and_grad(reference)(stack)
-    fn = pipeline.value_and_grad(
+    fn = pipeline.mesh_value_and_grad(
         layer,
         pre,
         post,
@@ -80,9 +80,9 @@ def test_auto_axes_must_be_neither_stage_nor_batch():
     mesh = sk.make_mesh({"stage": 2, "tensor": 2}, devices=jax.devices()[:4])
     for bad in (("stage",), ("sequence",)):
         with pytest.raises(PipelineError, match=r"cannot be left to XLA(.|\n)*Fix"):
-            pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2, auto_axes=bad)
+            pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=2, auto_axes=bad)
     with pytest.raises(PipelineError, match="batch axes"):
-        pipeline.value_and_grad(
+        pipeline.mesh_value_and_grad(
             layer,
             pre,
             post,
@@ -133,7 +133,5 @@ def test_pipeline_recipes_leave_only_tensor_to_xla():
     for recipe, (devices, auto) in want.items():
         plan = sk.Plan(recipe, devices=jax.devices()[:devices])
         abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-        fn = parallel.stages.value_and_grad(
-            parallel.reference_stages(model), plan, abstract, microbatches=2
-        )
+        fn = parallel.pipeline_value_and_grad(model.stages(), plan, abstract, microbatches=2)
         assert fn.auto_axes == auto, recipe

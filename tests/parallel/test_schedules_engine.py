@@ -90,7 +90,7 @@ def test_exact_loss_and_grads(schedule, layout, factor):
     mesh = mesh_of(axes)
     p = axes["stage"]
     stack, rest, batch = params()
-    fn = pipeline.value_and_grad(
+    fn = pipeline.mesh_value_and_grad(
         layer,
         pre,
         post,
@@ -126,19 +126,21 @@ def test_bad_input_names_numbers_and_fix():
     stack, rest, batch = params()
     mesh = mesh_of({"stage": 4})
     with pytest.raises(schedules.UnknownScheduleError, match="gpipe, 1f1b, interleaved"):
-        pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="zb")
-    bad = pipeline.value_and_grad(
+        pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="zb")
+    bad = pipeline.mesh_value_and_grad(
         layer, pre, post, mesh=mesh, microbatches=4, schedule="interleaved", virtual_stages=4
     )
     with pytest.raises(schedules.StageDivisibilityError, match="8 layers .* 4 stages × 4 virtual"):
         jax.jit(bad)(stack, rest, batch)
-    odd = pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=5)
+    odd = pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=5)
     with pytest.raises(schedules.MicrobatchError, match="Batch of 32 rows: 5 micro-batches"):
         jax.jit(odd)(stack, rest, batch)
     with pytest.warns(schedules.PipelineWarning, match="bubble is 60%"):
-        pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=2, schedule="1f1b")
+        pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=2, schedule="1f1b")
     with pytest.raises(schedules.PipelineError, match="mesh axis 'stage'"):
-        pipeline.value_and_grad(layer, pre, post, mesh=sk.make_mesh({"data": 8}), microbatches=4)
+        pipeline.mesh_value_and_grad(
+            layer, pre, post, mesh=sk.make_mesh({"data": 8}), microbatches=4
+        )
 
 
 def test_interleaved_stack_stored_in_its_order_moves_no_weights():
@@ -153,7 +155,7 @@ def test_interleaved_stack_stored_in_its_order_moves_no_weights():
     stored = jax.device_put(jax.tree.map(lambda x: x[perm], stack), on_stages)
     wire = {}
     for order, st in (("layers", jax.device_put(stack, on_stages)), ("interleaved", stored)):
-        fn = pipeline.value_and_grad(
+        fn = pipeline.mesh_value_and_grad(
             layer,
             pre,
             post,
@@ -173,4 +175,6 @@ def test_interleaved_stack_stored_in_its_order_moves_no_weights():
     assert "all-gather" not in wire["interleaved"]
     assert set(wire["interleaved"]) == {"collective-permute", "all-reduce"}
     with pytest.raises(schedules.PipelineError, match="stack_order='chunks'(.|\n)*Fix"):
-        pipeline.value_and_grad(layer, pre, post, mesh=mesh, microbatches=p, stack_order="chunks")
+        pipeline.mesh_value_and_grad(
+            layer, pre, post, mesh=mesh, microbatches=p, stack_order="chunks"
+        )

@@ -15,14 +15,13 @@ import shardkit as sk
 from shardkit import train
 from shardkit.models import get
 from shardkit.models.reporting import token_batch
-from shardkit.parallel.stages import reference_stages, train_step
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_reference_post_grad_is_posts_gradient_added_to_the_sum(name, dtype):
     model = get(name, n_layers=2, dtype=dtype)
-    stages = reference_stages(model)
+    stages = model.stages()
     _, rest = stages.split(sk.unbox(jax.jit(model.init)(jax.random.key(0))))
     k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
     y = jax.random.normal(k1, (2, 8, model.config.d_model)).astype(dtype)
@@ -68,10 +67,11 @@ def test_pipeline_last_stage_holds_the_head_gradient_once():
     plan = sk.Plan("pp", devices=jax.devices()[:2])
     tx = train.adamw()
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-    stages = reference_stages(model)
+    stages = model.stages()
 
     def temp(stages):
-        step = train_step(stages, tx, plan, abstract, microbatches=2, schedule="1f1b")
+        pipeline = {"microbatches": 2, "schedule": "1f1b"}
+        step = train.train_step(stages, tx, plan=plan, abstract=abstract, pipeline=pipeline)
         lowered = plan.jit(step, state=abstract).lower(abstract, token_batch(4, 16))
         return lowered.compile().memory_analysis().temp_size_in_bytes
 

@@ -8,8 +8,8 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from shardkit import context
-from shardkit.parallel import tsp
-from shardkit.parallel.tsp import ring_dot
+from shardkit.nn import tsp
+from shardkit.nn.tsp import ring_dot
 from shardkit.report.hlo import parse_collectives
 from shardkit.rules import Rules
 
@@ -155,7 +155,7 @@ def test_gated_mlp_matches_dense_with_gradients():
 
 
 def test_attention_gqa_rope_matches_dense_with_gradients():
-    from shardkit.models.llama import rope_tables
+    from shardkit.nn.rope import rope_tables
 
     ks = jax.random.split(jax.random.key(3), 5)
     x = jax.random.normal(ks[0], (2, 16, 8))

@@ -7,7 +7,7 @@ import pytest
 import shardkit as sk
 from shardkit import models, recipes
 from shardkit.models import CONFIGS
-from shardkit.report.analytic import analytic_model, layer_params
+from shardkit.report.analytic import analytic_model
 from shardkit.report.analytic_tsp import tsp_crossover_tokens, tsp_wire_bytes
 
 
@@ -28,7 +28,7 @@ def test_tsp_axis_is_read_from_the_rules(name, mesh, want):
 
 def test_tsp_state_and_activations_divide_by_d():
     cfg = CONFIGS["llama-tiny"]
-    m = analytic_model(cfg, "tsp", {"tsp": 8}, batch=2, seq=64, remat="full")
+    m = analytic_model(cfg.dims(), "tsp", {"tsp": 8}, batch=2, seq=64, remat="full")
     psi = cfg.param_count()
     assert (m.memory.params, m.memory.optimizer) == (4 * psi / 8, 8 * psi / 8)
     # full remat keeps each layer's input: 2 layers × b·(S/D)·h·4 B, + the logits
@@ -57,13 +57,15 @@ def test_measured_wire_within_15_percent_of_analytic(recipe):
     by_kind = collections.Counter()
     for c in report.collectives:
         by_kind[c.kind] += c.wire_bytes
-    analytic = analytic_model(model.config, recipe, {"tsp": 8}, batch=2, seq=64, remat="full")
+    analytic = analytic_model(
+        model.config.dims(), recipe, {"tsp": 8}, batch=2, seq=64, remat="full"
+    )
     measured, expected = sum(by_kind.values()), sum(analytic.wire_bytes_by_kind.values())
     assert 1 / 1.15 < measured / expected < 1.15, (dict(by_kind), analytic.wire_bytes_by_kind)
     # the weights travel as the schedule says: rings (permutes) or XLA's all-gathers
-    ring = 3 * (7 / 8) * layer_params(model.config)[0] * 2 * 4
+    ring = 3 * (7 / 8) * model.config.dims().ringed_layer_params[0] * 2 * 4
     # No device gathers a whole vocabulary table (vocab·d_model f32) under the paper's
-    # schedules: the head's shards travel a ring (shardkit.parallel.tsp_head), forward
+    # schedules: the head's shards travel a ring (shardkit.nn.tsp_head), forward
     # 7 hops, backward 14, one of them shared. The rules-only layout gathers the head
     # for the chunked loss, which shows the check sees such a gather.
     cfg = model.config

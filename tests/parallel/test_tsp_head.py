@@ -9,8 +9,8 @@ from jax.sharding import AxisType
 
 import shardkit as sk
 from shardkit import context
-from shardkit.loss import cross_entropy
-from shardkit.parallel.tsp_head import vocab_ring_cross_entropy, vocab_ring_lookup
+from shardkit.nn.loss import cross_entropy
+from shardkit.nn.tsp_head import vocab_ring_cross_entropy, vocab_ring_lookup
 from shardkit.report.hlo import parse_collectives
 from shardkit.rules import Rules
 

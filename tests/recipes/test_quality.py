@@ -1,7 +1,7 @@
 """Each recipe near its analytic cost, compile-only on the GPT-2-small shape (8 devices).
 
 Memory and wire bytes come from XLA's compiled program (deterministic), measured as
-DESIGN.md defines them. Nothing is allocated: state and batch are abstract.
+docs/explain/measurement.md defines them. Nothing is allocated: state and batch are abstract.
 """
 
 import functools
@@ -35,7 +35,7 @@ def test_fsdp_state_memory_at_the_zero3_limit():
 
 
 def test_fsdp_total_memory_a_quarter_of_dp():
-    # The hand-written Flax path measures 1.29x DP (DESIGN.md).
+    # The hand-written Flax path measures 1.29x DP (benchmarks/flax_baseline.py).
     assert report("fsdp").memory.total <= 0.25 * report("dp").memory.total
 
 

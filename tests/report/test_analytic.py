@@ -13,8 +13,10 @@ from shardkit.report.analytic import (
     megatron_activations_per_layer,
     wire_bytes,
     wire_bytes_hybrid,
+    with_phases,
     zero_memory,
 )
+from shardkit.workload import Workload
 
 PSI = 1_234_567
 
@@ -272,12 +274,12 @@ def test_a_custom_recipe_gets_the_analytic_model_of_what_it_does():
         activation_rules=renamed(fsdp.activation_rules),
     )
     cfg = CONFIGS["gpt-tiny"]
-    mine = analytic_model(cfg, custom, {"shard": 8}, batch=8, seq=32)
-    ref = analytic_model(cfg, "fsdp", {"fsdp": 8}, batch=8, seq=32)
+    mine = analytic_model(cfg.dims(), custom, {"shard": 8}, batch=8, seq=32)
+    ref = analytic_model(cfg.dims(), "fsdp", {"fsdp": 8}, batch=8, seq=32)
     assert mine.memory == ref.memory and mine.wire_bytes_by_kind == ref.wire_bytes_by_kind
     # ... and a recipe registered under a built-in name cannot borrow that name's model.
     as_dp = dataclasses.replace(custom, name="dp")
-    assert analytic_model(cfg, as_dp, {"shard": 8}, batch=8, seq=32).memory == ref.memory
+    assert analytic_model(cfg.dims(), as_dp, {"shard": 8}, batch=8, seq=32).memory == ref.memory
 
 
 def sk_rules(pairs):
@@ -291,7 +293,7 @@ def sk_rules(pairs):
 def test_analytic_model_each_recipe(name, config_name):
     cfg = CONFIGS[config_name]
     psi, (d, f, t, c) = cfg.param_count(), DEGREES[name]
-    m = analytic_model(cfg, name, MESHES[name], batch=16, seq=64)
+    m = analytic_model(cfg.dims(), name, MESHES[name], batch=16, seq=64)
     assert m.memory.params == pytest.approx(4 * psi / (t * f))
     assert m.memory.grads == pytest.approx(4 * psi / (t * f))
     opt_degree = t * f * (d if name == "zero1" else 1)
@@ -313,7 +315,7 @@ def test_analytic_model_matches_zero_and_wire_bytes():
     for name, stage in [("dp", 0), ("zero1", 1), ("fsdp", 3)]:
         # ZeRO-3's formula gathers every weight: fsdp with its head gathering its weight
         recipe = recipes.get(name).with_logits("tokens")
-        m = analytic_model(cfg, recipe, MESHES[name], batch=8, seq=32)
+        m = analytic_model(cfg.dims(), recipe, MESHES[name], batch=8, seq=32)
         z = zero_memory(psi, 8, stage, k=8, param_bytes=4, grad_bytes=4)
         state = m.memory.params + m.memory.grads + m.memory.optimizer  # the total is a phase peak
         assert state == pytest.approx(z.total)
@@ -334,11 +336,11 @@ def test_analytic_model_matches_zero_and_wire_bytes():
 def test_analytic_hybrid_reduces_to_pure(hybrid, mesh, pure):
     cfg = CONFIGS["llama-tiny"]
     pure_mesh = {a: v for a, v in mesh.items() if v > 1}
-    h = analytic_model(cfg, hybrid, mesh, batch=8, seq=32)
+    h = analytic_model(cfg.dims(), hybrid, mesh, batch=8, seq=32)
     # fsdp's head splits the vocabulary over the axis that splits the tokens, dp_fsdp's
     # does not: compare like with like (that layout's own wire is tested below).
     pure = recipes.get(pure).with_logits("tokens")
-    p = analytic_model(cfg, pure, pure_mesh, batch=8, seq=32)
+    p = analytic_model(cfg.dims(), pure, pure_mesh, batch=8, seq=32)
     # Phases aside: the head's layout follows each recipe's activation rules (fsdp splits
     # the logits over the vocabulary, dp_fsdp does not); tests/report/test_phases.py.
     assert dataclasses.replace(h.memory, phases=None) == dataclasses.replace(p.memory, phases=None)
@@ -357,8 +359,8 @@ def test_analytic_model_remat_and_stand_in_config():
         max_seq=64,
         remat="full",
     )
-    full = analytic_model(cfg, "dp", {"data": 2}, batch=4, seq=64)
-    none = analytic_model(cfg, "dp", {"data": 2}, batch=4, seq=64, remat="none")
+    full = analytic_model(cfg.dims(), "dp", {"data": 2}, batch=4, seq=64, remat=cfg.remat)
+    none = analytic_model(cfg.dims(), "dp", {"data": 2}, batch=4, seq=64, remat="none")
     assert full.memory.activations == pytest.approx(4 * 2 * 64 * 2 * 64 * 2 + 2 * 64 * 128 * 4)
     assert none.memory.activations > full.memory.activations
     assert none.wire_bytes_by_kind == full.wire_bytes_by_kind
@@ -367,10 +369,10 @@ def test_analytic_model_remat_and_stand_in_config():
 def test_analytic_model_errors():
     cfg = CONFIGS["gpt-tiny"]
     with pytest.raises(ShardingError, match="Known recipes: dp, fsdp, zero1"):
-        analytic_model(cfg, "pipeline", {"data": 8}, batch=8, seq=32)
+        analytic_model(cfg.dims(), "pipeline", {"data": 8}, batch=8, seq=32)
     with pytest.raises(ShardingError, match="tensor"):
-        analytic_model(cfg, "dp", {"data": 4, "tensor": 2}, batch=8, seq=32)
-    assert analytic_model(cfg, "dp", {"data": 8, "tensor": 1}, batch=8, seq=32)
+        analytic_model(cfg.dims(), "dp", {"data": 4, "tensor": 2}, batch=8, seq=32)
+    assert analytic_model(cfg.dims(), "dp", {"data": 8, "tensor": 1}, batch=8, seq=32)
 
 
 @pytest.mark.parametrize("projections", [2, 5])
@@ -417,7 +419,7 @@ def test_an_axis_that_splits_the_batch_is_not_tensor_parallel():
     )
     par = custom.parallelism({"fsdp": 8})
     assert (par.fsdp, par.tensor) == (8, 1)
-    m = analytic_model(CONFIGS["gpt-tiny"], custom, {"fsdp": 8}, batch=8, seq=32)
+    m = analytic_model(CONFIGS["gpt-tiny"].dims(), custom, {"fsdp": 8}, batch=8, seq=32)
     assert set(m.wire_bytes_by_kind) == {"all-gather", "reduce-scatter"}
 
 
@@ -442,7 +444,7 @@ def test_vocab_split_head_moves_hidden_states_instead_of_its_weight():
     for layout in ("tokens", "vocab"):
         recipe = recipes.get("fsdp").with_logits(layout).with_mesh({"fsdp": f})
         analytic[layout] = analytic_model(
-            cfg, recipe, {"fsdp": f}, batch=batch, seq=seq, remat="none"
+            cfg.dims(), recipe, {"fsdp": f}, batch=batch, seq=seq, remat="none"
         ).wire_bytes_by_kind
         r = models.report(
             sk.Plan(recipe), models.get("llama-tiny", vocab=v, remat="none"), batch=batch, seq=seq
@@ -463,7 +465,7 @@ def test_vocab_split_head_over_the_tensor_axis_is_the_tp_sp_pairs_only():
     cfg = CONFIGS["gpt-tiny"]
     got = [
         analytic_model(
-            cfg, recipes.get("dp_tp_sp").with_logits(layout), mesh, batch=8, seq=64
+            cfg.dims(), recipes.get("dp_tp_sp").with_logits(layout), mesh, batch=8, seq=64
         ).wire_bytes_by_kind
         for layout in ("tokens", "vocab")
     ]
@@ -533,3 +535,16 @@ def test_tp_wire_matches_the_compiled_program(name, projections, remat):
     assert r.mesh == {"tensor": t}
     assert r.analytic.wire_bytes_by_kind["all-reduce"] == pytest.approx(want)
     assert r.wire_bytes_by_kind["all-reduce"] == pytest.approx(want, rel=0.005)
+
+
+def test_the_phase_model_is_only_for_shardkits_chunked_head():
+    """A model of one's own that declares its dims but computes its own loss gets the
+    plain analytic total, not the chunked head's phases (reference models do)."""
+    dims = CONFIGS["gpt-tiny"].dims()
+    plain = analytic_model(dims, "fsdp", {"fsdp": 8}, batch=8, seq=64)
+    assert plain.memory.phases  # a reference model: its chunked head's phases
+    own = dataclasses.replace(dims, chunked_head=False)
+    bare = analytic_model(own, "fsdp", {"fsdp": 8}, batch=8, seq=64)
+    assert not bare.memory.phases
+    workload = Workload(batch=8, seq=64, layers=2, d_model=64, n_heads=8, vocab=256)
+    assert with_phases(bare, own, "fsdp", {"fsdp": 8}, workload) is bare

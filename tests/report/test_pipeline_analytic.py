@@ -11,7 +11,6 @@ import shardkit as sk
 from shardkit import models, train
 from shardkit.errors import ShardingError
 from shardkit.models import get
-from shardkit.parallel.stages import reference_stages, train_step
 from shardkit.report.analytic import analytic_costs
 from shardkit.report.pipeline_analytic import in_flight
 from shardkit.workload import Workload
@@ -67,7 +66,7 @@ def test_report_of_a_pipelined_step_counts_the_stage_share():
     model, tx = get("gpt-tiny", n_layers=4), train.adamw()
     plan = sk.Plan("pp", devices=jax.devices()[:4])
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-    step = train_step(reference_stages(model), tx, plan, abstract, microbatches=4)
+    step = train.train_step(model, tx, plan=plan, abstract=abstract, pipeline={"microbatches": 4})
     batch = {k: jax.ShapeDtypeStruct((8, 16), jnp.int32) for k in ("inputs", "targets")}
     workload = Workload.from_config(model.config, batch=8, seq=16)
     report = plan.report(step, abstract, batch, workload=workload)

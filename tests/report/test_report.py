@@ -203,7 +203,7 @@ def _all_reduce(shapes, group, count=1):
 )
 def test_reduced_more_than_once_counts_reductions_per_copy(collectives, flagged):
     from shardkit.report.lint import reduced_more_than_once
-    from shardkit.report.report import ParamRow
+    from shardkit.report.records import ParamRow
 
     row = ParamRow(
         "table",

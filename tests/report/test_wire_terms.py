@@ -11,8 +11,8 @@ from shardkit.errors import ShardingError
 from shardkit.report import wire_terms
 from shardkit.report.analytic import analytic_model
 from shardkit.report.hlo import LOWERED_RS, Collective
+from shardkit.report.records import ParamRow
 from shardkit.report.render import to_text
-from shardkit.report.report import ParamRow
 from shardkit.report.wire_terms import ParamMatch, attribute, explain, term_of
 
 # ---------------------------------------------------------------- hand-built collectives
@@ -52,6 +52,7 @@ def coll(
     pass_="forward",
     path="layers/mlp/up",
     source="gpt.py:1",
+    block="",
     wire=100.0,
     lowered="",
     group=8,
@@ -67,6 +68,7 @@ def coll(
         module_path=path,
         pass_=pass_,
         source=source,
+        block=block,
         lowered_as=lowered,
     )
 
@@ -87,11 +89,20 @@ def test_param_match_knows_a_weight_by_its_layer_slice_whole_sharded_or_transpos
         (coll("all-gather", [(64, 256)]), "weight all-gathers"),
         (coll("reduce-scatter", [(64, 256), (7, 7)], pass_="backward"), "gradient reductions"),
         (coll("all-reduce", [(64, 256)], pass_="forward"), "activation collectives"),
-        (coll("all-gather", [(8, 32, 64)], source="loss.py:147"), "logits / loss collectives"),
+        (coll("all-gather", [(8, 32, 64)], block="loss.chunked"), "logits / loss collectives"),
         (
-            coll("collective-permute", [(2, 8, 64)], source="attention.py:215"),
+            coll("collective-permute", [(2, 8, 64)], block="attention.ring"),
             "context-parallel K/V",
         ),
+        # a model's own files named attention.py and loss.py are the model's code
+        (
+            coll("collective-permute", [(2, 8, 64)], source="attention.py:9"),
+            "activation collectives",
+        ),
+        (coll("all-gather", [(8, 32, 64)], source="loss.py:147"), "activation collectives"),
+        # the head's projection, called back by the loss block, is the model's
+        (coll("all-gather", [(8, 32, 64)], block=""), "activation collectives"),
+        (coll("all-gather", [(8, 32, 64)], block="tsp.head"), "activation collectives"),
         (coll("all-reduce", [(), ()], pass_="update", path=""), "other collectives"),
         (coll("all-reduce", [(8, 32, 64)]), "activation collectives"),
     ],
@@ -101,7 +112,7 @@ def test_term_of_each_rule(c, term):
 
 
 def test_pipeline_permutes_are_their_own_term():
-    c = coll("collective-permute", [(4, 32, 64)], source="pipeline.py:9")
+    c = coll("collective-permute", [(4, 32, 64)], block="pipeline.send")
     assert term_of(c, ParamMatch.of(ROWS), stages=2) == "pipeline transfers"
     assert term_of(c, ParamMatch.of(ROWS), stages=1) == "activation collectives"
 
@@ -171,7 +182,8 @@ def test_explanations_of_other_terms_group_by_source_with_runs():
     ring = coll(
         "collective-permute",
         [(2, 8, 64)],
-        source="attention.py:215",
+        source="gpt.py:105",
+        block="attention.ring",
         count=14,
         pass_="forward",
         wire=100.0,
@@ -180,7 +192,8 @@ def test_explanations_of_other_terms_group_by_source_with_runs():
     zigzag = coll(
         "collective-permute",
         [(3, 8, 32)],
-        source="attention.py:182",
+        source="gpt.py:105",
+        block="attention.zigzag",
         count=2,
         pass_="remat",
         wire=40.0,
@@ -194,7 +207,7 @@ def test_explanations_of_other_terms_group_by_source_with_runs():
     )
     assert (
         "beyond it: 2 runs of collective-permute (2 remat, largest f32[3,8,32] over 8) "
-        "from attention.py:182 in layers/attn: 40 B" in e.why
+        "from gpt.py:105 (attention.zigzag) in layers/attn: 40 B" in e.why
     )
 
 
@@ -205,7 +218,7 @@ def test_explanations_of_other_terms_group_by_source_with_runs():
 def test_analytic_terms_split_the_analytic_wire_bytes(recipe):
     cfg = models.CONFIGS["gpt-small"]
     m = analytic_model(
-        cfg,
+        cfg.dims(),
         recipe,
         recipes.get(recipe).axis_sizes(8),
         batch=8,
@@ -222,7 +235,7 @@ def test_analytic_fsdp_terms_are_zero3s_formulas():
     cfg = models.CONFIGS["gpt-small"]
     psi = cfg.param_count()
     fsdp = recipes.get("fsdp").with_logits("tokens")  # the head gathers its weight
-    m = analytic_model(cfg, fsdp, {"fsdp": 8}, batch=8, seq=512, remat="full")
+    m = analytic_model(cfg.dims(), fsdp, {"fsdp": 8}, batch=8, seq=512, remat="full")
     # Rajbhandari et al.: all-gathers of 2Ψ forward + backward, a reduce-scatter of Ψ
     assert m.wire_terms == pytest.approx(
         {"weight all-gathers": 2 * psi * 4 * 7 / 8, "gradient reductions": psi * 4 * 7 / 8}
@@ -357,4 +370,4 @@ def test_cp_zigzag_reorder_is_the_permutes_beyond_the_ring():
     assert kv.bytes > 1.1 * ring
     why = {e.term: e.why for e in r.explanations}["context-parallel K/V"]
     assert "the analytic formula's traffic is 252 runs of collective-permute" in why
-    assert "beyond it:" in why and "attention.py" in why and "_zigzag" in why
+    assert "beyond it:" in why and "(attention.zigzag)" in why and "from gpt.py:" in why

@@ -47,7 +47,9 @@ from shardkit.annotate.constrain import (
     is_explicit,
     param_rules,
 )
-from shardkit.replicas import ReplicaView, per_replica
+from shardkit.nn.replicas import ReplicaView, per_replica
+from shardkit.nn.tsp_head import vocab_ring_cross_entropy
+from shardkit.scopes import block, model_code
 
 __all__ = [
     "ChunkError",
@@ -55,6 +57,7 @@ __all__ = [
     "chunked_cross_entropy",
     "cross_entropy",
     "head_loss_and_grad",
+    "head_post_grad",
     "head_view",
 ]
 
@@ -66,6 +69,7 @@ class ChunkError(errors.ShardingError):
     """A chunk count that does not split the tokens (or the devices' share of them)."""
 
 
+@block("loss")
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Per-token cross-entropy, written so a vocabulary split over devices stays split.
 
@@ -186,6 +190,7 @@ def _relayout_bwd(forward, backward, _, ct):
 _relayout.defvjp(_relayout_fwd, _relayout_bwd)
 
 
+@block("loss.head_view")
 def head_view(
     weight: jax.Array,
     weight_axes: Sequence[str | None],
@@ -285,6 +290,7 @@ def _head_view(
     return head_view(weight, weight_axes, data=targets, data_axes=token_axes)
 
 
+@block("loss.chunked")
 def chunked_cross_entropy(
     hidden: jax.Array,
     targets: jax.Array,
@@ -311,7 +317,7 @@ def chunked_cross_entropy(
     split the tokens (``sk.per_replica``), so its gradient is reduced once after the
     loop, not once per chunk. Under TSP's schedules (``layer_schedule="tsp"``) with
     the weight's vocabulary split over the TSP axis, the loss is instead a ring over the
-    vocabulary shards (:mod:`shardkit.parallel.tsp_head`; ``chunks`` unused), so no
+    vocabulary shards (:mod:`shardkit.nn.tsp_head`; ``chunks`` unused), so no
     device holds the whole weight. A ``sk.ReplicaView`` (a tied embedding already read
     through ``sk.per_replica``) is used as it is. Each chunk's logits are constrained to
     ``logits_axes``; the hidden states are gathered to the layout the logits need once,
@@ -349,7 +355,7 @@ def chunked_cross_entropy(
       >>> chunked_cross_entropy(h, t, head, weight=w, chunks=4)
       Traceback (most recent call last):
       ...
-      shardkit.loss.ChunkError: chunked_cross_entropy: chunks=4 does not divide the last token dimension (6) of targets (2, 6).
+      shardkit.nn.loss.ChunkError: chunked_cross_entropy: chunks=4 does not divide the last token dimension (6) of targets (2, 6).
       Fix: pass chunks dividing 6 (e.g. 1, 2, 3, 6), or chunks=None to pick one.
     """
     if hidden.shape[:-1] != targets.shape or targets.ndim < 1:
@@ -363,10 +369,9 @@ def chunked_cross_entropy(
             f"{len(logits_axes)} dimension(s); the logits have {hidden.ndim}.\n"
             "Fix: one logical name (or None) per token dimension, then the vocabulary's."
         )
+    project = model_code(project)  # the head's projection is the model's code
     if weight is not None and weight_axes is not None and not isinstance(weight, ReplicaView):
         # Under TSP's schedules the head's vocabulary shards travel a ring instead.
-        from shardkit.parallel.tsp_head import vocab_ring_cross_entropy
-
         losses = vocab_ring_cross_entropy(
             hidden, targets, project, weight, weight_axes, logits_axes
         )
@@ -448,6 +453,7 @@ def chunked_cross_entropy(
 HEAD_GRAD_CHUNKS = 8
 
 
+@block("loss.head_grad")
 def head_loss_and_grad(
     hidden: jax.Array,
     targets: jax.Array,
@@ -557,3 +563,55 @@ def head_loss_and_grad(
         acc = jax.lax.dynamic_update_slice_in_dim(acc, old + d_part, start, vocab_axis)
     loss = jnp.mean(log_z - target) * scale
     return loss, d_hidden.astype(hidden.dtype), acc
+
+
+def head_post_grad(
+    norm: Callable[[Any, jax.Array], jax.Array],
+    *,
+    norm_key: str,
+    head_key: str,
+    vocab_axis: int,
+    dtype: Callable[[], Any] | None = None,
+) -> Callable[..., tuple[jax.Array, Any, jax.Array]]:
+    """A pipeline's ``Stages.post_grad`` for ``post = cross-entropy(head(norm(y)))``.
+
+    ``norm(norm_params, y)`` is the final norm (``rest[norm_key]`` its parameters);
+    ``rest[head_key]`` holds the head's one weight, ``[vocab, d]`` (``vocab_axis=0``, a
+    tied embedding table) or ``[d, vocab]`` (``vocab_axis=1``); ``dtype()`` gives the
+    products' dtype when traced (default the norm's output dtype). The head's gradient is
+    written into the running sum in vocabulary slices (:func:`head_loss_and_grad`), so
+    the last stage never holds it twice; the loss is the mean cross-entropy of
+    ``mb["targets"]``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> norm = lambda p, y: y * p["g"]
+      >>> rest = {"ln": {"g": jnp.ones(4)}, "head": {"w": jnp.ones((4, 10))}}
+      >>> pg = head_post_grad(norm, norm_key="ln", head_key="head", vocab_axis=1)
+      >>> mb = {"targets": jnp.zeros((2, 3), jnp.int32)}
+      >>> zeros = jax.tree.map(jnp.zeros_like, rest)
+      >>> loss, d_rest, dy = pg(rest, jnp.ones((2, 3, 4)), mb, zeros, 1.0)
+      >>> round(float(loss), 4), d_rest["head"]["w"].shape   # uniform over 10: log 10
+      (2.3026, (4, 10))
+    """
+
+    def post_grad(rest: Any, y: jax.Array, mb: Any, d_rest: Any, scale: Any):
+        z, pull = jax.vjp(norm, rest[norm_key], y)
+        (weight,), w_def = jax.tree.flatten(rest[head_key])
+        (acc,) = jax.tree.leaves(d_rest[head_key])
+        loss, dz, acc = head_loss_and_grad(
+            z,
+            mb["targets"],
+            weight,
+            acc,
+            vocab_axis=vocab_axis,
+            scale=scale,
+            dtype=None if dtype is None else dtype(),
+        )
+        d_norm, dy = pull(dz)
+        out = {k: d_rest[k] for k in d_rest}
+        out[norm_key] = jax.tree.map(jnp.add, d_rest[norm_key], d_norm)
+        out[head_key] = jax.tree.unflatten(w_def, [acc])
+        return loss, out, dy
+
+    return post_grad

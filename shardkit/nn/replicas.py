@@ -60,6 +60,7 @@ import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
 from shardkit import context
+from shardkit.scopes import block, model_code
 
 __all__ = ["ReplicaView", "per_replica"]
 
@@ -92,11 +93,13 @@ class ReplicaView:
         leading dimensions) comes back merged, as ``fn`` would have returned it for
         all the data.
         """
+        fn = model_code(fn)  # the caller's code, run per replica
         if self.n == 1:
             return fn(self.value, *data)
         out = jax.vmap(fn)(self.value, *(self._split(x) for x in data))
         return jax.tree.map(self._merge, out)
 
+    @block("replicas.split")
     def _split(self, x: jax.Array) -> jax.Array:
         """``[D0, D1, ..., rest]`` to ``[n, D0/g0, D1/g1, ..., rest]``, replica-major."""
         k = len(self.groups)
@@ -108,6 +111,7 @@ class ReplicaView:
         rest = (PartitionSpec.UNCONSTRAINED,) * (x.ndim - 1)
         return jax.lax.with_sharding_constraint(x, PartitionSpec(self.axes, *rest))
 
+    @block("replicas.merge")
     def _merge(self, y: jax.Array) -> jax.Array:
         k = len(self.groups)
         blocks = y.shape[1 : 1 + k]
@@ -117,6 +121,7 @@ class ReplicaView:
         return y.reshape(*merged, *y.shape[2 * k :])
 
 
+@block("replicas")
 def per_replica(
     param: jax.Array,
     logical: Sequence[str | None],

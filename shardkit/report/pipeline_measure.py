@@ -1,4 +1,4 @@
-"""Measure a pipelined step of a reference model against :mod:`shardkit.report.pipeline_analytic`.
+"""Measure a model's pipelined step against :mod:`shardkit.report.pipeline_analytic`.
 
 Compile only (abstract state and batch): memory per device from ``memory_analysis()``
 (arguments + output + temp − alias), wire bytes by kind from
@@ -12,7 +12,10 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
 
+from shardkit import train
+from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
 from shardkit.report.pipeline_analytic import PipelineCosts, pipeline_costs
 
 __all__ = ["PipelineMeasurement", "measure"]
@@ -34,11 +37,9 @@ class PipelineMeasurement:
 
 
 def _step_and_abstract(plan: Any, model: Any, tx: Any, *, seed: int = 0, **opts: Any):
-    from shardkit import train
-    from shardkit.parallel.stages import reference_stages, train_step
-
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(seed))
-    return train_step(reference_stages(model), tx, plan, abstract, **opts), abstract
+    step = train.train_step(model, tx, plan=plan, abstract=abstract, pipeline=opts)
+    return step, abstract
 
 
 def measure(
@@ -56,9 +57,6 @@ def measure(
 ) -> PipelineMeasurement:
     """Compile the pipelined step of ``model`` under ``plan`` and read its costs
     (``stack_order="interleaved"``: the abstract state taken as stored in that order)."""
-    from shardkit.models.reporting import token_batch
-    from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
-
     step, abstract = _step_and_abstract(
         plan,
         model,
@@ -69,7 +67,9 @@ def measure(
         unit=unit,
         stack_order=stack_order,
     )
-    compiled = plan.jit(step, state=abstract).lower(abstract, token_batch(batch, seq)).compile()
+    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
+    batch_ = {"inputs": tokens, "targets": tokens}
+    compiled = plan.jit(step, state=abstract).lower(abstract, batch_).compile()
     ma = compiled.memory_analysis()
     memory = {
         "arguments": ma.argument_size_in_bytes,
@@ -110,12 +110,12 @@ def analytic_for(
     unit: int | None = None,
     bytes_per_value: int = 4,
 ) -> PipelineCosts:
-    """:func:`pipeline_costs` for a reference model's config under ``plan``'s mesh."""
-    cfg = model.config
+    """:func:`pipeline_costs` for a model's declared dims under ``plan``'s mesh."""
+    dims = model.dims
     shape = dict(plan.mesh.shape)
     p, fsdp, data = shape.get("stage", 1), shape.get("fsdp", 1), shape.get("data", 1)
-    stack = cfg.n_layers * cfg.dims().layer_params * bytes_per_value
-    rest = cfg.param_count() * bytes_per_value - stack
+    stack = dims.stack_params * bytes_per_value
+    rest = dims.param_count * bytes_per_value - stack
     rows = batch // (microbatches * fsdp * data)
     return pipeline_costs(
         schedule,
@@ -127,12 +127,11 @@ def analytic_for(
         data=data,
         stack_param_bytes=stack,
         rest_param_bytes=rest,
-        activation_bytes=rows * seq * cfg.d_model * bytes_per_value,
+        activation_bytes=rows * seq * dims.d_model * bytes_per_value,
     )
 
 
 def useful_flops(model: Any, *, batch: int, seq: int, stages: int, devices: int) -> float:
     """``6·Ψ_stack·tokens/p`` per device of the layer stack (``tokens`` split over replicas)."""
-    cfg = model.config
     replicas = devices // stages
-    return 6.0 * cfg.n_layers * cfg.dims().layer_params * batch * seq / replicas / stages
+    return 6.0 * model.dims.stack_params * batch * seq / replicas / stages

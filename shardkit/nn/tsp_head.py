@@ -4,7 +4,7 @@ Under the ``tsp`` recipe every device holds S/D of each sequence and 1/D of ever
 vocabulary table, split along the vocabulary (``V/D`` rows of a ``(vocab, embed)``
 table or columns of an ``(embed, vocab)`` kernel). Gathering a table would put the
 whole ``V × d`` matrix on every device (252 MiB for llama-1b in f32), and its gradient
-too. Here both uses run like TSP's projections (:mod:`shardkit.parallel.tsp`), over the
+too. Here both uses run like TSP's projections (:mod:`shardkit.nn.tsp`), over the
 same axis:
 
 - the head and loss (:func:`vocab_ring_cross_entropy`): at step t device p scores its
@@ -49,7 +49,8 @@ from jax.sharding import PartitionSpec
 
 from shardkit import context
 from shardkit.annotate.constrain import is_explicit
-from shardkit.parallel.tsp import active_axis
+from shardkit.nn.tsp import active_axis
+from shardkit.scopes import block
 
 __all__ = ["vocab_ring_cross_entropy", "vocab_ring_lookup"]
 
@@ -191,6 +192,7 @@ def _layout(
     return mesh, axis, mesh.shape[axis], vdim, PartitionSpec(*tspec)
 
 
+@block("tsp.head")
 def vocab_ring_cross_entropy(
     hidden: jax.Array,
     targets: jax.Array,
@@ -318,6 +320,7 @@ def _ring_lookup_fwd(table, ids, lookup):
 _ring_lookup.defvjp(_ring_lookup_fwd, _lookup_backward)
 
 
+@block("tsp.lookup")
 def vocab_ring_lookup(
     table: jax.Array,
     tokens: jax.Array,

@@ -47,7 +47,7 @@ References:
 
 Example:
   >>> import jax.numpy as jnp
-  >>> from shardkit.attention import causal_attention
+  >>> from shardkit.nn.attention import causal_attention
   >>> q = jnp.ones((1, 4, 2, 8))
   >>> causal_attention(q, q, q).shape   # no mesh: dense
   (1, 4, 2, 8)
@@ -69,6 +69,7 @@ from shardkit.annotate.constrain import constrain, current_activation_rules, is_
 from shardkit.context import AttentionStrategy
 from shardkit.errors import ShardingError
 from shardkit.rules import Rules
+from shardkit.scopes import block
 
 __all__ = ["AttentionStrategy", "causal_attention", "current_attention", "use_attention"]
 
@@ -198,6 +199,7 @@ def _online(carry: tuple, q: jax.Array, k: jax.Array, v: jax.Array, mask: Any = 
     return m_new, denom * corr + p.sum(-1), acc * corr[..., None] + pv
 
 
+@block("attention.zigzag")
 def _zigzag(x: jax.Array, axis: str, n: int, *, inverse: bool = False) -> jax.Array:
     """Move 2n sequence chunks (2 per device, on dim 2) from contiguous to zigzag order.
 
@@ -223,6 +225,7 @@ def _zigzag(x: jax.Array, axis: str, n: int, *, inverse: bool = False) -> jax.Ar
     return jnp.concatenate(out, axis=2)
 
 
+@block("attention.ring")
 def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
     """Per-device body of zigzag load-balanced ring attention (contiguous layout in/out)."""
     if q.shape == k.shape:
@@ -259,6 +262,7 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax
     return _zigzag(out[None], axis, n, inverse=True)[0]
 
 
+@block("attention.all_gather_kv")
 def _allgather(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
     """Per-device body of all-gather attention: local queries against the full K/V."""
     k, v = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
@@ -281,6 +285,7 @@ def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
     return fixed.spec(_LOGICAL, shape=shape, mesh=mesh, path="attention")  # divisibility
 
 
+@block("attention")
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """Causal softmax attention with the strategy of the active ``use_attention``.
 

@@ -24,7 +24,7 @@ projection with Ψ_w weights, f = (D − 1)/D: forward f·Ψ_w, backward 2f·Ψ_
 
 Attention runs between the projections on the local tokens: q, k, v come out of an
 ``"in"`` ring for all heads (the head count need not divide D), zigzag ring
-attention over the same axis (:func:`shardkit.attention.causal_attention`) moves
+attention over the same axis (:func:`shardkit.nn.attention.causal_attention`) moves
 K/V blocks, and the output projection is an ``"out"`` ring.
 
 Models opt in per projection with :class:`TspDot` (flax ``dot_general=``) or
@@ -61,13 +61,15 @@ from jax.sharding import PartitionSpec
 from shardkit import context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.errors import ShardingError
+from shardkit.nn.attention import causal_attention
+from shardkit.nn.rope import apply_rope
+from shardkit.scopes import scope
 
 __all__ = [
     "TspDot",
     "TspEinsum",
     "active_axis",
     "attention",
-    "check_layout",
     "gated_mlp",
     "ring_dot",
     "tsp_dot_general",
@@ -264,48 +266,6 @@ def active_axis() -> str | None:
     return axis
 
 
-def check_layout(recipe: Any, mesh_shape: Any) -> None:
-    """Reject a TSP recipe on a mesh it cannot run on (``sk.Plan`` calls this).
-
-    A recipe is TSP when one axis (its ``attention_axis``) splits both parameters and
-    the activations' ``length``, or when it asks for ``layer_schedule="tsp"``.
-
-    Raises:
-      ShardingError: ``layer_schedule="tsp"`` without that axis on the mesh, or a rule
-        that puts the TSP axis and another axis (``tensor``) on the same dimension.
-
-    Example:
-      >>> from shardkit import recipes
-      >>> check_layout(recipes.get("tsp"), {"tsp": 8})   # fine: returns None
-    """
-    axis, shape = recipe.attention_axis, dict(mesh_shape)
-    on_axis = lambda rules: {n for n, a in rules or () if axis in _entry_axes(a)}  # noqa: E731
-    is_tsp = bool(on_axis(recipe.rules)) and "length" in on_axis(recipe.activation_rules)
-    if recipe.layer_schedule == "tsp" and axis not in shape:
-        raise ShardingError(
-            f"Recipe {recipe.name!r} runs TSP's schedules over mesh axis {axis!r}, but the "
-            f"mesh has axes {shape}.\nFix: add a {axis!r} axis (e.g. sk.make_mesh("
-            f"{{{axis!r}: -1}})), or use layer_schedule='gspmd'."
-        )
-    if not (is_tsp or recipe.layer_schedule == "tsp"):
-        return
-    for rules in (recipe.rules, recipe.activation_rules, recipe.optimizer_rules):
-        for name, axes in rules or ():
-            both = _entry_axes(axes)
-            others = [a for a in both if a != axis and shape.get(a, 1) > 1]
-            if axis in both and others:
-                sizes = ", ".join(f"{a}={shape.get(a, 1)}" for a in both)
-                raise ShardingError(
-                    f"Recipe {recipe.name!r} maps {name!r} to {tuple(both)} ({sizes}): the "
-                    f"TSP axis {axis!r} and {others} on the same dimension. TSP already "
-                    f"splits every weight and every sequence {shape.get(axis, 1)} ways "
-                    f"over {axis!r}; splitting the same dimension again over {others} "
-                    f"breaks its rings.\nFix: map {name!r} to {axis!r} alone and put "
-                    f"{others} on another dimension or another recipe (e.g. dp_tsp "
-                    "adds data parallelism)."
-                )
-
-
 def _entry_axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
@@ -375,15 +335,16 @@ def tsp_dot_general(
     def spec(ndim: int) -> PartitionSpec:
         return PartitionSpec(batch, axis, *(None,) * (ndim - 2))
 
-    if is_explicit(mesh):
-        x, w = jax.sharding.reshard(x, spec(x.ndim)), jax.sharding.reshard(w, wspec)
-    return jax.shard_map(
-        lambda x, w: _ring_dot(x, w, ring),
-        mesh=mesh,
-        in_specs=(spec(x.ndim), wspec),
-        out_specs=spec(y_ndim),
-        check_vma=False,
-    )(x, w)
+    with scope("tsp.ring"):
+        if is_explicit(mesh):
+            x, w = jax.sharding.reshard(x, spec(x.ndim)), jax.sharding.reshard(w, wspec)
+        return jax.shard_map(
+            lambda x, w: _ring_dot(x, w, ring),
+            mesh=mesh,
+            in_specs=(spec(x.ndim), wspec),
+            out_specs=spec(y_ndim),
+            check_vma=False,
+        )(x, w)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -502,7 +463,7 @@ def attention(
 
     Kernels: ``wq (embed, heads, kv)``, ``wk``/``wv (embed, kv_heads, kv)`` (GQA: the
     ring moves the K/V heads, each read by heads/kv_heads query heads), ``wo (heads, kv, embed)``; ``rope`` the
-    ``(cos, sin)`` tables of :func:`shardkit.models.llama.rope_tables`. Attention uses
+    ``(cos, sin)`` tables of :func:`shardkit.nn.rope.rope_tables`. Attention uses
     the context's strategy (``ring`` over the TSP axis in the ``tsp`` recipe).
 
     Example:
@@ -511,14 +472,10 @@ def attention(
       ...           jnp.ones((2, 4, 8))).shape
       (1, 4, 8)
     """
-    from shardkit.attention import causal_attention
-
     q = tsp_dot_general(x, wq, _IN, kernel_axes=("embed", "heads", "kv"))
     k = tsp_dot_general(x, wk, _IN, kernel_axes=("embed", "kv_heads", "kv"))
     v = tsp_dot_general(x, wv, _IN, kernel_axes=("embed", "kv_heads", "kv"))
     if rope is not None:
-        from shardkit.models.llama import apply_rope
-
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     y = causal_attention(q, k, v)  # GQA: K/V travel with their own heads
     return tsp_dot_general(

@@ -1,0 +1,36 @@
+"""The import direction is a test: the layers contract in pyproject.toml, and no import
+inside a function outside the command line (ruff's PLC0415, configured in pyproject.toml)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is not installed: pip install '.[test]'")
+    return found
+
+
+def test_imports_follow_the_layers_contract():
+    done = subprocess.run(
+        [_tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout and " kept" in done.stdout
+
+
+def test_no_function_level_imports_outside_the_command_line():
+    done = subprocess.run(
+        [_tool("ruff"), "check", "--select", "PLC0415", "shardkit"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:]
