@@ -325,9 +325,11 @@ def test_spec_argument_errors_exact_text():
     assert message(errors.RuleError, rules.spec, ["batch", ""], path="x") == (
         "x: logical axes ('batch', '') may only hold names or None."
     )
-    assert message(errors.RankMismatchError, rules.spec, ("batch",), shape=(4, 8), path="x") == (
-        "x: shape (4, 8) has 2 dimension(s) but logical axes ('batch',) name 1.\nFix: give "
-        "one logical name (or None) per dimension in the annotation of this parameter."
+    more = ("batch", None, None)
+    assert message(errors.RankMismatchError, rules.spec, more, shape=(4, 8), path="x") == (
+        "x: shape (4, 8) has 2 dimension(s) but logical axes ('batch', None, None) name 3.\n"
+        "Fix: give one logical name (or None) per dimension in the annotation of this "
+        "parameter, at most."
     )
     assert rules.spec(["batch", None]) == P("data", None)  # a list is as good as a tuple
 
