@@ -229,8 +229,8 @@ def phase_peaks(
     shardkit's chunked head.
 
     Args:
-      config: a :class:`shardkit.models.ModelConfig` (``loss_chunks`` as the model uses
-        it: ``None`` is :func:`shardkit.nn.loss.auto_chunks`).
+      dims: the model's :class:`~shardkit.dims.ModelDims` (``loss_chunks`` as the model
+        uses it: ``None`` is :func:`shardkit.nn.loss.auto_chunks`).
       recipe: a ``Recipe`` or a registered recipe's name (its rules give the head's
         layout, and what each mesh axis runs: ``Recipe.parallelism``).
       mesh: mesh axis sizes.
