@@ -55,8 +55,6 @@ CASES = {
                                         *SMALL],
     "pipeline flags with a recipe that cannot pipeline": ["report", "--recipe", "cp",
                                                           *PIPELINE[2:], *SMALL],
-    "a model of one's own under a pipeline recipe": ["report", "--recipe", "pp", "--model",
-                                                     USER_MODEL, *SMALL],
     "micro-batches that do not divide the batch": ["report", *PIPELINE[:-2], *SMALL],
     "unknown pipeline schedule": ["report", *PIPELINE[:2], "--schedule", "1fb1", *PIPELINE[4:],
                                   *SMALL],
@@ -116,6 +114,16 @@ def test_the_fix_the_cli_prints_is_a_command_that_works(argv, workdir, capsys):
     fixed = shlex.split(fix)[1:]
     assert fixed != argv
     assert _run(fixed) == 0, f"{fix} failed: {capsys.readouterr().err}"
+
+
+def test_a_model_without_a_cut_under_a_pipeline_recipe_is_told_how_to_give_one(capsys):
+    # No flag fixes this: the model's factory gives its cut, and the message says how.
+    argv = ["report", "--recipe", "pp", "--model", USER_MODEL, *SMALL]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("shardkit report: error: ") and "\n" not in err
+    problem, sep, fix = err.partition(" Fix: ")
+    assert sep and "'stages'" in fix and "docs/howto/your_own_model.md" in fix, err
 
 
 def test_when_no_command_can_be_checked_the_fix_still_speaks_flags(capsys, tmp_path, monkeypatch):
