@@ -26,6 +26,7 @@ from __future__ import annotations
 import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from shardkit.collectives import KINDS
 from shardkit.errors import ShardingError
@@ -106,18 +107,7 @@ def plot_reports(
             lw=0.4,
             label=label,
         )
-    analytic = [_analytic_total(reports[n]) for n in names]
-    shown = [(i, a / mem_scale) for i, a in enumerate(analytic) if a]
-    if shown:
-        ax_mem.scatter(
-            [a for _, a in shown],
-            [i for i, _ in shown],
-            marker="D",
-            s=22,
-            color="black",
-            zorder=3,
-            label="analytic total",
-        )
+    _analytic_markers(ax_mem, [_analytic_total(reports[n]) for n in names], mem_scale)
     ax_mem.set_xlabel(f"memory per device at its peak ({mem_unit})")
     ax_mem.set_title("memory per device", fontsize=10)
 
@@ -144,17 +134,7 @@ def plot_reports(
         sum(r.analytic.wire_bytes_by_kind.values()) if r.analytic else 0.0
         for r in (reports[n] for n in names)
     ]
-    shown = [(i, a / wire_scale) for i, a in enumerate(analytic_wire) if a]
-    if shown:
-        ax_wire.scatter(
-            [a for _, a in shown],
-            [i for i, _ in shown],
-            marker="D",
-            s=22,
-            color="black",
-            zorder=3,
-            label="analytic total",
-        )
+    _analytic_markers(ax_wire, analytic_wire, wire_scale)
     ax_wire.set_xlabel(f"wire bytes per device per step ({wire_unit})")
     ax_wire.set_title("wire bytes per device per step", fontsize=10)
 
@@ -176,6 +156,21 @@ def plot_reports(
         bottom = (0.17 * len(notes) + 0.1) / fig.get_figheight()
     fig.tight_layout(rect=(0, bottom, 1, 1))
     return save_figure(fig, path)
+
+
+def _analytic_markers(ax: Any, totals: Sequence[float | None], scale: float) -> None:
+    """A black diamond at each recipe's analytic total (rows without one get none)."""
+    shown = [(i, a / scale) for i, a in enumerate(totals) if a]
+    if shown:
+        ax.scatter(
+            [a for _, a in shown],
+            [i for i, _ in shown],
+            marker="D",
+            s=22,
+            color="black",
+            zorder=3,
+            label="analytic total",
+        )
 
 
 def _left(report: Report, part: str) -> float:
