@@ -132,8 +132,12 @@ def test_a_blocks_collectives_name_the_models_line_and_the_block():
     kv = {t.term: t for t in cp.wire_terms}["context-parallel K/V"]
     assert set(map(id, kv.collectives)) == set(map(id, ring))
     fsdp = models.report(sk.Plan("fsdp"), models.get("gpt-tiny"), batch=8, seq=32)
-    gathers = [c for c in fsdp.collectives if c.kind == "all-gather"]
-    assert gathers and all(c.source.startswith("gpt.py:") for c in gathers)
+    # The weights' gathers: at the reference model's own lines (gpt.py; jax 0.12 books the
+    # tied table's gather at the constraint in models/model.py that pins what Model.loss
+    # reads). A gather of the targets (no logical axes) is not a weight's.
+    gathers = [c for c in fsdp.collectives if c.kind == "all-gather" and c.logical]
+    assert len(gathers) > 10
+    assert {c.source.split(":")[0] for c in gathers} <= {"gpt.py", "model.py"}
     assert not any(c.block.startswith("tsp") for c in fsdp.collectives)
 
 
