@@ -90,6 +90,27 @@ class ModelDims:
                 f"ModelDims: n_heads {self.n_heads} is not a multiple of n_kv_heads "
                 f"{self.n_kv_heads}.\nFix: declare n_kv_heads dividing n_heads."
             )
+        for field, value in (
+            ("in_projections", self.in_projections),
+            ("max_seq", self.max_seq),
+            ("loss_chunks", self.loss_chunks),
+        ):
+            optional = field != "in_projections" and value is None
+            if not optional and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise ShardingError(
+                    f"ModelDims({field}={value!r}): {field} must be a positive int"
+                    f"{'' if field == 'in_projections' else ' or None'}.\n"
+                    f"Fix: declare {field} as a positive integer"
+                    f"{'' if field == 'in_projections' else ', or leave it out'}."
+                )
+        for field in ("tied_embedding", "position_table", "gated_mlp", "biases", "chunked_head"):
+            if not isinstance(getattr(self, field), bool):
+                raise ShardingError(
+                    f"ModelDims({field}={getattr(self, field)!r}): {field} is True or False.\n"
+                    f"Fix: pass {field}=True or {field}=False."
+                )
         if self.norm not in ("layernorm", "rmsnorm"):
             raise ShardingError(
                 f"ModelDims(norm={self.norm!r}): norm is 'layernorm' or 'rmsnorm'.\n"

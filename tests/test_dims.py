@@ -61,6 +61,10 @@ def test_hand_count_tied_with_positions_and_biases():
         ({"n_kv_heads": 3}, "not a multiple of n_kv_heads"),
         ({"norm": "batchnorm"}, "norm is 'layernorm' or 'rmsnorm'"),
         ({"position_table": True}, "needs max_seq"),
+        ({"in_projections": 0}, "in_projections must be a positive int"),
+        ({"max_seq": "2048"}, "max_seq must be a positive int or None"),
+        ({"loss_chunks": 0}, "loss_chunks must be a positive int or None"),
+        ({"gated_mlp": "yes"}, "gated_mlp is True or False"),
     ],
 )
 def test_bad_declarations_name_the_field_and_the_fix(kwargs, match):
