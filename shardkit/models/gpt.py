@@ -89,7 +89,7 @@ class CausalSelfAttention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
         cfg = self.config
 
         # One fused projection (as GPT-2's c_attn): under tensor parallelism the input
@@ -105,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         )(x)
         qkv = constrain(qkv, ("batch", "length", None, "heads", "kv"))
         q, k, v = (constrain(qkv[:, :, i], HEADS) for i in range(3))
-        y = constrain(causal_attention(q, k, v), HEADS)
+        y = constrain(causal_attention(q, k, v, positions=positions), HEADS)
         return nn.DenseGeneral(
             cfg.d_model,
             axis=(-2, -1),
@@ -175,11 +175,12 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, positions: Any = None) -> tuple[jax.Array, None]:
         cfg = self.config
         norm = dict(epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype)
         x = constrain(x, RESIDUAL)
-        x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(**norm, name="ln_1")(x))
+        attn = CausalSelfAttention(cfg, name="attn")
+        x = x + attn(nn.LayerNorm(**norm, name="ln_1")(x), positions)
         x = constrain(x, RESIDUAL)
         x = x + Mlp(cfg, name="mlp")(nn.LayerNorm(**norm, name="ln_2")(x))
         return constrain(x, RESIDUAL), None
@@ -208,10 +209,13 @@ class GPT(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, targets: jax.Array | None = None, positions: Any = None
+    ) -> jax.Array:
         """Logits ``f32[batch, seq, vocab]``; with ``targets``, the cross-entropy of each
         token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
-        are never held whole)."""
+        are never held whole). ``positions`` (``int[batch, seq]``, default in order):
+        each token's position, for a batch placed in another order (:mod:`shardkit.balance`)."""
         cfg = self.config
         seq = tokens.shape[-1]
         if seq > cfg.max_seq:
@@ -246,7 +250,9 @@ class GPT(nn.Module):
         x = vocab_ring_lookup(weight, tokens, TABLE) if table.n == 1 else None  # TSP's ring
         if x is None:
             x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
-        x = x + wpe(jnp.arange(seq)[None, :])
+        if positions is not None:
+            positions = constrain(positions, ("batch", "length"))
+        x = x + wpe(jnp.arange(seq)[None, :] if positions is None else positions)
         x = constrain(x.astype(cfg.compute_dtype), RESIDUAL)
 
         block: Any = Block
@@ -259,11 +265,12 @@ class GPT(nn.Module):
                 split_rngs={"params": True},
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
+                in_axes=nn.broadcast,
             )
-            x, _ = stack(cfg, name="layers")(x)
+            x, _ = stack(cfg, name="layers")(x, positions)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, name=f"layers_{i}")(x)
+                x, _ = block(cfg, name=f"layers_{i}")(x, positions)
 
         x = nn.LayerNorm(epsilon=LN_EPS, name="ln_f", **embed)(x)
 

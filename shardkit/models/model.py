@@ -183,8 +183,12 @@ class Model:
           >>> jax.eval_shape(model.loss, params, {"inputs": t, "targets": t}).shape
           ()
         """
-        mean = lambda p, i, t: self._forward(p, i, t).mean()  # noqa: E731
-        return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"])
+        positions = batch.get("positions")  # a balanced placement's (shardkit.balance)
+        if positions is None:
+            mean = lambda p, i, t: self._forward(p, i, t).mean()  # noqa: E731
+            return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"])
+        mean = lambda p, i, t, pos: self._forward(p, i, t, pos).mean()  # noqa: E731
+        return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"], positions)
 
     def stages(self) -> Stages:
         """The model cut into embedding, blocks and head, for a pipeline.
@@ -280,10 +284,12 @@ class Model:
         )
         return Stages(pre, remat(block), post, post_grad=post_grad)
 
-    def _forward(self, params: Any, tokens: jax.Array, targets: jax.Array | None = None):
+    def _forward(
+        self, params: Any, tokens: jax.Array, targets: jax.Array | None = None, positions=None
+    ):
         if self.config.family == "gpt":
-            return self.module.apply({"params": params}, tokens, targets)
-        return nnx.merge(self._graphdef, params)(tokens, targets)
+            return self.module.apply({"params": params}, tokens, targets, positions)
+        return nnx.merge(self._graphdef, params)(tokens, targets, positions)
 
 
 def names() -> list[str]:

@@ -26,10 +26,15 @@ from shardkit.workload import Workload
 __all__ = ["report", "token_batch"]
 
 
-def token_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
-    """An abstract ``{"inputs", "targets"}`` batch of ``int32[batch, seq]`` tokens."""
+def token_batch(batch: int, seq: int, plan: Any = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """An abstract ``{"inputs", "targets"}`` batch of ``int32[batch, seq]`` tokens, and
+    ``"positions"`` where ``plan`` places its batches in a balanced order
+    (:meth:`shardkit.Plan.shard_batch`)."""
     tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
-    return {"inputs": tokens, "targets": tokens}
+    out = {"inputs": tokens, "targets": tokens}
+    if plan is not None and plan.balance_order(seq) is not None:
+        out["positions"] = tokens
+    return out
 
 
 def report(
@@ -76,7 +81,7 @@ def report(
     return plan.report(
         train.train_step(model, tx),
         abstract,
-        token_batch(batch, seq),
+        token_batch(batch, seq, plan),
         workload=workload,
         dims=model.dims,
         **kwargs,

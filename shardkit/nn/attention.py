@@ -68,10 +68,17 @@ from shardkit import context
 from shardkit.annotate.constrain import constrain, current_activation_rules, is_explicit
 from shardkit.context import AttentionStrategy
 from shardkit.errors import ShardingError
+from shardkit.nn.ulysses import check_heads, ulysses_attention
 from shardkit.rules import Rules
 from shardkit.scopes import block
 
-__all__ = ["AttentionStrategy", "causal_attention", "current_attention", "use_attention"]
+__all__ = [
+    "AttentionStrategy",
+    "causal_attention",
+    "current_attention",
+    "keep_mask",
+    "use_attention",
+]
 
 _LOGICAL = ("batch", "length", "heads", "kv")
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -108,14 +115,34 @@ def _heads(x: jax.Array, heads: int) -> jax.Array:
     return x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2)
 
 
+def keep_mask(qpos: jax.Array, kpos: jax.Array) -> jax.Array:
+    """The causal mask of queries at ``qpos`` against keys at ``kpos``: ``kpos <= qpos``.
+
+    1-D positions give ``[q, k]``; ``[batch, q]`` and ``[batch, k]`` positions (a batch's
+    own, as placed: :mod:`shardkit.balance`) give ``[batch, 1, q, k]``, broadcast over the
+    heads of ``[batch, heads, q, k]`` scores. It depends on the positions alone, not on
+    where the tokens lie, so any permutation of the tokens that carries its positions
+    along computes the same attention.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> keep_mask(jnp.array([[1, 0]]), jnp.array([[1, 0]])).astype(int).tolist()
+      [[[[1, 1], [0, 1]]]]
+    """
+    if qpos.ndim == 1:
+        return qpos[:, None] >= kpos[None, :]
+    return qpos[:, None, :, None] >= kpos[:, None, None, :]
+
+
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array, pin=None):
     """Softmax attention of ``q`` to ``k``/``v``, masked to ``kpos <= qpos``, f32 [b,q,h,d].
 
+    Positions are 1-D (one layout for every row) or ``[batch, seq]`` (:func:`keep_mask`).
     ``pin`` constrains the [b, h, q, k] scores (outside ``shard_map`` only).
     """
     k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     scores = _scores(q, k) if pin is None else pin(_scores(q, k))
-    keep = qpos[:, None] >= kpos[None, :]
+    keep = keep_mask(qpos, kpos)
     if v.dtype == jnp.float32:
         p = jax.nn.softmax(jnp.where(keep, scores, _NEG), axis=-1)
     else:  # mixed precision: keep the probabilities for the backward in v's dtype only
@@ -158,7 +185,7 @@ def _masked_softmax_bwd(dtype, res, g):
 masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
 
 
-def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def _dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: Any = None) -> jax.Array:
     """The reference; K/V sharded on length by an Explicit mesh are gathered first.
 
     GQA's K/V are repeated to the query heads here (GSPMD lays out the dense einsum).
@@ -166,11 +193,12 @@ def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     if k.shape != q.shape:
         k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
     k, v = (_unshard_length(x) for x in (k, v))
-    pos = jnp.arange(q.shape[1])
+    pos = jnp.arange(q.shape[1]) if positions is None else positions
     # Scores keep the heads' layout; left free, XLA may reshard them between the forward
     # and backward passes (all-to-alls under tensor + sequence parallelism).
     pin = functools.partial(constrain, logical=("batch", "heads", "length", None))
-    return _attend(q, k, v, pos, pos, pin).astype(q.dtype)
+    kpos = pos if positions is None else _unshard_length(positions)
+    return _attend(q, k, v, pos, kpos, pin).astype(q.dtype)
 
 
 def _repeat_heads(x: jax.Array, heads: int) -> jax.Array:
@@ -262,13 +290,74 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax
     return _zigzag(out[None], axis, n, inverse=True)[0]
 
 
+@block("attention.ring")
+def _ring_placed(
+    q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, *, axis: str, n: int
+) -> jax.Array:
+    """Per-device body of ring attention over tokens as placed, masked by their positions.
+
+    The tokens arrive in whatever order the batch was placed in (the zigzag order of
+    :func:`shardkit.balance.zigzag_order`, or a packed split's): nothing is reordered.
+    The K/V blocks travel the ring with their positions (``int32[b, s/N]``, beside the
+    ``2·b·(s/N)·h_kv`` values). Each local block is cut in two chunks and every pair of a
+    query chunk and a key chunk runs only if one of its pairs is unmasked
+    (``lax.cond``): under the zigzag order, 2 of the 4 pairs of every other device's
+    block and 3 of the device's own, the work the static zigzag ring does.
+    """
+    b, s, h, d = q.shape
+    c = s // 2
+    qs, ps = (q[:, :c], q[:, c:]), (pos[:, :c], pos[:, c:])
+    zero = jnp.zeros_like(q[:, :c], jnp.float32).transpose(0, 2, 1, 3)  # varying, as q
+    init = (zero[..., 0] + _NEG, zero[..., 0], zero)
+
+    def pair(carry: tuple, a: int, kv: jax.Array, kpos: jax.Array, j: int) -> tuple:
+        part = slice(j * c, (j + 1) * c)
+        kc, vc, keep = kv[0, :, part], kv[1, :, part], keep_mask(ps[a], kpos[:, part])
+        return jax.lax.cond(
+            keep.any(), lambda x: _online(x, qs[a], kc, vc, keep), lambda x: x, carry
+        )
+
+    @functools.partial(jax.checkpoint, static_argnums=(3,))
+    def fold(carries: tuple, kv: jax.Array, kpos: jax.Array, own: bool) -> tuple:
+        out = []
+        for a in (0, 1):  # own block: the diagonal chunk first, so every row has a maximum
+            carry = carries[a]
+            for j in (a, 1 - a) if own else (0, 1):
+                carry = pair(carry, a, kv, kpos, j)
+            out.append(carry)
+        return tuple(out)
+
+    kv = jnp.stack([k, v])
+    carries = fold((init, init), kv, pos, True)
+
+    def step(_: jax.Array, state: tuple) -> tuple:
+        kv, kpos, carries = state
+        perm = [(j, (j + 1) % n) for j in range(n)]
+        kv, kpos = jax.lax.ppermute(kv, axis, perm), jax.lax.ppermute(kpos, axis, perm)
+        return kv, kpos, fold(carries, kv, kpos, False)
+
+    _, _, carries = jax.lax.fori_loop(1, n, step, (kv, pos, carries))
+    out = jnp.concatenate([acc / denom[..., None] for _, denom, acc in carries], axis=2)
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
 @block("attention.all_gather_kv")
-def _allgather(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
+def _allgather(
+    q: jax.Array, k: jax.Array, v: jax.Array, pos: Any = None, *, axis: str, n: int
+) -> jax.Array:
     """Per-device body of all-gather attention: local queries against the full K/V."""
     k, v = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
     s = q.shape[1]
+    if pos is not None:  # the tokens as placed: their positions gathered with K/V
+        return _attend(q, k, v, pos, jax.lax.all_gather(pos, axis, axis=1, tiled=True)).astype(
+            q.dtype
+        )
     qpos = jax.lax.axis_index(axis) * s + jnp.arange(s)
     return _attend(q, k, v, qpos, jnp.arange(n * s)).astype(q.dtype)
+
+
+#: Ulysses' body (:mod:`shardkit.nn.ulysses`), attending locally as every strategy does.
+_ulysses = functools.partial(ulysses_attention, attend=_attend)
 
 
 def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
@@ -286,7 +375,9 @@ def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
 
 
 @block("attention")
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None
+) -> jax.Array:
     """Causal softmax attention with the strategy of the active ``use_attention``.
 
     Args:
@@ -295,6 +386,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         reads K/V head ``i // (heads / kv_heads)``). Ring and all-gather attention move
         K/V with their own heads and repeat them on arrival, so GQA sends
         ``kv_heads / heads`` of the bytes; dense attention repeats them first.
+      positions: ``int[batch, seq]``, each token's position in its sequence, laid out as
+        the tokens are (a batch placed in a balanced order: :mod:`shardkit.balance`).
+        The mask is ``kpos <= qpos`` and no strategy reorders anything. ``None``: the
+        tokens lie in order (``arange(seq)``); the ring then moves them into the zigzag
+        order and back inside every call.
 
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``; scores scaled by
@@ -302,7 +398,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
 
     Raises:
       ShardingError: mismatched shapes, or a sequence the strategy cannot split
-        (ring needs a multiple of 2N, allgather of N, N = size of the axis).
+        (ring needs a multiple of 2N, allgather and ulysses of N, N = size of the axis),
+        or heads that Ulysses cannot split.
     """
     grouped = (
         q.ndim == 4
@@ -319,10 +416,21 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             f"{k.shape}, {v.shape}.\nFix: give k and v the same shape, and as many heads as "
             "q or a divisor of that."
         )
+    if positions is not None and tuple(positions.shape) != tuple(q.shape[:2]):
+        raise ShardingError(
+            f"causal_attention: positions have shape {tuple(positions.shape)}, the tokens "
+            f"{tuple(q.shape[:2])} [batch, seq].\nFix: one position per token, laid out as "
+            "the tokens (shardkit.balance.balance_batch adds them)."
+        )
+    if positions is not None and not jnp.issubdtype(positions.dtype, jnp.integer):
+        raise ShardingError(
+            f"causal_attention: positions are integers, got {positions.dtype}.\nFix: "
+            "positions.astype(jnp.int32)."
+        )
     strategy, axis = current_attention()
     mesh = context.active_mesh()
     if strategy == "dense" or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
-        return _dense(q, k, v)
+        return _dense(q, k, v, positions)
     n = mesh.shape[axis]
     chunks = 2 * n if strategy == "ring" else n
     if q.shape[1] % chunks:
@@ -334,21 +442,37 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     spec = _spec(q.shape, mesh, axis)
     kv_spec = spec
     if k.shape != q.shape:
-        heads = spec[2] if len(spec) > 2 else None
-        split = math.prod(
-            mesh.shape[a] for a in ((heads,) if isinstance(heads, str) else heads or ())
-        )
+        split = _split(spec, mesh, 2)
         if k.shape[2] % split:  # the heads' devices do not divide K/V's: repeat them
             k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
         else:
             kv_spec = _spec(k.shape, mesh, axis)
+    if strategy == "ulysses":
+        check_heads(q.shape[2] // _split(spec, mesh, 2), k.shape[2] // _split(kv_spec, mesh, 2), n)
+    pos_spec = PartitionSpec(*tuple(spec)[:2])
     if is_explicit(mesh):
         q = jax.sharding.reshard(q, spec)
         k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
-    body = _ring if strategy == "ring" else _allgather
+        if positions is not None:
+            positions = jax.sharding.reshard(positions, pos_spec)
+    if positions is None:
+        body = {"ring": _ring, "allgather": _allgather, "ulysses": _ulysses}[strategy]
+        return jax.shard_map(
+            lambda q, k, v: body(q, k, v, axis=axis, n=n),
+            mesh=mesh,
+            in_specs=(spec, kv_spec, kv_spec),
+            out_specs=spec,
+        )(q, k, v)
+    body = {"ring": _ring_placed, "allgather": _allgather, "ulysses": _ulysses}[strategy]
     return jax.shard_map(
-        lambda q, k, v: body(q, k, v, axis=axis, n=n),
+        lambda q, k, v, p: body(q, k, v, p, axis=axis, n=n),
         mesh=mesh,
-        in_specs=(spec, kv_spec, kv_spec),
+        in_specs=(spec, kv_spec, kv_spec, pos_spec),
         out_specs=spec,
-    )(q, k, v)
+    )(q, k, v, positions)
+
+
+def _split(spec: PartitionSpec, mesh: Any, dim: int) -> int:
+    """Devices that split dimension ``dim`` under ``spec``."""
+    entry = tuple(spec)[dim] if len(spec) > dim else None
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))

@@ -36,11 +36,16 @@ def rope_tables(seq: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate ``x[batch, seq, heads, head_dim]`` by position (half-split pairs), in f32.
 
+    ``cos``/``sin`` are ``[seq, head_dim // 2]`` (one table for every row) or
+    ``[batch, seq, head_dim // 2]`` (each row's own positions, e.g. a balanced placement's).
+
     Example:
       >>> x = jnp.ones((1, 4, 2, 8))
       >>> bool(jnp.allclose(apply_rope(x, *rope_tables(4, 8))[:, 0], x[:, 0]))
       True
     """
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    if cos.ndim == 2:
+        cos, sin = cos[None], sin[None]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)

@@ -335,6 +335,8 @@ def _tsp_costs(
         vocab=w.vocab,
         tables=vocab_tables,
         terms=terms,
+        attention=recipe.attention,
+        zigzag=recipe.balance != "zigzag",
     )
     notes += [
         f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
