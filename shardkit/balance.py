@@ -6,13 +6,13 @@ et al. 2023) cuts the sequence into 2N chunks and gives device i chunks i and 2N
 so every device attends as many unmasked pairs. Applied to the inputs and the targets
 of a batch on the host, once per step (:meth:`shardkit.Plan.shard_batch` does it when
 the recipe's ``balance`` is ``"zigzag"``), with each token's position carried in
-``batch["positions"]``, no layer pays a reorder collective: the model reads the
-positions (GPT's position table, Llama's rotary angles) and attention masks by them
-(:func:`shardkit.nn.attention.keep_mask`). The mean loss over tokens does not depend on
-their order.
+``batch["positions"]`` and its document in ``batch["segment_ids"]`` (1: each row one
+document), no layer pays a reorder collective: the model reads the positions (GPT's
+position table, Llama's rotary angles) and attention masks by them
+(:func:`shardkit.nn.segments.segment_mask`), as for packed rows
+(:mod:`shardkit.packing`). The mean loss over tokens does not depend on their order.
 
-Any other permutation works the same way (:func:`balance_batch` takes one), e.g. a split
-of packed rows balanced by attention work.
+Any other permutation works the same way (:func:`balance_batch` takes one).
 
 Example:
   >>> import numpy as np
@@ -20,8 +20,8 @@ Example:
   [0, 1, 6, 7, 2, 3, 4, 5]
   >>> b = balance_batch({"inputs": np.arange(8)[None], "targets": np.arange(1, 9)[None]},
   ...                   zigzag_order(8, 2))
-  >>> b["inputs"].tolist(), b["positions"].tolist()
-  ([[0, 1, 6, 7, 2, 3, 4, 5]], [[0, 1, 6, 7, 2, 3, 4, 5]])
+  >>> b["inputs"].tolist(), b["positions"].tolist(), b["segment_ids"].tolist()
+  ([[0, 1, 6, 7, 2, 3, 4, 5]], [[0, 1, 6, 7, 2, 3, 4, 5]], [[1, 1, 1, 1, 1, 1, 1, 1]])
 """
 
 from __future__ import annotations
@@ -33,10 +33,12 @@ import numpy as np
 
 from shardkit.errors import ShardingError
 
-__all__ = ["POSITIONS", "balance_batch", "zigzag_order"]
+__all__ = ["POSITIONS", "SEGMENT_IDS", "balance_batch", "zigzag_order"]
 
 #: The batch entry holding each token's position, ``int32[rows, seq]``.
 POSITIONS = "positions"
+#: The batch entry holding each token's document (1, 2, ...; 0: padding).
+SEGMENT_IDS = "segment_ids"
 
 
 def zigzag_order(seq: int, n: int) -> np.ndarray:
@@ -64,8 +66,9 @@ def zigzag_order(seq: int, n: int) -> np.ndarray:
 
 def balance_batch(batch: Mapping[str, Any], order: np.ndarray) -> dict[str, Any]:
     """``batch`` with every ``[rows, seq, ...]`` array reordered along ``seq`` by ``order``,
-    and ``batch["positions"]`` the tokens' positions in the same order (a batch that
-    has positions keeps them, reordered; one without gets ``order`` itself).
+    ``batch["positions"]`` the tokens' positions in the same order and
+    ``batch["segment_ids"]`` their documents (a batch that has them keeps them,
+    reordered; one without gets ``order`` itself and one document per row).
 
     Arrays of another rank or length (per-row weights, a step key) pass unchanged.
 
@@ -99,4 +102,6 @@ def balance_batch(batch: Mapping[str, Any], order: np.ndarray) -> dict[str, Any]
             )
     else:
         out[POSITIONS] = np.broadcast_to(order.astype(np.int32), (rows, seq)).copy()
+    if SEGMENT_IDS not in batch:
+        out[SEGMENT_IDS] = np.ones((rows, seq), np.int32)
     return out

@@ -393,11 +393,13 @@ class Plan:
         return zigzag_order(seq, self.mesh.shape[axis])
 
     def balance_batch(self, host_batch: Any) -> Any:
-        """``host_batch`` in :meth:`balance_order`, with ``"positions"``
-        (:func:`shardkit.balance.balance_batch`); unchanged where the recipe does not
-        balance or the batch is not a ``{"inputs": [rows, seq], ...}`` dict."""
+        """``host_batch`` in :meth:`balance_order`, with ``"positions"`` and
+        ``"segment_ids"`` (:func:`shardkit.balance.balance_batch`); unchanged where the
+        recipe does not balance, the batch is not a ``{"inputs": [rows, seq], ...}``
+        dict, or it is packed already (``"segment_ids"``: its packer placed it,
+        :func:`shardkit.packing.balance_permutation`)."""
         inputs = host_batch.get("inputs") if isinstance(host_batch, Mapping) else None
-        if inputs is None or np.ndim(inputs) != 2:
+        if inputs is None or np.ndim(inputs) != 2 or "segment_ids" in host_batch:
             return host_batch
         order = self.balance_order(np.shape(inputs)[1])
         return host_batch if order is None else balance_batch(host_batch, order)

@@ -28,12 +28,12 @@ __all__ = ["report", "token_batch"]
 
 def token_batch(batch: int, seq: int, plan: Any = None) -> dict[str, jax.ShapeDtypeStruct]:
     """An abstract ``{"inputs", "targets"}`` batch of ``int32[batch, seq]`` tokens, and
-    ``"positions"`` where ``plan`` places its batches in a balanced order
-    (:meth:`shardkit.Plan.shard_batch`)."""
+    ``"positions"`` and ``"segment_ids"`` where ``plan`` places its batches in a balanced
+    order (:meth:`shardkit.Plan.shard_batch`)."""
     tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
     out = {"inputs": tokens, "targets": tokens}
     if plan is not None and plan.balance_order(seq) is not None:
-        out["positions"] = tokens
+        out["positions"] = out["segment_ids"] = tokens
     return out
 
 

@@ -68,15 +68,16 @@ from shardkit import context
 from shardkit.annotate.constrain import constrain, current_activation_rules, is_explicit
 from shardkit.context import AttentionStrategy
 from shardkit.errors import ShardingError
+from shardkit.nn.segments import Segments, check_segments, segment_mask
 from shardkit.nn.ulysses import check_heads, ulysses_attention
 from shardkit.rules import Rules
 from shardkit.scopes import block
 
 __all__ = [
     "AttentionStrategy",
+    "Segments",
     "causal_attention",
     "current_attention",
-    "keep_mask",
     "use_attention",
 ]
 
@@ -115,34 +116,14 @@ def _heads(x: jax.Array, heads: int) -> jax.Array:
     return x if x.shape[2] == heads else jnp.repeat(x, heads // x.shape[2], axis=2)
 
 
-def keep_mask(qpos: jax.Array, kpos: jax.Array) -> jax.Array:
-    """The causal mask of queries at ``qpos`` against keys at ``kpos``: ``kpos <= qpos``.
-
-    1-D positions give ``[q, k]``; ``[batch, q]`` and ``[batch, k]`` positions (a batch's
-    own, as placed: :mod:`shardkit.balance`) give ``[batch, 1, q, k]``, broadcast over the
-    heads of ``[batch, heads, q, k]`` scores. It depends on the positions alone, not on
-    where the tokens lie, so any permutation of the tokens that carries its positions
-    along computes the same attention.
-
-    Example:
-      >>> import jax.numpy as jnp
-      >>> keep_mask(jnp.array([[1, 0]]), jnp.array([[1, 0]])).astype(int).tolist()
-      [[[[1, 1], [0, 1]]]]
-    """
-    if qpos.ndim == 1:
-        return qpos[:, None] >= kpos[None, :]
-    return qpos[:, None, :, None] >= kpos[:, None, None, :]
-
-
 def _attend(q: jax.Array, k: jax.Array, v: jax.Array, qpos: jax.Array, kpos: jax.Array, pin=None):
     """Softmax attention of ``q`` to ``k``/``v``, masked to ``kpos <= qpos``, f32 [b,q,h,d].
 
-    Positions are 1-D (one layout for every row) or ``[batch, seq]`` (:func:`keep_mask`).
     ``pin`` constrains the [b, h, q, k] scores (outside ``shard_map`` only).
     """
     k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     scores = _scores(q, k) if pin is None else pin(_scores(q, k))
-    keep = keep_mask(qpos, kpos)
+    keep = qpos[:, None] >= kpos[None, :]
     if v.dtype == jnp.float32:
         p = jax.nn.softmax(jnp.where(keep, scores, _NEG), axis=-1)
     else:  # mixed precision: keep the probabilities for the backward in v's dtype only
@@ -185,7 +166,7 @@ def _masked_softmax_bwd(dtype, res, g):
 masked_softmax.defvjp(_masked_softmax_fwd, _masked_softmax_bwd)
 
 
-def _dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: Any = None) -> jax.Array:
+def _dense(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     """The reference; K/V sharded on length by an Explicit mesh are gathered first.
 
     GQA's K/V are repeated to the query heads here (GSPMD lays out the dense einsum).
@@ -193,12 +174,11 @@ def _dense(q: jax.Array, k: jax.Array, v: jax.Array, positions: Any = None) -> j
     if k.shape != q.shape:
         k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
     k, v = (_unshard_length(x) for x in (k, v))
-    pos = jnp.arange(q.shape[1]) if positions is None else positions
+    pos = jnp.arange(q.shape[1])
     # Scores keep the heads' layout; left free, XLA may reshard them between the forward
     # and backward passes (all-to-alls under tensor + sequence parallelism).
     pin = functools.partial(constrain, logical=("batch", "heads", "length", None))
-    kpos = pos if positions is None else _unshard_length(positions)
-    return _attend(q, k, v, pos, kpos, pin).astype(q.dtype)
+    return _attend(q, k, v, pos, pos, pin).astype(q.dtype)
 
 
 def _repeat_heads(x: jax.Array, heads: int) -> jax.Array:
@@ -290,74 +270,118 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax
     return _zigzag(out[None], axis, n, inverse=True)[0]
 
 
-@block("attention.ring")
-def _ring_placed(
-    q: jax.Array, k: jax.Array, v: jax.Array, pos: jax.Array, *, axis: str, n: int
-) -> jax.Array:
-    """Per-device body of ring attention over tokens as placed, masked by their positions.
-
-    The tokens arrive in whatever order the batch was placed in (the zigzag order of
-    :func:`shardkit.balance.zigzag_order`, or a packed split's): nothing is reordered.
-    The K/V blocks travel the ring with their positions (``int32[b, s/N]``, beside the
-    ``2·b·(s/N)·h_kv`` values). Each local block is cut in two chunks and every pair of a
-    query chunk and a key chunk runs only if one of its pairs is unmasked
-    (``lax.cond``): under the zigzag order, 2 of the 4 pairs of every other device's
-    block and 3 of the device's own, the work the static zigzag ring does.
-    """
-    b, s, h, d = q.shape
-    c = s // 2
-    qs, ps = (q[:, :c], q[:, c:]), (pos[:, :c], pos[:, c:])
-    zero = jnp.zeros_like(q[:, :c], jnp.float32).transpose(0, 2, 1, 3)  # varying, as q
-    init = (zero[..., 0] + _NEG, zero[..., 0], zero)
-
-    def pair(carry: tuple, a: int, kv: jax.Array, kpos: jax.Array, j: int) -> tuple:
-        part = slice(j * c, (j + 1) * c)
-        kc, vc, keep = kv[0, :, part], kv[1, :, part], keep_mask(ps[a], kpos[:, part])
-        return jax.lax.cond(
-            keep.any(), lambda x: _online(x, qs[a], kc, vc, keep), lambda x: x, carry
-        )
-
-    @functools.partial(jax.checkpoint, static_argnums=(3,))
-    def fold(carries: tuple, kv: jax.Array, kpos: jax.Array, own: bool) -> tuple:
-        out = []
-        for a in (0, 1):  # own block: the diagonal chunk first, so every row has a maximum
-            carry = carries[a]
-            for j in (a, 1 - a) if own else (0, 1):
-                carry = pair(carry, a, kv, kpos, j)
-            out.append(carry)
-        return tuple(out)
-
-    kv = jnp.stack([k, v])
-    carries = fold((init, init), kv, pos, True)
-
-    def step(_: jax.Array, state: tuple) -> tuple:
-        kv, kpos, carries = state
-        perm = [(j, (j + 1) % n) for j in range(n)]
-        kv, kpos = jax.lax.ppermute(kv, axis, perm), jax.lax.ppermute(kpos, axis, perm)
-        return kv, kpos, fold(carries, kv, kpos, False)
-
-    _, _, carries = jax.lax.fori_loop(1, n, step, (kv, pos, carries))
-    out = jnp.concatenate([acc / denom[..., None] for _, denom, acc in carries], axis=2)
-    return out.transpose(0, 2, 1, 3).astype(q.dtype)
-
-
 @block("attention.all_gather_kv")
-def _allgather(
-    q: jax.Array, k: jax.Array, v: jax.Array, pos: Any = None, *, axis: str, n: int
-) -> jax.Array:
+def _allgather(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
     """Per-device body of all-gather attention: local queries against the full K/V."""
     k, v = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
     s = q.shape[1]
-    if pos is not None:  # the tokens as placed: their positions gathered with K/V
-        return _attend(q, k, v, pos, jax.lax.all_gather(pos, axis, axis=1, tiled=True)).astype(
-            q.dtype
-        )
     qpos = jax.lax.axis_index(axis) * s + jnp.arange(s)
     return _attend(q, k, v, qpos, jnp.arange(n * s)).astype(q.dtype)
 
 
-#: Ulysses' body (:mod:`shardkit.nn.ulysses`), attending locally as every strategy does.
-_ulysses = functools.partial(ulysses_attention, attend=_attend)
+# -- packed rows: segment ids and positions (shardkit.nn.segments) ----------------------
+def _softmax_pv(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, pin=None):
+    """Softmax attention of ``q`` to ``k``/``v`` where ``keep`` [b, q, k] holds, f32 [b,q,h,d]."""
+    k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
+    scores = _scores(q, k) if pin is None else pin(_scores(q, k))
+    keep = keep[:, None]
+    if v.dtype == jnp.float32:
+        p = jax.nn.softmax(jnp.where(keep, scores, _NEG), axis=-1)
+    else:
+        p = masked_softmax(scores, jnp.broadcast_to(keep, scores.shape), v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _dense_packed(q: jax.Array, k: jax.Array, v: jax.Array, seg: Segments) -> jax.Array:
+    """The reference for packed rows: the block-diagonal causal mask over the whole row."""
+    if k.shape != q.shape:
+        k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
+    k, v = (_unshard_length(x) for x in (k, v))
+    kseg = Segments(*(_unshard_length(x) for x in seg))
+    pin = functools.partial(constrain, logical=("batch", "heads", "length", None))
+    return _softmax_pv(q, k, v, segment_mask(seg, kseg), pin).astype(q.dtype)
+
+
+@block("attention.all_gather_kv")
+def _allgather_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
+    """All-gather attention of packed rows: K/V gathered with their segment ids and positions."""
+    k, v = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
+    kseg = Segments(*jax.lax.all_gather(jnp.stack(seg), axis, axis=2, tiled=True))
+    return _softmax_pv(q, k, v, segment_mask(seg, kseg)).astype(q.dtype)
+
+
+@block("attention.ring")
+def _ring_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
+    """Ring attention of packed rows, in the layout the batch was placed in (no reorder).
+
+    Each K/V block travels with its segment ids and positions. Every local block is cut
+    in two chunks, and each pair of a query chunk and a K/V chunk in which no query may
+    attend any key (other documents, or only later positions) is skipped (``lax.cond``):
+    nothing of it is computed. The batch's placement decides the balance: under the
+    zigzag order (:mod:`shardkit.balance`) 2 of the 4 pairs of every other rank's block
+    run, and 3 of the own block's, the static zigzag ring's work; packed rows balanced by
+    :func:`shardkit.packing.balance_permutation`, or contiguous.
+    """
+    b, s, h, d = q.shape
+    c = s // 2
+    qs = (q[:, :c], q[:, c:])
+    qseg = tuple(Segments(seg.ids[:, p], seg.positions[:, p]) for p in (slice(0, c), slice(c, s)))
+    zero = jnp.zeros_like(q[:, :c], jnp.float32).transpose(0, 2, 1, 3)  # varies as q does
+    init = (zero[..., 0] + _NEG, zero[..., 0], zero)
+
+    def pair(carry: tuple, a: int, kv: jax.Array, kseg: jax.Array, j: int) -> tuple:
+        part = slice(j * c, (j + 1) * c)
+        keep = segment_mask(qseg[a], Segments(kseg[0, :, part], kseg[1, :, part]))
+        return jax.lax.cond(
+            keep.any(),
+            lambda x: _online(x, qs[a], kv[0, :, part], kv[1, :, part], keep[:, None]),
+            lambda x: x,
+            carry,
+        )
+
+    @functools.partial(jax.checkpoint, static_argnums=(3,))
+    def fold(carries: tuple, kv: jax.Array, kseg: jax.Array, own: bool) -> tuple:
+        out = []
+        for a in (0, 1):  # own block: the diagonal chunk first, so every row has a maximum
+            carry = carries[a]
+            for j in (a, 1 - a) if own else (0, 1):
+                carry = pair(carry, a, kv, kseg, j)
+            out.append(carry)
+        return tuple(out)
+
+    kv, kseg = jnp.stack([k, v]), jnp.stack(seg)
+    carries = fold((init, init), kv, kseg, True)
+
+    def step(t: jax.Array, state: tuple) -> tuple:
+        kv, kseg, carries = state
+        kv, kseg = jax.lax.ppermute((kv, kseg), axis, [(j, (j + 1) % n) for j in range(n)])
+        return kv, kseg, fold(carries, kv, kseg, False)
+
+    _, _, carries = jax.lax.fori_loop(1, n, step, (kv, kseg, carries))
+    out = jnp.concatenate(
+        [acc / jnp.where(denom > 0, denom, 1.0)[..., None] for _, denom, acc in carries], axis=2
+    )  # padding: no key at all
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def _ulysses_plain(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
+    """Ulysses (:mod:`shardkit.nn.ulysses`) over tokens in order: the causal mask."""
+
+    def attend(q, k, v, _):
+        pos = jnp.arange(q.shape[1])
+        return _attend(q, k, v, pos, pos)
+
+    return ulysses_attention(q, k, v, axis=axis, n=n, attend=attend)
+
+
+def _ulysses_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
+    """Ulysses over packed (or reordered) rows: the segment ids and positions gathered."""
+
+    def attend(q, k, v, seg):
+        whole = Segments(*seg)
+        return _softmax_pv(q, k, v, segment_mask(whole, whole))
+
+    return ulysses_attention(q, k, v, tuple(seg), axis=axis, n=n, attend=attend)
 
 
 def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
@@ -376,7 +400,7 @@ def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
 
 @block("attention")
 def causal_attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None
+    q: jax.Array, k: jax.Array, v: jax.Array, *, segments: Segments | None = None
 ) -> jax.Array:
     """Causal softmax attention with the strategy of the active ``use_attention``.
 
@@ -386,11 +410,11 @@ def causal_attention(
         reads K/V head ``i // (heads / kv_heads)``). Ring and all-gather attention move
         K/V with their own heads and repeat them on arrival, so GQA sends
         ``kv_heads / heads`` of the bytes; dense attention repeats them first.
-      positions: ``int[batch, seq]``, each token's position in its sequence, laid out as
-        the tokens are (a batch placed in a balanced order: :mod:`shardkit.balance`).
-        The mask is ``kpos <= qpos`` and no strategy reorders anything. ``None``: the
-        tokens lie in order (``arange(seq)``); the ring then moves them into the zigzag
-        order and back inside every call.
+      segments: packed rows: ``Segments(ids, positions)``, integer ``[batch, seq]``
+        (:mod:`shardkit.nn.segments`): each token attends the earlier tokens of its own
+        document only (the block-diagonal causal mask). Every strategy honours it; the
+        ring then runs in the layout the batch was placed in (no zigzag reorder) and
+        skips the blocks with no unmasked pair. ``None``: one causal document per row.
 
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``; scores scaled by
@@ -398,8 +422,7 @@ def causal_attention(
 
     Raises:
       ShardingError: mismatched shapes, or a sequence the strategy cannot split
-        (ring needs a multiple of 2N, allgather and ulysses of N, N = size of the axis),
-        or heads that Ulysses cannot split.
+        (ring needs a multiple of 2N, allgather of N, N = size of the axis).
     """
     grouped = (
         q.ndim == 4
@@ -416,21 +439,12 @@ def causal_attention(
             f"{k.shape}, {v.shape}.\nFix: give k and v the same shape, and as many heads as "
             "q or a divisor of that."
         )
-    if positions is not None and tuple(positions.shape) != tuple(q.shape[:2]):
-        raise ShardingError(
-            f"causal_attention: positions have shape {tuple(positions.shape)}, the tokens "
-            f"{tuple(q.shape[:2])} [batch, seq].\nFix: one position per token, laid out as "
-            "the tokens (shardkit.balance.balance_batch adds them)."
-        )
-    if positions is not None and not jnp.issubdtype(positions.dtype, jnp.integer):
-        raise ShardingError(
-            f"causal_attention: positions are integers, got {positions.dtype}.\nFix: "
-            "positions.astype(jnp.int32)."
-        )
+    if segments is not None:
+        segments = check_segments(segments, q.shape, "causal_attention")
     strategy, axis = current_attention()
     mesh = context.active_mesh()
     if strategy == "dense" or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
-        return _dense(q, k, v, positions)
+        return _dense(q, k, v) if segments is None else _dense_packed(q, k, v, segments)
     n = mesh.shape[axis]
     chunks = 2 * n if strategy == "ring" else n
     if q.shape[1] % chunks:
@@ -442,37 +456,48 @@ def causal_attention(
     spec = _spec(q.shape, mesh, axis)
     kv_spec = spec
     if k.shape != q.shape:
-        split = _split(spec, mesh, 2)
+        heads = spec[2] if len(spec) > 2 else None
+        split = math.prod(
+            mesh.shape[a] for a in ((heads,) if isinstance(heads, str) else heads or ())
+        )
         if k.shape[2] % split:  # the heads' devices do not divide K/V's: repeat them
             k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
         else:
             kv_spec = _spec(k.shape, mesh, axis)
     if strategy == "ulysses":
-        check_heads(q.shape[2] // _split(spec, mesh, 2), k.shape[2] // _split(kv_spec, mesh, 2), n)
-    pos_spec = PartitionSpec(*tuple(spec)[:2])
+        check_heads(q.shape[2] // _split(spec, mesh), k.shape[2] // _split(kv_spec, mesh), n, axis)
     if is_explicit(mesh):
         q = jax.sharding.reshard(q, spec)
         k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
-        if positions is not None:
-            positions = jax.sharding.reshard(positions, pos_spec)
-    if positions is None:
-        body = {"ring": _ring, "allgather": _allgather, "ulysses": _ulysses}[strategy]
-        return jax.shard_map(
-            lambda q, k, v: body(q, k, v, axis=axis, n=n),
-            mesh=mesh,
-            in_specs=(spec, kv_spec, kv_spec),
-            out_specs=spec,
-        )(q, k, v)
-    body = {"ring": _ring_placed, "allgather": _allgather, "ulysses": _ulysses}[strategy]
+    if segments is not None:
+        return _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec)
+    body = {"ring": _ring, "allgather": _allgather, "ulysses": _ulysses_plain}[strategy]
     return jax.shard_map(
-        lambda q, k, v, p: body(q, k, v, p, axis=axis, n=n),
+        lambda q, k, v: body(q, k, v, axis=axis, n=n),
         mesh=mesh,
-        in_specs=(spec, kv_spec, kv_spec, pos_spec),
+        in_specs=(spec, kv_spec, kv_spec),
         out_specs=spec,
-    )(q, k, v, positions)
+    )(q, k, v)
 
 
-def _split(spec: PartitionSpec, mesh: Any, dim: int) -> int:
-    """Devices that split dimension ``dim`` under ``spec``."""
+def _split(spec: PartitionSpec, mesh: Any, dim: int = 2) -> int:
+    """Devices that split dimension ``dim`` (the heads) under ``spec``."""
     entry = tuple(spec)[dim] if len(spec) > dim else None
     return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+
+
+def _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec) -> jax.Array:
+    """Ring or all-gather attention of packed rows: the segments split as the tokens."""
+    seg_spec = PartitionSpec(*tuple(spec)[:2])
+    if is_explicit(mesh):
+        segments = Segments(*(jax.sharding.reshard(x, seg_spec) for x in segments))
+    body = {"ring": _ring_packed, "allgather": _allgather_packed, "ulysses": _ulysses_packed}[
+        strategy
+    ]
+    n = mesh.shape[axis]
+    return jax.shard_map(
+        lambda q, k, v, seg: body(q, k, v, Segments(*seg), axis=axis, n=n),
+        mesh=mesh,
+        in_specs=(spec, kv_spec, kv_spec, (seg_spec, seg_spec)),
+        out_specs=spec,
+    )(q, k, v, tuple(segments))

@@ -10,8 +10,8 @@ attention runs locally on whole sequences, and one all-to-all turns the output b
 Wire per device and layer, forward: each all-to-all keeps 1/N of its tensor and sends the
 rest, ``b·(s/N)·(2h + 2h_kv)·B·(N−1)/N`` for q, k, v and the output (h, h_kv the widths
 ``heads·head_dim``, ``kv_heads·head_dim``); the backward moves as much (the transposed
-all-to-alls), full remat once more. The positions of the tokens are all-gathered beside
-(``b·s·4·(N−1)/N``). The heads per device (after any tensor split) must divide by N.
+all-to-alls), full remat once more. A batch placed out of order or packed carries its
+segment ids and positions, all-gathered beside (``2·b·s·4·(N−1)/N``). The heads per device (after any tensor split) must divide by N.
 
 Example:
   >>> check_heads(12, 4, 4)
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -67,21 +68,23 @@ def ulysses_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    pos: jax.Array | None = None,
+    aux: Any = None,
     *,
     axis: str,
     n: int,
     attend: Callable[..., jax.Array],
 ) -> jax.Array:
-    """Per-device body (inside ``shard_map``): q ``[b, s/N, h, d]``, k/v ``[b, s/N, h_kv, d]``,
-    ``pos`` ``int[b, s/N]`` (``None``: the tokens in order); ``attend(q, k, v, qpos, kpos)``
-    is the local masked attention (f32 out)."""
+    """Per-device body (inside ``shard_map``): q ``[b, s/N, h, d]``, k/v ``[b, s/N, h_kv, d]``.
+
+    ``aux``: per-token integer arrays ``[b, s/N]`` (packed rows' segment ids and
+    positions), all-gathered along the sequence; ``None`` for tokens in order.
+    ``attend(q, k, v, aux)`` is the local masked attention over whole sequences
+    (f32 out).
+    """
     q, k, v = (_to_heads(x, axis) for x in (q, k, v))
-    if pos is None:
-        pos = jnp.arange(q.shape[1])
-    else:
-        pos = jax.lax.all_gather(pos, axis, axis=1, tiled=True)
-    out = attend(q, k, v, pos, pos).astype(q.dtype)
+    if aux is not None:
+        aux = jax.tree.map(lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True), aux)
+    out = attend(q, k, v, aux).astype(q.dtype)
     return _to_sequence(out, axis)
 
 

@@ -196,12 +196,13 @@ def context_kv_bytes(
 
     - ``ring``: K and V blocks around the ring, P·f·2·b·S·h_kv·B (dK/dV travel back in
       the backward); with ``positions`` the blocks' positions travel with them in the
-      forward passes, (P − 1)·f·b·S·4 (int32);
+      forward passes with their segment ids, (P − 1)·f·2·b·S·4 (int32);
     - ``allgather``: K and V all-gathered each forward pass, (P − 1)·f·2·b·S·h_kv·B, and
-      dK/dV reduce-scattered, f·2·b·S·h_kv·B; the positions gathered, (P − 1)·f·b·S·4;
+      dK/dV reduce-scattered, f·2·b·S·h_kv·B; with ``positions`` the segment ids and
+      positions gathered, (P − 1)·f·2·b·S·4;
     - ``ulysses``: 4 all-to-alls (q, k, v, the output) each pass,
       P·f·b·(S/N)·(2h + 2h_kv)·B (:func:`shardkit.nn.ulysses.ulysses_wire_bytes`), and
-      the positions all-gathered, (P − 1)·f·b·S·4.
+      with ``positions`` the segment ids and positions all-gathered, (P − 1)·f·2·b·S·4.
 
     ``b``: the sequences one context group holds; ``S`` the whole sequence.
 
@@ -215,14 +216,17 @@ def context_kv_bytes(
     f = (n - 1) / n
     passes = 3 if recompute else 2
     kv = layers * f * 2 * b * s * h_kv * nbytes
-    pos = layers * (passes - 1) * f * b * s * 4
+    pos = layers * (passes - 1) * f * 2 * b * s * 4  # segment ids and positions, int32
     out: list[tuple[str, float, str]] = []
     if attention == "ulysses":
         a2a = passes * layers * f * b * (s / n) * (2 * h + 2 * h_kv) * nbytes
         out.append(
             ("all-to-all", a2a, f"Ulysses q/k/v/out, {passes} passes × L·f·b·(S/N)·(2h + 2h_kv)·B")
         )
-        out.append(("all-gather", pos, f"token positions, {passes - 1} passes × L·f·b·S·4"))
+        if positions:
+            out.append(
+                ("all-gather", pos, f"segment ids and positions, {passes - 1} passes × L·f·2·b·S·4")
+            )
     elif attention == "allgather":
         out.append(
             (
@@ -233,14 +237,20 @@ def context_kv_bytes(
         )
         out.append(("reduce-scatter", kv, "dK/dV, L·f·2·b·S·h_kv·B"))
         if positions:
-            out.append(("all-gather", pos, f"token positions, {passes - 1} passes × L·f·b·S·4"))
+            out.append(
+                ("all-gather", pos, f"segment ids and positions, {passes - 1} passes × L·f·2·b·S·4")
+            )
     else:
         out.append(
             ("collective-permute", passes * kv, f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B")
         )
         if positions:
             out.append(
-                ("collective-permute", pos, f"K/V positions, {passes - 1} passes × L·f·b·S·4")
+                (
+                    "collective-permute",
+                    pos,
+                    f"K/V segment ids and positions, {passes - 1} passes × L·f·2·b·S·4",
+                )
             )
     return out
 

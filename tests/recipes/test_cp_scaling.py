@@ -98,6 +98,7 @@ def test_shard_batch_places_inputs_targets_and_positions_in_one_order():
     np.testing.assert_array_equal(placed["inputs"], host["inputs"][:, order])
     np.testing.assert_array_equal(placed["targets"], host["targets"][:, order])
     np.testing.assert_array_equal(placed["positions"], np.broadcast_to(order, (ROWS, SEQ)))
+    np.testing.assert_array_equal(placed["segment_ids"], np.ones((ROWS, SEQ)))  # one document
     assert sk.Plan("fsdp").balance_order(SEQ) is None
     with pytest.raises(sk.ShardingError, match="permutation"):
         balance_batch(host, np.zeros(SEQ, int))
@@ -149,9 +150,10 @@ def test_ulysses_wire_matches_its_all_to_all_model():
     cfg = model.config
     h, h_kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
     # 4 all-to-alls a layer, 3 passes (forward, recompute, backward), each sending 7/8 of
-    # a local [8, 64/8, width] f32 tensor; the positions all-gathered in 2 passes.
+    # a local [8, 64/8, width] f32 tensor; the segment ids and positions (int32)
+    # all-gathered in the 2 forward passes.
     want = cfg.n_layers * 3 * 8 * 8 * (2 * h + 2 * h_kv) * 4 * 7 / 8
-    want += cfg.n_layers * 2 * 8 * 64 * 4 * 7 / 8
+    want += cfg.n_layers * 2 * 2 * 8 * 64 * 4 * 7 / 8  # segment ids and positions
     assert want / 1.1 <= a2a <= 1.1 * want, (a2a, want)
     kv = next(t for t in report.wire_terms if t.term == "context-parallel K/V")
     assert kv.ratio is not None and 1 / 1.1 <= kv.ratio <= 1.1
