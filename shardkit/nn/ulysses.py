@@ -29,7 +29,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from shardkit.errors import ShardingError
 from shardkit.scopes import block
