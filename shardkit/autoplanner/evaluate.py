@@ -36,6 +36,7 @@ from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
+from shardkit.nn.ulysses import check_heads
 from shardkit.plan import Plan
 from shardkit.report.analytic import analytic_costs, with_phases
 from shardkit.report.lint import human_bytes
@@ -159,7 +160,9 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         )
     dims = subject.model.dims
     ring = mesh.get(recipe.attention_axis, 1)
-    zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
+    zigzag = (
+        recipe.attention == "ring" or recipe.layer_schedule == "tsp" or recipe.balance == "zigzag"
+    )
     if zigzag and ring > 1 and subject.seq % (2 * ring):
         return Pruned(
             f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
@@ -170,6 +173,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         return Pruned(f"{dims.layers} layers do not split into {stages} stages")
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)
     try:
+        if recipe.attention == "ulysses" and ring > 1 and dims is not None:
+            check_heads(dims.n_heads, dims.n_kv_heads, ring, recipe.attention_axis)
         for leaf in subject.leaves:
             rules = recipe.rules
             if leaf.kind == "optimizer" and recipe.optimizer_rules is not None:

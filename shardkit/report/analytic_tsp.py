@@ -74,6 +74,7 @@ def tsp_wire_bytes(
     terms: dict[str, float] | None = None,
     attention: str = "ring",
     zigzag: bool = True,
+    fsdp: int = 1,
 ) -> tuple[dict[str, float], list[str]]:
     """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
 
@@ -89,6 +90,10 @@ def tsp_wire_bytes(
       tables: vocabulary tables in Ψ, 1 tied (GPT) or 2 (Llama's embedding and head).
       attention: how the context axis moves K/V: ``"ring"``, ``"allgather"`` or
         ``"ulysses"`` (:func:`context_kv_bytes`).
+      fsdp: an FSDP axis beside the context axis that splits the batch and, with it, every
+        weight (``fsdp_cp``: ZeRO-3 over the F·D devices): the weights, the head and the
+        lookup run over the F·D group, for its F·b sequences; the K/V traffic over D
+        for b (``b`` is then the sequences of one context group).
       zigzag: the ring reorders q, k, v and the output in every layer (the tokens placed
         in order); ``False`` where the batch is placed balanced, with positions
         (:mod:`shardkit.balance`).
@@ -108,6 +113,8 @@ def tsp_wire_bytes(
       1616.0
     """
     f = (d - 1) / d
+    group = d * fsdp  # the devices one copy of the state is split over
+    fg, bg = (group - 1) / group, b * fsdp
     out: dict[str, float] = {}
     notes: list[str] = []
 
@@ -145,16 +152,18 @@ def tsp_wire_bytes(
         )
     rest = psi - (tables * vocab * h if vocab else 0)
     if vocab:
-        add("all-gather", f * b * s * 4, "token ids for the lookup, f·b·S·4", act)
+        add("all-gather", fg * bg * s * 4, "token ids for the lookup, f·b·S·4", act)
         lookup = "collective-permute" if schedule == "tsp" else "reduce-scatter"
-        add(lookup, f * b * s * h * nbytes, "embedding lookup forward, f·b·S·h·B", act)
+        add(lookup, fg * bg * s * h * nbytes, "embedding lookup forward, f·b·S·h·B", act)
         lookup = "collective-permute" if schedule == "tsp" else "all-gather"
-        add(lookup, f * b * s * h * nbytes, "embedding gradient back, f·b·S·h·B", act)
+        add(lookup, fg * bg * s * h * nbytes, "embedding gradient back, f·b·S·h·B", act)
         if schedule == "tsp":
             add("collective-permute", 3 * f * vocab * h * nbytes, "head ring, 3f·V·h·B", weights)
         else:
-            add("all-gather", f * vocab * h * nbytes, "head weight gathered once, f·V·h·B", weights)
-            add("reduce-scatter", f * vocab * h * nbytes, "head gradient, f·V·h·B", grads)
+            add(
+                "all-gather", fg * vocab * h * nbytes, "head weight gathered once, f·V·h·B", weights
+            )
+            add("reduce-scatter", fg * vocab * h * nbytes, "head gradient, f·V·h·B", grads)
     if schedule == "tsp":
         ring = 3 * layer_params + (in_params if recompute else 0)
         add(
@@ -165,12 +174,12 @@ def tsp_wire_bytes(
         )
         rest -= layers * layer_params
     rest = max(rest, 0.0)
-    add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B", weights)
-    add("reduce-scatter", f * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
+    add("all-gather", 2 * fg * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B", weights)
+    add("reduce-scatter", fg * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
     if data > 1:
         add(
             "all-reduce",
-            2 * psi / d * nbytes * (data - 1) / data,
+            2 * psi / group * nbytes * (data - 1) / data,
             "gradient shard over data, 2(Ψ/D)·B·(d−1)/d",
             grads,
         )
