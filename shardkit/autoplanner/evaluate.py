@@ -39,8 +39,9 @@ from shardkit.models.model import Model
 from shardkit.plan import Plan
 from shardkit.report import build_report
 from shardkit.report.analytic import analytic_costs, with_phases
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 from shardkit.report.wire_terms import TERMS as WIRE_TERMS
+from shardkit.step import PIPELINE_DEFAULTS
 from shardkit.workload import Workload
 
 __all__ = ["Subject", "Pruned", "Analytic", "Evidence", "prune", "compile_candidate"]
@@ -227,13 +228,9 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
 
 
 def _pipeline_options(candidate: Candidate) -> dict:
-    """The pipeline a candidate with a ``stage`` axis runs: 1F1B, its micro-batches."""
-    return {
-        "microbatches": candidate.microbatches,
-        "schedule": "1f1b",
-        "virtual_stages": 1,
-        "unit": None,
-    }
+    """The pipeline a candidate with a ``stage`` axis runs: the defaults (1F1B), its
+    micro-batches."""
+    return {**PIPELINE_DEFAULTS, "microbatches": candidate.microbatches}
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:

@@ -40,6 +40,7 @@ from shardkit.report.records import (
     WireTerm,
 )
 from shardkit.report.render import report_renderables, to_text
+from shardkit.rules import entry_axes
 from shardkit.workload import Workload
 
 __all__ = ["Report", "param_rows", "read_compiled"]
@@ -214,9 +215,7 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
 def _mesh_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
     """Per dimension, the mesh axes of a ``PartitionSpec`` entry (``()`` for ``None``)."""
     entries = list(spec) + [None] * (ndim - len(spec))
-    return tuple(
-        () if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries[:ndim]
-    )
+    return tuple(entry_axes(e) for e in entries[:ndim])
 
 
 def compiled_flops(compiled: Any) -> float | None:
