@@ -14,6 +14,7 @@ bytes agree exactly, and MiB figures only carry float rounding (~1e-16). Any dif
 above it is a change of the compiled program or of the analytic model, never noise.
 
 Run: python benchmarks/compare_results.py git:a87cefc /tmp/results [--only layout,tsp]
+[--partial] [--rtol 1e-9]  (``--partial``: the after side ran some rows only)
 """
 
 from __future__ import annotations
@@ -131,17 +132,26 @@ def differs(a: Any, b: Any, rtol: float) -> bool:
     return a != b
 
 
-def compare(before: dict, after: dict, rtol: float) -> tuple[int, list[tuple]]:
-    """(figures compared, [(path, before, after)] for each difference)."""
+def compare(
+    before: dict, after: dict, rtol: float, partial: bool = False
+) -> tuple[int, int, list[tuple]]:
+    """(figures compared, figures not regenerated, [(path, before, after)] for each
+    difference); ``partial``: a figure only ``before`` has was not regenerated, no
+    difference (a run of some rows only)."""
     a, b = flatten(before), flatten(after)
     paths = sorted(p for p in a.keys() | b.keys() if is_figure(p))
+    if partial:
+        skipped = [p for p in paths if p not in b]
+        paths = [p for p in paths if p in b]
+    else:
+        skipped = []
     missing = object()
     diffs = []
     for p in paths:
         x, y = a.get(p, missing), b.get(p, missing)
         if x is missing or y is missing or differs(x, y, rtol):
             diffs.append((p, "(none)" if x is missing else x, "(none)" if y is missing else y))
-    return len(paths), diffs
+    return len(paths), len(skipped), diffs
 
 
 def _cell(x: Any) -> str:
@@ -156,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("after", help="a results folder, or git:REV")
     p.add_argument("--only", default=None, help="comma-separated result names (layout,tsp)")
     p.add_argument("--rtol", type=float, default=1e-9, help="relative tolerance (1e-9)")
+    p.add_argument(
+        "--partial",
+        action="store_true",
+        help="the after side regenerated some rows only: compare those, count the rest",
+    )
     args = p.parse_args(argv)
     wanted = set(args.only.split(",")) if args.only else names(args.before) & names(args.after)
     bad = 0
@@ -169,8 +184,9 @@ def main(argv: list[str] | None = None) -> int:
             summary.append(f"{name}: missing on the {side} side")
             bad += 1
             continue
-        n, diffs = compare(before, after, args.rtol)
-        summary.append(f"{name}: {n} figures compared, {len(diffs)} differ")
+        n, skipped, diffs = compare(before, after, args.rtol, args.partial)
+        not_run = f", {skipped} not regenerated" if skipped else ""
+        summary.append(f"{name}: {n} figures compared, {len(diffs)} differ{not_run}")
         for path, x, y in diffs:
             ratio = (
                 f"{y / x:.6f}"

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,9 @@ __all__ = ["PIPELINE_DEFAULTS", "PipelinedStep"]
 
 #: A pipeline's options where none are given (``microbatches``: one per stage). The one
 #: definition: ``train.train_step``, the command line's flags and ``build_report`` read it.
-PIPELINE_DEFAULTS = {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+PIPELINE_DEFAULTS = types.MappingProxyType(
+    {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jax.jit keys a function
