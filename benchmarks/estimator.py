@@ -7,7 +7,8 @@ Compile only (nothing runs), AdamW. Two grids of points, every recipe × both fa
 - *training*: d_model 128, 2 layers, vocab 1024, seq 64, global batch 16, on 4 and 8
   devices;
 - *held-out*: d_model 256, 3 layers, vocab 2048, seq 128, global batch 32, on 16
-  devices (other sizes, sequence, batch and device count than the fit ever saw).
+  devices (other sizes, sequence, batch and device count than the fit ever saw), one
+  (remat, precision) pair per recipe × family (the six pairs rotate over the recipes).
 
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
@@ -58,6 +59,7 @@ GRIDS = {
         "seq": 128,
         "batch": 32,
         "devices": (16,),
+        "per_cell": 1,
     },
 }
 
@@ -69,7 +71,7 @@ def points(grid: str) -> list[dict]:
     out = []
     for i, recipe in enumerate(recipes.names()):
         for j, family in enumerate(("gpt", "llama")):
-            for k in range(PER_CELL):
+            for k in range(g.get("per_cell", PER_CELL)):
                 remat, precision = combos[(2 * i + 3 * j + k * 2 + k // 2) % len(combos)]
                 devices = g["devices"][(i + j + k) % len(g["devices"])]
                 out.append(

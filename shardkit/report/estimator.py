@@ -58,8 +58,9 @@ __all__ = ["FIT", "Estimate", "estimate", "saved_values"]
 #: The constants fitted on ``benchmarks/estimator.py``'s training grid, by name: each
 #: multiplies a structural count (1.0: the count itself) by what XLA keeps live.
 FIT: dict[str, float] = {
-    # Copies of the stored gradient shard live at the layers' peak: the scan's
-    # accumulator (1), its loop-carried twin where XLA double-buffers it (up to 2).
+    # Copies of the layer stack's stored gradient shard live at the layers' peak, per
+    # scan buffer holding it (the backward's accumulator; without remat also the
+    # forward scan's output buffer).
     "gradient_copies": 1.0,
     # The backward layer's working set (its recomputed forward and the gradients
     # computed from it) in units of one layer's remat-"none" activations
@@ -70,9 +71,10 @@ FIT: dict[str, float] = {
     "gathered_weight_copies": 1.25,
     # Copies of the head's buffers, in units of head_loss_peak_bytes' count.
     "head_copies": 1.0,
-    # Bytes of a bf16 activation as XLA's CPU backend stores it: 2, but its float
-    # normalisation keeps f32 copies of some around the bf16 matmuls (2 to 4).
-    "bf16_activation_bytes": 2.0,
+    # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
+    # converts the bf16 values to f32 around every op, and the f32 copies are what the
+    # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
+    "bf16_activation_bytes": 4.0,
     # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes.
     "heap_fragmentation": 0.05,
 }
@@ -324,6 +326,13 @@ def estimate(
         v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
         items = in_flight(sched, p, m, v) / v
     per_token = saved_values(dims, remat, seq=seq, t=t, sp=sp)
+    # Ring attention (cp, TSP) keeps the K and V blocks each of the n − 1 steps received
+    # for the backward pass: 2·k·(n − 1) values per local token, saved for every layer
+    # without remat, else held by the layer being recomputed.
+    ring = int(sizes.get(recipe.attention_axis, 1)) if recipe.attention != "dense" else 1
+    ring_values = 2 * dims.n_kv_heads * dims.head_dim * (ring - 1) / t
+    if remat == "none":
+        per_token += ring_values
     saved = items * L * tokens * per_token * act
     notes.append(
         f"saved activations: {items:g} item(s) × {L:g} layers × {tokens:g} tokens × "
@@ -333,14 +342,22 @@ def estimate(
     # scores are the attention's share of it.
     none_values = saved_values(dims, "none", seq=seq, t=t, sp=sp)
     work = fit["backward_layer_fraction"] * tokens * none_values * act
-    scores = work * (2 * dims.n_heads * seq / t) / none_values
-    # Gradients: the stored shard (the scan's accumulator), the layer being
-    # differentiated whole (before its reduction), and where fsdp or TSP shards the
-    # vocabulary tables, their whole gradient before its reduce-scatter.
+    if remat != "none":
+        work += tokens * ring_values * act
+    scores = fit["backward_layer_fraction"] * tokens * 2 * dims.n_heads * seq / t * act
+    # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
+    # layer's into the optimizer's shard), the layer being differentiated whole (before
+    # its reduction), and the token table's whole gradient: the lookup scatters into it
+    # before any reduction. Without remat the forward scan's output buffer of the
+    # stacked gradient is live next to the backward's loop-carried one: two copies
+    # (counted in XLA's buffers).
+    shard = mem.grads / (d if par.data_kind == "zero1" else 1)
+    copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
+    stack_shard = shard * dims.stack_params / dims.param_count
     layer_grad = dims.layer_params * nb / t
     rest = (dims.param_count - dims.stack_params) * nb / t
-    table_grads = rest * (1 - 1 / (f * tsp))
-    grads = fit["gradient_copies"] * mem.grads + layer_grad + table_grads
+    table_grads = dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp))
+    grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     gathered = 0.0
     if f > 1 or tsp > 1:
         gathered = fit["gathered_weight_copies"] * dims.layer_params * nb / t
@@ -349,8 +366,15 @@ def estimate(
         f"{none_values:g} values; gradients: {fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
     )
+    # Tensor parallelism's activation reductions: the operand and the result of the
+    # reduction of b·s·h partial sums, twice (the backward's two in flight); under
+    # sequence parallelism the results are the sequence's shard.
+    collective = 0.0
+    if t > 1:
+        collective = 2 * (1 + (1 / t if sp else 1)) * tokens * dims.d_model * act
     layers_terms = {
         "gradients": grads,
+        "collective buffers": collective,
         "saved activations": saved,
         "gathered weights": gathered,
         "attention scores": scores,
@@ -382,7 +406,8 @@ def estimate(
     phases_terms = {
         "layers": layers_terms,
         "head_loss": {
-            "gradients": grads + table_grads,
+            # the head runs before the layers' backward: only the tables' gradient
+            "gradients": rest + table_grads,
             "saved activations": saved,
             "logits / loss": head,
         },
