@@ -10,6 +10,7 @@ Example:
 """
 
 from shardkit.report.analytic import AnalyticMemory, AnalyticModel, analytic_costs
+from shardkit.report.estimator import Estimate, estimate
 from shardkit.report.hlo import Collective, bytes_by_kind, parse_collectives, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats
 from shardkit.report.records import ParamRow
@@ -20,6 +21,7 @@ __all__ = [
     "AnalyticMemory",
     "AnalyticModel",
     "Collective",
+    "Estimate",
     "MemoryStats",
     "ParamRow",
     "Report",
@@ -27,6 +29,7 @@ __all__ = [
     "analytic_costs",
     "build_report",
     "bytes_by_kind",
+    "estimate",
     "param_rows",
     "parse_collectives",
     "wire_bytes_by_kind",

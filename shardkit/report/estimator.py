@@ -27,7 +27,6 @@ and justified there; ``benchmarks/estimator.py`` fits them on a training grid an
 the estimate on a held-out one.
 
 Example:
-  >>> from shardkit.models.config import CONFIGS  # doctest: +SKIP
   >>> from shardkit.dims import ModelDims
   >>> dims = ModelDims(layers=2, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256,
   ...                  vocab=256, max_seq=128, tied_embedding=True, position_table=True,
