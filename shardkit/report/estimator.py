@@ -406,7 +406,7 @@ def estimate(
         "layers": layers_terms,
         "head_loss": {
             # the head runs before the layers' backward: only the tables' gradient
-            "gradients": rest + table_grads,
+            "gradients": rest,
             "saved activations": saved,
             "logits / loss": head,
         },
