@@ -61,7 +61,7 @@ def variants(batch_axes: int = 8) -> list[tuple[str, object]]:
 def measure(model_name: str, recipe, seq: int, batch: int) -> dict:
     model = models.get(model_name, remat="full", max_seq=max(seq, 128))
     t0 = time.perf_counter()
-    report = models.report(sk.Plan(recipe), model, batch=batch, seq=seq)
+    report = sk.report.build_report(sk.Plan(recipe), model=model, batch=batch, seq=seq)
     mem = report.memory
     kv = next((t for t in report.wire_terms if t.term == KV), None)
     analytic = report.analytic

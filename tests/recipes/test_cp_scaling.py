@@ -107,7 +107,7 @@ def test_shard_batch_places_inputs_targets_and_positions_in_one_order():
 @functools.cache
 def _cp_report():
     model = models.get("gpt-tiny", n_layers=1, remat="full")
-    return models.report(sk.Plan("cp"), model, batch=8, seq=64)
+    return sk.report.build_report(sk.Plan("cp"), model=model, batch=8, seq=64)
 
 
 def test_no_collective_permute_outside_the_ring():
@@ -139,13 +139,13 @@ def test_ulysses_heads_not_divisible_name_the_nearest_axis_size():
     recipe = dataclasses.replace(sk.recipes.get("cp"), attention="ulysses")
     model = models.get("gpt-tiny", n_heads=4, n_kv_heads=4)  # 4 heads over 8 devices
     with pytest.raises(sk.ShardingError, match="axis of 4"):
-        models.report(sk.Plan(recipe), model, batch=2, seq=32)
+        sk.report.build_report(sk.Plan(recipe), model=model, batch=2, seq=32)
 
 
 def test_ulysses_wire_matches_its_all_to_all_model():
     recipe = dataclasses.replace(sk.recipes.get("cp"), attention="ulysses")
     model = models.get("llama-tiny", n_layers=1, remat="full")
-    report = models.report(sk.Plan(recipe), model, batch=8, seq=64)
+    report = sk.report.build_report(sk.Plan(recipe), model=model, batch=8, seq=64)
     a2a = sum(c.wire_bytes for c in report.collectives if c.block == "attention.ulysses")
     cfg = model.config
     h, h_kv = cfg.d_model, cfg.n_kv_heads * cfg.head_dim
