@@ -24,7 +24,6 @@ Run: python benchmarks/context_parallel.py [--tiny] [--short]
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import time
 
@@ -45,13 +44,12 @@ def variants(batch_axes: int = 8) -> list[tuple[str, object]]:
     return [
         ("fsdp", sk.recipes.get("fsdp")),
         ("cp (ring)", cp),
-        ("cp (allgather)", dataclasses.replace(cp, attention="allgather")),
+        ("cp (allgather)", cp.with_attention("allgather")),
         (
             "fsdp_cp 2×4 (ulysses)",
-            dataclasses.replace(
-                sk.recipes.get("fsdp_cp").with_mesh({"fsdp": 2, "sequence": 4}),
-                attention="ulysses",
-            ),
+            sk.recipes.get("fsdp_cp")
+            .with_mesh({"fsdp": 2, "sequence": 4})
+            .with_attention("ulysses"),
         ),
         ("fsdp_cp 4×2 (ring)", sk.recipes.get("fsdp_cp")),
         ("cp replicated (before)", cp.with_context_state("replicated")),
@@ -124,7 +122,7 @@ def main(argv=None) -> int:
         ("fsdp", sk.recipes.get("fsdp")),
         ("cp replicated (before)", cp.with_context_state("replicated")),
         ("cp (ring)", cp),
-        ("cp (ulysses)", dataclasses.replace(cp, attention="ulysses")),
+        ("cp (ulysses)", cp.with_attention("ulysses")),
     ]
     for s in big_seqs:
         for label, recipe in long:

@@ -68,7 +68,7 @@ class Candidate:
         """
         recipe = recipes.get(self.recipe)
         if self.attention is not None:
-            recipe = dataclasses.replace(recipe, attention=self.attention)
+            recipe = recipe.with_attention(self.attention)
         return recipe if self.logits is None else recipe.with_logits(self.logits)
 
     @property

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 from pathlib import Path
@@ -157,7 +156,7 @@ def recipe_for(
     if getattr(args, "logits", None):
         recipe = recipe.with_logits(args.logits)
     if getattr(args, "attention", None):
-        recipe = dataclasses.replace(recipe, attention=args.attention)
+        recipe = recipe.with_attention(args.attention)
     mesh = getattr(args, "mesh", None)
     if not mesh:
         return recipe

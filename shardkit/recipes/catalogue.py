@@ -238,9 +238,8 @@ def cp() -> Recipe:
     backward) and the gradients reduce-scattered, 3Ψ·4·(N−1)/N. Attention adds, per
     layer and pass, N−1 permutes of the local K/V block, 2·b·(s/N)·h_kv·4 bytes each.
     ``with_context_state("replicated")`` keeps the whole state on every device and
-    all-reduces the gradients (2Ψ·4·(N−1)/N); ``dataclasses.replace(recipe,
-    attention="allgather")`` gathers K/V instead, ``attention="ulysses"`` exchanges
-    heads (:mod:`shardkit.nn.ulysses`).
+    all-reduces the gradients (2Ψ·4·(N−1)/N); ``with_attention("allgather")`` gathers
+    K/V instead, ``with_attention("ulysses")`` exchanges heads (:mod:`shardkit.nn.ulysses`).
     """
     return Recipe(
         name="cp",

@@ -383,6 +383,23 @@ class Recipe:
         """
         return dataclasses.replace(self, logits=layout)
 
+    def with_attention(self, strategy: str) -> Recipe:
+        """The same recipe with another attention strategy over its context axis
+        (``"ring"``, ``"allgather"``, ``"ulysses"``, ``"dense"``), its collectives derived
+        again.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> sorted(recipes.get("cp").with_attention("ulysses").collectives)
+          ['all-gather', 'all-reduce', 'all-to-all', 'reduce-scatter']
+        """
+        if strategy not in ("dense", "ring", "allgather", "ulysses"):
+            raise ShardingError(
+                f"Recipe {self.name!r}: attention is one of dense, ring, allgather, ulysses, "
+                f"got {strategy!r}."
+            )
+        return dataclasses.replace(self, attention=strategy, collectives=None)
+
     def with_context_state(self, state: Literal["sharded", "replicated"]) -> Recipe:
         """The same recipe with the state sharded over, or replicated across, the context
         axis: the parameter (and optimizer) rules of ``embed`` and ``vocab`` gain or lose

@@ -58,7 +58,7 @@ def _context_parallel(name: str, recipe, devices=None):
 )
 def test_every_strategy_trains_to_the_one_device_losses(name, strategy):
     want0, want_grads, want1 = _one_device(name)
-    recipe = dataclasses.replace(sk.recipes.get("cp"), attention=strategy)
+    recipe = sk.recipes.get("cp").with_attention(strategy)
     loss0, grads, loss1, batch = _context_parallel(name, recipe)
     assert "positions" in batch  # placed in the zigzag order, positions carried along
     np.testing.assert_allclose(loss0, want0, rtol=1e-5)
@@ -136,14 +136,14 @@ def test_ulysses_heads_not_divisible_name_the_nearest_axis_size():
         check_heads(12, 12, 8)  # gpt-small's 12 heads over 8
     with pytest.raises(sk.ShardingError, match="axis of 4 .*1, 2, 4"):
         check_heads(16, 4, 8)  # GQA: the K/V heads bind
-    recipe = dataclasses.replace(sk.recipes.get("cp"), attention="ulysses")
+    recipe = sk.recipes.get("cp").with_attention("ulysses")
     model = models.get("gpt-tiny", n_heads=4, n_kv_heads=4)  # 4 heads over 8 devices
     with pytest.raises(sk.ShardingError, match="axis of 4"):
         sk.report.build_report(sk.Plan(recipe), model=model, batch=2, seq=32)
 
 
 def test_ulysses_wire_matches_its_all_to_all_model():
-    recipe = dataclasses.replace(sk.recipes.get("cp"), attention="ulysses")
+    recipe = sk.recipes.get("cp").with_attention("ulysses")
     model = models.get("llama-tiny", n_layers=1, remat="full")
     report = sk.report.build_report(sk.Plan(recipe), model=model, batch=8, seq=64)
     a2a = sum(c.wire_bytes for c in report.collectives if c.block == "attention.ulysses")
