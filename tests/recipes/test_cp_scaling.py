@@ -15,6 +15,7 @@ from shardkit import models, train
 from shardkit.balance import balance_batch, zigzag_order
 from shardkit.data import MarkovSource
 from shardkit.nn.ulysses import check_heads
+from shardkit.report.analytic import analytic_model
 
 ROWS, SEQ = 4, 32
 
@@ -129,6 +130,21 @@ def test_cp_state_is_sharded_like_fsdp_and_the_replicated_layout_stays_available
     assert all(x.sharding.shard_shape(x.shape) == x.shape for x in leaves)  # whole everywhere
     with pytest.raises(sk.ShardingError, match="with_context_state"):
         dataclasses.replace(sk.recipes.get("cp"), context_state="replicated")
+
+
+@pytest.mark.parametrize(
+    ("name", "mesh"), [("cp", {"sequence": 8}), ("fsdp_cp", {"fsdp": 4, "sequence": 2})]
+)
+def test_analytic_state_is_split_over_every_token_axis(name, mesh):
+    dims = models.get("llama-tiny").config.dims()
+    m = analytic_model(dims, name, mesh, batch=8, seq=64, remat="full")
+    psi = dims.param_count
+    assert m.memory.params == m.memory.grads == pytest.approx(4 * psi / 8)
+    assert m.memory.optimizer == pytest.approx(8 * psi / 8)
+    old = analytic_model(
+        dims, sk.recipes.get(name).with_context_state("replicated"), mesh, batch=8, seq=64
+    )
+    assert old.memory.params == pytest.approx(4 * psi / mesh.get("fsdp", 1))
 
 
 def test_ulysses_heads_not_divisible_name_the_nearest_axis_size():

@@ -238,6 +238,9 @@ DEGREES = {  # (data, fsdp, tensor, sequence)
     name: tuple(mesh.get(a, 1) for a in ("data", "fsdp", "tensor", "sequence"))
     for name, mesh in MESHES.items()
 }
+# cp and fsdp_cp split the state over 'sequence' too (context_state="sharded"): by their
+# rules that axis splits parameters and the tokens, TSP's role (par.tsp), run by XLA.
+DEGREES["cp"], DEGREES["fsdp_cp"] = (1, 1, 1, 1), (1, 2, 1, 1)
 
 
 #: What each built-in recipe runs, by hand from its docstring (data kind, tensor kind).
@@ -248,6 +251,8 @@ KINDS = {"zero1": ("zero1", "tp"), "tp_sp": ("dp", "tp_sp"), "dp_tp_sp": ("dp", 
 def test_parallelism_is_read_from_the_recipe_rules(name):
     par = recipes.get(name).parallelism(MESHES[name])
     assert (par.data, par.fsdp, par.tensor, par.sequence) == DEGREES[name]
+    if name in ("cp", "fsdp_cp"):
+        assert (par.tsp, par.tsp_kind) == (4, "gspmd")
     assert (par.data_kind, par.tensor_kind) == KINDS.get(name, ("dp", "tp"))
 
 
@@ -290,7 +295,9 @@ def sk_rules(pairs):
 
 
 @pytest.mark.parametrize("config_name", ["gpt-tiny", "llama-tiny"])
-@pytest.mark.parametrize("name", [n for n in MESHES if "tsp" not in n])  # TSP: own tests
+# TSP, and cp/fsdp_cp (the state over the context axis: TSP's layout by rules), have their
+# own tests (tests/parallel/test_tsp_analytic.py, tests/recipes/test_cp_scaling.py).
+@pytest.mark.parametrize("name", [n for n in MESHES if "tsp" not in n and "cp" not in n])
 def test_analytic_model_each_recipe(name, config_name):
     cfg = CONFIGS[config_name]
     psi, (d, f, t, c) = cfg.param_count(), DEGREES[name]
