@@ -247,7 +247,16 @@ def cp() -> Recipe:
         summary="context parallel: 'length' split over 'sequence', ring attention, ZeRO-3",
         mesh_axes=(("sequence", -1),),
         rules=Rules([("vocab", "sequence"), ("embed", "sequence")]),
-        activation_rules=Rules([("batch", None), ("length", "sequence"), *_REPLICATED_ACTIVATIONS]),
+        # The logits split over the vocabulary, as the stored tables, while a step's tokens
+        # are at most the vocabulary (logits="auto", as fsdp): no device gathers a table.
+        activation_rules=Rules(
+            [
+                ("vocab", "sequence"),
+                ("batch", None),
+                ("length", "sequence"),
+                *_REPLICATED_ACTIVATIONS,
+            ]
+        ),
         attention="ring",
         balance="zigzag",
         context_state="sharded",
@@ -269,7 +278,12 @@ def fsdp_cp() -> Recipe:
         mesh_axes=(("fsdp", -1), ("sequence", 2)),
         rules=Rules([("vocab", ("fsdp", "sequence")), ("embed", ("fsdp", "sequence"))]),
         activation_rules=Rules(
-            [("batch", "fsdp"), ("length", "sequence"), *_REPLICATED_ACTIVATIONS]
+            [
+                ("vocab", ("fsdp", "sequence")),
+                ("batch", "fsdp"),
+                ("length", "sequence"),
+                *_REPLICATED_ACTIVATIONS,
+            ]
         ),
         attention="ring",
         balance="zigzag",

@@ -79,7 +79,9 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:
     )
     on_vocab = set(spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],))
     splits = [a for a in recipe.vocab_gather_axes(mesh) if a in on_vocab]
-    gather = [a for a in splits if recipe.axis_role(a) in ("data", "fsdp")]
+    # "tsp": a context axis that splits the state by rules (cp, fsdp_cp; a TSP recipe's
+    # activation rules split no vocabulary)
+    gather = [a for a in splits if recipe.axis_role(a) in ("data", "fsdp", "tsp")]
     if not gather:
         return []
     g = math.prod(mesh[a] for a in gather)
@@ -202,6 +204,7 @@ def analytic_costs(
     if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
         return _tsp_costs(
             recipe,
+            mesh,
             par,
             workload,
             param_bytes,
@@ -278,7 +281,17 @@ def analytic_costs(
 
 
 def _tsp_costs(
-    recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_params, in_params, vocab_tables=2
+    recipe,
+    mesh,
+    par,
+    w,
+    param_bytes,
+    optimizer_bytes,
+    psi,
+    nb,
+    layer_params,
+    in_params,
+    vocab_tables=2,
 ) -> AnalyticModel:
     """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``)."""
     fsdp = par.fsdp if par.tsp_kind == "gspmd" else 1  # fsdp_cp: ZeRO-3 over fsdp × sequence
@@ -343,6 +356,10 @@ def _tsp_costs(
         zigzag=recipe.balance != "zigzag",
         fsdp=fsdp,
     )
+    if par.tsp_kind == "gspmd":  # cp's head in the vocabulary layout (logits="auto")
+        wire_notes += _vocab_head_wire(
+            recipe, dict(mesh), w, activation_bytes(w.precision, nb), nb, wire, terms
+        )
     notes += [
         f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
         "(Korthikanti et al. 2022), + logits b·s·V·B; a guide, not a bound",
