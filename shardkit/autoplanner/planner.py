@@ -168,6 +168,7 @@ class AutoplanResult:
         # The micro-batch count and the logits' layout tell two rows apart where they vary.
         m_varies = len({r.candidate.microbatches for r in shown}) > 1
         logits_vary = len({r.candidate.logits for r in shown}) > 1
+        attention_varies = len({r.candidate.attention for r in shown}) > 1
         columns = [
             Column("#", lambda x: str(x[0]), keep=True, justify="right"),
             Column("recipe", lambda x: x[1].candidate.recipe, keep=True),
@@ -176,6 +177,12 @@ class AutoplanResult:
             Column("prec.", lambda x: x[1].candidate.precision, keep=True),
             Column("m", lambda x: dash(x[1].candidate.microbatches), keep=m_varies, priority=2),
             Column("logits", lambda x: dash(x[1].candidate.logits), keep=logits_vary, priority=2),
+            Column(
+                "attention",
+                lambda x: dash(x[1].candidate.attention),
+                keep=attention_varies,
+                priority=2,
+            ),
             Column(
                 "memory",
                 lambda x: short_bytes(x[1].evidence.memory["total"]),
@@ -273,12 +280,12 @@ def _useful_flops(subject: Subject, c: Candidate, devices: int) -> float:
 
 
 def _compile_set(order: list[tuple[Candidate, Analytic, float]], max_compiles: int):
-    """The best candidate of each recipe (of each of its logits layouts, where that is a
-    choice), then the best overall, up to ``max_compiles``."""
+    """The best candidate of each recipe (of each of its logits layouts and attention
+    strategies, where those are a choice), then the best overall, up to ``max_compiles``."""
     chosen, seen = [], set()
     for c, _, _ in order:
-        if (c.recipe, c.logits) not in seen and len(chosen) < max_compiles:
-            seen.add((c.recipe, c.logits))
+        if (c.recipe, c.logits, c.attention) not in seen and len(chosen) < max_compiles:
+            seen.add((c.recipe, c.logits, c.attention))
             chosen.append(c)
     for c, _, _ in order:
         if len(chosen) >= max_compiles:
