@@ -18,7 +18,7 @@ Two tables:
 2. llama-1b at sequence 8,192 (and 32,768 unless ``--short``), batch 8: ``fsdp``, the
    replicated ``cp`` and the sharded ``cp`` (ring and Ulysses).
 
-Run: python benchmarks/context_parallel.py [--tiny] [--short]
+Run: python benchmarks/context_parallel.py [--tiny] [--short] [--no-long]
 (--tiny: gpt-tiny/llama-tiny at sequence 64, a smoke test of every path)
 """
 
@@ -88,6 +88,7 @@ def _ratio(a, b):
 def main(argv=None) -> int:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--short", action="store_true", help="llama-1b at 8,192 only")
+    p.add_argument("--no-long", action="store_true", help="table 1 only (keep table 2's JSON)")
     args = p.parse_args(argv)
     if args.tiny:
         small, seq, big, big_seqs = ("gpt-tiny", "llama-tiny"), 64, "llama-tiny", (64,)
@@ -124,7 +125,7 @@ def main(argv=None) -> int:
         ("cp (ring)", cp),
         ("cp (ulysses)", cp.with_attention("ulysses")),
     ]
-    for s in big_seqs:
+    for s in () if args.no_long else big_seqs:
         for label, recipe in long:
             r = measure(big, recipe, s, 8)
             records.append({"label": label, **r})
@@ -161,6 +162,8 @@ def main(argv=None) -> int:
         args.out,
         extra={"records": records},
     )
+    if args.no_long:
+        return 0
     emit(
         "context_parallel_long",
         f"Context parallelism on long sequences: {big}, batch 8",

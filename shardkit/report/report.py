@@ -314,6 +314,8 @@ def read_compiled(
                 stack_param_bytes=stack["param"],
                 stack_optimizer_bytes=stack["optimizer"],
                 tensor_rest_bytes=split,
+                # the vocabulary tables among the parameters: 1 tied (GPT), 2 untied
+                **({"vocab_tables": dims.vocab_tables} if dims is not None else {}),
             )
             if dims is not None:  # a chunked head: the step's phases set the total
                 analytic = with_phases(analytic, dims, recipe, mesh, workload)
