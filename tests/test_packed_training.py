@@ -82,8 +82,11 @@ STRATEGIES = {
 }
 
 
-@pytest.mark.parametrize("strategy", list(STRATEGIES))
-@pytest.mark.parametrize("model_name", MODELS)
+# The contiguous ring once (gpt-tiny); every other strategy on both models.
+CASES = [(m, s) for m in MODELS for s in STRATEGIES if (m, s) != ("llama-tiny", "ring")]
+
+
+@pytest.mark.parametrize(("model_name", "strategy"), CASES)
 def test_packed_training_matches_one_device(model_name, strategy, one_device):
     make_plan, ranks = STRATEGIES[strategy]
     _assert_same(run_steps(model_name, make_plan(), _batches(ranks)), one_device(model_name))
@@ -105,9 +108,9 @@ def test_three_documents_in_a_row_equal_one_per_row(model_name):
     grad = jax.jit(jax.value_and_grad(model.loss))
     (loss, grads), (want, want_grads) = grad(params, packed), grad(params, unpacked)
     # The unpacked loss, by hand from the logits of each document alone (no mask needed).
-    per_doc = []
+    per_doc, apply = [], jax.jit(model.apply)
     for d in docs:
-        logits = model.apply(params, d[None, :-1])
+        logits = apply(params, d[None, :-1])
         logp = jax.nn.log_softmax(logits, -1)[0]
         per_doc.append(-np.take_along_axis(np.asarray(logp), d[1:, None], 1)[:, 0])
     by_hand = np.concatenate(per_doc).mean()

@@ -114,3 +114,31 @@ def test_bad_shapes_are_sharding_errors():
         attention_work(np.ones((1, 8)), np.zeros((1, 8)), 3)
     with pytest.raises(sk.ShardingError, match=r"sigma"):
         LogNormal(3.0, -1.0)
+
+
+def test_bad_segments_are_sharding_errors_with_the_shapes():
+    import jax
+    import jax.numpy as jnp
+
+    from shardkit.models import get
+    from shardkit.nn.attention import Segments, causal_attention
+
+    q = jnp.ones((2, 8, 4, 8))
+    ints = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(sk.ShardingError, match=r"segment ids \(2, 8\) float32 .* = \(2, 8\)"):
+        causal_attention(q, q, q, segments=Segments(jnp.zeros((2, 8)), ints))
+    with pytest.raises(sk.ShardingError, match=r"segment ids \(2, 4\) int32 .* = \(2, 8\)"):
+        causal_attention(q, q, q, segments=Segments(ints[:, :4], ints))
+
+    model = get("llama-tiny", n_layers=1)
+    params = jax.eval_shape(lambda k: sk.unbox(model.init(k)), jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    bad = {"inputs": tokens, "targets": tokens, "segment_ids": ints[:, :7]}
+    with pytest.raises(sk.ShardingError, match=r"batch\['segment_ids'\]: segment ids \(2, 7\)"):
+        jax.eval_shape(model.loss, params, bad)
+    with pytest.raises(sk.ShardingError, match="'positions' but no 'segment_ids'"):
+        jax.eval_shape(model.loss, params, {"inputs": tokens, "targets": tokens, "positions": ints})
+    long = jnp.zeros((1, 256), jnp.int32)  # llama-tiny's max_seq is 128
+    row = {"inputs": long, "targets": long, "segment_ids": long + 1, "positions": long}
+    with pytest.raises(sk.ShardingError, match=r"packed row of 256 tokens .* max_seq 128"):
+        jax.eval_shape(model.loss, params, row)
