@@ -33,6 +33,7 @@ SCRIPTS = (
     "explicit",
     "autoplan",
     "gpu",
+    "packed",
 )
 #: Further tables a script writes, after its own.
 EXTRA_RESULTS = {"planning": ("planning_logits",), "pipeline": ("pipeline_3d",)}

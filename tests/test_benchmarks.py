@@ -21,6 +21,7 @@ SCRIPTS = [
     "explicit",
     "autoplan",
     "gpu",
+    "packed",
 ]
 
 

@@ -142,3 +142,20 @@ def test_bad_segments_are_sharding_errors_with_the_shapes():
     row = {"inputs": long, "targets": long, "segment_ids": long + 1, "positions": long}
     with pytest.raises(sk.ShardingError, match=r"packed row of 256 tokens .* max_seq 128"):
         jax.eval_shape(model.loss, params, row)
+
+
+def test_a_packed_batch_under_a_pipeline_is_refused():
+    import jax
+
+    from shardkit import train
+    from shardkit.errors import NotPipelinableError
+    from shardkit.models import get
+
+    model, tx = get("gpt-tiny"), train.adamw()
+    plan = sk.Plan("pp", devices=jax.devices()[:2])
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    step = train.train_step(model, tx, plan=plan, abstract=abstract)
+    ids = np.ones((8, 16), np.int32)
+    batch = {"inputs": ids, "targets": ids, "segment_ids": ids, "positions": ids}
+    with pytest.raises(NotPipelinableError, match=r"packed batch \(segment_ids \(8, 16\)\)"):
+        step(None, batch)
