@@ -266,7 +266,7 @@ def balance_permutation(
     best = None
     for m in chunks:
         perm = _deal(w, ranks, m)
-        work = attention_work(ids, np.take_along_axis(pos, perm, 1), ranks)
+        work = attention_work(*(np.take_along_axis(x, perm, 1) for x in (ids, pos)), ranks)
         if best is None or imbalance(work) < best[0]:
             best = (imbalance(work), perm)
         if imbalance(work) <= tolerance:

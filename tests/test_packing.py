@@ -159,3 +159,17 @@ def test_a_packed_batch_under_a_pipeline_is_refused():
     batch = {"inputs": ids, "targets": ids, "segment_ids": ids, "positions": ids}
     with pytest.raises(NotPipelinableError, match=r"packed batch \(segment_ids \(8, 16\)\)"):
         step(None, batch)
+
+
+def test_balance_takes_the_coarsest_chunks_that_reach_the_tolerance():
+    # One causal document of 64 tokens, then 64 of padding, over 2 ranks. By hand: 4
+    # chunks of 32 weigh [528, 1552, 0, 0]: dealt 1552 -> rank 0, 528 -> rank 1: 1.49.
+    # 8 chunks of 16 weigh [136, 392, 648, 904, 0, 0, 0, 0]: the snake deals 904, 648,
+    # 392, 136 to ranks 0, 1, 1, 0 (then the padding 0, 1, 1, 0): 1040 pairs each.
+    ids = np.array([[1] * 64 + [0] * 64])
+    pos = np.array([list(range(64)) + [0] * 64])
+    perm = balance_permutation(ids, pos, 2)
+    chunks = [0, 3, 4, 7, 1, 2, 5, 6]  # rank 0's, then rank 1's, each in row order
+    assert perm[0].tolist() == [c * 16 + i for c in chunks for i in range(16)]
+    moved = [np.take_along_axis(x, perm, 1) for x in (ids, pos)]
+    assert attention_work(*moved, 2).tolist() == [1040, 1040]
