@@ -67,17 +67,19 @@ def _assert_same(got, want):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6 * scale)
 
 
-def _cp_allgather():
-    return dataclasses.replace(sk.recipes.get("cp"), attention="allgather")
+def _cp(attention):
+    return dataclasses.replace(sk.recipes.get("cp"), attention=attention)
 
 
 # (plan, context ranks to balance over or None): dense under fsdp, the ring on the
-# contiguous and on the balanced split, all-gather, and TSP's ring over its own axis.
+# contiguous and on the balanced split, all-gather, Ulysses (all-to-all over the heads),
+# and TSP's ring over its own axis.
 STRATEGIES = {
     "dense": (lambda: sk.Plan("fsdp"), None),
     "ring": (lambda: sk.Plan("cp"), None),
     "ring_balanced": (lambda: sk.Plan("cp"), 8),
-    "allgather_balanced": (lambda: sk.Plan(_cp_allgather()), 8),
+    "allgather_balanced": (lambda: sk.Plan(_cp("allgather")), 8),
+    "ulysses": (lambda: sk.Plan(_cp("ulysses")), None),
     "tsp": (lambda: sk.Plan("tsp"), None),
 }
 
