@@ -151,8 +151,10 @@ def run(
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
+        if ranks == 1:  # no context split (dense, Ulysses, no sequence axis): no balance
+            return plan.shard_batch(rows)
         contiguous = imbalance(attention_work(rows["segment_ids"], rows["positions"], ranks))
-        if balance and ranks > 1:
+        if balance:
             perm = balance_permutation(rows["segment_ids"], rows["positions"], ranks)
             rows = permute_rows(rows, perm)
         trained = imbalance(attention_work(rows["segment_ids"], rows["positions"], ranks))
@@ -238,7 +240,8 @@ def run(
 
 
 def _context_ranks(plan: Plan) -> int:
-    """Ranks the sequence is split over for attention (ring / all-gather), else 1."""
+    """Ranks the sequence is split over for attention (ring / all-gather), else 1 (Ulysses
+    attends the whole sequence for a share of the heads: balanced as it is)."""
     recipe, shape = plan.recipe, dict(plan.mesh.shape)
     if recipe.attention not in ("ring", "allgather"):
         return 1
