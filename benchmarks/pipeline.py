@@ -69,6 +69,7 @@ def worker(spec: dict) -> dict:
         virtual_stages=spec.get("v", 1),
         unit=spec.get("unit"),
         stack_order=spec.get("order", "layers"),
+        rolled=spec.get("rolled", False),
     )
     p = plan.mesh.shape["stage"]
     weights = sum(m.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))

@@ -121,9 +121,9 @@ def train_step(
       tx: the optimizer.
       plan, abstract: the plan and its abstract state (``plan.abstract_init``); a
         pipelined step reads the layout from them.
-      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order"}``
-        (defaults: one micro-batch per stage, ``"1f1b"``, 1, one weight gather per step,
-        ``"layers"``). ``stack_order="interleaved"`` (``interleaved`` schedule): the
+      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order",
+        "rolled"}`` (defaults: one micro-batch per stage, ``"1f1b"``, 1, one weight gather
+        per step, ``"layers"``, ``False``: a stage's layers unrolled). ``stack_order="interleaved"`` (``interleaved`` schedule): the
         state's layer stacks are stored in the schedule's order; the step's
         ``to_stored`` / ``to_layers`` convert the state once each way.
       return_grads: the metrics also hold the gradients (tests that compare layouts).
@@ -160,12 +160,18 @@ def train_step(
             "the abstract state.\nFix: pass abstract=plan.abstract_init(init_fn(model, tx), "
             "key)."
         )
-    opts = {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+    opts = {
+        "schedule": "1f1b",
+        "virtual_stages": 1,
+        "unit": None,
+        "stack_order": "layers",
+        "rolled": False,
+    }
     unknown = sorted(set(pipeline or {}) - {*opts, "microbatches"})
     if unknown:
         raise ShardingError(
             f"train_step(pipeline=...): {unknown} are not pipeline options.\nFix: use "
-            "microbatches, schedule, virtual_stages, unit, stack_order."
+            "microbatches, schedule, virtual_stages, unit, stack_order, rolled."
         )
     cut = model if isinstance(model, Stages) else model.stages()
     opts.update({k: v for k, v in (pipeline or {}).items() if v is not None})

@@ -246,6 +246,7 @@ def mesh_value_and_grad(
     stack_order: str = "layers",
     stage_axis: str = STAGE,
     post_grad: Callable[..., tuple[jax.Array, Any, jax.Array]] | None = None,
+    rolled: bool = False,
 ) -> PipelinedGrad:
     """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
 
@@ -287,6 +288,11 @@ def mesh_value_and_grad(
         the engine runs ``jax.value_and_grad(post_fn)`` and adds: on CPU XLA then holds
         the head's gradient twice, the sum and the new term. Not used with ``auto_axes``
         (a vocabulary split over an axis left to XLA would be resliced per chunk).
+      rolled: run a stage's layers in a rolled loop (``lax.scan``, one layer's vjp per
+        iteration) forward and backward, instead of unrolled: the program does not grow
+        with the layers per stage, a backward rematerialises one layer at a time, and each
+        residual is one array ``[ring, L/(p·v), ...]`` per leaf, written in place. XLA's
+        cost analysis counts a loop's body once, so its FLOPs are the layers' ``1/(L/(p·v))``.
 
     Returns:
       the loss (the mean over the whole batch) and the gradients of ``stack`` and ``rest``,
@@ -390,6 +396,7 @@ def mesh_value_and_grad(
             auto,
             rules,
             None if auto else post_grad,
+            rolled=rolled,
         )
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         m_specs = lambda t: jax.tree.map(lambda sp: _only(sp, manual), t, is_leaf=is_spec)  # noqa: E731
@@ -466,7 +473,9 @@ class _Body:
         auto=frozenset(),
         rules=None,
         post_grad=None,
+        rolled=False,
     ):
+        self.rolled = rolled
         self.layer_fn, self.pre_fn, self.post_fn = layer_fn, pre_fn, post_fn
         self.post_grad = post_grad
         self.rules = rules or (None, None)
@@ -543,6 +552,8 @@ class _Body:
         loss = jnp.zeros((), jnp.float32)
         recv_f, recv_b = zeros_x, zeros_x
         res_def, is_w = None, None
+        rolled: _Rolled | None = None  # the rolled layer loops and their residual rings
+        after_b = None  # rolled: a 0 computed from the last backward's result
         ring = sched.ring
         read_slots = jnp.asarray(sched.read_slots())
         # Residuals (and d loss / d y) of the last ``ring`` forwards, one array per slot: the
@@ -592,21 +603,33 @@ class _Body:
                         lambda i=i: self.pre_fn(rest_g, mb_at(i)),
                         lambda r=recv_f: r,
                     )
-                w_k = select(w_g, k)
-                y, vjp = jax.vjp(
-                    lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x), w_k, x_in
-                )
-                leaves, tdef = jax.tree.flatten(vjp)
-                # Residuals that *are* the weights are not stored: the backward passes them again.
-                flags = [next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves]
-                if res_def is None:
-                    res_def, is_w = tdef, flags
-                    store = [[None] * ring for _ in range(len(leaves) + 1)]  # + d loss / d y
-                if flags != is_w or len(leaves) != len(is_w):
-                    raise PipelineError("The layer's vjp residuals differ between ticks.")
-                for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
-                    if f is None:
-                        store[n][t % ring] = leaf
+                if self.rolled:
+                    if rolled is None:
+                        rolled = _Rolled(self.layer_fn, s_def, w_g, x_in, ring)
+                        store = [[None] * ring]  # d loss / d y
+                    if after_b is not None:
+                        # This forward writes the rings the last backward read: it waits
+                        # for it (through a 0 XLA cannot prove), or XLA copies every ring.
+                        x_in = x_in + after_b.astype(x_in.dtype)
+                    y = rolled.forward(w_g, k, x_in, t % ring)
+                else:
+                    w_k = select(w_g, k)
+                    y, vjp = jax.vjp(
+                        lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x), w_k, x_in
+                    )
+                    leaves, tdef = jax.tree.flatten(vjp)
+                    # Residuals that *are* the weights are not stored: the backward passes them.
+                    flags = [
+                        next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves
+                    ]
+                    if res_def is None:
+                        res_def, is_w = tdef, flags
+                        store = [[None] * ring for _ in range(len(leaves) + 1)]  # + d loss / d y
+                    if flags != is_w or len(leaves) != len(is_w):
+                        raise PipelineError("The layer's vjp residuals differ between ticks.")
+                    for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
+                        if f is None:
+                            store[n][t % ring] = leaf
                 if np_tables["f_last"][t].any():
                     last = at("f_last", t)
 
@@ -641,10 +664,15 @@ class _Body:
                 g_in = recv_b
                 if np_tables["b_last"][t].any():
                     g_in = jnp.where(at("b_last", t), read(store[-1]), recv_b)
-                w_k = select(w_g, k)
-                leaves = [w_k[f] if f is not None else read(store[n]) for n, f in enumerate(is_w)]
+                if self.rolled:
+                    d_acc, d_x = rolled.backward(w_g, k, g_in, d_acc, slot, valid)
+                    after_b = jnp.where(s == -1 - t, d_x.ravel()[0], 0)
+                elif v == 1:
+                    w_k = select(w_g, k)
+                    leaves = [
+                        w_k[f] if f is not None else read(store[n]) for n, f in enumerate(is_w)
+                    ]
 
-                if v == 1:
                     # The tick's backward and its add into the running weight gradient run
                     # inside one cond. Left in the open, XLA fuses every tick's `d_acc + d_w`
                     # into one elementwise fusion with an operand per tick, and computes each
@@ -667,6 +695,10 @@ class _Body:
                     # update, which XLA does not fuse across ticks); in a cond, as above, the
                     # compiled temp is higher (measured: 10.1 vs 8.4 MiB on the engine tests'
                     # matmul stack with H = 256, p = 4, v = 2, m = 16).
+                    w_k = select(w_g, k)
+                    leaves = [
+                        w_k[f] if f is not None else read(store[n]) for n, f in enumerate(is_w)
+                    ]
                     d_w, d_x = jax.tree.unflatten(res_def, leaves)(g_in)
                     for n, g in enumerate(d_w):
                         g = jnp.where(valid, g, jnp.zeros_like(g))
@@ -696,3 +728,93 @@ class _Body:
             d_rest_out.append(_psum_over(g, (*axes, stage) if p > 1 else axes))
         loss = _psum_over(loss, (*self.b_axes, stage) if p > 1 else self.b_axes)
         return loss, (jax.tree.unflatten(s_def, d_stack), jax.tree.unflatten(r_def, d_rest_out))
+
+
+def _at(x: jax.Array, *index: Any) -> jax.Array:
+    """``x[index]`` for leading (possibly traced) indices: one dynamic slice."""
+    starts = [jnp.asarray(i, jnp.int32) for i in index] + [jnp.int32(0)] * (x.ndim - len(index))
+    sizes = (1,) * len(index) + x.shape[len(index) :]
+    return jax.lax.dynamic_slice(x, starts, sizes).reshape(x.shape[len(index) :])
+
+
+def _put(x: jax.Array, value: jax.Array, *index: Any) -> jax.Array:
+    """``x.at[index].set(value)`` for leading (possibly traced) indices, in place."""
+    starts = [jnp.asarray(i, jnp.int32) for i in index] + [jnp.int32(0)] * value.ndim
+    return jax.lax.dynamic_update_slice(x, value.reshape((1,) * len(index) + value.shape), starts)
+
+
+class _Rolled:
+    """A stage's layers as two rolled loops, its residuals in rings updated in place.
+
+    The forward is a ``lax.scan`` over the chunk's ``L/(p·v)`` layers, each iteration one
+    layer's ``jax.vjp``; the residuals that are not the layer's weights go into one array
+    per leaf, ``[ring, L/(p·v), ...]``, at (the tick's ring slot, the layer), carried
+    through the loop so XLA writes them in place. The backward is the reverse scan: each
+    iteration reads its layer's residuals and weights, runs that layer's vjp (under a
+    model's remat, one layer recomputed at a time) and adds the weight gradient into
+    the running sum at (chunk, layer), carried. Each tick's program is one layer's,
+    whatever ``L/p``.
+    """
+
+    def __init__(self, layer_fn, s_def, w_g, x, ring):
+        self.layer_fn, self.s_def, self.ring = layer_fn, s_def, ring
+        self.n_layers = int(w_g[0].shape[1])
+        self.res_def, self.is_w = None, None
+        w_l = [jax.ShapeDtypeStruct(w.shape[2:], w.dtype) for w in w_g]
+        x_s = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        shapes = jax.eval_shape(lambda w, h: self._vjp(w, h, probe=True)[1], w_l, x_s)
+        self.rings = [
+            None if f is not None else jnp.zeros((ring, self.n_layers, *r.shape), r.dtype)
+            for r, f in zip(shapes, self._probe_flags, strict=True)
+        ]
+
+    def _vjp(self, w_l, x, probe=False):
+        y, vjp = jax.vjp(lambda w, h: self.layer_fn(jax.tree.unflatten(self.s_def, w), h), w_l, x)
+        leaves, tdef = jax.tree.flatten(vjp)
+        # Residuals that *are* the weights are not stored: the backward slices them again.
+        flags = [next((q for q, w in enumerate(w_l) if leaf is w), None) for leaf in leaves]
+        if probe:
+            self._probe_flags = flags
+            return y, [jnp.zeros((), jnp.float32) if f is not None else x for x, f in
+                       zip(leaves, flags, strict=True)]  # fmt: skip
+        if self.res_def is None:
+            self.res_def, self.is_w = tdef, flags
+        if flags != self.is_w or flags != self._probe_flags:
+            raise PipelineError("The layer's vjp residuals differ between ticks.")
+        return y, leaves
+
+    def forward(self, w_g, k, x, slot):
+        def one(carry, layer):
+            h, rings = carry
+            y, leaves = self._vjp([_at(w, k, layer) for w in w_g], h)
+            rings = [
+                r if r is None else _put(r, leaf, slot, layer)
+                for r, leaf in zip(rings, leaves, strict=True)
+            ]
+            return (y, rings), None
+
+        layers = jnp.arange(self.n_layers)
+        (y, self.rings), _ = jax.lax.scan(one, (x, self.rings), layers)
+        return y
+
+    def backward(self, w_g, k, g, d_acc, slot, valid):
+        g = jnp.where(valid, g, jnp.zeros_like(g))
+
+        def one(carry, layer):
+            g, d_acc = carry
+            w_l = [_at(w, k, layer) for w in w_g]
+            leaves = [
+                w_l[f] if f is not None else _at(r, slot, layer)
+                for r, f in zip(rings, self.is_w, strict=True)
+            ]
+            d_w, d_x = jax.tree.unflatten(self.res_def, leaves)(g)
+            new = []
+            for acc, dw in zip(d_acc, d_w, strict=True):
+                cur = _at(acc, k, layer)
+                new.append(_put(acc, jnp.where(valid, cur + dw, cur), k, layer))
+            return (d_x, new), None
+
+        rings = self.rings
+        layers = jnp.arange(self.n_layers)
+        (d_x, d_acc), _ = jax.lax.scan(one, (g, d_acc), layers, reverse=True)
+        return d_acc, d_x
