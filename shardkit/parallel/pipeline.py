@@ -497,6 +497,126 @@ class _Body:
         units = 1 if self.unit is None else max(1, math.ceil(m / int(self.unit)))
         return sorted({round(i * ticks / units) for i in range(units)})
 
+    def _rolled_ticks(self, at, mb_at, head, rest_g, start_unit, flush, windows, zeros_x, s, s_def):
+        """The ticks with each stage's layers rolled (:class:`_Rolled`): runs of ticks that do
+        the same kinds of work (a 1f1b's steady state) in one ``lax.fori_loop``, so the
+        program does not grow with ``m`` either; returns the loss and the rest's gradient."""
+        sched, stage, p = self.sched, self.stage, self.sched.stages
+        np_tables, ring = sched.tables(), sched.ring
+        scale = 1.0 / (sched.microbatches * self.n_shards)
+        read_slots = jnp.asarray(sched.read_slots())
+        fwd_perm = [(i, (i + 1) % p) for i in range(p if sched.virtual > 1 else p - 1)]
+        bwd_perm = [(b, a) for a, b in fwd_perm]
+
+        def kinds(t):  # what a tick does, as the program sees it
+            return tuple(
+                bool(np_tables[name][t].any())
+                for name in ("f_valid", "b_valid", "f_first", "f_last", "b_first", "b_last")
+            )
+
+        def tick(t, st, w_g, rolled, kind):
+            has_f, has_b, f_first, f_last, b_first, b_last = kind
+            st = dict(st)
+            rolled.rings = st["rings"]
+            if has_f:
+                i, k = at("f_mb", t), at("f_k", t)
+                x_in = st["recv_f"]
+                if f_first:
+                    x_in = jax.lax.cond(
+                        at("f_first", t),
+                        lambda i=i: self.pre_fn(rest_g, mb_at(i)),
+                        lambda r=x_in: r,
+                    )
+                # This forward writes the rings the last backward read: it waits for it
+                # (through a 0 XLA cannot prove), or XLA copies every ring each tick.
+                x_in = x_in + st["after_b"].astype(x_in.dtype)
+                y = rolled.forward(w_g, k, x_in, t % ring)
+                if f_last:
+
+                    def loss_and_grads(d_rest, y=y, i=i):
+                        if self.post_grad is not None:
+                            return self.post_grad(rest_g, y, mb_at(i), d_rest, scale)
+                        grad_fn = jax.value_and_grad(head, argnums=(0, 1))
+                        val, (dr, dy) = grad_fn(rest_g, y, mb_at(i))
+                        return val, jax.tree.map(jnp.add, d_rest, dr), dy
+
+                    def none(d_rest, y=y):
+                        return jnp.zeros((), jnp.float32), d_rest, jnp.zeros_like(y)
+
+                    val, st["d_rest"], dy = jax.lax.cond(
+                        at("f_last", t), loss_and_grads, none, st["d_rest"]
+                    )
+                    st["loss"] = st["loss"] + val.astype(jnp.float32)
+                    st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), t % ring)
+                if p > 1:
+                    with scope("pipeline.send"):
+                        st["recv_f"] = jax.lax.ppermute(y, stage, fwd_perm)
+            if has_b:
+                j, k = at("b_mb", t), at("b_k", t)
+                slot = read_slots[t][s]
+                g_in = st["recv_b"]
+                if b_last:
+                    g_in = jnp.where(at("b_last", t), _at(st["dys"], slot), g_in)
+                st["d_acc"], d_x = rolled.backward(
+                    w_g, k, g_in, st["d_acc"], slot, at("b_valid", t)
+                )
+                st["after_b"] = jnp.where(s == -1 - t, d_x.ravel()[0], 0).astype(jnp.float32)
+                if b_first:
+
+                    def pre_grad(d_rest, j=j, d_x=d_x):
+                        mb = mb_at(j)
+                        _, pull = jax.vjp(lambda r: self.pre_fn(r, mb), rest_g)
+                        return jax.tree.map(jnp.add, d_rest, pull(d_x)[0])
+
+                    st["d_rest"] = jax.lax.cond(
+                        at("b_first", t), pre_grad, lambda d: d, st["d_rest"]
+                    )
+                if p > 1:
+                    with scope("pipeline.send"):
+                        st["recv_b"] = jax.lax.ppermute(d_x, stage, bwd_perm)
+            st["rings"] = rolled.rings
+            return st
+
+        # Runs of ticks of one kind, cut where a scheduling unit starts.
+        runs: list[list[int]] = []
+        for t in range(sched.ticks):
+            if runs and t not in windows and kinds(t) == kinds(runs[-1][0]):
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        rolled, st, d_acc = None, None, None
+        for run in runs:
+            if run[0] in windows:
+                w_g, d_acc = start_unit(run[0], d_acc)
+                if st is not None:
+                    st["d_acc"] = d_acc
+            if rolled is None:
+                rolled = _Rolled(self.layer_fn, s_def, w_g, zeros_x, ring)
+                st = {
+                    "recv_f": zeros_x,
+                    "recv_b": zeros_x,
+                    "d_acc": d_acc,
+                    "d_rest": jax.tree.map(jnp.zeros_like, rest_g),
+                    "loss": jnp.zeros((), jnp.float32),
+                    "dys": jnp.zeros((ring, *zeros_x.shape), zeros_x.dtype),
+                    "after_b": jnp.zeros((), jnp.float32),
+                    "rings": rolled.rings,
+                }
+            kind = kinds(run[0])
+            if len(run) < 3:
+                for t in run:
+                    st = tick(t, st, w_g, rolled, kind)
+            else:
+                st = jax.lax.fori_loop(
+                    run[0],
+                    run[-1] + 1,
+                    lambda t, st, w_g=w_g, kind=kind, r=rolled: tick(t, st, w_g, r, kind),
+                    st,
+                )
+            d_acc = st["d_acc"]
+        flush(d_acc)
+        return st["loss"], st["d_rest"]
+
     def __call__(self, stack: Any, rest: Any, batch: Any):
         acts, params = self.rules
         with activation_rules(acts), param_rules(params), use_attention("dense"):
@@ -552,8 +672,6 @@ class _Body:
         loss = jnp.zeros((), jnp.float32)
         recv_f, recv_b = zeros_x, zeros_x
         res_def, is_w = None, None
-        rolled: _Rolled | None = None  # the rolled layer loops and their residual rings
-        after_b = None  # rolled: a 0 computed from the last backward's result
         ring = sched.ring
         read_slots = jnp.asarray(sched.read_slots())
         # Residuals (and d loss / d y) of the last ``ring`` forwards, one array per slot: the
@@ -571,7 +689,26 @@ class _Body:
                 return [x[0] for x in tree_flat]
             return [jax.lax.dynamic_index_in_dim(x, k, 0, False) for x in tree_flat]
 
-        for t in range(sched.ticks):
+        def start_unit(t, d_acc):
+            """A new scheduling unit at tick ``t``: the last one's gradient flushed, this
+            one's weights gathered once; returns the gathered weights and a zero sum."""
+            if d_acc is not None:
+                flush(d_acc)
+            # Each unit's shards as a distinct value (+ 0 that XLA cannot prove is 0): see
+            # the unrolled loop below.
+            zero = None
+            if t:
+                g0 = d_stack_sharded[0].reshape(-1)[0]
+                zero = ((s == -1 - t) & (g0 == g0)).astype(s_flat[0].dtype)
+            shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
+            w_g = [chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec, strict=True)]
+            return w_g, [jnp.zeros_like(x) for x in w_g]
+
+        if self.rolled:
+            loss, d_rest = self._rolled_ticks(
+                at, mb_at, head, rest_g, start_unit, flush, windows, zeros_x, s, s_def
+            )
+        for t in range(0 if self.rolled else sched.ticks):
             if t in windows:  # a new scheduling unit: gather its weights once
                 if d_acc is not None:
                     flush(d_acc)
@@ -603,33 +740,21 @@ class _Body:
                         lambda i=i: self.pre_fn(rest_g, mb_at(i)),
                         lambda r=recv_f: r,
                     )
-                if self.rolled:
-                    if rolled is None:
-                        rolled = _Rolled(self.layer_fn, s_def, w_g, x_in, ring)
-                        store = [[None] * ring]  # d loss / d y
-                    if after_b is not None:
-                        # This forward writes the rings the last backward read: it waits
-                        # for it (through a 0 XLA cannot prove), or XLA copies every ring.
-                        x_in = x_in + after_b.astype(x_in.dtype)
-                    y = rolled.forward(w_g, k, x_in, t % ring)
-                else:
-                    w_k = select(w_g, k)
-                    y, vjp = jax.vjp(
-                        lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x), w_k, x_in
-                    )
-                    leaves, tdef = jax.tree.flatten(vjp)
-                    # Residuals that *are* the weights are not stored: the backward passes them.
-                    flags = [
-                        next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves
-                    ]
-                    if res_def is None:
-                        res_def, is_w = tdef, flags
-                        store = [[None] * ring for _ in range(len(leaves) + 1)]  # + d loss / d y
-                    if flags != is_w or len(leaves) != len(is_w):
-                        raise PipelineError("The layer's vjp residuals differ between ticks.")
-                    for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
-                        if f is None:
-                            store[n][t % ring] = leaf
+                w_k = select(w_g, k)
+                y, vjp = jax.vjp(
+                    lambda w, x: self._stage_fn(jax.tree.unflatten(s_def, w), x), w_k, x_in
+                )
+                leaves, tdef = jax.tree.flatten(vjp)
+                # Residuals that *are* the weights are not stored: the backward passes them again.
+                flags = [next((q for q, w in enumerate(w_k) if leaf is w), None) for leaf in leaves]
+                if res_def is None:
+                    res_def, is_w = tdef, flags
+                    store = [[None] * ring for _ in range(len(leaves) + 1)]  # + d loss / d y
+                if flags != is_w or len(leaves) != len(is_w):
+                    raise PipelineError("The layer's vjp residuals differ between ticks.")
+                for n, (leaf, f) in enumerate(zip(leaves, flags, strict=True)):
+                    if f is None:
+                        store[n][t % ring] = leaf
                 if np_tables["f_last"][t].any():
                     last = at("f_last", t)
 
@@ -664,15 +789,10 @@ class _Body:
                 g_in = recv_b
                 if np_tables["b_last"][t].any():
                     g_in = jnp.where(at("b_last", t), read(store[-1]), recv_b)
-                if self.rolled:
-                    d_acc, d_x = rolled.backward(w_g, k, g_in, d_acc, slot, valid)
-                    after_b = jnp.where(s == -1 - t, d_x.ravel()[0], 0)
-                elif v == 1:
-                    w_k = select(w_g, k)
-                    leaves = [
-                        w_k[f] if f is not None else read(store[n]) for n, f in enumerate(is_w)
-                    ]
+                w_k = select(w_g, k)
+                leaves = [w_k[f] if f is not None else read(store[n]) for n, f in enumerate(is_w)]
 
+                if v == 1:
                     # The tick's backward and its add into the running weight gradient run
                     # inside one cond. Left in the open, XLA fuses every tick's `d_acc + d_w`
                     # into one elementwise fusion with an operand per tick, and computes each
@@ -695,10 +815,6 @@ class _Body:
                     # update, which XLA does not fuse across ticks); in a cond, as above, the
                     # compiled temp is higher (measured: 10.1 vs 8.4 MiB on the engine tests'
                     # matmul stack with H = 256, p = 4, v = 2, m = 16).
-                    w_k = select(w_g, k)
-                    leaves = [
-                        w_k[f] if f is not None else read(store[n]) for n, f in enumerate(is_w)
-                    ]
                     d_w, d_x = jax.tree.unflatten(res_def, leaves)(g_in)
                     for n, g in enumerate(d_w):
                         g = jnp.where(valid, g, jnp.zeros_like(g))
@@ -715,7 +831,8 @@ class _Body:
                 if p > 1:
                     with scope("pipeline.send"):
                         recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
-        flush(d_acc)
+        if not self.rolled:
+            flush(d_acc)
 
         # Sum over the batch axes (and, for rest, over stages); shards stay shards.
         d_stack = []
