@@ -502,9 +502,22 @@ class _Body:
         the same kinds of work (a 1f1b's steady state) in one ``lax.fori_loop``, so the
         program does not grow with ``m`` either; returns the loss and the rest's gradient."""
         sched, stage, p = self.sched, self.stage, self.sched.stages
-        np_tables, ring = sched.tables(), sched.ring
+        np_tables = sched.tables()
         scale = 1.0 / (sched.microbatches * self.n_shards)
         read_slots = jnp.asarray(sched.read_slots())
+        # Where the schedule's own slots (each stage's lowest free one, plus one that idle
+        # forwards write) are fewer than the ring's (gpipe: m + 1 against m + 2p − 1), a
+        # forward writes its item's slot and a backward reads it: nothing is stored for
+        # the bubble's ticks.
+        own = sched.slots + 1 < sched.ring
+        ring = sched.slots + 1 if own else sched.ring
+
+        def write_slot(t):
+            return at("f_slot", t) if own else t % ring
+
+        def read_slot(t):
+            return at("b_slot", t) if own else read_slots[t][s]
+
         fwd_perm = [(i, (i + 1) % p) for i in range(p if sched.virtual > 1 else p - 1)]
         bwd_perm = [(b, a) for a, b in fwd_perm]
 
@@ -530,7 +543,7 @@ class _Body:
                 # This forward writes the rings the last backward read: it waits for it
                 # (through a 0 XLA cannot prove), or XLA copies every ring each tick.
                 x_in = x_in + st["after_b"].astype(x_in.dtype)
-                y = rolled.forward(w_g, k, x_in, t % ring)
+                y = rolled.forward(w_g, k, x_in, write_slot(t))
                 if f_last:
 
                     def loss_and_grads(d_rest, y=y, i=i):
@@ -547,13 +560,13 @@ class _Body:
                         at("f_last", t), loss_and_grads, none, st["d_rest"]
                     )
                     st["loss"] = st["loss"] + val.astype(jnp.float32)
-                    st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), t % ring)
+                    st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), write_slot(t))
                 if p > 1:
                     with scope("pipeline.send"):
                         st["recv_f"] = jax.lax.ppermute(y, stage, fwd_perm)
             if has_b:
                 j, k = at("b_mb", t), at("b_k", t)
-                slot = read_slots[t][s]
+                slot = read_slot(t)
                 g_in = st["recv_b"]
                 if b_last:
                     g_in = jnp.where(at("b_last", t), _at(st["dys"], slot), g_in)
