@@ -14,6 +14,7 @@ Example:
 
 from shardkit.report.analytic import AnalyticMemory, AnalyticModel, analytic_costs
 from shardkit.report.build import build_report
+from shardkit.report.estimator import Estimate, estimate
 from shardkit.report.hlo import Collective, bytes_by_kind, parse_collectives, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats
 from shardkit.report.records import ParamRow
@@ -24,6 +25,7 @@ __all__ = [
     "AnalyticMemory",
     "AnalyticModel",
     "Collective",
+    "Estimate",
     "MemoryStats",
     "ParamRow",
     "Report",
@@ -31,6 +33,7 @@ __all__ = [
     "analytic_costs",
     "build_report",
     "bytes_by_kind",
+    "estimate",
     "param_rows",
     "parse_collectives",
     "wire_bytes_by_kind",
