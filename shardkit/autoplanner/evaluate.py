@@ -40,6 +40,7 @@ from shardkit.nn.ulysses import check_heads
 from shardkit.plan import Plan
 from shardkit.report import build_report
 from shardkit.report.analytic import analytic_costs, with_phases
+from shardkit.report.estimator import estimate
 from shardkit.report.records import human_bytes
 from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 from shardkit.step import PIPELINE_DEFAULTS
@@ -104,6 +105,14 @@ class Analytic:
     memory: float
     state: float  # parameters + gradients + optimizer state
     wire: float
+    #: the pre-compile estimate's total per device (``sk.estimate``), where the model
+    #: declares its dims and the estimator covers the layout; else ``None``
+    estimated: float | None = None
+
+    @property
+    def ranking_memory(self) -> float:
+        """The estimate where there is one, else the analytic memory."""
+        return self.memory if self.estimated is None else self.estimated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,7 +238,28 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         memory=float(analytic.memory.total),
         state=float(state),
         wire=float(sum(analytic.wire_bytes_by_kind.values())),
+        estimated=_estimated(subject, candidate, extra.get("pipeline")),
     )
+
+
+def _estimated(subject: Subject, candidate: Candidate, pipeline: Any) -> float | None:
+    """The candidate's estimated total memory per device, or ``None`` where the model
+    declares no dims or the estimator does not cover the layout."""
+    model = subject.model_for(candidate)
+    if model.dims is None:
+        return None
+    try:
+        return estimate(
+            candidate.recipe_object(),
+            model,
+            mesh=candidate.mesh_sizes,
+            batch=subject.batch,
+            seq=subject.seq,
+            precision=candidate.precision,
+            pipeline=pipeline,
+        ).total
+    except ShardingError:
+        return None
 
 
 def _pipeline_options(candidate: Candidate) -> dict:
