@@ -344,9 +344,10 @@ def test_analytic_model_matches_zero_and_wire_bytes():
 def test_analytic_hybrid_reduces_to_pure(hybrid, mesh, pure):
     cfg = CONFIGS["llama-tiny"]
     pure_mesh = {a: v for a, v in mesh.items() if v > 1}
-    h = analytic_model(cfg.dims(), hybrid, mesh, batch=8, seq=32)
-    # fsdp's head splits the vocabulary over the axis that splits the tokens, dp_fsdp's
-    # does not: compare like with like (that layout's own wire is tested below).
+    # fsdp's (and fsdp_cp's) head splits the vocabulary over the axis that splits the
+    # tokens, dp_fsdp's does not: compare like with like (that layout's own wire is
+    # tested below).
+    h = analytic_model(cfg.dims(), recipes.get(hybrid).with_logits("tokens"), mesh, batch=8, seq=32)
     pure = recipes.get(pure).with_logits("tokens")
     p = analytic_model(cfg.dims(), pure, pure_mesh, batch=8, seq=32)
     # Phases aside: the head's layout follows each recipe's activation rules (fsdp splits
