@@ -30,6 +30,7 @@ SCRIPTS = (
     "planning",
     "pipeline",
     "tsp",
+    "moe",
     "explicit",
     "autoplan",
     "gpu",

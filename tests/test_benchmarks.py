@@ -18,6 +18,7 @@ SCRIPTS = [
     "planning",
     "pipeline",
     "tsp",
+    "moe",
     "explicit",
     "autoplan",
     "gpu",

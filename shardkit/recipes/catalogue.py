@@ -422,11 +422,13 @@ def ep_gspmd() -> Recipe:
     """``ep``'s layout by rules only: the one-hot dispatch einsums left to XLA.
 
     The same rules as ``ep``; XLA chooses how the tokens, split over ``expert`` by the
-    batch, meet the experts, split over it too. The baseline ``ep`` is measured against.
+    batch, meet the experts, split over it too (on XLA:CPU: all-gathers of the tokens and
+    all-to-alls). The baseline ``ep`` is measured against.
     """
     return Recipe(
         name="ep_gspmd",
         optional_names=_REFERENCE_NAMES,
+        collectives=_EXPERT_COLLECTIVES | {"all-gather"},
         summary="ep's layout by rules only: XLA places the dispatch einsums' collectives",
         mesh_axes=(("expert", -1),),
         rules=Rules(_EXPERT),
