@@ -256,6 +256,15 @@ def _print_summary(result) -> None:
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")
     table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s (after the compile step)")
+    if result.router is not None:
+        load = [sum(col) for col in zip(*result.router["load"], strict=True)]
+        dropped = sum(map(sum, result.router["dropped"]))
+        table.add_row(
+            "dropped tokens",
+            f"{dropped:,.0f} of {sum(load):,.0f} routed ({result.dropped_fraction:.2%}) on "
+            "the last batch",
+        )
+        table.add_row("tokens per expert", ", ".join(f"{x:,.0f}" for x in load))
     Console().print(table)
 
 

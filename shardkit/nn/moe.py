@@ -188,6 +188,18 @@ class Routing:
     z: jax.Array
 
 
+def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """``lax.top_k`` over the last axis as ``k`` argmaxes: XLA partitions an argmax along
+    the batch, while its sort-based top-k gathers the whole batch to every device."""
+    values, indices, left = [], [], probs
+    for _ in range(k):
+        index = jnp.argmax(left, -1)
+        values.append(jnp.take_along_axis(probs, index[..., None], -1)[..., 0])
+        indices.append(index)
+        left = jnp.where(jax.nn.one_hot(index, probs.shape[-1], dtype=bool), -jnp.inf, left)
+    return jnp.stack(values, -1), jnp.stack(indices, -1)
+
+
 def route(logits: jax.Array, spec: MoeSpec, slots: int) -> Routing:
     """Top-k routing of ``logits`` ``[B, S, E]`` into ``slots`` slots per expert.
 
@@ -202,7 +214,7 @@ def route(logits: jax.Array, spec: MoeSpec, slots: int) -> Routing:
     b, s, e = logits.shape
     k = spec.top_k
     probs = jax.nn.softmax(logits, -1) if spec.router == "softmax" else jax.nn.sigmoid(logits)
-    top, chosen = jax.lax.top_k(probs, k)  # [B, S, k]
+    top, chosen = _top_k(probs, k)  # [B, S, k]
     gates = top / jnp.sum(top, -1, keepdims=True)
     mask = jax.nn.one_hot(chosen, e, dtype=jnp.float32)  # [B, S, k, E]
     # Slot of each choice in its expert: choice-major order (all first choices first).
