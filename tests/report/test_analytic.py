@@ -232,11 +232,18 @@ MESHES = {
     "tsp_gspmd": {"tsp": 8},
     "dp_tsp": {"data": 2, "tsp": 4},
     "dp_tsp_gspmd": {"data": 2, "tsp": 4},
+    "ep": {"expert": 8},
+    "ep_gspmd": {"expert": 8},
+    "fsdp_ep": {"expert": 8},
+    "ep_tp": {"expert": 4, "tensor": 2},
 }
 DEGREES = {  # (data, fsdp, tensor, sequence)
     name: tuple(mesh.get(a, 1) for a in ("data", "fsdp", "tensor", "sequence"))
     for name, mesh in MESHES.items()
 }
+# The expert axis splits the batch: data parallel for the dense part (FSDP under fsdp_ep).
+DEGREES.update({"ep": (8, 1, 1, 1), "ep_gspmd": (8, 1, 1, 1), "fsdp_ep": (1, 8, 1, 1)})
+DEGREES["ep_tp"] = (4, 1, 2, 1)
 
 
 #: What each built-in recipe runs, by hand from its docstring (data kind, tensor kind).
