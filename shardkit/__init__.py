@@ -31,6 +31,7 @@ from shardkit.state import AbstractState
 # The packages above the core last: they import the core (shardkit.axes, ...) as they load.
 from shardkit import autoplanner, checkpoint, distributed, nn, parallel, recipes, report
 from shardkit.autoplanner import autoplan
+from shardkit.report.estimator import estimate
 
 __version__ = "0.1.0"
 
@@ -54,6 +55,7 @@ __all__ = [
     "constrain",
     "distributed",
     "emulate_devices",
+    "estimate",
     "logical_axes",
     "loss",
     "make_mesh",

@@ -188,6 +188,10 @@ class MarkovSource:
             raise ShardingError(f"MarkovSource: need batch, length >= 0, got {batch}, {length}.")
         rng = _rng(self.seed, 1, int(step))
         u = rng.random((batch, max(length, 1)))[rows]
+        return self._walk(u, length)
+
+    def _walk(self, u: np.ndarray, length: int) -> np.ndarray:
+        """Chains of ``length`` states, one per row of the uniforms ``u`` ``[rows, >= length]``."""
         out = np.empty((u.shape[0], length), np.int32)
         if length == 0 or u.shape[0] == 0:
             return out
@@ -203,6 +207,27 @@ class MarkovSource:
             state = succ[state, np.minimum(choice, k - 1)]
             out[:, t] = state
         return out
+
+    def documents(self, lengths: np.ndarray, step: int) -> list[np.ndarray]:
+        """Independent chains of the given ``lengths`` (int32 each), a function of (seed, step).
+
+        The documents that :mod:`shardkit.packing` packs into rows; a stream of its own,
+        independent of :meth:`sample`'s.
+
+        Example:
+          >>> docs = MarkovSource(vocab=16).documents(np.array([3, 5]), step=0)
+          >>> [d.shape for d in docs]
+          [(3,), (5,)]
+        """
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ShardingError(f"MarkovSource: step must be a non-negative integer, got {step!r}.")
+        lengths = np.asarray(lengths, np.int64)
+        if lengths.size == 0:
+            return []
+        longest = int(lengths.max())
+        u = _rng(self.seed, 2, int(step)).random((lengths.size, max(longest, 1)))
+        walks = self._walk(u, longest)
+        return [walks[i, :n] for i, n in enumerate(lengths.tolist())]
 
     def sample(self, batch: int, length: int, step: int) -> np.ndarray:
         """int32 ``[batch, length]`` token sequences, a deterministic function of (seed, step).

@@ -23,9 +23,18 @@ import jax
 from shardkit import checkpoint, models, train
 from shardkit.data import MarkovSource
 from shardkit.errors import CheckpointMismatchError, ShardingError
+from shardkit.packing import (
+    LogNormal,
+    attention_work,
+    balance_permutation,
+    imbalance,
+    packed_batch,
+    permute_rows,
+)
 from shardkit.parallel.cli import for_plan
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
+from shardkit.report import build_report
 from shardkit.report.report import Report
 from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
@@ -42,6 +51,7 @@ class DroppedTokensWarning(UserWarning):
 
 
 StepCallback = Callable[[int, float, float], None]
+BalanceCallback = Callable[[int, float, float], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +69,11 @@ class RunResult:
     memory_per_device_bytes: dict[str, int]
     report: Report
     first_step: int = 0  # > 0 when resumed: losses[0] is the loss of this step
+    #: Packed runs: per step, max ÷ mean of the unmasked attention pairs per context rank,
+    #: of the split trained on (balanced) and of the plain contiguous split.
+    imbalance: list[float] = dataclasses.field(default_factory=list)
+    imbalance_contiguous: list[float] = dataclasses.field(default_factory=list)
+    context_ranks: int = 1
     #: an MoE model's routers on the last step's batch, after training: ``load`` and
     #: ``dropped`` tokens per layer and expert (``[layers][experts]``); ``None`` otherwise
     router: dict[str, list[list[float]]] | None = None
@@ -92,6 +107,9 @@ def run(
     save_every: int | None = None,
     pipeline: dict | None = None,
     precision: str = "f32",
+    packed: LogNormal | None = None,
+    balance: bool = True,
+    on_balance: BalanceCallback | None = None,
 ) -> RunResult:
     """Train ``model`` with ``recipe`` on synthetic Markov tokens.
 
@@ -110,6 +128,14 @@ def run(
         (a ``Plan`` has its own).
       pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit"}`` for a recipe with
         a ``stage`` axis (``shardkit.parallel.cli``); such recipes pipeline by default.
+      packed: train on packed rows of documents with these lengths
+        (:func:`shardkit.packing.packed_batch`) instead of one chain per row.
+      balance: packed rows under ring or all-gather attention over ``n > 1`` context
+        ranks are reordered where the batch is placed so that every rank does the same
+        attention work (:func:`shardkit.packing.balance_permutation`); ``False`` keeps
+        the contiguous split.
+      on_balance: packed runs: called as ``on_balance(step, imbalance, contiguous)``
+        with each step's max ÷ mean work per context rank, trained and contiguous.
 
     Returns:
       A ``RunResult`` with the loss curve, the entropy-rate lower bound on the
@@ -131,6 +157,32 @@ def run(
             "Fix: return 'vocab': N (the token range of its inputs) from the factory."
         )
     source = MarkovSource(vocab=spec.vocab, seed=seed)
+    ranks = _context_ranks(plan) if packed is not None else 1
+    balances: tuple[list[float], list[float]] = ([], [])
+
+    def batch_of(i: int) -> Any:
+        if packed is None:
+            return plan.shard_batch(_local_batch(source, batch, seq, i))
+        rows = packed_batch(
+            source,
+            batch,
+            seq,
+            i,
+            lengths=packed,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        contiguous = imbalance(attention_work(rows["segment_ids"], rows["positions"], ranks))
+        if balance and ranks > 1:
+            perm = balance_permutation(rows["segment_ids"], rows["positions"], ranks)
+            rows = permute_rows(rows, perm)
+        trained = imbalance(attention_work(rows["segment_ids"], rows["positions"], ranks))
+        balances[0].append(trained)
+        balances[1].append(contiguous)
+        if on_balance is not None:
+            on_balance(i, trained, contiguous)
+        return plan.shard_batch(rows)
+
     tx = train.adamw(learning_rate)
     abstract = plan.abstract_init(train.init_fn(spec, tx), jax.random.key(seed))
     first_step, state = _resume(
@@ -138,7 +190,7 @@ def run(
     )
     if state is None:
         state = plan.init(abstract)
-    first = plan.shard_batch(_local_batch(source, batch, seq, first_step))
+    first = batch_of(first_step)
     # Compile once; the same executable trains and is reported on. A recipe with a stage
     # axis pipelines (micro-batches, schedule: shardkit.parallel.cli).
     step = train.train_step(
@@ -151,7 +203,8 @@ def run(
         state = pipelined.to_stored(state)
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq, precision=plan.precision)
-    report = plan.report(
+    report = build_report(
+        plan,
         compiled,
         abstract,
         workload=workload,
@@ -168,9 +221,7 @@ def run(
     tokens_per_s = 0.0
     timed_tokens, timed_seconds = 0, 0.0
     for i in range(first_step, steps):
-        batch_i = (
-            first if i == first_step else plan.shard_batch(_local_batch(source, batch, seq, i))
-        )
+        batch_i = first if i == first_step else batch_of(i)
         start = time.perf_counter()
         state, metrics = step_fn(state, batch_i)
         loss = float(metrics["loss"])  # blocks until the step is done
@@ -203,6 +254,9 @@ def run(
         memory_per_device_bytes=report.memory.to_dict(),
         report=report,
         first_step=first_step,
+        imbalance=balances[0],
+        imbalance_contiguous=balances[1],
+        context_ranks=ranks,
         router=router,
     )
 
@@ -229,6 +283,14 @@ def _router_stats(spec: Any, plan: Plan, state: Any, batch: dict) -> dict | None
             stacklevel=3,
         )
     return out
+
+
+def _context_ranks(plan: Plan) -> int:
+    """Ranks the sequence is split over for attention (ring / all-gather), else 1."""
+    recipe, shape = plan.recipe, dict(plan.mesh.shape)
+    if recipe.attention not in ("ring", "allgather"):
+        return 1
+    return int(shape.get(recipe.attention_axis, 1))
 
 
 def _local_batch(source: MarkovSource, batch: int, seq: int, step: int) -> dict:

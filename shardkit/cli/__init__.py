@@ -1,5 +1,5 @@
-"""The ``shardkit`` command line: ``run``, ``report``, ``compare``, ``plan``, ``autoplan``,
-``recipes``, ``launch``, ``reshard-plan``.
+"""The ``shardkit`` command line: ``run``, ``report``, ``compare``, ``estimate``, ``plan``,
+``autoplan``, ``recipes``, ``launch``, ``reshard-plan``.
 
 Each subcommand lives in its own module and exposes ``add_parser(subparsers)``
 and ``main(args) -> int``. User mistakes exit with status 2 and one line whose "Fix:"
@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from shardkit.cli import (
     autoplan_cmd,
+    estimate_cmd,
     launch_cmd,
     plan_cmd,
     recipes_cmd,
@@ -25,7 +26,16 @@ from shardkit.errors import ShardingError
 
 __all__ = ["main"]
 
-_COMMANDS = (run_cmd, report_cmd, plan_cmd, autoplan_cmd, recipes_cmd, launch_cmd, reshard_cmd)
+_COMMANDS = (
+    run_cmd,
+    report_cmd,
+    estimate_cmd,
+    plan_cmd,
+    autoplan_cmd,
+    recipes_cmd,
+    launch_cmd,
+    reshard_cmd,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -99,6 +99,7 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
     from shardkit.errors import NotPipelinableError
     from shardkit.parallel.cli import options
     from shardkit.parallel.pipeline import spec_axes
+    from shardkit.step import PIPELINE_DEFAULTS
 
     opts = options(args)
     mesh = {str(a): int(s) for a, s in plan.mesh.shape.items()}
@@ -112,7 +113,7 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
         return
     cut = model.stages()  # a model without a cut raises, naming how to give one
     layers = _stack_layers(model, cut)
-    opts = opts or {"schedule": "1f1b", "virtual_stages": 1}
+    opts = opts or PIPELINE_DEFAULTS
     micro = opts.get("microbatches") or stages
     chunks = stages * opts["virtual_stages"]
     if layers % chunks:

@@ -125,8 +125,9 @@ class StepProgress:
         if self._bar is not None:
             self._bar.__exit__(*exc)
 
-    def update(self, step: int, *, loss: float, tokens_per_s: float) -> None:
-        """Step ``step`` (counted from 0) ended with ``loss`` at ``tokens_per_s``."""
+    def update(self, step: int, *, loss: float, tokens_per_s: float, note: str = "") -> None:
+        """Step ``step`` (counted from 0) ended with ``loss`` at ``tokens_per_s``; ``note``
+        (e.g. a packed step's attention balance) goes beside it."""
         done, now = step + 1, self.clock()
         if self._first_done is None:
             self._first_done = (done, now)
@@ -136,7 +137,7 @@ class StepProgress:
                 completed=done,
                 loss=loss,
                 tps=tokens_per_s,
-                description=self.description,
+                description=f"{self.description} · {note}" if note else self.description,
             )
             return
         if self.mode != "log":
@@ -152,15 +153,20 @@ class StepProgress:
         self._last_logged = (done, now)
         if done == self.first_step + 1 and done < self.steps:  # its time is the compile's
             took = _clock_text(now - self._start)
-            self._line(f"step {done}/{self.steps}  loss {loss:.4f}  compiled and ran in {took}")
+            extra = f"  {note}" if note else ""
+            self._line(
+                f"step {done}/{self.steps}  loss {loss:.4f}  compiled and ran in {took}{extra}"
+            )
             return
         tail = (
             f"done in {_clock_text(now - self._start)}"
             if done == self.steps
             else f"ETA {_clock_text(self._eta(done, now))}"
         )
+        extra = f"  {note}" if note else ""
         self._line(
             f"step {done}/{self.steps}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s  {tail}"
+            f"{extra}"
         )
 
     def _eta(self, done: int, now: float) -> float:

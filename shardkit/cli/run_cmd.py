@@ -36,6 +36,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seq", type=int, default=128, help="sequence length")
     p.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--packed",
+        action="store_true",
+        help="train on packed rows: documents of log-normal length (--doc-length), each "
+        "with its segment id and positions, attention and loss masked per document",
+    )
+    p.add_argument(
+        "--doc-length",
+        metavar="MU,SIGMA",
+        type=_lognormal,
+        default=None,
+        help="--packed: document lengths exp(N(MU, SIGMA^2)) tokens (default: median "
+        "seq/8, sigma 1.0)",
+    )
+    p.add_argument(
+        "--no-balance",
+        action="store_true",
+        help="--packed: keep the contiguous context-parallel split (default: balance the "
+        "attention work over the context ranks)",
+    )
     add_precision(p)
     add_json(p)
     p.add_argument(
@@ -104,6 +124,9 @@ def _validate(args: argparse.Namespace):
         raise FlagError(
             f"--save-every must be at least 1, got {args.save_every}.", [{"--save-every": None}]
         )
+    if (args.doc_length is not None or args.no_balance) and not args.packed:
+        flag = "--doc-length" if args.doc_length is not None else "--no-balance"
+        raise FlagError(f"{flag} is for packed rows.", [{"--packed": ""}, {flag: None}])
     if (args.resume or args.save_every) and not args.checkpoint_dir:
         flag = "--resume" if args.resume else "--save-every"
         raise FlagError(
@@ -151,9 +174,13 @@ def main(args: argparse.Namespace) -> int:
         every=args.log_every,
         seconds=args.log_seconds,
     ) as progress:
+        balance: dict[int, str] = {}
+
+        def on_balance(step: int, trained: float, contiguous: float) -> None:
+            balance[step] = f"attention work max/mean {trained:.3f} (contiguous {contiguous:.3f})"
 
         def on_step(step: int, loss: float, tps: float) -> None:
-            progress.update(step, loss=loss, tokens_per_s=tps)
+            progress.update(step, loss=loss, tokens_per_s=tps, note=balance.pop(step, ""))
 
         result = _run_or_stop_with_peers(
             run,
@@ -169,6 +196,8 @@ def main(args: argparse.Namespace) -> int:
             resume=args.resume,
             save_every=args.save_every,
             pipeline=_pipeline_options(args),
+            **_packing_options(args),
+            on_balance=on_balance if args.packed else None,
         )
     if not main_process:
         return 0
@@ -216,6 +245,31 @@ def _mesh(args: argparse.Namespace, recipe, devices):
     return make_mesh(sizes, devices=devices, dcn=dcn, explicit=args.explicit)
 
 
+def _lognormal(text: str) -> tuple[float, float]:
+    """``"4.0,1.0"`` → ``(4.0, 1.0)``: the log-normal's mu and sigma."""
+    try:
+        mu, sigma = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected MU,SIGMA, e.g. --doc-length 4.0,1.0"
+        ) from None
+    if sigma < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: SIGMA must be >= 0")
+    return mu, sigma
+
+
+def _packing_options(args: argparse.Namespace) -> dict:
+    """``run``'s packing arguments from ``--packed``, ``--doc-length``, ``--no-balance``."""
+    if not args.packed:
+        return {}
+    import math
+
+    from shardkit.packing import LogNormal
+
+    mu, sigma = args.doc_length or (math.log(max(args.seq / 8, 2)), 1.0)
+    return {"packed": LogNormal(mu, sigma), "balance": not args.no_balance}
+
+
 def _dcn_item(text: str) -> tuple[str, int]:
     """``"data=2"`` → ``("data", 2)``: processes laid along a mesh axis."""
     axis, _, size = text.partition("=")
@@ -255,6 +309,14 @@ def _print_summary(result) -> None:
     table.add_row("loss", f"{first:.4f} → {last:.4f} nats/token")
     table.add_row("entropy bound", f"{result.entropy_bound:.4f} nats/token (no model can beat it)")
     table.add_row("gap to bound", f"{last - result.entropy_bound:.4f} nats/token")
+    if result.imbalance:
+        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        table.add_row(
+            "attention balance",
+            f"max/mean work over {result.context_ranks} context ranks {mean(result.imbalance):.3f}"
+            f" (contiguous split {mean(result.imbalance_contiguous):.3f}), mean of "
+            f"{len(result.imbalance)} steps",
+        )
     table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s (after the compile step)")
     if result.router is not None:
         load = [sum(col) for col in zip(*result.router["load"], strict=True)]

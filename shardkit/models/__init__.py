@@ -16,7 +16,6 @@ Example:
 
 from shardkit.models.config import CONFIGS, ModelConfig
 from shardkit.models.model import Model, get, names
-from shardkit.models.reporting import report, token_batch
 from shardkit.models.user import UserModel, load
 
 __all__ = [
@@ -27,9 +26,7 @@ __all__ = [
     "get",
     "load",
     "names",
-    "report",
     "resolve",
-    "token_batch",
 ]
 
 

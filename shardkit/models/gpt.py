@@ -34,6 +34,7 @@ from shardkit.models.config import ModelConfig
 from shardkit.nn.attention import causal_attention
 from shardkit.nn.loss import chunked_cross_entropy, head_view
 from shardkit.nn.replicas import per_replica
+from shardkit.nn.segments import Segments
 from shardkit.nn.tsp import TspDot, active_axis
 from shardkit.nn.tsp_head import vocab_ring_lookup
 
@@ -89,7 +90,7 @@ class CausalSelfAttention(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segments: Segments | None = None) -> jax.Array:
         cfg = self.config
 
         # One fused projection (as GPT-2's c_attn): under tensor parallelism the input
@@ -105,7 +106,7 @@ class CausalSelfAttention(nn.Module):
         )(x)
         qkv = constrain(qkv, ("batch", "length", None, "heads", "kv"))
         q, k, v = (constrain(qkv[:, :, i], HEADS) for i in range(3))
-        y = constrain(causal_attention(q, k, v), HEADS)
+        y = constrain(causal_attention(q, k, v, segments=segments), HEADS)
         return nn.DenseGeneral(
             cfg.d_model,
             axis=(-2, -1),
@@ -161,7 +162,8 @@ class Mlp(nn.Module):
 
 @axes({r"^ln_[12]/(scale|bias)$": ("embed",)})
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block; ``(x, _) -> (x, None)`` so ``nn.scan`` can stack it.
+    """Pre-LayerNorm transformer block; ``(x, segments) -> (x, None)`` so ``nn.scan`` can
+    stack it (``segments``: packed rows' ``Segments``, the same for every layer).
 
     Example:
       >>> from shardkit.models.config import CONFIGS
@@ -175,11 +177,13 @@ class Block(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, _: Any = None) -> tuple[jax.Array, None]:
+    def __call__(self, x: jax.Array, segments: Segments | None = None) -> tuple[jax.Array, None]:
         cfg = self.config
         norm = dict(epsilon=LN_EPS, dtype=cfg.compute_dtype, param_dtype=cfg.param_dtype)
         x = constrain(x, RESIDUAL)
-        x = x + CausalSelfAttention(cfg, name="attn")(nn.LayerNorm(**norm, name="ln_1")(x))
+        x = x + CausalSelfAttention(cfg, name="attn")(
+            nn.LayerNorm(**norm, name="ln_1")(x), segments
+        )
         x = constrain(x, RESIDUAL)
         x = x + Mlp(cfg, name="mlp")(nn.LayerNorm(**norm, name="ln_2")(x))
         return constrain(x, RESIDUAL), None
@@ -208,10 +212,16 @@ class GPT(nn.Module):
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array | None = None,
+        segments: Segments | None = None,
+    ) -> jax.Array:
         """Logits ``f32[batch, seq, vocab]``; with ``targets``, the cross-entropy of each
         token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
-        are never held whole)."""
+        are never held whole). ``segments``: packed rows (positions restart per document,
+        attention stays inside each one)."""
         cfg = self.config
         seq = tokens.shape[-1]
         if seq > cfg.max_seq:
@@ -246,7 +256,7 @@ class GPT(nn.Module):
         x = vocab_ring_lookup(weight, tokens, TABLE) if table.n == 1 else None  # TSP's ring
         if x is None:
             x = table.map(lambda t, ids: jnp.take(t, ids, axis=0), tokens)
-        x = x + wpe(jnp.arange(seq)[None, :])
+        x = x + wpe(jnp.arange(seq)[None, :] if segments is None else segments.positions)
         x = constrain(x.astype(cfg.compute_dtype), RESIDUAL)
 
         block: Any = Block
@@ -259,11 +269,12 @@ class GPT(nn.Module):
                 split_rngs={"params": True},
                 length=cfg.n_layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
+                in_axes=nn.broadcast,  # the segments: every layer reads the same
             )
-            x, _ = stack(cfg, name="layers")(x)
+            x, _ = stack(cfg, name="layers")(x, segments)
         else:
             for i in range(cfg.n_layers):
-                x, _ = block(cfg, name=f"layers_{i}")(x)
+                x, _ = block(cfg, name=f"layers_{i}")(x, segments)
 
         x = nn.LayerNorm(epsilon=LN_EPS, name="ln_f", **embed)(x)
 

@@ -38,7 +38,8 @@ from shardkit.models.config import ModelConfig
 from shardkit.models.gpt import HEADS, HIDDEN, LOGITS, RESIDUAL, checkpoint_policy
 from shardkit.nn.attention import causal_attention
 from shardkit.nn.loss import chunked_cross_entropy
-from shardkit.nn.rope import apply_rope, rope_tables
+from shardkit.nn.rope import apply_rope, rope_tables, rope_tables_at
+from shardkit.nn.segments import Segments
 from shardkit.nn.tsp import TspDot, TspEinsum
 from shardkit.nn.tsp_head import vocab_ring_lookup
 
@@ -93,13 +94,15 @@ class Attention(nnx.Module):
             "bshk,hkd->bsd", (cfg.n_heads, hd, d), einsum_op=TspEinsum(("heads", "kv", "embed"))
         )
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: Segments | None = None
+    ) -> jax.Array:
         q = apply_rope(constrain(self.wq(x), HEADS), cos, sin)
         k = apply_rope(constrain(self.wk(x), KV_HEADS), cos, sin)
         v = constrain(self.wv(x), KV_HEADS)
         # GQA: K/V keep their n_kv_heads; causal_attention groups the query heads (ring
         # attention moves n_kv_heads/n_heads of the bytes) or repeats them (dense).
-        return self.wo(constrain(causal_attention(q, k, v), HEADS))
+        return self.wo(constrain(causal_attention(q, k, v, segments=segments), HEADS))
 
 
 @axes({r"^(gate|up)/kernel$": ("embed", "mlp"), r"^down/kernel$": ("mlp", "embed")})
@@ -163,9 +166,11 @@ class Block(nnx.Module):
         self.mlp_norm = _rms_norm(config, rngs)
         self.mlp = Mlp(config, rngs=rngs)
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: Segments | None = None
+    ) -> jax.Array:
         x = constrain(x, RESIDUAL)
-        x = constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
+        x = constrain(x + self.attn(self.attn_norm(x), cos, sin, segments), RESIDUAL)
         return constrain(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
 
 
@@ -219,35 +224,44 @@ class Llama(nnx.Module):
             rngs=rngs,
         )
 
-    def _block_fn(self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array):
+    def _block_fn(self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array, segments=None):
         """``(state, x) -> x`` running one block, wrapped in ``jax.checkpoint`` per ``remat``."""
 
         def run(state: nnx.State, x: jax.Array) -> jax.Array:
-            return nnx.merge(graphdef, state)(x, cos, sin)
+            return nnx.merge(graphdef, state)(x, cos, sin, segments)
 
         cfg = self.config
         if cfg.remat == "none":
             return run
         return jax.checkpoint(run, prevent_cse=not cfg.scan, policy=checkpoint_policy(cfg.remat))
 
-    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array | None = None,
+        segments: Segments | None = None,
+    ) -> jax.Array:
         """Logits ``f32[batch, seq, vocab]``; with ``targets``, the cross-entropy of each
         token ``f32[batch, seq]`` instead, from ``sk.chunked_cross_entropy`` (the logits
-        are never held whole)."""
+        are never held whole). ``segments``: packed rows (RoPE at the positions within
+        each document, attention inside each one)."""
         cfg = self.config
         # Under TSP's schedules the table's vocabulary shards serve a ring lookup.
         x = vocab_ring_lookup(self.embed.embedding[...], tokens, ("vocab", "embed"))
         x = self.embed(tokens) if x is None else x
         x = constrain(x.astype(cfg.compute_dtype), RESIDUAL)
-        cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
+        if segments is None:
+            cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
+        else:
+            cos, sin = rope_tables_at(segments.positions, cfg.head_dim)
         if cfg.scan:
             graphdef, state = nnx.split(self.layers)
-            run = self._block_fn(graphdef, cos, sin)
+            run = self._block_fn(graphdef, cos, sin, segments)
             x, _ = jax.lax.scan(lambda h, layer: (run(layer, h), None), x, state)
         else:
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
-                x = self._block_fn(graphdef, cos, sin)(state, x)
+                x = self._block_fn(graphdef, cos, sin, segments)(state, x)
         x = self.norm(x)
         if targets is not None:
             kernel = self.head.kernel[...].astype(cfg.compute_dtype)

@@ -38,8 +38,9 @@ from shardkit.models.config import CONFIGS, ModelConfig
 from shardkit.models.gpt import GPT, LN_EPS, LOGITS, Block, checkpoint_policy
 from shardkit.models.llama import Llama
 from shardkit.models.moe import MoeLlama
-from shardkit.nn.loss import cross_entropy, head_post_grad
+from shardkit.nn.loss import cross_entropy, head_post_grad, masked_mean
 from shardkit.nn.rope import rope_tables
+from shardkit.nn.segments import Segments, segments_of
 from shardkit.nn.stack import linen_layer
 from shardkit.protocol import Stages
 
@@ -153,12 +154,16 @@ class Model:
             module = cls(self.config, rngs=nnx.Rngs(params=rng))
         return nnx.state(module, nnx.Param)
 
-    def apply(self, params: Any, tokens: jax.Array) -> jax.Array:
+    def apply(
+        self, params: Any, tokens: jax.Array, *, segments: Segments | None = None
+    ) -> jax.Array:
         """Logits ``f32[batch, seq, vocab]`` for ``int32[batch, seq]`` tokens.
 
         Args:
           params: ``sk.unbox(model.init(rng))`` (or the annotated tree itself).
           tokens: token ids.
+          segments: packed rows, ``Segments(segment_ids, positions)``
+            (:mod:`shardkit.packing`); ``None``: one document per row.
 
         Example:
           >>> import jax, jax.numpy as jnp, shardkit as sk
@@ -168,13 +173,24 @@ class Model:
           dtype('float32')
         """
         shape = (*tokens.shape, self.config.vocab)
-        if self.config.family == "moe":
-            forward = lambda p, t: self._forward(p, t)[0]  # noqa: E731
-            return explicit.auto(forward, LOGITS, shape)(params, tokens)
-        return explicit.auto(self._forward, LOGITS, shape)(params, tokens)
+        first = (lambda out: out[0]) if self.config.family == "moe" else (lambda out: out)
+        if segments is None:
+            logits = lambda p, t: first(self._forward(p, t))  # noqa: E731
+            return explicit.auto(logits, LOGITS, shape)(params, tokens)
+        seg = self._packed({"segment_ids": segments[0], "positions": segments[1]}, tokens)
+
+        def forward(p: Any, i: jax.Array, ids: jax.Array, pos: jax.Array) -> jax.Array:
+            return first(self._forward(p, i, None, Segments(ids, pos)))
+
+        return explicit.auto(forward, LOGITS, shape)(params, tokens, *seg)
 
     def loss(self, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
         """Mean next-token cross-entropy (f32) of ``batch["targets"]`` given ``batch["inputs"]``.
+
+        A packed batch (:mod:`shardkit.packing`) also carries ``"segment_ids"`` (0:
+        padding) and ``"positions"`` (restarting per document): attention stays inside
+        each document, positions restart, and the mean is over the documents' tokens
+        (:func:`shardkit.nn.loss.masked_mean`). A batch without them is as before.
 
         The head and the loss run a chunk of tokens at a time (``sk.chunked_cross_entropy``,
         ``config.loss_chunks`` chunks), so the whole logits are never held. Under an
@@ -189,15 +205,34 @@ class Model:
           >>> jax.eval_shape(model.loss, params, {"inputs": t, "targets": t}).shape
           ()
         """
-        if self.config.family == "moe":  # with the routers' weighted auxiliary losses
-            mean = lambda p, i, t: self._moe_loss(p, i, t)  # noqa: E731
-        else:
-            mean = lambda p, i, t: self._forward(p, i, t).mean()  # noqa: E731
-        return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"])
+        seg = self._packed(batch, batch["inputs"])
+        if seg is None:
+            mean = lambda p, i, t: self._mean(self._forward(p, i, t))  # noqa: E731
+            return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"])
 
-    def _moe_loss(self, params: Any, inputs: jax.Array, targets: jax.Array) -> jax.Array:
-        loss, stats = self._forward(params, inputs, targets)
-        return loss.mean() + jnp.sum(stats["aux"])
+        def packed(p: Any, i: jax.Array, t: jax.Array, ids: jax.Array, pos: jax.Array):
+            return self._mean(self._forward(p, i, t, Segments(ids, pos)), ids)
+
+        return explicit.auto(packed, (), ())(params, batch["inputs"], batch["targets"], *seg)
+
+    def _packed(self, batch: Any, tokens: jax.Array) -> Segments | None:
+        """The batch's ``Segments`` (checked), or ``None`` for one document per row."""
+        seg = segments_of(batch, tokens.shape, f"{self.name}: batch['segment_ids']")
+        if seg is not None and tokens.shape[-1] > self.config.max_seq:
+            raise errors.ShardingError(
+                f"{self.name}: a packed row of {tokens.shape[-1]} tokens is longer than the "
+                f"model's max_seq {self.config.max_seq}.\nFix: pack rows of at most "
+                f"{self.config.max_seq} tokens (pack_documents(..., seq={self.config.max_seq})"
+                f"), or get({self.name!r}, max_seq={tokens.shape[-1]})."
+            )
+        return seg
+
+    def _mean(self, out: Any, segment_ids: jax.Array | None = None) -> jax.Array:
+        """The mean loss of ``_forward``'s output (of the real tokens of packed rows), with
+        an MoE model's weighted auxiliary losses added."""
+        loss, stats = out if self.config.family == "moe" else (out, None)
+        mean = loss.mean() if segment_ids is None else masked_mean(loss, segment_ids)
+        return mean if stats is None else mean + jnp.sum(stats["aux"])
 
     def router_stats(self, params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """An MoE model's routers on ``batch``: ``{"load", "dropped"}`` tokens per layer and
@@ -322,10 +357,16 @@ class Model:
         )
         return Stages(pre, remat(block), post, post_grad=post_grad)
 
-    def _forward(self, params: Any, tokens: jax.Array, targets: jax.Array | None = None):
+    def _forward(
+        self,
+        params: Any,
+        tokens: jax.Array,
+        targets: jax.Array | None = None,
+        segments: Segments | None = None,
+    ):
         if self.config.family == "gpt":
-            return self.module.apply({"params": params}, tokens, targets)
-        return nnx.merge(self._graphdef, params)(tokens, targets)
+            return self.module.apply({"params": params}, tokens, targets, segments)
+        return nnx.merge(self._graphdef, params)(tokens, targets, segments)
 
 
 def names() -> list[str]:

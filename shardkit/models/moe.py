@@ -30,7 +30,8 @@ from shardkit.models.gpt import LOGITS, RESIDUAL, checkpoint_policy
 from shardkit.models.llama import HEAD, Attention, _normal, _rms_norm
 from shardkit.nn.loss import chunked_cross_entropy
 from shardkit.nn.moe import NnxMoe
-from shardkit.nn.rope import rope_tables
+from shardkit.nn.rope import rope_tables, rope_tables_at
+from shardkit.nn.segments import Segments
 
 __all__ = ["MoeBlock", "MoeLlama"]
 
@@ -51,9 +52,11 @@ class MoeBlock(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    def __call__(
+        self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: Segments | None = None
+    ):
         x = constrain(x, RESIDUAL)
-        x = constrain(x + self.attn(self.attn_norm(x), cos, sin), RESIDUAL)
+        x = constrain(x + self.attn(self.attn_norm(x), cos, sin, segments), RESIDUAL)
         y, stats = self.moe(self.mlp_norm(x))
         return constrain(x + y, RESIDUAL), stats
 
@@ -100,28 +103,36 @@ class MoeLlama(nnx.Module):
             rngs=rngs,
         )
 
-    def _block_fn(self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array):
+    def _block_fn(self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array, segments=None):
         def run(state: nnx.State, x: jax.Array):
-            return nnx.merge(graphdef, state)(x, cos, sin)
+            return nnx.merge(graphdef, state)(x, cos, sin, segments)
 
         cfg = self.config
         if cfg.remat == "none":
             return run
         return jax.checkpoint(run, prevent_cse=not cfg.scan, policy=checkpoint_policy(cfg.remat))
 
-    def __call__(self, tokens: jax.Array, targets: jax.Array | None = None):
+    def __call__(
+        self,
+        tokens: jax.Array,
+        targets: jax.Array | None = None,
+        segments: Segments | None = None,
+    ):
         cfg = self.config
         x = constrain(self.embed(tokens).astype(cfg.compute_dtype), RESIDUAL)
-        cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
+        if segments is None:
+            cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
+        else:  # packed rows: RoPE at the positions within each document
+            cos, sin = rope_tables_at(segments.positions, cfg.head_dim)
         if cfg.scan:
             graphdef, state = nnx.split(self.layers)
-            run = self._block_fn(graphdef, cos, sin)
+            run = self._block_fn(graphdef, cos, sin, segments)
             x, stats = jax.lax.scan(lambda h, layer: run(layer, h), x, state)
         else:
             per_layer = []
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
-                x, s = self._block_fn(graphdef, cos, sin)(state, x)
+                x, s = self._block_fn(graphdef, cos, sin, segments)(state, x)
                 per_layer.append(s)
             stats = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
         x = self.norm(x)

@@ -68,10 +68,17 @@ from shardkit import context
 from shardkit.annotate.constrain import constrain, current_activation_rules, is_explicit
 from shardkit.context import AttentionStrategy
 from shardkit.errors import ShardingError
+from shardkit.nn.segments import Segments, check_segments, segment_mask
 from shardkit.rules import Rules
 from shardkit.scopes import block
 
-__all__ = ["AttentionStrategy", "causal_attention", "current_attention", "use_attention"]
+__all__ = [
+    "AttentionStrategy",
+    "Segments",
+    "causal_attention",
+    "current_attention",
+    "use_attention",
+]
 
 _LOGICAL = ("batch", "length", "heads", "kv")
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -271,6 +278,71 @@ def _allgather(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -
     return _attend(q, k, v, qpos, jnp.arange(n * s)).astype(q.dtype)
 
 
+# -- packed rows: segment ids and positions (shardkit.nn.segments) ----------------------
+def _softmax_pv(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, pin=None):
+    """Softmax attention of ``q`` to ``k``/``v`` where ``keep`` [b, q, k] holds, f32 [b,q,h,d]."""
+    k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
+    scores = _scores(q, k) if pin is None else pin(_scores(q, k))
+    keep = keep[:, None]
+    if v.dtype == jnp.float32:
+        p = jax.nn.softmax(jnp.where(keep, scores, _NEG), axis=-1)
+    else:
+        p = masked_softmax(scores, jnp.broadcast_to(keep, scores.shape), v.dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+def _dense_packed(q: jax.Array, k: jax.Array, v: jax.Array, seg: Segments) -> jax.Array:
+    """The reference for packed rows: the block-diagonal causal mask over the whole row."""
+    if k.shape != q.shape:
+        k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
+    k, v = (_unshard_length(x) for x in (k, v))
+    kseg = Segments(*(_unshard_length(x) for x in seg))
+    pin = functools.partial(constrain, logical=("batch", "heads", "length", None))
+    return _softmax_pv(q, k, v, segment_mask(seg, kseg), pin).astype(q.dtype)
+
+
+@block("attention.all_gather_kv")
+def _allgather_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
+    """All-gather attention of packed rows: K/V gathered with their segment ids and positions."""
+    k, v = jax.lax.all_gather(jnp.stack([k, v]), axis, axis=2, tiled=True)
+    kseg = Segments(*jax.lax.all_gather(jnp.stack(seg), axis, axis=2, tiled=True))
+    return _softmax_pv(q, k, v, segment_mask(seg, kseg)).astype(q.dtype)
+
+
+@block("attention.ring")
+def _ring_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
+    """Ring attention of packed rows, in the layout the batch was placed in (no reorder).
+
+    Each K/V block travels with its segment ids and positions; a block in which no query
+    of this device may attend any key (other documents, or only later positions) is
+    skipped (``lax.cond``): nothing of it is computed. The batch's placement decides the
+    balance (contiguous, or :func:`shardkit.packing.balance_permutation`).
+    """
+    zero = jnp.zeros_like(q, jnp.float32).transpose(0, 2, 1, 3)  # varies as q does
+    init = (zero[..., 0] + _NEG, zero[..., 0], zero)
+
+    @jax.checkpoint
+    def fold(carry: tuple, kv: jax.Array, kseg: Segments) -> tuple:
+        keep = segment_mask(seg, kseg)
+        return jax.lax.cond(
+            keep.any(),
+            lambda c: _online(c, q, kv[0], kv[1], keep[:, None]),
+            lambda c: c,
+            carry,
+        )
+
+    def step(t: jax.Array, state: tuple) -> tuple:
+        kv, kseg, carry = state
+        kv, kseg = jax.lax.ppermute((kv, kseg), axis, [(j, (j + 1) % n) for j in range(n)])
+        return kv, kseg, fold(carry, kv, kseg)
+
+    kv = jnp.stack([k, v])
+    carry = fold(init, kv, seg)
+    _, _, (m, denom, acc) = jax.lax.fori_loop(1, n, step, (kv, seg, carry))
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # padding: no key at all
+    return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
 def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
     """q/k/v spec: batch and heads per the activation rules, length on ``axis``, kv whole."""
     rules = current_activation_rules()
@@ -286,7 +358,9 @@ def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
 
 
 @block("attention")
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, segments: Segments | None = None
+) -> jax.Array:
     """Causal softmax attention with the strategy of the active ``use_attention``.
 
     Args:
@@ -295,6 +369,11 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         reads K/V head ``i // (heads / kv_heads)``). Ring and all-gather attention move
         K/V with their own heads and repeat them on arrival, so GQA sends
         ``kv_heads / heads`` of the bytes; dense attention repeats them first.
+      segments: packed rows: ``Segments(ids, positions)``, integer ``[batch, seq]``
+        (:mod:`shardkit.nn.segments`): each token attends the earlier tokens of its own
+        document only (the block-diagonal causal mask). Every strategy honours it; the
+        ring then runs in the layout the batch was placed in (no zigzag reorder) and
+        skips the blocks with no unmasked pair. ``None``: one causal document per row.
 
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``; scores scaled by
@@ -319,12 +398,14 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
             f"{k.shape}, {v.shape}.\nFix: give k and v the same shape, and as many heads as "
             "q or a divisor of that."
         )
+    if segments is not None:
+        segments = check_segments(segments, q.shape, "causal_attention")
     strategy, axis = current_attention()
     mesh = context.active_mesh()
     if strategy == "dense" or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
-        return _dense(q, k, v)
+        return _dense(q, k, v) if segments is None else _dense_packed(q, k, v, segments)
     n = mesh.shape[axis]
-    chunks = 2 * n if strategy == "ring" else n
+    chunks = 2 * n if strategy == "ring" and segments is None else n
     if q.shape[1] % chunks:
         raise ShardingError(
             f"{strategy} attention over {axis!r} (size {n}) splits the sequence into {chunks} "
@@ -345,6 +426,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     if is_explicit(mesh):
         q = jax.sharding.reshard(q, spec)
         k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
+    if segments is not None:
+        return _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec)
     body = _ring if strategy == "ring" else _allgather
     return jax.shard_map(
         lambda q, k, v: body(q, k, v, axis=axis, n=n),
@@ -352,3 +435,18 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
         in_specs=(spec, kv_spec, kv_spec),
         out_specs=spec,
     )(q, k, v)
+
+
+def _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec) -> jax.Array:
+    """Ring or all-gather attention of packed rows: the segments split as the tokens."""
+    seg_spec = PartitionSpec(*tuple(spec)[:2])
+    if is_explicit(mesh):
+        segments = Segments(*(jax.sharding.reshard(x, seg_spec) for x in segments))
+    body = _ring_packed if strategy == "ring" else _allgather_packed
+    n = mesh.shape[axis]
+    return jax.shard_map(
+        lambda q, k, v, seg: body(q, k, v, Segments(*seg), axis=axis, n=n),
+        mesh=mesh,
+        in_specs=(spec, kv_spec, kv_spec, (seg_spec, seg_spec)),
+        out_specs=spec,
+    )(q, k, v, tuple(segments))

@@ -59,6 +59,7 @@ __all__ = [
     "head_loss_and_grad",
     "head_post_grad",
     "head_view",
+    "masked_mean",
 ]
 
 #: Logical axes of the logits of the reference models.
@@ -88,6 +89,24 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
     return log_z - target
+
+
+def masked_mean(losses: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Mean of per-token ``losses`` over the tokens of a document (``segment_ids != 0``).
+
+    Packed rows (:mod:`shardkit.packing`) pad with segment 0 and never form a target
+    across a document boundary, so this is the loss of the documents alone: the same
+    value as training each document in a row of its own (padding masked the same way).
+    Works on the per-token losses of :func:`cross_entropy` and of the chunked head
+    (:func:`chunked_cross_entropy`, TSP's vocabulary ring) alike.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> float(masked_mean(jnp.array([[1.0, 3.0, 100.0]]), jnp.array([[1, 2, 0]])))
+      2.0
+    """
+    keep = (segment_ids != 0).astype(jnp.float32)
+    return jnp.sum(losses * keep) / jnp.maximum(jnp.sum(keep), 1.0)
 
 
 _LSE = "shardkit_chunked_ce_logsumexp"

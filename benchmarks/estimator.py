@@ -1,0 +1,283 @@
+"""The pre-compile estimate (``sk.estimate``) against the compiled program.
+
+Compile only (nothing runs), AdamW. Two grids of points, every recipe × both families
+(GPT: linen, tied, LayerNorm; Llama: NNX, RMSNorm, SwiGLU) × a rotation of remat
+(full / none / save_dots) and precision (f32 / bf16):
+
+- *training*: d_model 128, 2 layers, vocab 1024, seq 64, global batch 16, on 4 and 8
+  devices;
+- *held-out*: d_model 256, 3 layers, vocab 2048, seq 128, global batch 32, on 16
+  devices (other sizes, sequence, batch and device count than the fit ever saw), one
+  (remat, precision) pair per recipe × family (the six pairs rotate over the recipes).
+
+Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
+itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
+compiles what is new. The constants of :mod:`shardkit.report.estimate` that are fitted
+(named there) are fitted on the training grid only; the errors on both grids, per recipe
+family, go to ``results/estimator.json``.
+
+Run: python benchmarks/estimator.py [--tiny] [--collect training|held_out] [--fit]
+"""
+
+from __future__ import annotations
+
+import sys
+
+import shardkit as sk
+
+if "--collect" in sys.argv:
+    sk.emulate_devices(16)
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+from bench_util import OUT, emit, parser  # noqa: E402
+
+from shardkit import recipes  # noqa: E402
+from shardkit.errors import ShardingError  # noqa: E402
+
+CACHE = OUT / "estimator_points.json"
+REMATS = ("full", "none", "save_dots")
+#: (remat, precision) pairs per recipe × family: 2 of the 6, rotating, so that each grid
+#: covers all six across the recipes (what this 2-core machine compiles in ~20 minutes).
+PER_CELL = 2
+PRECISIONS = ("f32", "bf16")
+
+#: The grids: model sizes, step sizes and device counts (see the module docstring).
+GRIDS = {
+    "training": {
+        "gpt": dict(vocab=1024, d_model=128, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=512),
+        "llama": dict(vocab=1024, d_model=128, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=384),
+        "seq": 64,
+        "batch": 16,
+        "devices": (8, 4),
+    },
+    "held_out": {
+        "gpt": dict(vocab=2048, d_model=256, n_layers=3, n_heads=16, n_kv_heads=16, d_ff=1024),
+        "llama": dict(vocab=2048, d_model=256, n_layers=3, n_heads=16, n_kv_heads=16, d_ff=768),
+        "seq": 128,
+        "batch": 32,
+        "devices": (16,),
+        "per_cell": 1,
+    },
+}
+
+
+def points(grid: str) -> list[dict]:
+    """The grid's points: every recipe × family × ``PER_CELL`` (remat, precision) pairs."""
+    g = GRIDS[grid]
+    combos = [(r, p) for r in REMATS for p in PRECISIONS]
+    out = []
+    for i, recipe in enumerate(recipes.names()):
+        for j, family in enumerate(("gpt", "llama")):
+            for k in range(g.get("per_cell", PER_CELL)):
+                remat, precision = combos[(2 * i + 3 * j + k * 2 + k // 2) % len(combos)]
+                devices = g["devices"][(i + j + k) % len(g["devices"])]
+                out.append(
+                    dict(
+                        grid=grid,
+                        family=family,
+                        config={**g[family], "max_seq": g["seq"]},
+                        recipe=recipe,
+                        devices=devices,
+                        batch=g["batch"],
+                        seq=g["seq"],
+                        remat=remat,
+                        precision=precision,
+                    )
+                )
+    return out
+
+
+def key(p: dict) -> str:
+    c = p["config"]
+    size = "-".join(str(c[k]) for k in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"))
+    return (
+        f"{p['family']}-{size}-{c['d_ff']}/{p['recipe']}/{p['devices']}/"
+        f"b{p['batch']}s{p['seq']}/{p['remat']}/{p['precision']}"
+    )
+
+
+def load_cache() -> dict:
+    return json.loads(CACHE.read_text()) if CACHE.exists() else {}
+
+
+def model_of(p: dict):
+    from shardkit import models
+
+    base = "gpt-tiny" if p["family"] == "gpt" else "llama-tiny"
+    return models.get(base, remat=p["remat"], **p["config"])
+
+
+def compile_point(p: dict) -> dict:
+    """The compiled figures of one point (or why it does not compile)."""
+    import jax
+
+    start = time.perf_counter()
+    try:
+        plan = sk.Plan(p["recipe"], devices=jax.devices()[: p["devices"]], precision=p["precision"])
+        r = sk.report.build_report(
+            plan, model=model_of(p), batch=p["batch"], seq=p["seq"], itemise=True
+        )
+    except ShardingError as e:
+        return {"skipped": str(e).splitlines()[0]}
+    j = r.to_json()
+    return {
+        "mesh": j["mesh"],
+        "memory": j["memory_per_device_bytes"],
+        "wire": j["wire_bytes_by_kind"],
+        "analytic_wire": j.get("analytic_wire_bytes_by_kind"),
+        "analytic_total": (j.get("analytic_memory_per_device_bytes") or {}).get("total"),
+        "peak_phase": j.get("memory_peak_phase"),
+        "terms": {t["term"]: t["bytes"] for t in j.get("memory_terms") or []},
+        "compile_s": round(time.perf_counter() - start, 2),
+    }
+
+
+def collect(grid: str, tiny: bool = False) -> None:
+    cache = load_cache()
+    todo = [p for p in points(grid) if key(p) not in cache]
+    for n, p in enumerate(todo[:3] if tiny else todo):
+        cache[key(p)] = compile_point(p)
+        print(
+            f"{n + 1}/{len(todo)} {key(p)} {cache[key(p)].get('compile_s', 'skipped')}", flush=True
+        )
+        CACHE.write_text(json.dumps(cache, indent=1, sort_keys=True))
+
+
+def dims_of(p: dict):
+    from shardkit.models.config import ModelConfig
+
+    return ModelConfig(p["family"], **p["config"]).dims()
+
+
+def family_of(recipe: str) -> str:
+    """The recipe's family for the error table: pipelines, TSP, or dense."""
+    par = recipes.get(recipe)
+    sizes = par.axis_sizes(8)
+    kind = par.parallelism(sizes)
+    return "pipeline" if kind.stage > 1 else "tsp" if kind.tsp > 1 else "dense"
+
+
+def compiled(grid: str) -> list[tuple[dict, dict]]:
+    cache = load_cache()
+    return [(p, cache[key(p)]) for p in points(grid) if "memory" in cache.get(key(p), {"x": 0})]
+
+
+def estimates(rows, fit=None) -> list:
+    from shardkit.report.estimator import estimate
+
+    return [
+        estimate(
+            p["recipe"],
+            dims_of(p),
+            mesh=c["mesh"],
+            batch=p["batch"],
+            seq=p["seq"],
+            remat=p["remat"],
+            precision=p["precision"],
+            fit=fit,
+        )
+        for p, c in rows
+    ]
+
+
+def fit_constants(rows) -> dict[str, float]:
+    """The :data:`FIT` constants minimising the squared log error of the totals."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    from shardkit.report.estimator import FIT
+
+    names = list(FIT)
+    actual = np.array([c["memory"]["total"] for _, c in rows])
+
+    def loss(x):
+        fit = dict(zip(names, np.abs(x), strict=True))
+        fit["bf16_activation_bytes"] = min(max(fit["bf16_activation_bytes"], 2.0), 4.0)
+        est = np.array([e.total for e in estimates(rows, fit)])
+        return float(np.mean(np.log(est / actual) ** 2))
+
+    x0 = np.array([FIT[n] for n in names])
+    res = minimize(loss, x0, method="Nelder-Mead", options={"maxiter": 600, "xatol": 1e-3})
+    fit = {n: round(abs(float(v)), 3) for n, v in zip(names, res.x, strict=True)}
+    fit["bf16_activation_bytes"] = min(max(fit["bf16_activation_bytes"], 2.0), 4.0)
+    return fit
+
+
+def errors(rows, ests) -> dict:
+    """Per family and overall: points, fraction within ±10 %, the worst error."""
+    out: dict[str, dict] = {}
+    for (p, c), e in zip(rows, ests, strict=True):
+        err = e.total / c["memory"]["total"] - 1
+        for fam in ("all", family_of(p["recipe"])):
+            f = out.setdefault(fam, {"points": 0, "within": 0, "worst": 0.0, "worst_point": ""})
+            f["points"] += 1
+            f["within"] += abs(err) <= 0.10
+            if abs(err) > abs(f["worst"]):
+                f["worst"], f["worst_point"] = round(err, 3), key(p)
+    for f in out.values():
+        f["within_10pct"] = round(f.pop("within") / f["points"], 3)
+    return out
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--collect", choices=tuple(GRIDS))
+    p.add_argument("--fit", action="store_true", help="refit the constants (training grid)")
+    args = p.parse_args()
+    if args.collect:
+        collect(args.collect, args.tiny)
+        return
+    from shardkit.report.estimator import FIT
+
+    train, held = compiled("training"), compiled("held_out")
+    fit = fit_constants(train) if args.fit else dict(FIT)
+    result = {"constants": fit, "fitted": bool(args.fit)}
+    table = []
+    for grid, rows in (("training", train), ("held_out", held)):
+        ests = estimates(rows, fit)
+        err = errors(rows, ests)
+        result[grid] = {
+            "errors": err,
+            "points": [
+                {
+                    "point": key(p),
+                    "compiled_total": c["memory"]["total"],
+                    "estimated_total": e.total,
+                    "compiled_temp": c["memory"]["temp"],
+                    "estimated_temp": e.temp,
+                    "compiled_wire": sum(c["wire"].values()),
+                    "estimated_wire": e.wire_bytes,
+                    "ratio": round(e.total / c["memory"]["total"], 4),
+                }
+                for (p, c), e in zip(rows, ests, strict=True)
+            ],
+        }
+        for fam, f in sorted(err.items()):
+            table.append(
+                [
+                    grid,
+                    fam,
+                    f["points"],
+                    f"{f['within_10pct']:.0%}",
+                    f"{f['worst']:+.0%}",
+                    f["worst_point"],
+                ]
+            )
+    secs = [e.seconds for e in estimates(held[:20], fit)]
+    result["estimate_ms_median"] = round(1e3 * sorted(secs)[len(secs) // 2], 3) if secs else None
+    emit(
+        "estimator",
+        __doc__.splitlines()[0],
+        ["grid", "recipes", "points", "within ±10 %", "worst", "worst point"],
+        table,
+        args.out,
+        result,
+    )
+    if args.fit:
+        print("fitted constants:", fit)
+
+
+if __name__ == "__main__":
+    main()

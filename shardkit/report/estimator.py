@@ -1,0 +1,430 @@
+"""A pre-compile estimate of one training step per device: memory at its peak, wire bytes.
+
+:func:`estimate` predicts, without XLA, what :func:`shardkit.report.build_report` measures in
+the compiled program: each device's arguments (the stored state and the token batch),
+its temp memory at the peak, their total, and the wire bytes by collective kind. It
+takes a plan (or a recipe and a mesh) and a model's :class:`~shardkit.dims.ModelDims`
+(or a model that declares them), and runs in about a millisecond.
+
+The temp memory is the peak of the step's phases, each a sum of the report's itemised
+terms (:data:`shardkit.report.memory_terms.TERMS`), from the structure of the step:
+
+- ``gradients``: the stored gradient shard (f32), and the whole table gradient that
+  waits for its reduction where the layout replicates the vocabulary table;
+- ``saved activations``: what the scanned layer keeps for its backward pass, per
+  remat policy (:func:`saved_values`: the layer input under ``full``; the matmul
+  outputs too under ``save_dots``; every intermediate under ``none``), for every layer
+  (times the work items a pipeline stage holds in flight, :func:`in_flight`);
+- ``recomputation`` and ``attention scores``: the one layer whose backward runs,
+  recomputed (``full``, ``save_dots``) and its gradients' working set;
+- ``gathered weights``: a layer's weights gathered, and their unreduced gradient,
+  where fsdp or TSP shards them;
+- ``logits / loss``: the chunked head's f32 buffers (:func:`~shardkit.report.phases.head_loss_peak_bytes`).
+
+The wire bytes are the analytic model's (:func:`~shardkit.report.analytic.analytic_costs`),
+the state its ZeRO shards. The fitted constants are the :data:`FIT` table's, each named
+and justified there; ``benchmarks/estimator.py`` fits them on a training grid and judges
+the estimate on a held-out one.
+
+Example:
+  >>> from shardkit.dims import ModelDims
+  >>> dims = ModelDims(layers=2, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256,
+  ...                  vocab=256, max_seq=128, tied_embedding=True, position_table=True,
+  ...                  biases=True, norm="layernorm", chunked_head=True)
+  >>> e = estimate("fsdp", dims, mesh={"fsdp": 8}, batch=8, seq=128, remat="full")
+  >>> e.phase in ("layers", "head_loss", "optimizer_step"), e.total > e.arguments > 0
+  (True, True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from shardkit import recipes
+from shardkit.dims import ModelDims
+from shardkit.errors import ShardingError
+from shardkit.nn.loss import LOGITS, auto_chunks
+from shardkit.report.analytic import analytic_costs, workload_of
+from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
+from shardkit.report.pipeline_analytic import in_flight
+
+__all__ = ["FIT", "Estimate", "estimate", "saved_values"]
+
+#: The constants fitted on ``benchmarks/estimator.py``'s training grid, by name: each
+#: multiplies a structural count (1.0: the count itself) by what XLA keeps live.
+FIT: dict[str, float] = {
+    # Copies of the layer stack's stored gradient shard live at the layers' peak, per
+    # scan buffer holding it (the backward's accumulator; without remat also the
+    # forward scan's output buffer).
+    "gradient_copies": 1.0,
+    # The backward layer's working set (its recomputed forward and the gradients
+    # computed from it) in units of one layer's remat-"none" activations
+    # (saved_values(dims, "none")): XLA frees and fuses part of it (< 1).
+    "backward_layer_fraction": 0.62,
+    # Copies of one layer's weights gathered by fsdp or TSP (the weights and their
+    # layout copies, the next weight's prefetched gather).
+    "gathered_weight_copies": 1.25,
+    # Copies of the head's buffers, in units of head_loss_peak_bytes' count.
+    "head_copies": 1.0,
+    # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
+    # converts the bf16 values to f32 around every op, and the f32 copies are what the
+    # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
+    "bf16_activation_bytes": 4.0,
+    # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes.
+    "heap_fragmentation": 0.05,
+}
+
+_REMATS = ("none", "full", "save_dots")
+_REQUIRED = ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab")
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """The estimated cost of one training step, per device.
+
+    Attributes:
+      arguments: bytes of the step's inputs: stored state and the token batch.
+      temp: bytes of XLA's temp heap at its peak (the sum of ``terms``).
+      wire_bytes_by_kind: ring wire bytes per step by collective kind.
+      terms: the temp bytes at the peak by the report's term names.
+      state: the arguments' parts (``params``, ``optimizer``, ``batch``).
+      phase: the phase the peak is in (``layers``, ``head_loss``, ``optimizer_step``).
+      phases: the temp peak of each phase.
+      notes: the counts used, human-readable.
+      seconds: how long the estimate took.
+    """
+
+    arguments: float
+    temp: float
+    wire_bytes_by_kind: Mapping[str, float]
+    terms: Mapping[str, float]
+    state: Mapping[str, float]
+    phase: str
+    phases: Mapping[str, float]
+    notes: tuple[str, ...]
+    seconds: float = 0.0
+
+    @property
+    def total(self) -> float:
+        """Arguments plus temp at the peak, bytes per device (the donated state is
+        updated in place)."""
+        return self.arguments + self.temp
+
+    @property
+    def wire_bytes(self) -> float:
+        """All wire bytes per step."""
+        return float(sum(self.wire_bytes_by_kind.values()))
+
+    def to_json(self) -> dict[str, Any]:
+        """The estimate as plain data (bytes per device)."""
+        return {
+            "arguments": self.arguments,
+            "temp": self.temp,
+            "total": self.total,
+            "wire_bytes_by_kind": dict(self.wire_bytes_by_kind),
+            "wire_bytes": self.wire_bytes,
+            "terms": dict(self.terms),
+            "state": dict(self.state),
+            "phase": self.phase,
+            "phases": dict(self.phases),
+            "notes": list(self.notes),
+            "seconds": self.seconds,
+        }
+
+
+def saved_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool = False) -> float:
+    """Values per token one scanned layer keeps for its backward pass, per remat policy.
+
+    With ``h`` the width, ``q = n_heads·head_dim``, ``k = n_kv_heads·head_dim``, ``f``
+    the MLP width (``f_in = 2f`` gated: gate and up), ``a`` heads and ``s`` the keys per
+    query (``seq``); what tensor parallelism splits ÷ ``t``, the width-``h`` values too
+    under sequence parallelism (``sp``). As XLA's CPU program keeps them (counted from
+    its buffers at the peak, GPT and Llama alike):
+
+    - ``full``: the layer input, ``h``;
+    - ``save_dots`` (matmul outputs without batch dimensions): the input, q/k/v, the
+      attention's output projection and the MLP's input matmuls: ``2h + (q + 2k + f_in)/t``;
+    - ``none``: everything the backward reads: six width-``h`` values (the input, both
+      norms' outputs, the residual between the blocks, the two blocks' outputs), q/k/v,
+      the attention context and its transpose (``2q``), the scores and their softmax
+      (``2·a·s``), and six MLP-width values (the input matmuls, the activation's
+      intermediates, its output): ``6h + (q + 2k + 2q + 2as + 6f)/t``.
+
+    Example:
+      >>> d = ModelDims(layers=1, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256, vocab=256)
+      >>> saved_values(d, "full", seq=128), saved_values(d, "save_dots", seq=128)
+      (64.0, 576.0)
+      >>> saved_values(d, "none", seq=128)   # 6·64 + (192 + 128 + 2·8·128 + 6·256)
+      4288.0
+    """
+    if remat not in _REMATS:
+        raise ShardingError(f"remat is one of {list(_REMATS)}, got {remat!r}.")
+    h, hd = dims.d_model, dims.head_dim
+    q, k = dims.n_heads * hd, dims.n_kv_heads * hd
+    f_in = (2 if dims.gated_mlp else 1) * dims.d_ff
+    x = h / t if sp else h
+    if remat == "full":
+        return float(x)
+    if remat == "save_dots":
+        return float(2 * x + (q + 2 * k + f_in) / t)
+    scores = 2 * dims.n_heads * seq
+    return float(6 * x + (q + 2 * k + 2 * q + scores + 6 * dims.d_ff) / t)
+
+
+def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
+    names: list[str] = []
+    for i in dims:
+        entry = spec[i] if i < len(spec) else None
+        names += [entry] if isinstance(entry, str) else list(entry or ())
+    return math.prod(mesh.get(n, 1) for n in names)
+
+
+def _resolve(plan_or_recipe: Any, mesh: Any, devices: int | None) -> tuple[Any, dict[str, int]]:
+    """(recipe, mesh sizes) from a plan, or a recipe with a mesh or a device count."""
+    if hasattr(plan_or_recipe, "recipe") and hasattr(plan_or_recipe, "mesh"):
+        shape = dict(plan_or_recipe.mesh.shape)
+        return plan_or_recipe.recipe, {a: int(v) for a, v in shape.items()}
+    recipe = recipes.get(plan_or_recipe)
+    if mesh is None and devices is None:
+        raise ShardingError(
+            f"estimate({recipe.name!r}, ...): a recipe needs mesh= (axis sizes) or devices=.\n"
+            f"Fix: estimate({recipe.name!r}, dims, devices=8, ...), or pass an sk.Plan."
+        )
+    if mesh is None:
+        mesh = recipe.axis_sizes(devices)
+    if hasattr(mesh, "shape") and not isinstance(mesh, Mapping):
+        mesh = dict(mesh.shape)
+    return recipe, {a: int(v) for a, v in dict(mesh).items()}
+
+
+def _dims_of(model: Any) -> ModelDims:
+    if isinstance(model, ModelDims):
+        return model
+    dims = getattr(model, "dims", None)
+    if isinstance(dims, ModelDims):
+        return dims
+    raise ShardingError(
+        f"estimate: {type(model).__name__} declares no dimensions (its dims is {dims!r}).\n"
+        f"Fix: declare them, dims=ModelDims({', '.join(f + '=...' for f in _REQUIRED)}) "
+        "(shardkit.dims) in the model's factory (as examples/scanned_lm.py does), or "
+        "compile the layout with `shardkit report` (sk.report.build_report) instead."
+    )
+
+
+def estimate(
+    plan_or_recipe: Any,
+    model: Any,
+    *,
+    batch: int,
+    seq: int,
+    mesh: Any = None,
+    devices: int | None = None,
+    remat: str | None = None,
+    precision: str | None = None,
+    pipeline: Mapping[str, Any] | None = None,
+    fit: Mapping[str, float] | None = None,
+) -> Estimate:
+    """The estimated memory per device and wire bytes of one AdamW training step.
+
+    Args:
+      plan_or_recipe: an ``sk.Plan``, or a recipe (name or ``Recipe``) with ``mesh=``
+        (axis sizes or a ``Mesh``) or ``devices=`` (the recipe's default mesh).
+      model: a :class:`~shardkit.dims.ModelDims`, or a model declaring its ``dims``
+        (a reference model, a user's model of the model protocol).
+      batch, seq: global batch and sequence length.
+      remat: ``"none"``, ``"full"`` or ``"save_dots"`` (default: the model's, else none).
+      precision: ``"f32"`` or ``"bf16"`` (default: the plan's, else f32).
+      pipeline: a pipeline's options (``{"microbatches": m, "schedule": ...}``; default
+        1F1B with one micro-batch per stage, as ``shardkit.report.build_report``).
+      fit: constants to use in place of :data:`FIT`'s (the benchmark's fit).
+
+    Returns:
+      An :class:`Estimate`.
+
+    Raises:
+      ShardingError: a model without declared dimensions (naming the fields to
+        declare), a layout the estimator does not cover (saying so), bad arguments.
+    """
+    start = time.perf_counter()
+    recipe, sizes = _resolve(plan_or_recipe, mesh, devices)
+    dims = _dims_of(model)
+    remat = remat or getattr(model, "remat", None) or "none"
+    precision = precision or getattr(plan_or_recipe, "precision", None) or "f32"
+    if remat not in _REMATS:
+        raise ShardingError(f"estimate(remat={remat!r}): remat is one of {list(_REMATS)}.")
+    if precision not in ("f32", "bf16"):
+        raise ShardingError(f"estimate(precision={precision!r}): 'f32' or 'bf16'.")
+    if not isinstance(batch, int) or not isinstance(seq, int) or batch < 1 or seq < 1:
+        raise ShardingError(f"estimate(batch={batch!r}, seq={seq!r}): positive ints, please.")
+    par = recipe.parallelism(sizes)
+    if par.stage > 1:
+        pipeline = {"microbatches": par.stage, "schedule": "1f1b", **(pipeline or {})}
+    nb = 4
+    psi = dims.param_count
+    workload = workload_of(dims, batch=batch, seq=seq, remat=remat, precision=precision)
+    try:
+        base = analytic_costs(
+            recipe,
+            sizes,
+            workload=workload,
+            psi=psi,
+            param_bytes=nb * psi,
+            optimizer_bytes=2 * nb * psi,
+            bytes_per_value=nb,
+            layer_params=dims.ringed_layer_params[0],
+            in_params=dims.ringed_layer_params[1],
+            vocab_tables=dims.vocab_tables,
+            pipeline=pipeline,
+            stack_param_bytes=nb * dims.stack_params,
+            stack_optimizer_bytes=2 * nb * dims.stack_params,
+        )
+    except ShardingError as e:
+        raise ShardingError(
+            f"estimate: the estimator does not cover {recipe.name} on {sizes} "
+            f"({str(e).splitlines()[0]}).\nFix: compile it with `shardkit report` "
+            "(sk.report.build_report) for its measured figures."
+        ) from e
+    mem = base.memory
+    fit = {**FIT, **(fit or {})}
+    act = fit["bf16_activation_bytes"] if precision == "bf16" else 4
+    d, f, t, c, p = par.data, par.fsdp, par.tensor, par.sequence, par.stage
+    tsp = max(par.tsp, 1)
+    m = int(pipeline["microbatches"]) if p > 1 else 1
+    b = batch / (d * f * m)
+    s = seq / (c * tsp)
+    tokens = b * s
+    sp = t > 1 and par.tensor_kind == "tp_sp"
+    L = dims.layers / p
+    notes = [f"{recipe.name} as {par}; b={b:g} rows × s={s:g} per device, {act:g} B/activation"]
+
+    # Arguments: the state's shards and the token batch (inputs and targets, int32).
+    batch_bytes = 2 * batch / (d * f) * seq / (c * tsp) * 4
+    # Tensor parallelism splits the matrices and the vocabulary tables, not the norms,
+    # the row-parallel outputs' biases or a position table: those stay whole (÷ fsdp).
+    whole = 0.0
+    if t > 1:
+        norms = (2 * dims.layers + 1) * (2 if dims.norm == "layernorm" else 1) * dims.d_model
+        out_biases = 2 * dims.layers * dims.d_model if dims.biases else 0
+        positions = dims.max_seq * dims.d_model if dims.position_table else 0
+        whole = (norms + out_biases + positions) * nb * (1 - 1 / t) / f
+    state = {
+        "params": mem.params + whole,
+        "optimizer": mem.optimizer + 2 * whole,
+        "batch": batch_bytes,
+    }
+    arguments = sum(state.values())
+
+    # Saved activations: every layer's (× the items a pipeline stage holds in flight).
+    items = 1.0
+    if p > 1:
+        sched = pipeline.get("schedule", "1f1b")
+        v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
+        items = in_flight(sched, p, m, v) / v
+    per_token = saved_values(dims, remat, seq=seq, t=t, sp=sp)
+    # Ring attention (cp, TSP) keeps the K and V blocks each of the n − 1 steps received
+    # for the backward pass: 2·k·(n − 1) values per local token, saved for every layer
+    # without remat, else held by the layer being recomputed.
+    ring = int(sizes.get(recipe.attention_axis, 1)) if recipe.attention != "dense" else 1
+    ring_values = 2 * dims.n_kv_heads * dims.head_dim * (ring - 1) / t
+    if remat == "none":
+        per_token += ring_values
+    saved = items * L * tokens * per_token * act
+    notes.append(
+        f"saved activations: {items:g} item(s) × {L:g} layers × {tokens:g} tokens × "
+        f"{per_token:g} values ({remat}) × {act:g} B"
+    )
+    # The backward layer's working set, in units of one layer's "none" activations; its
+    # scores are the attention's share of it.
+    none_values = saved_values(dims, "none", seq=seq, t=t, sp=sp)
+    work = fit["backward_layer_fraction"] * tokens * none_values * act
+    if remat != "none":
+        work += tokens * ring_values * act
+    scores = fit["backward_layer_fraction"] * tokens * 2 * dims.n_heads * seq / t * act
+    # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
+    # layer's into the optimizer's shard), the layer being differentiated whole (before
+    # its reduction), and the token table's whole gradient: the lookup scatters into it
+    # before any reduction. Without remat the forward scan's output buffer of the
+    # stacked gradient is live next to the backward's loop-carried one: two copies
+    # (counted in XLA's buffers).
+    shard = mem.grads / (d if par.data_kind == "zero1" else 1)
+    copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
+    stack_shard = shard * dims.stack_params / dims.param_count
+    layer_grad = dims.layer_params * nb / t
+    rest = (dims.param_count - dims.stack_params) * nb / t
+    table_grads = dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp))
+    grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
+    gathered = 0.0
+    if f > 1 or tsp > 1:
+        gathered = fit["gathered_weight_copies"] * dims.layer_params * nb / t
+    notes.append(
+        f"backward layer: {fit['backward_layer_fraction']:g} × {tokens:g} tokens × "
+        f"{none_values:g} values; gradients: {fit['gradient_copies']:g} × the shard + one "
+        f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
+    )
+    # Tensor parallelism's activation reductions: the operand and the result of the
+    # reduction of b·s·h partial sums, twice (the backward's two in flight); under
+    # sequence parallelism the results are the sequence's shard.
+    collective = 0.0
+    if t > 1:
+        collective = 2 * (1 + (1 / t if sp else 1)) * tokens * dims.d_model * act
+    layers_terms = {
+        "gradients": grads,
+        "collective buffers": collective,
+        "saved activations": saved,
+        "gathered weights": gathered,
+        "attention scores": scores,
+        "recomputation": work - scores,
+    }
+
+    # The head and loss: the chunked cross-entropy's f32 buffers.
+    rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=dims.vocab)
+    spec = rules.spec(LOGITS, mesh=sizes)
+    chunks = 1
+    if dims.chunked_head:
+        chunks = dims.loss_chunks or auto_chunks(
+            seq, dims.vocab, dims.d_model, quantum=_split(spec, sizes, (1,))
+        )
+    copy = head_weight_copy_bytes(
+        dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
+    )
+    head = fit["head_copies"] * head_loss_peak_bytes(
+        tokens=batch * seq / m,
+        vocab=dims.vocab,
+        d_model=dims.d_model,
+        chunks=chunks,
+        token_split=_split(spec, sizes, (0, 1)),
+        vocab_split=_split(spec, sizes, (2,)),
+        bytes_per_value=act,
+        weight_copy_bytes=copy,
+    )
+    notes.append(f"head and loss: {chunks} chunk(s), {head:,.0f} B")
+    phases_terms = {
+        "layers": layers_terms,
+        "head_loss": {
+            # the head runs before the layers' backward: only the tables' gradient
+            "gradients": rest,
+            "saved activations": saved,
+            "logits / loss": head,
+        },
+        "optimizer_step": {"gradients": mem.grads},
+    }
+    for v in phases_terms.values():
+        v["heap fragmentation"] = fit["heap_fragmentation"] * sum(v.values())
+    phases = {k: float(sum(v.values())) for k, v in phases_terms.items()}
+    phase = max(phases, key=lambda k: phases[k])
+    terms = {k: float(v) for k, v in phases_terms[phase].items() if v > 0}
+    return Estimate(
+        arguments=float(arguments),
+        temp=phases[phase],
+        wire_bytes_by_kind=dict(base.wire_bytes_by_kind),
+        terms=terms,
+        state=state,
+        phase=phase,
+        phases=phases,
+        notes=tuple(notes),
+        seconds=time.perf_counter() - start,
+    )

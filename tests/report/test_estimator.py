@@ -1,0 +1,161 @@
+"""The pre-compile estimate: its terms by hand count, its errors, against compiled programs."""
+
+import pytest
+
+import shardkit as sk
+from shardkit import models
+from shardkit.dims import ModelDims
+from shardkit.models import CONFIGS
+from shardkit.recipes import Recipe
+from shardkit.report.estimator import FIT, estimate, saved_values
+
+# gpt-tiny by hand: tables 256·64 (tied) + positions 128·64 + final LayerNorm 2·64, and
+# per layer qkv 64·192 + 192, out 64·64 + 64, up 64·256 + 256, down 256·64 + 64, two
+# LayerNorms 4·64: 49,984.
+GPT_TINY_PSI = (
+    256 * 64 + 128 * 64 + 128 + 2 * (64 * 192 + 192 + 64 * 64 + 64 + 2 * 64 * 256 + 320 + 256)
+)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelDims:
+    return CONFIGS["gpt-tiny"].dims()
+
+
+def test_arguments_are_the_state_shards_and_the_tokens(tiny):
+    assert GPT_TINY_PSI == 124_672
+    e = estimate("dp", tiny, mesh={"data": 8}, batch=8, seq=64)
+    # f32 params, Adam's m and v, replicated; int32 inputs and targets of 1 × 64 tokens.
+    assert e.arguments == 3 * 4 * GPT_TINY_PSI + 2 * 64 * 4
+    e = estimate("fsdp", tiny, mesh={"fsdp": 8}, batch=8, seq=64)
+    assert e.state["params"] == 4 * GPT_TINY_PSI / 8
+    assert e.state["optimizer"] == 2 * 4 * GPT_TINY_PSI / 8
+
+
+def test_tensor_parallelism_keeps_norms_biases_and_positions_whole(tiny):
+    e = estimate("tp", tiny, mesh={"tensor": 8}, batch=8, seq=64)
+    # 5 LayerNorms of 2·64, 2 × 2 row-parallel output biases of 64, 128 × 64 positions.
+    whole = 5 * 128 + 4 * 64 + 128 * 64
+    assert e.state["params"] == pytest.approx(4 * (GPT_TINY_PSI - whole) / 8 + 4 * whole)
+
+
+def test_saved_activations_per_remat_policy(tiny):
+    # full remat keeps each layer's input: L · b · s · h · 4 bytes.
+    e = estimate("dp", tiny, mesh={"data": 8}, batch=16, seq=64, remat="full")
+    assert e.phases["layers"] > 0 and e.terms["saved activations"] == 2 * 2 * 64 * 64 * 4
+    # save_dots: the input, q/k/v, the output projection, the MLP's up matmul per token.
+    assert saved_values(tiny, "save_dots", seq=64) == 64 + 192 + 64 + 256
+    # none: 6 width-h values, q/k/v, the context twice, scores + softmax, 6 MLP-width.
+    assert saved_values(tiny, "none", seq=64) == 6 * 64 + 192 + 128 + 2 * 8 * 64 + 6 * 256
+    # tensor parallelism splits what the heads and the MLP split; SP the rest too.
+    assert saved_values(tiny, "none", seq=64, t=8) == 6 * 64 + (192 + 128 + 1024 + 1536) / 8
+    assert saved_values(tiny, "full", seq=64, t=8, sp=True) == 8
+
+
+def test_ring_attention_keeps_the_received_kv_blocks(tiny):
+    kw = dict(batch=8, seq=64, remat="none")
+    dense = estimate("dp", tiny, mesh={"data": 1}, **kw)
+    ring = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
+    # Per layer, per local token (8 of 64): the 7 received K and V blocks, 2·64·7 values.
+    kv = 2 * 8 * 8 * 2 * 64 * 7 * 4
+    per_token = saved_values(tiny, "none", seq=64)
+    assert ring.terms["saved activations"] == pytest.approx(2 * 8 * 8 * per_token * 4 + kv)
+    assert dense.terms["saved activations"] == 2 * 8 * 64 * per_token * 4
+
+
+def test_a_pipeline_stage_holds_its_items_in_flight(tiny):
+    kw = dict(mesh={"stage": 2, "data": 4}, batch=16, seq=64, remat="full")
+    one = estimate("dp_pp", tiny, pipeline={"microbatches": 2, "schedule": "1f1b"}, **kw)
+    gpipe = estimate("dp_pp", tiny, pipeline={"microbatches": 4, "schedule": "gpipe"}, **kw)
+    # 1F1B on 2 stages with 2 micro-batches of 2 rows: 2 in flight × 1 layer × 2·64·64·4;
+    # gpipe with 4 of 1 row holds all 4: the same bytes.
+    assert one.terms["saved activations"] == 2 * 1 * 2 * 64 * 64 * 4
+    assert gpipe.terms["saved activations"] == 4 * 1 * 1 * 64 * 64 * 4
+
+
+def test_bf16_activations_take_the_backends_bytes(tiny):
+    kw = dict(mesh={"data": 8}, batch=8, seq=64, remat="full")
+    f32, bf16 = estimate("dp", tiny, **kw), estimate("dp", tiny, precision="bf16", **kw)
+    ratio = FIT["bf16_activation_bytes"] / 4
+    assert bf16.terms["saved activations"] == f32.terms["saved activations"] * ratio
+    half = estimate("dp", tiny, precision="bf16", fit={"bf16_activation_bytes": 2.0}, **kw)
+    assert half.terms["saved activations"] == f32.terms["saved activations"] / 2
+
+
+def test_wire_is_the_ring_model(tiny):
+    # 512 tokens > 256 vocab: the head computes in the tokens' layout, so fsdp's wire is
+    # ZeRO-3's: the weights all-gathered forward and backward, the gradients
+    # reduce-scattered, (N − 1)/N of 4·Ψ bytes each.
+    e = estimate("fsdp", tiny, mesh={"fsdp": 8}, batch=8, seq=64)
+    assert e.wire_bytes_by_kind == {
+        "all-gather": 2 * 4 * GPT_TINY_PSI * 7 / 8,
+        "reduce-scatter": 4 * GPT_TINY_PSI * 7 / 8,
+    }
+
+
+def test_terms_add_up_and_name_the_reports_terms(tiny):
+    from shardkit.report.memory_terms import TERMS
+
+    for recipe in ("dp", "fsdp", "tp_sp", "tsp", "dp_pp"):
+        e = estimate(recipe, tiny, devices=8, batch=8, seq=64, remat="full")
+        assert set(e.terms) <= set(TERMS)
+        assert sum(e.terms.values()) == pytest.approx(e.temp)
+        assert e.total == e.arguments + e.temp
+
+
+def test_a_plan_and_a_model_give_the_same_estimate(tiny):
+    plan = sk.Plan("fsdp", precision="bf16")
+    model = models.get("gpt-tiny", remat="save_dots")
+    a = estimate(plan, model, batch=8, seq=64)
+    b = estimate(
+        "fsdp", tiny, mesh={"fsdp": 8}, batch=8, seq=64, remat="save_dots", precision="bf16"
+    )
+    assert a.total == b.total and a.wire_bytes_by_kind == b.wire_bytes_by_kind
+
+
+def test_a_model_without_dims_names_the_fields_to_declare():
+    class Undeclared:
+        dims = None
+
+    with pytest.raises(sk.ShardingError, match="declares no dimensions") as e:
+        estimate("fsdp", Undeclared(), devices=8, batch=8, seq=64)
+    for field in ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab"):
+        assert f"{field}=" in str(e.value)
+    assert "shardkit report" in str(e.value)
+
+
+def test_a_layout_not_covered_says_so(tiny):
+    rules = sk.Rules([("layers", "stage"), ("length", "sequence"), ("batch", "data")])
+    recipe = Recipe(
+        "stage_cp",
+        "a pipeline with a sequence axis",
+        (("stage", 2), ("sequence", -1)),
+        rules,
+        rules,
+    )
+    with pytest.raises(sk.ShardingError, match="does not cover stage_cp"):
+        estimate(recipe, tiny, mesh={"stage": 2, "sequence": 2}, batch=8, seq=64)
+
+
+def test_bad_arguments(tiny):
+    with pytest.raises(sk.ShardingError, match="mesh= .* or devices="):
+        estimate("fsdp", tiny, batch=8, seq=64)
+    with pytest.raises(sk.ShardingError, match="remat"):
+        estimate("fsdp", tiny, devices=8, batch=8, seq=64, remat="some")
+    with pytest.raises(sk.ShardingError, match="precision"):
+        estimate("fsdp", tiny, devices=8, batch=8, seq=64, precision="fp8")
+
+
+@pytest.mark.parametrize(
+    ("recipe", "remat", "tolerance"),
+    [("fsdp", "full", 0.10), ("dp", "none", 0.10), ("dp_pp", "full", 0.25)],
+)
+def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
+    # Compile only. The benchmark (benchmarks/estimator.py) has the errors of every
+    # recipe; these are a dense layout each way of remat and a pipeline.
+    model = models.get("gpt-tiny", remat=remat)
+    plan = sk.Plan(recipe)
+    compiled = sk.report.build_report(plan, model=model, batch=8, seq=64).memory
+    e = estimate(plan, model, batch=8, seq=64)
+    assert e.total / compiled.total == pytest.approx(1, abs=tolerance)
+    assert e.arguments / compiled.arguments == pytest.approx(1, abs=0.06)
