@@ -447,7 +447,7 @@ def fsdp_ep() -> Recipe:
     return Recipe(
         name="fsdp_ep",
         optional_names=_REFERENCE_NAMES,
-        collectives=_EXPERT_COLLECTIVES | {"all-gather", "reduce-scatter"},
+        collectives=frozenset({"all-to-all", "all-gather", "reduce-scatter"}),
         summary="experts over 'expert' (all-to-all), dense state FSDP over the same axis",
         mesh_axes=(("expert", -1),),
         rules=Rules([*_EXPERT, ("vocab", "expert"), ("embed", "expert")]),

@@ -429,8 +429,9 @@ def expected_collectives(recipe: Recipe) -> frozenset[str]:
         if role == "data" and _names_on(recipe.optimizer_rules, axis):
             out |= {"reduce-scatter", "all-gather"}
         if "expert" in _names_on(recipe.rules, axis):
-            # the experts' tokens travel to them and back (shardkit.nn.moe)
-            out |= {"all-to-all"}
+            # the experts' tokens travel to them and back (shardkit.nn.moe); left to XLA
+            # (expert_dispatch="gspmd") the tokens are gathered too
+            out |= {"all-to-all"} | ({"all-gather"} if recipe.expert_dispatch == "gspmd" else set())
         if axis == recipe.attention_axis and role in ("sequence", "tsp"):
             out |= {"ring": {"collective-permute"}, "allgather": {"all-gather"}}.get(
                 recipe.attention, set()
