@@ -32,7 +32,7 @@ RECIPES = ("dp", "fsdp", "ep", "ep_gspmd", "fsdp_ep", "ep_tp")
 
 def measure(name: str, recipe: str, batch: int, seq: int) -> dict:
     model = models.get(name)
-    report = models.report(sk.Plan(recipe), model, batch=batch, seq=seq)
+    report = sk.report.build_report(sk.Plan(recipe), model=model, batch=batch, seq=seq)
     rows = [r for r in report.params if r.kind in ("param", "optimizer")]
     expert = sum(r.bytes_per_device for r in rows if "expert" in r.logical)
     expert_full = sum(_full(r) for r in rows if "expert" in r.logical)

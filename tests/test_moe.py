@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import shardkit as sk
-from shardkit import models, train
+from shardkit import train
 from shardkit.data import MarkovSource
 from shardkit.models import get
 from shardkit.nn import moe
@@ -164,7 +164,7 @@ def test_bad_input_is_a_sharding_error():
     with pytest.raises(
         sk.ShardingError, match=r"'expert'\) has size 6, which expert=8 does not divide"
     ):
-        models.report(sk.Plan("ep"), model, batch=8, seq=16)
+        sk.report.build_report(sk.Plan("ep"), model=model, batch=8, seq=16)
     # The tokens not split over the expert axis: the all-to-all cannot use that batch.
     ep = sk.recipes.get("ep")
     unsplit = dataclasses.replace(ep, name="ep_unsplit", activation_rules=sk.Rules([]))

@@ -142,8 +142,8 @@ class ModelConfig:
             factor ``≤ 0``, ...).
 
         Example:
-          >>> CONFIGS["moe-tiny"].moe_spec().capacity_of(16)
-          4
+          >>> CONFIGS["moe-tiny"].moe_spec().capacity_of(16)   # ⌈1.25·16·2/8⌉
+          5
         """
         return MoeSpec(
             n_experts=self.n_experts,

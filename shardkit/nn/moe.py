@@ -208,7 +208,7 @@ def route(logits: jax.Array, spec: MoeSpec, slots: int) -> Routing:
       >>> logits = jnp.array([[[1.0, 0.0], [2.0, 0.0], [0.0, 1.0], [3.0, 0.0]]])
       >>> r = route(logits, spec, capacity(spec, 4))   # 1 slot each: expert 0 keeps token 0
       >>> r.load.tolist(), r.dropped.tolist()
-      [[3.0, 1.0], [2.0, 0.0]]
+      ([3.0, 1.0], [2.0, 0.0])
     """
     logits = logits.astype(jnp.float32)
     b, s, e = logits.shape

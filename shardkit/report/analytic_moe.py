@@ -18,8 +18,9 @@ under full remat: the forward runs again).
 Example:
   >>> from shardkit.models import get
   >>> dims = get("moe-tiny").dims
-  >>> dispatch_bytes(dims, "ep", {"expert": 8}, batch=8, seq=16)   # 8 layers·4 passes
-  24576.0
+  >>> # 2 layers · 4 all-to-alls · 7/8 · [8 experts, 1 sequence, 5 slots, 64] · 4 bytes
+  >>> dispatch_bytes(dims, "ep", {"expert": 8}, batch=8, seq=16)
+  71680.0
 """
 
 from __future__ import annotations

@@ -306,7 +306,8 @@ def test_analytic_model_each_recipe(name, config_name):
     assert m.memory.grads == pytest.approx(4 * psi / (t * f))
     opt_degree = t * f * (d if name == "zero1" else 1)
     assert m.memory.optimizer == pytest.approx(8 * psi / opt_degree)
-    mode = {"tp": "tp", "fsdp_tp": "tp", "tp_sp": "tp_sp", "dp_tp_sp": "tp_sp"}.get(name, "none")
+    mode = {"tp": "tp", "fsdp_tp": "tp", "ep_tp": "tp", "tp_sp": "tp_sp", "dp_tp_sp": "tp_sp"}
+    mode = mode.get(name, "none")
     b, s = 16 / (d * f), 64 / c
     layer = megatron_activations_per_layer(
         s, b, cfg.d_model, cfg.n_heads, t=t, mode=mode, bytes_per_value=4
