@@ -44,6 +44,13 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Tensor-sequence parallelism against TP, TP+SP and context parallelism on llama-1b: "
         "one sequence length head to head, then a sweep of the sequence.",
     ),
+    "moe": (
+        "Expert parallelism",
+        ("moe",),
+        "moe-small's expert state per device and its expert dispatch's all-to-all bytes "
+        "under `ep`, `fsdp_ep`, `ep_tp` and the rules-only `ep_gspmd`, against the analytic "
+        "model (`shardkit.report.analytic_moe`) and `dp`/`fsdp`.",
+    ),
     "context_parallel": (
         "Context parallelism",
         ("context_parallel", "context_parallel_long"),

@@ -31,6 +31,7 @@ SCRIPTS = (
     "pipeline",
     "tsp",
     "context_parallel",
+    "moe",
     "explicit",
     "autoplan",
     "gpu",

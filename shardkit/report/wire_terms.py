@@ -6,6 +6,9 @@ state's parameters (:class:`ParamMatch`):
 
 - ``pipeline transfers``: collective-permutes of a layout with a ``stage`` axis, outside
   the attention code;
+- ``expert dispatch``: all-to-alls, and collectives of no parameter's shape, made by
+  shardkit's mixture-of-experts block (the ``moe`` scopes: tokens sent to their experts
+  and the outputs brought home, :mod:`shardkit.nn.moe`);
 - ``context-parallel K/V``: collectives made by shardkit's attention block (the
   ``attention`` scopes: ring or all-gather attention over a sequence axis, its zigzag
   reorder);
@@ -67,6 +70,7 @@ TERMS = (
     "gradient reductions",
     "activation collectives",
     "context-parallel K/V",
+    "expert dispatch",
     "logits / loss collectives",
     "pipeline transfers",
     "other collectives",
@@ -189,6 +193,8 @@ def term_of(c: Collective, params: ParamMatch, *, stages: int = 1) -> str:
     if _is_attention(c):
         return "context-parallel K/V"
     row = params.param_of(c)
+    if _family(c) == "moe" and (c.kind == "all-to-all" or row is None):
+        return "expert dispatch"
     if row is not None and c.kind in _GATHERS:
         return "weight all-gathers"
     if row is not None and c.kind in _REDUCTIONS and c.pass_ in ("backward", "update"):
