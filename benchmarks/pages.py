@@ -44,6 +44,13 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Tensor-sequence parallelism against TP, TP+SP and context parallelism on llama-1b: "
         "one sequence length head to head, then a sweep of the sequence.",
     ),
+    "context_parallel": (
+        "Context parallelism",
+        ("context_parallel", "context_parallel_long"),
+        "`cp` and `fsdp_cp` with the state ZeRO-3 over the context axis and the zigzag order "
+        "applied where the batch is placed: ring, all-gather and Ulysses attention against "
+        "`fsdp` and the old replicated `cp`, with their analytic wire terms.",
+    ),
     "explicit": (
         "Explicit axes",
         ("explicit", "explicit_per_replica"),

@@ -28,7 +28,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -43,6 +43,7 @@ from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
+from shardkit.balance import balance_batch, zigzag_order
 from shardkit.collectives import KINDS
 from shardkit.dtypes import is_key, itemsize
 from shardkit.errors import ArgumentTypeError, RuleError, ShardingError, ShardingWarning
@@ -372,13 +373,45 @@ class Plan:
                 stacklevel=_user_stacklevel(),
             )
 
+    def balance_order(self, seq: int) -> np.ndarray | None:
+        """The order :meth:`shard_batch` places a sequence of ``seq`` tokens in: the
+        zigzag order over the recipe's ``attention_axis`` when its ``balance`` is
+        ``"zigzag"`` and that axis splits the sequence, else ``None`` (as given).
+
+        Example:
+          >>> import shardkit as sk
+          >>> sk.Plan("cp").balance_order(32)[:6].tolist()   # rank 0: chunks 0 and 15
+          [0, 1, 30, 31, 2, 3]
+          >>> sk.Plan("fsdp").balance_order(32) is None
+          True
+        """
+        axis = self.recipe.attention_axis
+        if self.recipe.balance != "zigzag" or dict(self.mesh.shape).get(axis, 1) == 1:
+            return None
+        return zigzag_order(seq, self.mesh.shape[axis])
+
+    def balance_batch(self, host_batch: Any) -> Any:
+        """``host_batch`` in :meth:`balance_order`, with ``"positions"`` and
+        ``"segment_ids"`` (:func:`shardkit.balance.balance_batch`); unchanged where the
+        recipe does not balance, the batch is not a ``{"inputs": [rows, seq], ...}``
+        dict, or it is packed already (``"segment_ids"``: its packer placed it,
+        :func:`shardkit.packing.balance_permutation`)."""
+        inputs = host_batch.get("inputs") if isinstance(host_batch, Mapping) else None
+        if inputs is None or np.ndim(inputs) != 2 or "segment_ids" in host_batch:
+            return host_batch
+        order = self.balance_order(np.shape(inputs)[1])
+        return host_batch if order is None else balance_batch(host_batch, order)
+
     def shard_batch(self, host_batch: Any) -> Any:
         """Global batch arrays from host arrays.
 
         In a multi-process run each process passes only its rows (contiguous,
-        ``global_batch // process_count`` each); the global shape is inferred.
+        ``global_batch // process_count`` each); the global shape is inferred. Under a
+        recipe that balances context parallelism (``balance="zigzag"``) the tokens are
+        first reordered and their positions added (:meth:`balance_batch`).
         """
         processes = jax.process_count()
+        host_batch = self.balance_batch(host_batch)
 
         def place(path, x):
             if is_key(getattr(x, "dtype", None)):  # typed keys travel as their key data

@@ -99,16 +99,21 @@ def init_fn(model: Any, tx: optax.GradientTransformation) -> Callable[[jax.Array
     return init
 
 
-def token_batch(batch: int, seq: int) -> dict[str, jax.ShapeDtypeStruct]:
+def token_batch(batch: int, seq: int, plan: Any = None) -> dict[str, jax.ShapeDtypeStruct]:
     """An abstract ``{"inputs", "targets"}`` batch of ``int32[batch, seq]`` tokens, what
-    :func:`train_step`'s step takes (to compile it without data).
+    :func:`train_step`'s step takes (to compile it without data); with ``"positions"``
+    and ``"segment_ids"`` too where ``plan`` places its batches in a balanced order
+    (``plan.balance_order``: the context-parallel recipes' zigzag, :mod:`shardkit.balance`).
 
     Example:
       >>> token_batch(8, 32)["inputs"]
       ShapeDtypeStruct(shape=(8, 32), dtype=int32)
     """
     tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
-    return {"inputs": tokens, "targets": tokens}
+    out = {"inputs": tokens, "targets": tokens}
+    if plan is not None and plan.balance_order(seq) is not None:
+        out["positions"] = out["segment_ids"] = tokens
+    return out
 
 
 def train_step(

@@ -36,9 +36,11 @@ from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
+from shardkit.nn.ulysses import check_heads
 from shardkit.plan import Plan
 from shardkit.report import build_report
 from shardkit.report.analytic import analytic_costs, with_phases
+from shardkit.report.estimator import estimate
 from shardkit.report.records import human_bytes
 from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 from shardkit.step import PIPELINE_DEFAULTS
@@ -103,6 +105,14 @@ class Analytic:
     memory: float
     state: float  # parameters + gradients + optimizer state
     wire: float
+    #: the pre-compile estimate's total per device (``sk.estimate``), where the model
+    #: declares its dims and the estimator covers the layout; else ``None``
+    estimated: float | None = None
+
+    @property
+    def ranking_memory(self) -> float:
+        """The estimate where there is one, else the analytic memory."""
+        return self.memory if self.estimated is None else self.estimated
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,7 +171,9 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         )
     dims = subject.model.dims
     ring = mesh.get(recipe.attention_axis, 1)
-    zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
+    zigzag = (
+        recipe.attention == "ring" or recipe.layer_schedule == "tsp" or recipe.balance == "zigzag"
+    )
     if zigzag and ring > 1 and subject.seq % (2 * ring):
         return Pruned(
             f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
@@ -172,6 +184,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         return Pruned(f"{dims.layers} layers do not split into {stages} stages")
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)
     try:
+        if recipe.attention == "ulysses" and ring > 1 and dims is not None:
+            check_heads(dims.n_heads, dims.n_kv_heads, ring, recipe.attention_axis)
         for leaf in subject.leaves:
             rules = recipe.rules
             if leaf.kind == "optimizer" and recipe.optimizer_rules is not None:
@@ -224,7 +238,28 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         memory=float(analytic.memory.total),
         state=float(state),
         wire=float(sum(analytic.wire_bytes_by_kind.values())),
+        estimated=_estimated(subject, candidate, extra.get("pipeline")),
     )
+
+
+def _estimated(subject: Subject, candidate: Candidate, pipeline: Any) -> float | None:
+    """The candidate's estimated total memory per device, or ``None`` where the model
+    declares no dims or the estimator does not cover the layout."""
+    model = subject.model_for(candidate)
+    if model.dims is None:
+        return None
+    try:
+        return estimate(
+            candidate.recipe_object(),
+            model,
+            mesh=candidate.mesh_sizes,
+            batch=subject.batch,
+            seq=subject.seq,
+            precision=candidate.precision,
+            pipeline=pipeline,
+        ).total
+    except ShardingError:
+        return None
 
 
 def _pipeline_options(candidate: Candidate) -> dict:

@@ -7,9 +7,11 @@ compiled evidence.
 2. Prune with the analytic model: dimensions a mesh does not divide, state over the
    budget (:func:`shardkit.autoplanner.evaluate.prune`); each pruned candidate keeps its
    reason.
-3. Compile the most promising survivors (abstract state, emulated devices): the best
-   of each recipe (and logits layout) by the analytic estimate, then the best overall, up to
-   ``max_compiles``. Results are cached on disk (:mod:`shardkit.autoplanner.cache`).
+3. Rank the survivors by the pre-compile estimate (``sk.estimate``: memory per device;
+   the analytic memory for a model without dims) and analytic step time, and compile the
+   top (abstract state, emulated devices): the best of each recipe (and logits layout),
+   then the best overall, up to ``max_compiles`` (``--compile-top K``); each compiled
+   candidate's reason says how far its estimate was from the compiled memory. Results are cached on disk (:mod:`shardkit.autoplanner.cache`).
 4. Estimate each compiled candidate's step time with a roofline
    (:mod:`shardkit.autoplanner.roofline`) on the chosen hardware
    (:mod:`shardkit.autoplanner.hardware`).
@@ -98,6 +100,7 @@ class Ranked:
             "memory_per_device_bytes": self.evidence.memory,
             "analytic_memory_per_device_bytes": self.analytic.memory,
             "analytic_over_compiled_memory": self.analytic_memory_ratio,
+            "estimated_memory_per_device_bytes": self.analytic.estimated,
             "memory_terms": list(self.evidence.memory_terms),
             "memory_explanations": list(self.evidence.explanations),
             "wire_bytes": self.evidence.wire_bytes,
@@ -364,7 +367,8 @@ def autoplan(
       remats: remat policies to try for a reference model (default: none, save_dots,
         full); a user's model keeps its own.
       precisions: ``"f32"`` and/or ``"bf16"``.
-      max_compiles: how many survivors of the analytic pruning to compile.
+      max_compiles: how many survivors of the analytic pruning to compile, the best by
+        the pre-compile estimate first (``--compile-top``).
       compile_timeout_s: a candidate compiled in a worker process that takes longer is
         given up and rejected with that reason (``None``: no limit; compiles in this
         process, when it has the devices, have none).
@@ -405,7 +409,9 @@ def autoplan(
             survivors.append((c, got, _analytic_time(subject, c, got, hw, devices)))
     if not survivors:
         _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names)
-    survivors.sort(key=lambda s: (s[1].memory > budget, s[2]))
+    # Ranked by the pre-compile estimate (sk.estimate; the analytic memory where the model
+    # declares no dims): what fits first, fastest first; only the top compile.
+    survivors.sort(key=lambda s: (s[1].ranking_memory > budget, s[2]))
     chosen = _compile_set(survivors, max_compiles)
     analytic = {c: a for c, a, _ in survivors}
     for c, _, t in survivors:
@@ -433,7 +439,7 @@ def autoplan(
                 Rejected(
                     c,
                     f"compiled: {human_bytes(got.memory['total'])} per device, "
-                    f"over the {human_bytes(budget)} budget",
+                    f"over the {human_bytes(budget)} budget{_estimate_note(analytic[c], got)}",
                     "memory",
                 )
             )
@@ -456,8 +462,24 @@ def autoplan(
     ranked.sort(key=lambda r: (r.estimate.step_time_s, _simplicity(r)))
     ranked = _ties_by_simplicity(ranked)
     best = ranked[0]
-    ranked = [dataclasses.replace(r, reason=_explain(r, best, budget)) for r in ranked]
+    ranked = [
+        dataclasses.replace(
+            r, reason=_explain(r, best, budget) + _estimate_note(r.analytic, r.evidence)
+        )
+        for r in ranked
+    ]
     return AutoplanResult(tuple(ranked), tuple(rejected), hw, devices, budget, name, batch, seq)
+
+
+def _estimate_note(a: Analytic, e: Evidence) -> str:
+    """How far the pre-compile estimate was from the compiled memory."""
+    if a.estimated is None:
+        return ""
+    compiled = e.memory["total"]
+    return (
+        f"; estimated {human_bytes(a.estimated)} before compiling, "
+        f"{a.estimated / compiled - 1:+.0%} off the compiled {human_bytes(compiled)}"
+    )
 
 
 def _simplicity(r: Ranked) -> tuple[int, int, int]:

@@ -48,10 +48,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="comma-separated precisions to try: f32, bf16 (default: f32)",
     )
     p.add_argument(
+        "--compile-top",
         "--max-compiles",
+        dest="max_compiles",
+        metavar="K",
         type=int,
         default=16,
-        help="survivors of the analytic pruning to compile (default: 16)",
+        help="compile the K best candidates by the pre-compile estimate (sk.estimate; "
+        "the analytic memory for a model without dims), the best of each recipe first "
+        "(default: 16)",
     )
     p.add_argument(
         "--compile-timeout",

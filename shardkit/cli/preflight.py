@@ -82,7 +82,8 @@ def _check_attention(args: argparse.Namespace, plan: Any) -> None:
     n = int(mesh.get(recipe.attention_axis, 1))
     if recipe.attention == "dense" or n == 1:
         return
-    chunks = 2 * n if recipe.attention == "ring" else n
+    zigzag = getattr(recipe, "balance", "none") == "zigzag"  # 2 chunks per rank, any strategy
+    chunks = 2 * n if recipe.attention == "ring" or zigzag else n
     if args.seq % chunks:
         raise FlagError(
             f"--seq {args.seq}: {recipe.attention} attention over {recipe.attention_axis!r} "

@@ -20,6 +20,7 @@ from shardkit.cli import preflight
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP
 from shardkit.cli.options import (
+    add_attention,
     add_explicit,
     add_json,
     add_logits,
@@ -37,6 +38,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     add_devices_argument(p)
     add_mesh(p)
+    add_attention(p)
     add_explicit(p)
     p.add_argument(
         "--batch",

@@ -193,7 +193,7 @@ def _model_step(plan, model, step, state, batch, extra, seq, tx, seed, pipeline,
             )
         step = train.train_step(model, tx)
         dims = model.dims if dims is None else dims
-    return step, abstract, train.token_batch(batch, seq), workload, dims
+    return step, abstract, train.token_batch(batch, seq, plan), workload, dims
 
 
 def _check_axes_known(plan: Any, state: Any) -> None:

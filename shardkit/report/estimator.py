@@ -53,7 +53,7 @@ from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
 from shardkit.report.pipeline_analytic import in_flight
 from shardkit.step import PIPELINE_DEFAULTS
 
-__all__ = ["FIT", "Estimate", "estimate", "saved_values"]
+__all__ = ["FIT", "Estimate", "against", "estimate", "saved_values"]
 
 #: The constants fitted on ``benchmarks/estimator.py``'s training grid, by name: each
 #: multiplies a structural count (1.0: the count itself) by what XLA keeps live.
@@ -429,3 +429,50 @@ def estimate(
         notes=tuple(notes),
         seconds=time.perf_counter() - start,
     )
+
+
+def against(
+    e: Estimate,
+    compiled: Mapping[str, float],
+    terms: Mapping[str, float] | None = None,
+    *,
+    tolerance: float = 0.10,
+) -> dict[str, Any]:
+    """The estimate next to the compiled figures, and the terms off by more than
+    ``tolerance``.
+
+    Args:
+      e: the estimate.
+      compiled: the compiled memory per device (``arguments``, ``temp``, ``total``).
+      terms: the compiled temp at its peak by term (the report's itemised memory).
+      tolerance: relative gap beyond which a row is off.
+
+    Returns:
+      ``{"rows": [[name, estimated, compiled, ratio], ...], "off": [names]}``: arguments,
+      temp, total, then each term either side has; ``off`` the terms (or, without
+      terms, the parts) off by more than ``tolerance``, the largest gap in bytes first.
+
+    Example:
+      >>> e = Estimate(10.0, 20.0, {}, {"gradients": 5.0, "saved activations": 15.0}, {},
+      ...              "layers", {}, ())
+      >>> r = against(e, {"arguments": 10, "temp": 30, "total": 40},
+      ...             {"gradients": 5, "saved activations": 25})
+      >>> r["rows"][2], r["off"]
+      (['total', 30.0, 40.0, 0.75], ['saved activations'])
+    """
+    rows = [
+        ["arguments", e.arguments, float(compiled["arguments"])],
+        ["temp", e.temp, float(compiled["temp"])],
+        ["total", e.total, float(compiled["total"])],
+    ]
+    parts = rows[:2]
+    if terms:
+        names = [*e.terms, *(t for t in terms if t not in e.terms)]
+        parts = [[t, float(e.terms.get(t, 0.0)), float(terms.get(t, 0.0))] for t in names]
+        parts = [p for p in parts if p[1] or p[2]]
+        rows += parts
+    for r in rows:
+        r.append(round(r[1] / r[2], 4) if r[2] else None)
+    off = [p for p in parts if p[3] is None or abs(p[3] - 1) > tolerance]
+    off.sort(key=lambda p: -abs(p[1] - p[2]))
+    return {"rows": rows, "off": [p[0] for p in off]}

@@ -24,7 +24,14 @@ from rich.text import Text
 from shardkit.report.records import human_bytes
 from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, table_width
 
-__all__ = ["abbreviate", "collectives_table", "memory_terms_table", "report_renderables", "to_text"]
+__all__ = [
+    "abbreviate",
+    "collectives_table",
+    "estimate_renderables",
+    "memory_terms_table",
+    "report_renderables",
+    "to_text",
+]
 
 
 #: Short pass names for the 80-column table (the JSON has the full ones).
@@ -82,6 +89,8 @@ def report_renderables(report: Any, *, top: int = 12, width: int = 80) -> list[R
     out.append(mem)
     if report.memory_terms:
         out.append(memory_terms_table(report))
+    if report.estimate is not None:
+        out += estimate_renderables(report)
 
     wire = Table(title="wire bytes per device per step")
     for col in ("collective", "measured", "analytic", "ratio"):
@@ -172,6 +181,36 @@ def prefix_note(rows: Any) -> str:
         f"{first.path} {tuple(first.shape)} as {tuple(first.logical)}): as Flax does, the "
         "names apply to the leading dimensions and the rest are replicated."
     )
+
+
+def estimate_renderables(report: Any, tolerance: float = 0.10) -> list[RenderableType]:
+    """The pre-compile estimate next to the compiled memory, by part and by term, and a
+    line naming the term off by more than ``tolerance`` where the total is."""
+    vs = report.estimate_vs_compiled(tolerance)
+    e = report.estimate
+    table = Table(
+        title=f"estimate (no compile, {1e3 * e.seconds:.1f} ms) against compiled, per device",
+        box=box.SIMPLE_HEAD,
+    )
+    for col in ("", "estimated", "compiled", "ratio"):
+        table.add_column(col, justify="right" if col else "left", no_wrap=True)
+    for name, est, got, ratio in vs["rows"]:
+        bold = "[bold]" if name == "total" else ""
+        table.add_row(
+            bold + name, human_bytes(est), human_bytes(got), f"{ratio:.2f}×" if ratio else "–"
+        )
+    out: list[RenderableType] = [table]
+    total = vs["rows"][2][3]
+    if total is not None and abs(total - 1) > tolerance and vs["off"]:
+        worst = next(r for r in vs["rows"][3:] or vs["rows"][:2] if r[0] == vs["off"][0])
+        out.append(
+            Text(
+                f"the estimate is {total:.2f}× the compiled total; the term off most: "
+                f"{worst[0]} ({human_bytes(worst[1])} estimated, {human_bytes(worst[2])} "
+                "compiled)"
+            )
+        )
+    return out
 
 
 def memory_terms_table(report: Any) -> Table:

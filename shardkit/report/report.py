@@ -29,6 +29,7 @@ from shardkit.errors import ShardingError
 from shardkit.report import lint, memory_terms, wire_terms
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
+from shardkit.report.estimator import Estimate, against, estimate
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
 from shardkit.report.records import (
@@ -79,6 +80,20 @@ class Report:
     memory_peak_phase: str | None = None
     #: the wire bytes by term against their analytic values (shardkit.report.wire_terms)
     wire_terms: tuple[WireTerm, ...] = ()
+    #: the pre-compile estimate of this layout (``sk.estimate``), where the report knows
+    #: the model's dims and the estimator covers the layout
+    estimate: Estimate | None = None
+
+    def estimate_vs_compiled(self, tolerance: float = 0.10) -> dict[str, Any] | None:
+        """The estimate next to the compiled memory (and its itemised terms), and the
+        terms off by more than ``tolerance``
+        (:func:`shardkit.report.estimator.against`)."""
+        if self.estimate is None:
+            return None
+        m = self.memory
+        terms = {t.term: t.bytes for t in self.memory_terms} or None
+        compiled = {"arguments": m.arguments, "temp": m.temp, "total": m.total}
+        return against(self.estimate, compiled, terms, tolerance=tolerance)
 
     @property
     def replicated_fraction(self) -> float:
@@ -173,6 +188,8 @@ class Report:
             "explanations": [e.to_json() for e in self.explanations],
             "memory_terms": [t.to_json() for t in self.memory_terms],
             "memory_peak_phase": self.memory_peak_phase,
+            "estimate": self.estimate.to_json() if self.estimate else None,
+            "estimate_vs_compiled": self.estimate_vs_compiled(),
             "flops": self.flops,
         }
 
@@ -326,6 +343,21 @@ def read_compiled(
     )
     if analytic is not None and analytic.wire_terms:
         explanations += wire_terms.explain(wire, rows)
+    guess = None
+    if dims is not None and workload is not None and workload.seq:
+        try:
+            guess = estimate(
+                recipe,
+                dims,
+                mesh=mesh,
+                batch=workload.batch,
+                seq=workload.seq,
+                remat=workload.remat or "none",
+                precision=workload.precision,
+                pipeline=pipeline,
+            )
+        except ShardingError as e:  # a layout the estimator does not cover: it says so
+            warnings.append(" ".join(str(e).split()))
     terms: list[MemoryTerm] = []
     phase = None
     if buffers is not None:
@@ -344,6 +376,7 @@ def read_compiled(
         explanations=tuple(explanations),
         memory_terms=tuple(terms),
         memory_peak_phase=phase,
+        estimate=guess,
         logits=recipe.logits,
         wire_terms=tuple(wire),
     )

@@ -218,3 +218,25 @@ def test_the_3d_pipeline_is_estimated_and_compiled_like_the_other_pipelines(cach
     m = best.candidate.microbatches
     assert best.analytic.wire > 2 * (m + 2 - 2) * (8 // (m * 2)) * 16 * 64 * 4
     assert best.evidence.memory["total"] > 0
+
+
+def test_candidates_are_ranked_by_the_estimate_and_each_compiled_says_how_far_it_was(cache):
+    # sk.estimate ranks every survivor; the 2 compiled say how far their estimate was
+    # from the compiled total, and the rest are "not compiled".
+    from shardkit.report.estimator import estimate
+
+    r = plan("gpt-tiny", cache, recipes=["dp", "fsdp", "tp_sp"], max_compiles=2)
+    assert len(r.candidates) == 2
+    for c in r.candidates:
+        e = estimate(
+            c.candidate.recipe,
+            models.get("gpt-tiny", remat="none"),
+            mesh=c.candidate.mesh_sizes,
+            batch=8,
+            seq=32,
+        )
+        assert c.analytic.estimated == e.total
+        off = e.total / c.evidence.memory["total"] - 1
+        assert f"{off:+.0%} off the compiled" in c.reason
+        assert c.to_json()["estimated_memory_per_device_bytes"] == e.total
+    assert any(x.stage == "not compiled" for x in r.rejected)

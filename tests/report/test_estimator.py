@@ -159,3 +159,24 @@ def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
     e = estimate(plan, model, batch=8, seq=64)
     assert e.total / compiled.total == pytest.approx(1, abs=tolerance)
     assert e.arguments / compiled.arguments == pytest.approx(1, abs=0.06)
+
+
+def test_the_report_shows_the_estimate_next_to_the_compiled_memory():
+    model = models.get("gpt-tiny", remat="save_dots")
+    plan = sk.Plan("tp_sp")
+    report = models.report(plan, model, batch=8, seq=64, itemise=True)
+    assert report.estimate.total == estimate(plan, model, batch=8, seq=64).total
+    vs = report.estimate_vs_compiled()
+    names = [r[0] for r in vs["rows"]]
+    assert names[:3] == ["arguments", "temp", "total"]
+    assert vs["rows"][2][2] == report.memory.total
+    # every compiled term is a row; the terms named off are the ones beyond 10 %
+    assert {t.term for t in report.memory_terms if t.bytes} <= set(names)
+    for name, est, got, ratio in vs["rows"][3:]:
+        assert (name in vs["off"]) == (ratio is None or abs(ratio - 1) > 0.10)
+        assert ratio is None or ratio == pytest.approx(est / got, abs=1e-4)
+    text = " ".join(str(report).split())
+    assert "against compiled" in text
+    total = vs["rows"][2][3]
+    assert ("the term off most: " + vs["off"][0] in text) == (abs(total - 1) > 0.10)
+    assert report.to_json()["estimate"]["total"] == report.estimate.total
