@@ -75,8 +75,9 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "compile_scaling": (
         "Compile time",
-        ("compile_scaling",),
-        "Compile time against depth, scanned and unrolled layers.",
+        ("compile_scaling", "compile_scaling_pipeline"),
+        "Compile time against depth, scanned and unrolled layers, and a pipelined step's "
+        "against its depth and micro-batches.",
     ),
 }
 

@@ -139,9 +139,10 @@ def train_step(
       tx: the optimizer.
       plan, abstract: the plan and its abstract state (``plan.abstract_init``); a
         pipelined step reads the layout from them.
-      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order"}``
-        (defaults, ``shardkit.step.PIPELINE_DEFAULTS``: one micro-batch per stage,
-        ``"1f1b"``, 1, one weight gather per step, ``"layers"``). ``stack_order="interleaved"`` (``interleaved`` schedule): the
+      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order",
+        "rolled"}`` (defaults, ``shardkit.step.PIPELINE_DEFAULTS``: one micro-batch per
+        stage, ``"1f1b"``, 1, one weight gather per step, ``"layers"``, ``False``: a
+        stage's layers unrolled). ``stack_order="interleaved"`` (``interleaved`` schedule): the
         state's layer stacks are stored in the schedule's order; the step's
         ``to_stored`` / ``to_layers`` convert the state once each way.
       return_grads: the metrics also hold the gradients (tests that compare layouts).
@@ -183,7 +184,7 @@ def train_step(
     if unknown:
         raise ShardingError(
             f"train_step(pipeline=...): {unknown} are not pipeline options.\nFix: use "
-            "microbatches, schedule, virtual_stages, unit, stack_order."
+            "microbatches, schedule, virtual_stages, unit, stack_order, rolled."
         )
     cut = model if isinstance(model, Stages) else model.stages()
     opts.update({k: v for k, v in (pipeline or {}).items() if v is not None})
