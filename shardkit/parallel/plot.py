@@ -21,10 +21,10 @@ from typing import Any
 from shardkit.figures import figure_size, save_figure
 from shardkit.parallel.schedules import Schedule
 
-__all__ = ["plot_timeline", "plot_schedules"]
+__all__ = ["plot_schedules"]
 
 
-def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> None:
+def _plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> None:
     """Draw ``schedule`` on ``ax``: one row per stage, one column per tick; forward cells
     dark blue, backward cells light orange and hatched (both halves of a tick when a
     stage runs both), the micro-batch number inside; blank cells are the bubble."""
@@ -96,7 +96,7 @@ def plot_schedules(
     )
     cells = list(axes.flat)
     for k, (sched, ax) in enumerate(zip(schedules, cells, strict=False)):
-        plot_timeline(sched, ax, title=None if titles is None else titles[k])
+        _plot_timeline(sched, ax, title=None if titles is None else titles[k])
     for ax in cells[n:]:
         ax.set_visible(False)
     fig.suptitle("Pipeline schedules: what each stage runs at each tick", fontsize=11)

@@ -49,7 +49,7 @@ __all__ = ["Report", "param_rows", "read_compiled"]
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
 #: gpt-small and llama-small; see docs/explain/limits.md).
-PHASE_WHY = {
+_PHASE_WHY = {
     "layers": "the layer being recomputed in the backward pass holds XLA's f32 temporaries "
     "(about 20 buffers of b·s·h under tensor parallelism, and attention scores), which the "
     "analytic model counts with Megatron's 16-bit constants; XLA's buffer assignment, not "
@@ -235,7 +235,7 @@ def _mesh_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
     return tuple(entry_axes(e) for e in entries[:ndim])
 
 
-def compiled_flops(compiled: Any) -> float | None:
+def _compiled_flops(compiled: Any) -> float | None:
     try:
         cost = compiled.cost_analysis()
     except Exception:  # backends without a cost model
@@ -371,7 +371,7 @@ def read_compiled(
         params=tuple(rows),
         memory=memory_per_device(compiled),
         collectives=collectives,
-        flops=compiled_flops(compiled),
+        flops=_compiled_flops(compiled),
         analytic=analytic,
         warnings=tuple(warnings),
         workload=workload,
@@ -480,7 +480,7 @@ def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list
         return []
     over = memory.total > want
     why = f"the peak is the {peak} phase ({want / 2**20:,.1f} MiB analytic); " + (
-        PHASE_WHY.get(peak, "")
+        _PHASE_WHY.get(peak, "")
         if over
         else "XLA reuses buffers the analytic model counts as live at once"
     )

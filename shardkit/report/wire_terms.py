@@ -60,7 +60,6 @@ __all__ = [
     "attach_layouts",
     "attribute",
     "explain",
-    "rule_of",
     "term_of",
 ]
 
@@ -254,11 +253,11 @@ def attach_layouts(collectives: Sequence[Collective], rows: Sequence[Any]) -> li
         if row is None:
             out.append(c)
             continue
-        out.append(dataclasses.replace(c, logical=tuple(row.logical), rule=rule_of(row)))
+        out.append(dataclasses.replace(c, logical=tuple(row.logical), rule=_rule_of(row)))
     return out
 
 
-def rule_of(row: Any) -> str:
+def _rule_of(row: Any) -> str:
     """``('embed', 'fsdp')``: each sharded dimension's logical name and mesh axes."""
     pairs = []
     for name, axes in zip(row.logical, getattr(row, "mesh_axes", ()) or (), strict=False):
@@ -359,7 +358,7 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
         share = math.prod(r.shape) / psi
         if share < 0.01:
             break
-        rule = rule_of(r)
+        rule = _rule_of(r)
         layout = f"the rule {rule} keeps it sharded" if rule else "it is replicated"
         split = [n for n, axes in zip(r.logical, r.mesh_axes or (), strict=False) if axes]
         if verb == "reduced":
