@@ -37,7 +37,12 @@ from bench_util import OUT, emit, parser  # noqa: E402
 from shardkit import recipes  # noqa: E402
 from shardkit.errors import ShardingError  # noqa: E402
 
-CACHE = OUT / "estimator_points.json"
+CACHE = OUT / "estimator_points.json"  # every grid's compiled points
+
+
+def cache_file(grid: str):
+    """Where a collection writes (one file per grid, merged into ``CACHE`` after)."""
+    return OUT / f"estimator_points_{grid}.json"
 REMATS = ("full", "none", "save_dots")
 #: (remat, precision) pairs per recipe × family: 2 of the 6, rotating, so that each grid
 #: covers all six across the recipes (what this 2-core machine compiles in ~20 minutes).
@@ -100,7 +105,10 @@ def key(p: dict) -> str:
 
 
 def load_cache() -> dict:
-    return json.loads(CACHE.read_text()) if CACHE.exists() else {}
+    out: dict = {}
+    for path in (CACHE, *(cache_file(g + r) for g in GRIDS for r in ("", "_reversed"))):
+        out.update(json.loads(path.read_text()) if path.exists() else {})
+    return out
 
 
 def model_of(p: dict):
@@ -135,13 +143,15 @@ def compile_point(p: dict) -> dict:
     }
 
 
-def collect(grid: str, tiny: bool = False) -> None:
+def collect(grid: str, tiny: bool = False, reverse: bool = False) -> None:
     cache = load_cache()
-    todo = [p for p in points(grid) if key(p) not in cache]
+    todo = [p for p in points(grid) if key(p) not in cache][:: -1 if reverse else 1]
     for n, p in enumerate(todo[:3] if tiny else todo):
         cache[key(p)] = compile_point(p)
         print(f"{n + 1}/{len(todo)} {key(p)} {cache[key(p)].get('compile_s', 'skipped')}", flush=True)
-        CACHE.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        mine = {key(q): cache[key(q)] for q in points(grid) if key(q) in cache}
+        out = cache_file(grid + ("_reversed" if reverse else ""))
+        out.write_text(json.dumps(mine, indent=1, sort_keys=True))
 
 
 def dims_of(p: dict):
@@ -225,10 +235,11 @@ def errors(rows, ests) -> dict:
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--collect", choices=tuple(GRIDS))
+    p.add_argument("--reverse", action="store_true", help="collect the grid's last points first")
     p.add_argument("--fit", action="store_true", help="refit the constants (training grid)")
     args = p.parse_args()
     if args.collect:
-        collect(args.collect, args.tiny)
+        collect(args.collect, args.tiny, args.reverse)
         return
     from shardkit.report.estimator import FIT
 
