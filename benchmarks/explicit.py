@@ -30,8 +30,8 @@ def measure(
 
     import shardkit as sk
     from shardkit import models, train
-    from shardkit.models.reporting import token_batch
     from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
+    from shardkit.train import token_batch
 
     overrides = {} if layers is None else {"n_layers": layers}
     model = models.get(model_name, **overrides)

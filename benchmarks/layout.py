@@ -3,7 +3,7 @@
 Compile only (nothing runs), 8 emulated CPU devices, GPT-2-small shape (full remat per
 block), f32 AdamW (``shardkit.train.adamw()``), seq 512, global batch 8. Per recipe,
 per device: memory total (arguments + output + temp − alias) and ring wire bytes per step,
-for (a) shardkit (``models.report(sk.Plan(recipe), model)``), (b) the Flax baseline of
+for (a) shardkit (``sk.report.build_report(sk.Plan(recipe), model=model, ...)``), (b) the Flax baseline of
 ``flax_baseline.py`` (the hand-written Flax path) and (c) the analytic model
 (``report.analytic``). "Flax" is the baseline as written, whose activation constraints the
 legacy ``with mesh:`` silently drops; "Flax pinned" passes the mesh to them explicitly.
@@ -31,8 +31,9 @@ import jax  # noqa: E402
 from bench_util import MIB, emit, parser  # noqa: E402
 from flax_baseline import LAYOUTS, compile_baseline, measure, param_count  # noqa: E402
 
-from shardkit import models, train  # noqa: E402
+from shardkit import train  # noqa: E402
 from shardkit.models import get  # noqa: E402
+from shardkit.report import build_report  # noqa: E402
 
 #: (recipe, devices). The Flax baseline covers the recipes in ``flax_baseline.LAYOUTS``;
 #: the others are shardkit only (ZeRO-1 needs optimizer rules Flax's derivation lacks).
@@ -94,7 +95,9 @@ def _mib(x: float | None) -> float | str:
 
 def _shardkit(model, tx, recipe: str, devices, seq: int, label: str):
     t = time.perf_counter()
-    report = models.report(sk.Plan(recipe, devices=devices), model, tx, batch=BATCH, seq=seq)
+    report = build_report(
+        sk.Plan(recipe, devices=devices), model=model, tx=tx, batch=BATCH, seq=seq
+    )
     _log(f"  {label} {recipe}: {time.perf_counter() - t:.1f}s")
     return report
 
@@ -163,7 +166,7 @@ def indivisible_tp(model, seq: int) -> list[str]:
     except Exception as e:  # whatever Flax/JAX raise
         out.append(f"- Flax: `{_first_line(e)}`")
     try:
-        models.report(sk.Plan("tp"), model, train.adamw(), batch=BATCH, seq=seq)
+        build_report(sk.Plan("tp"), model=model, batch=BATCH, seq=seq)
         out.append("- shardkit: compiled (no error)")
     except sk.ShardingError as e:
         out.append(f"- shardkit: `{_first_line(e)}`")

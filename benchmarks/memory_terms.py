@@ -2,7 +2,7 @@
 for every recipe.
 
 Compile only (nothing runs), f32 AdamW, full remat, seq 512, global batch 8, on
-gpt-small and llama-small: ``models.report(..., itemise=True)`` splits the temp bytes
+gpt-small and llama-small: ``sk.report.build_report(..., itemise=True)`` splits the temp bytes
 live where XLA's heap peaks into the report's terms (``shardkit.report.memory_terms``).
 Each recipe runs on 8 devices, or on 4 where 8 does not divide the model (12 heads or
 4 kv heads under 8-way tensor parallelism, 12 layers over 8 pipeline stages). Per
@@ -26,6 +26,7 @@ from bench_util import MIB, emit, parser  # noqa: E402
 
 from shardkit import models, recipes  # noqa: E402
 from shardkit.errors import ShardingError  # noqa: E402
+from shardkit.report import build_report  # noqa: E402
 
 
 def measure(name: str, recipe: str, seq: int, batch: int = 8):
@@ -34,7 +35,7 @@ def measure(name: str, recipe: str, seq: int, batch: int = 8):
     for devices in (8, 4):
         try:
             plan = sk.Plan(recipe, devices=jax.devices()[:devices])
-            return devices, models.report(plan, model, batch=batch, seq=seq, itemise=True)
+            return devices, build_report(plan, model=model, batch=batch, seq=seq, itemise=True)
         except ShardingError as e:
             error = e
     raise error

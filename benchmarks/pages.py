@@ -44,6 +44,13 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Tensor-sequence parallelism against TP, TP+SP and context parallelism on llama-1b: "
         "one sequence length head to head, then a sweep of the sequence.",
     ),
+    "context_parallel": (
+        "Context parallelism",
+        ("context_parallel", "context_parallel_long"),
+        "`cp` and `fsdp_cp` with the state ZeRO-3 over the context axis and the zigzag order "
+        "applied where the batch is placed: ring, all-gather and Ulysses attention against "
+        "`fsdp` and the old replicated `cp`, with their analytic wire terms.",
+    ),
     "explicit": (
         "Explicit axes",
         ("explicit", "explicit_per_replica"),
@@ -60,6 +67,13 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "The auto-planner",
         ("autoplan",),
         "`shardkit autoplan` on gpt-7b: what it chose, what it compiled and how long it took.",
+    ),
+    "estimator": (
+        "The pre-compile estimate",
+        ("estimator",),
+        "`sk.estimate` against the compiled program on a training grid (where its constants "
+        "are fitted) and a held-out grid of other sizes, sequences, batches and device "
+        "counts: the share of totals within ±10 % and the worst, per recipe family.",
     ),
     "overhead": (
         "Overhead",

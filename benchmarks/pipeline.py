@@ -28,6 +28,8 @@ import time
 
 from bench_util import MIB, emit, parser
 
+from shardkit.report import build_report
+
 
 def worker(spec: dict) -> dict:
     import shardkit as sk
@@ -47,7 +49,7 @@ def worker(spec: dict) -> dict:
     mesh = "×".join(f"{k}={v}" for k, v in plan.mesh.shape.items() if v > 1)
     b, s = spec["batch"], spec["seq"]
     if "stage" not in plan.mesh.shape:
-        rep = models.report(plan, model, train.adamw(), batch=b, seq=s)
+        rep = build_report(plan, model=model, batch=b, seq=s)
         d = rep.to_json()
         wire = sum(d["wire_bytes_by_kind"].values()) if "wire_bytes_by_kind" in d else None
         return {

@@ -30,12 +30,18 @@ SCRIPTS = (
     "planning",
     "pipeline",
     "tsp",
+    "context_parallel",
     "explicit",
     "autoplan",
+    "estimator",
     "gpu",
 )
 #: Further tables a script writes, after its own.
-EXTRA_RESULTS = {"planning": ("planning_logits",), "pipeline": ("pipeline_3d",)}
+EXTRA_RESULTS = {
+    "planning": ("planning_logits",),
+    "pipeline": ("pipeline_3d",),
+    "context_parallel": ("context_parallel_long",),
+}
 BEGIN, END = "<!-- BENCHMARKS:BEGIN -->", "<!-- BENCHMARKS:END -->"
 
 

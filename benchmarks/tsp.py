@@ -34,6 +34,7 @@ sk.emulate_devices(8)
 from bench_util import MIB, emit, parser  # noqa: E402
 
 from shardkit import models  # noqa: E402
+from shardkit.report import build_report  # noqa: E402
 from shardkit.report.analytic import analytic_model  # noqa: E402
 
 #: (recipe, mesh axis sizes) on 8 devices; batch 1 per data replica.
@@ -72,7 +73,7 @@ def _measure(model_name: str, recipe: str, mesh: dict[str, int], seq: int) -> di
     model = models.get(model_name, remat="full", max_seq=max(seq, 128))
     plan = sk.Plan(sk.recipes.get(recipe).with_mesh(mesh))
     t0 = time.perf_counter()
-    report = models.report(plan, model, batch=batch, seq=seq)
+    report = build_report(plan, model=model, batch=batch, seq=seq)
     mem = report.memory
     by_kind: dict[str, float] = collections.Counter()
     for c in report.collectives:

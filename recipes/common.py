@@ -27,7 +27,7 @@ def train_and_report(
     import jax
     from rich.console import Console
 
-    from shardkit import models, train
+    from shardkit import train
     from shardkit.data import MarkovSource
     from shardkit.models import get
 
@@ -42,7 +42,7 @@ def train_and_report(
         if i % 5 == 0 or i == args.steps - 1:
             console.print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
     console.print(f"entropy bound {source.entropy_rate():.4f} nats/token\n")
-    console.print(models.report(plan, net, tx, batch=args.batch, seq=args.seq))
+    console.print(sk.report.build_report(plan, model=net, tx=tx, batch=args.batch, seq=args.seq))
 
 
 def train_pipelined_and_report(
@@ -89,4 +89,4 @@ def train_pipelined_and_report(
         if i % 5 == 0 or i == args.steps - 1:
             console.print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
     console.print(f"entropy bound {source.entropy_rate():.4f} nats/token\n")
-    console.print(plan.report(pipelined, abstract, batch))
+    console.print(sk.report.build_report(plan, pipelined, abstract, batch))

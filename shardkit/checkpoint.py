@@ -60,7 +60,9 @@ from shardkit.errors import (
     CheckpointError,
     CheckpointMismatchError,
     CheckpointNotFoundError,
+    ShardingError,
 )
+from shardkit.state import AbstractState
 
 __all__ = ["Restored", "save", "restore", "wait", "steps", "manifest", "leaf_paths"]
 
@@ -329,9 +331,9 @@ def restore(plan: Any, path: str | os.PathLike, *, like: Any, step: int | None =
       plan: the plan the state will live under; leaves of ``like`` without a
         sharding get the plan's.
       path: the directory ``save`` wrote.
-      like: the state's structure, shapes, dtypes and shardings: a tree of arrays or
-        ``ShapeDtypeStruct``\\ s (``plan.abstract_init(init_fn, rng)``), or an
-        object whose ``.tree`` holds one.
+      like: the state's structure, shapes, dtypes and shardings: an ``AbstractState``
+        planned on ``plan``'s mesh (``plan.abstract_init(init_fn, rng)``), a tree of
+        arrays or ``ShapeDtypeStruct``\\ s, or an object whose ``.tree`` holds one.
       step: which checkpoint; ``None`` for the latest.
 
     Returns:
@@ -345,6 +347,12 @@ def restore(plan: Any, path: str | os.PathLike, *, like: Any, step: int | None =
       CheckpointCorruptError: unreadable files or a leaf failing its checksum, named.
     """
 
+    if isinstance(like, AbstractState) and like.mesh != plan.mesh:
+        raise ShardingError(
+            f"checkpoint.restore(plan, ..., like=...): like was planned on mesh "
+            f"{dict(like.mesh.shape)}, not on the plan's {dict(plan.mesh.shape)}.\nFix: "
+            "like=plan.abstract_init(init_fn, key) with the plan the state will live under."
+        )
     tree = getattr(like, "tree", like)
     path = os.fspath(path)
     manager = _reader(path)

@@ -52,7 +52,7 @@ __all__ = [
     "using",
 ]
 
-AttentionStrategy = Literal["dense", "allgather", "ring"]
+AttentionStrategy = Literal["dense", "allgather", "ring", "ulysses"]
 #: How the layers' matmuls treat weights sharded over ``attention_axis``: ``"gspmd"``
 #: leaves them to XLA; ``"tsp"`` runs shardkit.nn.tsp's weight-shard ring.
 LayerSchedule = Literal["gspmd", "tsp"]

@@ -4,8 +4,9 @@ A plan joins a recipe (logical → mesh rules) with a mesh. It turns any state
 tree into ``NamedSharding``s, describes a state before it exists
 (``abstract_init``, an explicit :class:`~shardkit.state.AbstractState`), creates
 state directly sharded, jits a user's ``step(state, batch)`` with derived in/out
-shardings and donation, places host batches (process-local slices in
-multi-process runs), and reports what a compiled step costs.
+shardings and donation, and places host batches (process-local slices in
+multi-process runs). What a compiled step costs is :func:`shardkit.report.build_report`'s;
+saving and restoring state, :mod:`shardkit.checkpoint`'s.
 
 Example:
   >>> import jax, jax.numpy as jnp, optax, shardkit as sk
@@ -27,7 +28,7 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -35,13 +36,14 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardkit import checkpoint, context
+from shardkit import context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.annotate.flax_meta import is_annotated_leaf
 from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
+from shardkit.balance import balance_batch, zigzag_order
 from shardkit.collectives import KINDS
 from shardkit.dtypes import is_key, itemsize
 from shardkit.errors import ArgumentTypeError, RuleError, ShardingError, ShardingWarning
@@ -51,11 +53,8 @@ from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
 from shardkit.recipes import names as recipe_names
 from shardkit.recipes.tsp_layout import check_layout
-from shardkit.report.buffers import compile_with_buffers
-from shardkit.report.report import Report, build_report
 from shardkit.rules import Rules
 from shardkit.state import AbstractState, PlannedLeaf
-from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
 
 __all__ = ["Plan", "PlannedLeaf", "PlannedStep", "BATCH_AXES"]
@@ -274,7 +273,7 @@ class Plan:
         Nothing is allocated: use it to compile-only plan a model of any size, to
         create the state (``plan.init(abstract)``), as ``plan.jit(step,
         state=abstract)`` for state that comes back as host arrays, for
-        ``plan.report``, and (``abstract.tree``) as an orbax restore target.
+        ``sk.report.build_report``, and (``abstract.tree``) as an orbax restore target.
         """
         return self._abstract_init(init_fn, args)
 
@@ -374,13 +373,45 @@ class Plan:
                 stacklevel=_user_stacklevel(),
             )
 
+    def balance_order(self, seq: int) -> np.ndarray | None:
+        """The order :meth:`shard_batch` places a sequence of ``seq`` tokens in: the
+        zigzag order over the recipe's ``attention_axis`` when its ``balance`` is
+        ``"zigzag"`` and that axis splits the sequence, else ``None`` (as given).
+
+        Example:
+          >>> import shardkit as sk
+          >>> sk.Plan("cp").balance_order(32)[:6].tolist()   # rank 0: chunks 0 and 15
+          [0, 1, 30, 31, 2, 3]
+          >>> sk.Plan("fsdp").balance_order(32) is None
+          True
+        """
+        axis = self.recipe.attention_axis
+        if self.recipe.balance != "zigzag" or dict(self.mesh.shape).get(axis, 1) == 1:
+            return None
+        return zigzag_order(seq, self.mesh.shape[axis])
+
+    def balance_batch(self, host_batch: Any) -> Any:
+        """``host_batch`` in :meth:`balance_order`, with ``"positions"`` and
+        ``"segment_ids"`` (:func:`shardkit.balance.balance_batch`); unchanged where the
+        recipe does not balance, the batch is not a ``{"inputs": [rows, seq], ...}``
+        dict, or it is packed already (``"segment_ids"``: its packer placed it,
+        :func:`shardkit.packing.balance_permutation`)."""
+        inputs = host_batch.get("inputs") if isinstance(host_batch, Mapping) else None
+        if inputs is None or np.ndim(inputs) != 2 or "segment_ids" in host_batch:
+            return host_batch
+        order = self.balance_order(np.shape(inputs)[1])
+        return host_batch if order is None else balance_batch(host_batch, order)
+
     def shard_batch(self, host_batch: Any) -> Any:
         """Global batch arrays from host arrays.
 
         In a multi-process run each process passes only its rows (contiguous,
-        ``global_batch // process_count`` each); the global shape is inferred.
+        ``global_batch // process_count`` each); the global shape is inferred. Under a
+        recipe that balances context parallelism (``balance="zigzag"``) the tokens are
+        first reordered and their positions added (:meth:`balance_batch`).
         """
         processes = jax.process_count()
+        host_batch = self.balance_batch(host_batch)
 
         def place(path, x):
             if is_key(getattr(x, "dtype", None)):  # typed keys travel as their key data
@@ -398,18 +429,6 @@ class Plan:
             return jax.make_array_from_process_local_data(sharding, x, shape)
 
         return jax.tree_util.tree_map_with_path(place, host_batch)
-
-    # -- checkpoints ----------------------------------------------------------------------
-    def save(self, path: Any, state: Any, *, step: int, data_state: Any = None, **kwargs: Any):
-        """Save ``state`` as checkpoint ``step`` under ``path`` (:func:`shardkit.checkpoint.save`)."""
-        return checkpoint.save(self, path, state, step=step, data_state=data_state, **kwargs)
-
-    def restore(self, path: Any, *, like: Any, step: int | None = None):
-        """Restore a checkpoint into this plan's layout (:func:`shardkit.checkpoint.restore`);
-        ``like`` is an ``AbstractState`` (``plan.abstract_init``) or a tree of them."""
-        if isinstance(like, AbstractState):
-            like = self._own(like)
-        return checkpoint.restore(self, path, like=like, step=step)
 
     # -- steps ----------------------------------------------------------------------------
     def jit(
@@ -464,75 +483,6 @@ class Plan:
         """Compile ``step_fn`` without running it (arguments may be abstract)."""
         lowered = self.lower(step_fn, state, batch, *args, donate_state=donate_state, **jit_kwargs)
         return lowered.compile()
-
-    def report(
-        self,
-        step: Any,
-        state: Any,
-        batch: Any = None,
-        *args: Any,
-        itemise: bool = False,
-        **kwargs: Any,
-    ) -> Report:
-        """A ``Report`` of a step under this plan: compiled (nothing runs), then read.
-
-        ``plan.report(step_fn, state, batch, *extra)`` compiles a user's step for
-        ``state`` (an ``AbstractState``, or the live state with its logical axes known)
-        and ``batch`` (arrays or ``ShapeDtypeStruct``s); ``plan.report(compiled, state)``
-        reads an already compiled one. Keywords go to
-        :func:`shardkit.report.build_report`; ``workload=`` (a ``sk.report.Workload``)
-        sets the step's sizes for the analytic model, and by default they are read from
-        the batch (its leading dimension; the sequence from 2-D integer token arrays),
-        with the plan's precision.
-        ``itemise=True`` compiles with XLA's buffer-assignment dump (to a temporary
-        directory) and splits the temp memory at its peak into named terms
-        (``Report.memory_terms``), each explained where it is off by more than 10 %.
-        """
-        self._check_axes_known(state)  # before any compile: a lost layout fails fast
-        if _is_compiled(step):
-            if batch is not None or args:
-                raise ShardingError(
-                    "plan.report(compiled, state) takes no batch: the step is compiled already."
-                )
-            if itemise:
-                raise ShardingError(
-                    "plan.report(compiled, state, itemise=True): the buffer assignment is "
-                    "read while compiling.\nFix: pass the step and its batch, "
-                    "plan.report(step, state, batch, itemise=True)."
-                )
-            compiled = step
-        else:
-            if batch is None:
-                raise ShardingError(
-                    "plan.report(step, state, batch): a step needs a batch to compile.\n"
-                    "Fix: pass the batch (arrays or jax.ShapeDtypeStructs)."
-                )
-            lowered = self.lower(step, state, batch, *args)
-            if itemise:
-                compiled, kwargs["buffers"] = compile_with_buffers(lowered)
-            else:
-                compiled = lowered.compile()
-            if kwargs.get("workload") is None and kwargs.get("dims") is None:
-                kwargs["workload"] = _workload_of(batch, self.precision)
-            if kwargs.get("pipeline") is None and isinstance(step, PipelinedStep):
-                kwargs["pipeline"] = step.options  # what the pipeline's analytic model counts
-        return build_report(self, compiled, state, **kwargs)
-
-    def _check_axes_known(self, state: Any) -> None:
-        """Live state that lost its logical axes would report them all as ``None``."""
-        lost = [
-            leaf
-            for leaf in self.leaves(state)
-            if leaf.info.source == "unmatched" and any(e is not None for e in leaf.spec)
-        ]
-        if lost:
-            raise ShardingError(
-                f"plan.report: {len(lost)} state leaves are sharded (e.g. {lost[0].path} as "
-                f"{lost[0].spec}) but carry no logical axes: plain arrays (what plan.init "
-                "returns) do not keep them.\nFix: pass the abstract state, "
-                "plan.report(step, plan.abstract_init(init_fn, key), batch), or give the "
-                "plan annotations=sk.PathAxes([...]) that cover these paths."
-            )
 
 
 class PlannedStep:
@@ -711,26 +661,5 @@ def _user_stacklevel() -> int:
 
 def _step_sizes(batch: Any) -> dict[str, int | None]:
     """``{"tokens": ...}`` of a step: its batch's token count (2-D integer arrays)."""
-    workload = _workload_of(batch)
+    workload = Workload.of_batch(batch)
     return {"tokens": workload.batch * workload.seq if workload and workload.seq else None}
-
-
-def _workload_of(batch: Any, precision: str = "f32") -> Workload | None:
-    """The batch size a batch tree implies (its leaves' leading dimension), and the
-    sequence length when the batch holds token ids (2-D integer arrays)."""
-    leaves = [x for x in jax.tree.leaves(batch) if np.shape(x)]
-    if not leaves:
-        return None
-    tokens = [
-        x
-        for x in leaves
-        if len(np.shape(x)) == 2
-        and not is_key(getattr(x, "dtype", None))
-        and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)
-    ]
-    seq = int(np.shape(tokens[0])[1]) if tokens else None
-    return Workload(batch=int(np.shape(leaves[0])[0]), seq=seq, precision=precision)
-
-
-def _is_compiled(x: Any) -> bool:
-    return hasattr(x, "as_text") and hasattr(x, "memory_analysis")

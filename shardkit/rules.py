@@ -43,10 +43,20 @@ from shardkit import errors
 from shardkit.mesh import divisors as _divisors
 from shardkit.paths import path_str
 
-__all__ = ["Rules", "MeshAxes", "axis_sizes_of"]
+__all__ = ["Rules", "MeshAxes", "axis_sizes_of", "entry_axes"]
 
 MeshAxes = str | tuple[str, ...] | None
 _UNASSIGNED = object()
+
+
+def entry_axes(entry: MeshAxes) -> tuple[str, ...]:
+    """The mesh axes of one ``PartitionSpec`` entry (or one rule's target).
+
+    Example:
+      >>> entry_axes("fsdp"), entry_axes(("data", "fsdp")), entry_axes(None)
+      (('fsdp',), ('data', 'fsdp'), ())
+    """
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
 
 
 def axis_sizes_of(mesh: Any) -> dict[str, int]:

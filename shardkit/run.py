@@ -33,6 +33,7 @@ from shardkit.packing import (
 from shardkit.parallel.cli import for_plan
 from shardkit.plan import Plan
 from shardkit.recipes import get as get_recipe
+from shardkit.report import build_report
 from shardkit.report.report import Report
 from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
@@ -181,7 +182,8 @@ def run(
         state = pipelined.to_stored(state)
     compiled = plan.jit(step, state=abstract).lower(state, first).compile()
     workload = Workload.of_model(spec, batch=batch, seq=seq, precision=plan.precision)
-    report = plan.report(
+    report = build_report(
+        plan,
         compiled,
         abstract,
         workload=workload,

@@ -3,7 +3,7 @@
 ``plan.abstract_init(init_fn, key)`` returns one. It is explicit data — nothing
 is remembered inside the plan — and every part of shardkit that needs a state's
 layout takes it: ``plan.init`` (creates the state, born sharded), ``plan.jit``
-(in/out shardings for state that comes back as host arrays), ``plan.report``
+(in/out shardings for state that comes back as host arrays), ``sk.report.build_report``
 (logical axes for the table) and orbax (``abstract.tree`` is a restore target).
 
 Example:

@@ -2,7 +2,7 @@
 
 ``shardkit.train.train_step`` returns one for a plan with a ``stage`` axis: call it as
 ``step(state, batch)``; it carries its schedule, the options the analytic model counts
-(``plan.report`` reads :attr:`PipelinedStep.options`), and, under ``interleaved`` with the
+(``sk.report.build_report`` reads :attr:`PipelinedStep.options`), and, under ``interleaved`` with the
 stack stored in the schedule's order, the converters of the state between that order and
 layer order (run ``to_stored`` once before the first step, ``to_layers`` to save or read
 the state per layer; ``None`` when the state is used as is).
@@ -17,10 +17,17 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PipelinedStep"]
+__all__ = ["PIPELINE_DEFAULTS", "PipelinedStep"]
+
+#: A pipeline's options where none are given (``microbatches``: one per stage). The one
+#: definition: ``train.train_step``, the command line's flags and ``build_report`` read it.
+PIPELINE_DEFAULTS = types.MappingProxyType(
+    {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, as jax.jit keys a function

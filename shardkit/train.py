@@ -22,15 +22,16 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from shardkit.annotate.unbox import unbox
 from shardkit.errors import NotPipelinableError, ShardingError
 from shardkit.parallel.stages import order_converters, pipeline_value_and_grad
 from shardkit.protocol import Stages
-from shardkit.step import PipelinedStep
+from shardkit.step import PIPELINE_DEFAULTS, PipelinedStep
 
-__all__ = ["TrainState", "adamw", "clip_by_global_norm", "init_fn", "train_step"]
+__all__ = ["TrainState", "adamw", "clip_by_global_norm", "init_fn", "token_batch", "train_step"]
 
 
 class TrainState(NamedTuple):
@@ -98,6 +99,23 @@ def init_fn(model: Any, tx: optax.GradientTransformation) -> Callable[[jax.Array
     return init
 
 
+def token_batch(batch: int, seq: int, plan: Any = None) -> dict[str, jax.ShapeDtypeStruct]:
+    """An abstract ``{"inputs", "targets"}`` batch of ``int32[batch, seq]`` tokens, what
+    :func:`train_step`'s step takes (to compile it without data); with ``"positions"``
+    and ``"segment_ids"`` too where ``plan`` places its batches in a balanced order
+    (``plan.balance_order``: the context-parallel recipes' zigzag, :mod:`shardkit.balance`).
+
+    Example:
+      >>> token_batch(8, 32)["inputs"]
+      ShapeDtypeStruct(shape=(8, 32), dtype=int32)
+    """
+    tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
+    out = {"inputs": tokens, "targets": tokens}
+    if plan is not None and plan.balance_order(seq) is not None:
+        out["positions"] = out["segment_ids"] = tokens
+    return out
+
+
 def train_step(
     model: Any,
     tx: optax.GradientTransformation,
@@ -122,8 +140,8 @@ def train_step(
       plan, abstract: the plan and its abstract state (``plan.abstract_init``); a
         pipelined step reads the layout from them.
       pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order"}``
-        (defaults: one micro-batch per stage, ``"1f1b"``, 1, one weight gather per step,
-        ``"layers"``). ``stack_order="interleaved"`` (``interleaved`` schedule): the
+        (defaults, ``shardkit.step.PIPELINE_DEFAULTS``: one micro-batch per stage,
+        ``"1f1b"``, 1, one weight gather per step, ``"layers"``). ``stack_order="interleaved"`` (``interleaved`` schedule): the
         state's layer stacks are stored in the schedule's order; the step's
         ``to_stored`` / ``to_layers`` convert the state once each way.
       return_grads: the metrics also hold the gradients (tests that compare layouts).
@@ -160,7 +178,7 @@ def train_step(
             "the abstract state.\nFix: pass abstract=plan.abstract_init(init_fn(model, tx), "
             "key)."
         )
-    opts = {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+    opts = dict(PIPELINE_DEFAULTS)
     unknown = sorted(set(pipeline or {}) - {*opts, "microbatches"})
     if unknown:
         raise ShardingError(

@@ -20,9 +20,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import numpy as np
 
 from shardkit.context import check_precision
+from shardkit.dtypes import is_key
 from shardkit.protocol import Model
 
 __all__ = ["Workload"]
@@ -129,6 +131,30 @@ class Workload:
             precision=model.precision or precision,
             **sizes,
         )
+
+    @classmethod
+    def of_batch(cls, batch: Any, precision: str = "f32") -> Workload | None:
+        """The sizes a batch tree implies: its leaves' leading dimension, and the sequence
+        length when it holds token ids (2-D integer arrays); ``None`` for a batch of scalars.
+
+        Example:
+          >>> import numpy as np
+          >>> w = Workload.of_batch({"inputs": np.zeros((8, 32), np.int32)})
+          >>> w.batch, w.seq, Workload.of_batch({"x": np.zeros((8, 3))}).seq
+          (8, 32, None)
+        """
+        leaves = [x for x in jax.tree.leaves(batch) if np.shape(x)]
+        if not leaves:
+            return None
+        tokens = [
+            x
+            for x in leaves
+            if len(np.shape(x)) == 2
+            and not is_key(getattr(x, "dtype", None))
+            and np.issubdtype(np.dtype(getattr(x, "dtype", np.float32)), np.integer)
+        ]
+        seq = int(np.shape(tokens[0])[1]) if tokens else None
+        return cls(batch=int(np.shape(leaves[0])[0]), seq=seq, precision=precision)
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -12,6 +12,7 @@ from flax import nnx
 from thirdparty_models import FLAX_MODELS
 
 import shardkit as sk
+from shardkit.report import build_report
 
 TX = optax.adam(1e-3)
 B, S = 8, 16
@@ -133,7 +134,7 @@ def check_trains_as_flax_lays_it_out(model, recipe):
         m.prefix and m.axes == kernels[0].axes and m.spec == kernels[0].spec for m in moments
     )
 
-    report = plan.report(compiled, abstract)
+    report = build_report(plan, compiled, abstract)
     rows = {r.path: r for r in report.params}
     assert rows[kernels[0].path].prefix and rows[kernels[0].path].to_json()["logical_prefix"]
     assert "fewer logical names than dimensions" in str(report)

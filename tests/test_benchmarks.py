@@ -1,6 +1,5 @@
 """Every benchmark script runs on its tiny config, so none of them can rot."""
 
-import ast
 import json
 import os
 import subprocess
@@ -10,18 +9,8 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = [
-    "layout",
-    "memory_terms",
-    "overhead",
-    "compile_scaling",
-    "planning",
-    "pipeline",
-    "tsp",
-    "explicit",
-    "autoplan",
-    "gpu",
-]
+sys.path.insert(0, str(BENCH))  # run_all's own imports (bench_util, pages) live there
+from run_all import SCRIPTS  # noqa: E402  the one list of benchmark scripts
 
 
 def test_run_all_lists_every_script():
@@ -30,15 +19,9 @@ def test_run_all_lists_every_script():
         "run_all",
         "flax_baseline",
         "pages",
+        "compare_results",
     }
     assert on_disk == set(SCRIPTS)
-    tree = ast.parse((BENCH / "run_all.py").read_text())
-    [listed] = [
-        ast.literal_eval(n.value)
-        for n in tree.body
-        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "SCRIPTS"
-    ]
-    assert listed == tuple(SCRIPTS)
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -58,3 +41,33 @@ def test_benchmark_runs_tiny(name, tmp_path):
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["rows"] and result["machine"]["backend"] == "cpu"
     assert "|---|" in proc.stdout
+
+
+def test_compare_results_flags_a_changed_byte_and_nothing_else(tmp_path):
+    from compare_results import main
+
+    table = {
+        "headers": ["recipe", "total MiB", "compile s"],
+        "rows": [["dp", 100.0, 3.0], ["fsdp", 50.0, 4.0]],
+        "details": [{"recipe": "dp", "memory": {"temp": 1000, "total": 2000}, "seconds": 1}],
+        "machine": {"date": "then"},
+    }
+    before, after = tmp_path / "before", tmp_path / "after"
+    before.mkdir(), after.mkdir()
+
+    def write(side, changes):
+        data = json.loads(json.dumps(table))
+        changes(data)
+        (side / "layout.json").write_text(json.dumps(data))
+
+    write(before, lambda d: None)
+    # timings, dates and seconds differ between any two runs: not figures
+    write(after, lambda d: (d["rows"][0].__setitem__(2, 9.0), d["machine"].update(date="now")))
+    assert main([str(before), str(after)]) == 0
+    write(after, lambda d: d["details"][0]["memory"].update(temp=1001))  # one byte
+    assert main([str(before), str(after)]) == 1
+    write(after, lambda d: d["rows"][1].__setitem__(1, 50.0 * (1 + 1e-12)))  # float rounding
+    assert main([str(before), str(after)]) == 0
+    write(after, lambda d: d["rows"].pop())  # a row gone
+    assert main([str(before), str(after)]) == 1
+    assert main([str(before), str(after), "--partial"]) == 0  # some rows regenerated only

@@ -53,7 +53,7 @@ def test_restore_into_three_other_layouts_is_bit_identical(model_name, tmp_path)
     for recipe, n in LAYOUTS:
         new = sk.Plan(recipe, devices=jax.devices()[:n])
         abstract = new.abstract_init(init, jax.random.key(0))
-        restored = new.restore(tmp_path, like=abstract)  # Plan.restore: an AbstractState
+        restored = checkpoint.restore(new, tmp_path, like=abstract)  # an AbstractState
         like = abstract.tree
         assert restored.step == 1 and restored.data_state == {"next_batch": 1}
         assert jax.tree.structure(restored.state) == jax.tree.structure(state)
@@ -74,15 +74,28 @@ def test_restore_takes_a_tree_or_an_abstract_state_and_the_latest_step(tmp_path)
     abstract = plan.abstract_init(lambda: {"w": jnp.zeros((8, 8))})
     state = {"w": jax.device_put(jnp.arange(64.0).reshape(8, 8), abstract.tree["w"].sharding)}
     for step in (3, 7):
-        plan.save(tmp_path, {"w": state["w"] * step}, step=step)
+        checkpoint.save(plan, tmp_path, {"w": state["w"] * step}, step=step)
 
-    restored = plan.restore(tmp_path, like=abstract)
+    restored = checkpoint.restore(plan, tmp_path, like=abstract)
     assert restored.step == 7
     np.testing.assert_array_equal(
         np.asarray(restored.state["w"]), np.arange(64.0).reshape(8, 8) * 7
     )
     earlier = checkpoint.restore(plan, tmp_path, like=abstract.tree, step=3)
     np.testing.assert_array_equal(np.asarray(earlier.state["w"]), np.arange(64.0).reshape(8, 8) * 3)
+
+
+def test_restore_refuses_an_abstract_state_of_another_mesh(tmp_path):
+    plan = sk.Plan("fsdp", annotations=[("w$", ("embed", None))])
+    checkpoint.save(plan, tmp_path, {"w": jnp.zeros((8, 8))}, step=1, block=True)
+    other = sk.Plan("fsdp", devices=jax.devices()[:4], annotations=[("w$", ("embed", None))])
+    like = other.abstract_init(lambda: {"w": jnp.zeros((8, 8))})
+    with pytest.raises(
+        sk.ShardingError,
+        match=r"(?s)planned on mesh \{'fsdp': 4\}, not on the plan's \{'fsdp': 8\}",
+    ):
+        checkpoint.restore(plan, tmp_path, like=like)
+    assert checkpoint.restore(other, tmp_path, like=like).step == 1
 
 
 def test_keep_last_n_and_best_n_by_metric(tmp_path):

@@ -14,7 +14,7 @@ sk.emulate_devices(8)
 from shardkit import models
 out = {}
 for recipe in ("fsdp", "dp_tp_sp", "dp_pp"):
-    r = models.report(sk.Plan(recipe), models.get("gpt-tiny"), batch=16, seq=64)
+    r = sk.report.build_report(sk.Plan(recipe), model=models.get("gpt-tiny"), batch=16, seq=64)
     out[recipe] = [r.memory.temp, r.memory.arguments,
                    sorted((c.kind, c.pass_, c.source, list(c.shape), c.wire_bytes, c.count) for c in r.collectives)]
 print(json.dumps(out))

@@ -14,6 +14,7 @@ from jax.sharding import AxisType
 import shardkit as sk
 from shardkit import explicit, models, train
 from shardkit.data import MarkovSource
+from shardkit.report import build_report
 
 BATCH, SEQ, LR, EPS = 8, 32, 1e-2, 1e-5
 MODELS = ["gpt-tiny", "llama-tiny"]
@@ -88,7 +89,7 @@ def _spec(sharding):
 
 def test_explicit_program_has_the_auto_programs_shardings_and_costs():
     # Compile only: the same step on the same devices, Auto then Explicit axes. The
-    # compiled step takes and returns the same specs, and plan.report reads both. A
+    # compiled step takes and returns the same specs, and build_report reads both. A
     # pipeline (its shard_map checks the batch's type) from an abstract batch.
     model, tx = models.get("gpt-tiny"), train.adamw()
     reports, compiled = {}, {}
@@ -98,9 +99,9 @@ def test_explicit_program_has_the_auto_programs_shardings_and_costs():
         step = train.train_step(
             model, tx, plan=plan, abstract=abstract, pipeline={"microbatches": 2}
         )
-        batch = models.reporting.token_batch(BATCH, SEQ)
+        batch = train.token_batch(BATCH, SEQ)
         compiled[mode] = plan.compile(step, abstract, batch)
-        reports[mode] = plan.report(compiled[mode], abstract)
+        reports[mode] = build_report(plan, compiled[mode], abstract)
     for which in ("input_shardings", "output_shardings"):
         auto, expl = (jax.tree.leaves(getattr(compiled[m], which)) for m in (False, True))
         assert [_spec(s) for s in auto] == [_spec(s) for s in expl]

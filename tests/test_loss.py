@@ -11,9 +11,9 @@ import optax
 import pytest
 
 import shardkit as sk
-from shardkit import models, train
 from shardkit.models import get
 from shardkit.nn.loss import ChunkError, auto_chunks
+from shardkit.report import build_report
 
 B, S = 8, 32
 
@@ -77,7 +77,7 @@ def test_head_gradient_reduced_once_not_per_chunk(name, recipe):
     # weight's gradient reduced inside the loop would add one reduction per chunk).
     def wire(chunks):
         model = get(name, loss_chunks=chunks)
-        report = models.report(sk.Plan(recipe), model, train.adamw(), batch=B, seq=S)
+        report = build_report(sk.Plan(recipe), model=model, batch=B, seq=S)
         return report.wire_bytes
 
     assert wire(8) == pytest.approx(wire(1), rel=1e-6)
@@ -97,7 +97,7 @@ def test_bad_chunk_counts_raise():
     with pytest.raises(
         ChunkError, match=r"(?s)4 positions per chunk.*8 devices.*chunks in \[1, 2, 4\]"
     ):
-        models.report(sk.Plan("cp"), model, train.adamw(), batch=B, seq=S)
+        build_report(sk.Plan("cp"), model=model, batch=B, seq=S)
 
 
 def test_auto_chunks_bounds_chunk_logits():

@@ -266,22 +266,6 @@ def test_init_warns_when_a_sharding_recipe_replicates_most_bytes():
         sk.Plan("fsdp").init(init, jax.random.key(0))  # annotated: mostly sharded
 
 
-def test_report_of_a_users_step_from_abstract_or_live_state():
-    plan = sk.Plan("fsdp")
-    abstract = plan.abstract_init(init, jax.random.key(0))
-    b = batch()
-    report = plan.report(step, abstract, b)
-    kernel = next(r for r in report.params if r.path == "0/Dense_0/kernel")
-    assert kernel.logical == ("embed", "mlp") and kernel.spec == str(P("fsdp", None))
-    assert report.workload.batch == 16 and report.analytic is not None
-    # Regression: live state (plain arrays) used to be reported with logical (None, None).
-    live = plan.init(abstract)
-    with pytest.raises(sk.ShardingError, match=r"(?s)carry no logical axes.*abstract_init"):
-        plan.report(step, live, b)
-    with pytest.raises(sk.ShardingError, match="needs a batch"):
-        plan.report(step, abstract)
-
-
 def test_bare_rules_need_a_mesh():
     with pytest.raises(sk.ShardingError, match="needs a mesh"):
         sk.Plan(sk.Rules([("mlp", "data")]))

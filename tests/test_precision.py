@@ -13,8 +13,8 @@ from shardkit import context, models, train
 from shardkit.cli import main
 from shardkit.data import MarkovSource
 from shardkit.models import CONFIGS
-from shardkit.models.reporting import token_batch
 from shardkit.report.analytic import analytic_model, megatron_activations_per_layer
+from shardkit.train import token_batch
 from shardkit.workload import Workload
 
 STEPS, BATCH, SEQ, LR = 20, 8, 32, 3e-3

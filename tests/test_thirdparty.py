@@ -17,6 +17,7 @@ import pytest
 from thirdparty_models import MODELS
 
 import shardkit as sk
+from shardkit.report import build_report
 
 TX = optax.adam(1e-2, eps=1e-5)
 B, S = 8, 16
@@ -122,7 +123,7 @@ def test_path_axes_alone_shard_a_users_model(model, recipe):
         sharded += want != leaf.shape
     assert sharded > 0 or recipe == "dp"
 
-    report = plan.report(compiled, abstract)
+    report = build_report(plan, compiled, abstract)
     assert sum(r.bytes_per_device for r in report.params) == sum(held)
     batch_bytes = 2 * (B // BATCH_SPLIT[recipe]) * S * 4  # inputs and targets, int32
     assert report.memory.arguments == sum(held) + batch_bytes

@@ -1,6 +1,6 @@
 """An NNX model holding ``nnx.Rngs`` (typed keys, dropout on), annotated the Flax way:
 trains on 8 devices to the 1-device losses, laid out as ``nnx.get_partition_spec`` and
-``nn.logical_to_mesh_axes`` predict; ``plan.report`` counts its keys by their key data.
+``nn.logical_to_mesh_axes`` predict; ``build_report`` counts its keys by their key data.
 See ``flax_training.py`` and ``thirdparty_models.py``."""
 
 import pytest

@@ -11,6 +11,7 @@ import pytest
 
 import shardkit as sk
 from shardkit import checkpoint
+from shardkit.report import build_report
 
 #: ``embed`` splits under fsdp and not under dp: a key array split over devices, restored
 AXES = sk.PathAxes([("w$", ("embed", None)), ("keys$", ("embed",))])
@@ -67,7 +68,7 @@ def test_keys_plan_train_and_are_placed_like_the_batch(trained):
 
 def test_the_report_counts_keys_by_their_key_data(trained):
     plan, abstract, _, batch, _ = trained
-    report = plan.report(step, abstract, host_batch())
+    report = build_report(plan, step, abstract, host_batch())
     rows = {r.path: r for r in report.params}
     assert rows["key"].bytes_per_device == KEY_BYTES["threefry2x32"]
     assert rows["rbg"].bytes_per_device == KEY_BYTES["rbg"]
@@ -82,9 +83,10 @@ def test_the_report_counts_keys_by_their_key_data(trained):
 def test_keys_checkpoint_bit_for_bit_into_another_layout(trained):
     plan, _, state, _, _ = trained
     path = tempfile.mkdtemp()
-    plan.save(path, state, step=1, block=True)
+    checkpoint.save(plan, path, state, step=1, block=True)
     other = sk.Plan("fsdp", devices=jax.devices()[:4], annotations=AXES)
-    restored = other.restore(path, like=other.abstract_init(init, jax.random.key(0))).state
+    restored = checkpoint.restore(other, path, like=other.abstract_init(init, jax.random.key(0)))
+    restored = restored.state
     assert restored["keys"].sharding.spec == jax.P("fsdp")
     for name in ("key", "keys", "rbg"):
         assert restored[name].dtype == state[name].dtype

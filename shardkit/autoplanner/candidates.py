@@ -6,6 +6,10 @@ registered by a user joins the search without touching the planner. Every mesh a
 of a candidate has size at least 2: a size-1 axis is another recipe (``dp_fsdp`` with
 ``data=1`` is ``fsdp``), already in the space.
 
+A context-parallel recipe (``Recipe.context_state`` set: ``cp``, ``fsdp_cp``) is tried
+with each attention strategy over its context axis (``ring``, ``allgather``,
+``ulysses``); elsewhere ``attention`` is ``None`` (the recipe's own).
+
 The logits layout is a dimension only where it changes the program: a recipe whose
 activation rules split the vocabulary over an axis that also splits the tokens
 (``Recipe.vocab_gather_axes``, e.g. ``fsdp``) is tried with ``logits="vocab"`` (gather
@@ -32,6 +36,8 @@ __all__ = ["Candidate", "factorisations", "enumerate_candidates"]
 REMATS = ("none", "save_dots", "full")
 PRECISIONS = ("f32", "bf16")
 LOGITS = ("vocab", "tokens")
+#: The attention strategies a context-parallel recipe is tried with.
+ATTENTIONS = ("ring", "allgather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -51,6 +57,7 @@ class Candidate:
     microbatches: int | None = None
     precision: str = "f32"
     logits: str | None = None
+    attention: str | None = None
 
     def recipe_object(self) -> recipes.Recipe:
         """The registered recipe, with this candidate's logits layout when it has one.
@@ -60,6 +67,8 @@ class Candidate:
           'tokens'
         """
         recipe = recipes.get(self.recipe)
+        if self.attention is not None:
+            recipe = dataclasses.replace(recipe, attention=self.attention)
         return recipe if self.logits is None else recipe.with_logits(self.logits)
 
     @property
@@ -80,6 +89,8 @@ class Candidate:
             parts.append(f"m={self.microbatches}")
         if self.logits is not None:
             parts.append(f"logits={self.logits}")
+        if self.attention is not None:
+            parts.append(f"attention={self.attention}")
         parts.append(self.precision)
         return " ".join(parts)
 
@@ -91,6 +102,7 @@ class Candidate:
             "microbatches": self.microbatches,
             "precision": self.precision,
             "logits": self.logits,
+            "attention": self.attention,
         }
 
     @classmethod
@@ -102,6 +114,7 @@ class Candidate:
             d["microbatches"],
             d["precision"],
             d.get("logits"),
+            d.get("attention"),
         )
 
 
@@ -152,8 +165,9 @@ def enumerate_candidates(
             # say (dp_tp_sp_pp compiles the same program under both): no choice there.
             choice = recipe.vocab_gather_axes(dict(mesh)) and not stages
             layouts = LOGITS if choice else (None,)
-            for m, remat, logits, precision in itertools.product(
-                counts, remats, layouts, precisions
+            attentions = ATTENTIONS if recipe.context_state is not None else (None,)
+            for m, remat, logits, precision, attention in itertools.product(
+                counts, remats, layouts, precisions, attentions
             ):
-                out.append(Candidate(name, mesh, remat, m, precision, logits))
+                out.append(Candidate(name, mesh, remat, m, precision, logits, attention))
     return out

@@ -31,16 +31,19 @@ from typing import Any
 
 import jax
 
-from shardkit import models, train
+from shardkit import train
 from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
+from shardkit.nn.ulysses import check_heads
 from shardkit.plan import Plan
+from shardkit.report import build_report
 from shardkit.report.analytic import analytic_costs, with_phases
 from shardkit.report.estimator import estimate
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 from shardkit.report.wire_terms import TERMS as WIRE_TERMS
+from shardkit.step import PIPELINE_DEFAULTS
 from shardkit.workload import Workload
 
 __all__ = ["Subject", "Pruned", "Analytic", "Evidence", "prune", "compile_candidate"]
@@ -168,7 +171,9 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         )
     dims = subject.model.dims
     ring = mesh.get(recipe.attention_axis, 1)
-    zigzag = recipe.attention == "ring" or recipe.layer_schedule == "tsp"
+    zigzag = (
+        recipe.attention == "ring" or recipe.layer_schedule == "tsp" or recipe.balance == "zigzag"
+    )
     if zigzag and ring > 1 and subject.seq % (2 * ring):
         return Pruned(
             f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
@@ -179,6 +184,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         return Pruned(f"{dims.layers} layers do not split into {stages} stages")
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)
     try:
+        if recipe.attention == "ulysses" and ring > 1 and dims is not None:
+            check_heads(dims.n_heads, dims.n_kv_heads, ring, recipe.attention_axis)
         for leaf in subject.leaves:
             rules = recipe.rules
             if leaf.kind == "optimizer" and recipe.optimizer_rules is not None:
@@ -256,13 +263,9 @@ def _estimated(subject: Subject, candidate: Candidate, pipeline: Any) -> float |
 
 
 def _pipeline_options(candidate: Candidate) -> dict:
-    """The pipeline a candidate with a ``stage`` axis runs: 1F1B, its micro-batches."""
-    return {
-        "microbatches": candidate.microbatches,
-        "schedule": "1f1b",
-        "virtual_stages": 1,
-        "unit": None,
-    }
+    """The pipeline a candidate with a ``stage`` axis runs: the defaults (1F1B), its
+    micro-batches."""
+    return {**PIPELINE_DEFAULTS, "microbatches": candidate.microbatches}
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
@@ -281,7 +284,7 @@ def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:
 def compile_candidate(subject: Subject, candidate: Candidate, devices: list | None = None):
     """:class:`Evidence` from the compiled step, or :class:`Pruned` if the plan refuses it.
 
-    Compile only, on abstract state: ``models.report`` of the candidate's plan with its
+    Compile only, on abstract state: ``build_report`` of the candidate's plan with its
     memory itemised (XLA's buffer assignment), so the evidence carries the memory,
     FLOPs and collectives a ranking needs and the named terms that explain the gap
     between the analytic and the compiled memory.
@@ -290,9 +293,9 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     pipeline = _pipeline_options(candidate) if candidate.microbatches is not None else None
     try:
         plan = _plan(candidate, subject, devices)
-        report = models.report(
+        report = build_report(
             plan,
-            subject.model_for(candidate),
+            model=subject.model_for(candidate),
             batch=subject.batch,
             seq=subject.seq,
             pipeline=pipeline,

@@ -58,7 +58,7 @@ from shardkit.models import resolve
 from shardkit.models.model import Model
 from shardkit.models.user import as_user_model
 from shardkit.protocol import Model as ProtocolModel
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, short_seconds
 
 __all__ = ["autoplan", "AutoplanResult", "Ranked", "Rejected", "NoLayoutFitsError"]

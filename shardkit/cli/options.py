@@ -8,12 +8,14 @@
 - ``--wide`` shows every column of a table; by default the columns that do not fit the
   terminal (``COLUMNS``) are left out and named under it. Names are never cut.
 - ``--explicit`` makes the mesh's axes Explicit (JAX's sharding-in-types), not Auto.
+- ``--attention ring|allgather|ulysses|dense`` replaces the recipe's attention strategy.
 - Output paths (``--json PATH``, ``--plot PNG``) are checked before any work starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -72,6 +74,18 @@ def add_precision(parser: argparse.ArgumentParser) -> None:
         default="f32",
         help="f32, or bf16 mixed precision: bfloat16 activations, float32 weights and Adam "
         "state (default: f32)",
+    )
+
+
+def add_attention(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--attention",
+        choices=["ring", "allgather", "ulysses", "dense"],
+        default=None,
+        help="how attention treats a sequence split over the recipe's context axis: ring "
+        "(K/V blocks around a ring), allgather (K/V gathered), ulysses (all-to-all to a "
+        "head split; the heads must divide by the axis), dense (XLA's choice) "
+        "(default: the recipe's)",
     )
 
 
@@ -142,6 +156,8 @@ def recipe_for(
     recipe = recipes.get(name)
     if getattr(args, "logits", None):
         recipe = recipe.with_logits(args.logits)
+    if getattr(args, "attention", None):
+        recipe = dataclasses.replace(recipe, attention=args.attention)
     mesh = getattr(args, "mesh", None)
     if not mesh:
         return recipe

@@ -10,7 +10,7 @@ from shardkit.cli import preflight
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP
 from shardkit.cli.options import add_json, add_mesh, add_wide, emit_json, wants_tables
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 from shardkit.report.tables import BYTES, Column, fit_table, print_table, short_bytes, spec_text
 
 

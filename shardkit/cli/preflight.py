@@ -82,7 +82,8 @@ def _check_attention(args: argparse.Namespace, plan: Any) -> None:
     n = int(mesh.get(recipe.attention_axis, 1))
     if recipe.attention == "dense" or n == 1:
         return
-    chunks = 2 * n if recipe.attention == "ring" else n
+    zigzag = getattr(recipe, "balance", "none") == "zigzag"  # 2 chunks per rank, any strategy
+    chunks = 2 * n if recipe.attention == "ring" or zigzag else n
     if args.seq % chunks:
         raise FlagError(
             f"--seq {args.seq}: {recipe.attention} attention over {recipe.attention_axis!r} "
@@ -99,6 +100,7 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
     from shardkit.errors import NotPipelinableError
     from shardkit.parallel.cli import options
     from shardkit.parallel.pipeline import spec_axes
+    from shardkit.step import PIPELINE_DEFAULTS
 
     opts = options(args)
     mesh = {str(a): int(s) for a, s in plan.mesh.shape.items()}
@@ -112,7 +114,7 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
         return
     cut = model.stages()  # a model without a cut raises, naming how to give one
     layers = _stack_layers(model, cut)
-    opts = opts or {"schedule": "1f1b", "virtual_stages": 1}
+    opts = opts or PIPELINE_DEFAULTS
     micro = opts.get("microbatches") or stages
     chunks = stages * opts["virtual_stages"]
     if layers % chunks:

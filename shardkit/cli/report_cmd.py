@@ -2,7 +2,7 @@
 
 ``--itemise`` splits the temp memory at its peak into named terms (gradients, gathered
 weights, saved activations, ...) next to their analytic values, as
-``plan.report(..., itemise=True)`` does (``Report.memory_terms``; ``memory_terms`` in
+``build_report(..., itemise=True)`` does (``Report.memory_terms``; ``memory_terms`` in
 ``--json``):
 
   shardkit report --model gpt-tiny --recipe fsdp --remat full --itemise
@@ -15,11 +15,12 @@ import time
 
 from rich.console import Console
 
-from shardkit import models, recipes
+from shardkit import recipes
 from shardkit.cli import preflight
 from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.model_arg import MODEL_HELP
 from shardkit.cli.options import (
+    add_attention,
     add_explicit,
     add_json,
     add_logits,
@@ -30,12 +31,14 @@ from shardkit.cli.options import (
     wants_tables,
 )
 from shardkit.errors import ShardingError
+from shardkit.report import build_report
 
 
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="gpt-tiny", help=MODEL_HELP)
     add_devices_argument(p)
     add_mesh(p)
+    add_attention(p)
     add_explicit(p)
     p.add_argument(
         "--batch",
@@ -88,14 +91,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _report(model, recipe: str, devices, args):
-    from shardkit import train
     from shardkit.parallel.cli import options
 
     plan = preflight.layout(args, recipe, model, devices)
-    return models.report(
+    return build_report(
         plan,
-        model,
-        train.adamw(),
+        model=model,
         batch=args.batch,
         seq=args.seq,
         pipeline=options(args),

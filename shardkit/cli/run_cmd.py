@@ -12,6 +12,7 @@ from shardkit.cli.devices_arg import add_devices_argument, select_devices
 from shardkit.cli.fixes import FlagError
 from shardkit.cli.model_arg import MODEL_HELP
 from shardkit.cli.options import (
+    add_attention,
     add_explicit,
     add_json,
     add_mesh,
@@ -30,6 +31,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", default="fsdp", help="sharding recipe (default: fsdp)")
     add_devices_argument(p)
     add_mesh(p)
+    add_attention(p)
     add_explicit(p)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--batch", type=int, default=8, help="global batch size")

@@ -15,7 +15,6 @@ Example:
 
 from shardkit.models.config import CONFIGS, ModelConfig
 from shardkit.models.model import Model, get, names
-from shardkit.models.reporting import report, token_batch
 from shardkit.models.user import UserModel, load
 
 __all__ = [
@@ -26,9 +25,7 @@ __all__ = [
     "get",
     "load",
     "names",
-    "report",
     "resolve",
-    "token_batch",
 ]
 
 

@@ -1,4 +1,4 @@
-"""A user's own model, for the command line and ``models.report``.
+"""A user's own model, for the command line and ``sk.report.build_report``.
 
 ``shardkit report --model package.module:factory`` imports ``factory`` and calls
 it with no arguments. It returns the model as any of:

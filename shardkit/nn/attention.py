@@ -69,6 +69,7 @@ from shardkit.annotate.constrain import constrain, current_activation_rules, is_
 from shardkit.context import AttentionStrategy
 from shardkit.errors import ShardingError
 from shardkit.nn.segments import Segments, check_segments, segment_mask
+from shardkit.nn.ulysses import check_heads, ulysses_attention
 from shardkit.rules import Rules
 from shardkit.scopes import block
 
@@ -313,34 +314,74 @@ def _allgather_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array
 def _ring_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
     """Ring attention of packed rows, in the layout the batch was placed in (no reorder).
 
-    Each K/V block travels with its segment ids and positions; a block in which no query
-    of this device may attend any key (other documents, or only later positions) is
-    skipped (``lax.cond``): nothing of it is computed. The batch's placement decides the
-    balance (contiguous, or :func:`shardkit.packing.balance_permutation`).
+    Each K/V block travels with its segment ids and positions. Every local block is cut
+    in two chunks, and each pair of a query chunk and a K/V chunk in which no query may
+    attend any key (other documents, or only later positions) is skipped (``lax.cond``):
+    nothing of it is computed. The batch's placement decides the balance: under the
+    zigzag order (:mod:`shardkit.balance`) 2 of the 4 pairs of every other rank's block
+    run, and 3 of the own block's, the static zigzag ring's work; packed rows balanced by
+    :func:`shardkit.packing.balance_permutation`, or contiguous.
     """
-    zero = jnp.zeros_like(q, jnp.float32).transpose(0, 2, 1, 3)  # varies as q does
+    b, s, h, d = q.shape
+    c = s // 2
+    qs = (q[:, :c], q[:, c:])
+    qseg = tuple(Segments(seg.ids[:, p], seg.positions[:, p]) for p in (slice(0, c), slice(c, s)))
+    zero = jnp.zeros_like(q[:, :c], jnp.float32).transpose(0, 2, 1, 3)  # varies as q does
     init = (zero[..., 0] + _NEG, zero[..., 0], zero)
 
-    @jax.checkpoint
-    def fold(carry: tuple, kv: jax.Array, kseg: Segments) -> tuple:
-        keep = segment_mask(seg, kseg)
+    def pair(carry: tuple, a: int, kv: jax.Array, kseg: jax.Array, j: int) -> tuple:
+        part = slice(j * c, (j + 1) * c)
+        keep = segment_mask(qseg[a], Segments(kseg[0, :, part], kseg[1, :, part]))
         return jax.lax.cond(
             keep.any(),
-            lambda c: _online(c, q, kv[0], kv[1], keep[:, None]),
-            lambda c: c,
+            lambda x: _online(x, qs[a], kv[0, :, part], kv[1, :, part], keep[:, None]),
+            lambda x: x,
             carry,
         )
 
-    def step(t: jax.Array, state: tuple) -> tuple:
-        kv, kseg, carry = state
-        kv, kseg = jax.lax.ppermute((kv, kseg), axis, [(j, (j + 1) % n) for j in range(n)])
-        return kv, kseg, fold(carry, kv, kseg)
+    @functools.partial(jax.checkpoint, static_argnums=(3,))
+    def fold(carries: tuple, kv: jax.Array, kseg: jax.Array, own: bool) -> tuple:
+        out = []
+        for a in (0, 1):  # own block: the diagonal chunk first, so every row has a maximum
+            carry = carries[a]
+            for j in (a, 1 - a) if own else (0, 1):
+                carry = pair(carry, a, kv, kseg, j)
+            out.append(carry)
+        return tuple(out)
 
-    kv = jnp.stack([k, v])
-    carry = fold(init, kv, seg)
-    _, _, (m, denom, acc) = jax.lax.fori_loop(1, n, step, (kv, seg, carry))
-    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # padding: no key at all
+    kv, kseg = jnp.stack([k, v]), jnp.stack(seg)
+    carries = fold((init, init), kv, kseg, True)
+
+    def step(t: jax.Array, state: tuple) -> tuple:
+        kv, kseg, carries = state
+        kv, kseg = jax.lax.ppermute((kv, kseg), axis, [(j, (j + 1) % n) for j in range(n)])
+        return kv, kseg, fold(carries, kv, kseg, False)
+
+    _, _, carries = jax.lax.fori_loop(1, n, step, (kv, kseg, carries))
+    out = jnp.concatenate(
+        [acc / jnp.where(denom > 0, denom, 1.0)[..., None] for _, denom, acc in carries], axis=2
+    )  # padding: no key at all
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
+
+
+def _ulysses_plain(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
+    """Ulysses (:mod:`shardkit.nn.ulysses`) over tokens in order: the causal mask."""
+
+    def attend(q, k, v, _):
+        pos = jnp.arange(q.shape[1])
+        return _attend(q, k, v, pos, pos)
+
+    return ulysses_attention(q, k, v, axis=axis, n=n, attend=attend)
+
+
+def _ulysses_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
+    """Ulysses over packed (or reordered) rows: the segment ids and positions gathered."""
+
+    def attend(q, k, v, seg):
+        whole = Segments(*seg)
+        return _softmax_pv(q, k, v, segment_mask(whole, whole))
+
+    return ulysses_attention(q, k, v, tuple(seg), axis=axis, n=n, attend=attend)
 
 
 def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
@@ -405,7 +446,7 @@ def causal_attention(
     if strategy == "dense" or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
         return _dense(q, k, v) if segments is None else _dense_packed(q, k, v, segments)
     n = mesh.shape[axis]
-    chunks = 2 * n if strategy == "ring" and segments is None else n
+    chunks = 2 * n if strategy == "ring" else n
     if q.shape[1] % chunks:
         raise ShardingError(
             f"{strategy} attention over {axis!r} (size {n}) splits the sequence into {chunks} "
@@ -423,12 +464,14 @@ def causal_attention(
             k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
         else:
             kv_spec = _spec(k.shape, mesh, axis)
+    if strategy == "ulysses":
+        check_heads(q.shape[2] // _split(spec, mesh), k.shape[2] // _split(kv_spec, mesh), n, axis)
     if is_explicit(mesh):
         q = jax.sharding.reshard(q, spec)
         k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
     if segments is not None:
         return _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec)
-    body = _ring if strategy == "ring" else _allgather
+    body = {"ring": _ring, "allgather": _allgather, "ulysses": _ulysses_plain}[strategy]
     return jax.shard_map(
         lambda q, k, v: body(q, k, v, axis=axis, n=n),
         mesh=mesh,
@@ -437,12 +480,20 @@ def causal_attention(
     )(q, k, v)
 
 
+def _split(spec: PartitionSpec, mesh: Any, dim: int = 2) -> int:
+    """Devices that split dimension ``dim`` (the heads) under ``spec``."""
+    entry = tuple(spec)[dim] if len(spec) > dim else None
+    return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
+
+
 def _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec) -> jax.Array:
     """Ring or all-gather attention of packed rows: the segments split as the tokens."""
     seg_spec = PartitionSpec(*tuple(spec)[:2])
     if is_explicit(mesh):
         segments = Segments(*(jax.sharding.reshard(x, seg_spec) for x in segments))
-    body = _ring_packed if strategy == "ring" else _allgather_packed
+    body = {"ring": _ring_packed, "allgather": _allgather_packed, "ulysses": _ulysses_packed}[
+        strategy
+    ]
     n = mesh.shape[axis]
     return jax.shard_map(
         lambda q, k, v, seg: body(q, k, v, Segments(*seg), axis=axis, n=n),

@@ -60,6 +60,7 @@ import numpy as np
 from jax.sharding import AxisType, PartitionSpec
 
 from shardkit import context
+from shardkit.rules import entry_axes
 from shardkit.scopes import block, model_code
 
 __all__ = ["ReplicaView", "per_replica"]
@@ -152,7 +153,7 @@ def per_replica(
     if mesh is None or act is None or rules is None:
         return ReplicaView(param)  # the layouts are unknown: leave them to XLA
     spec = rules.spec(tuple(logical), shape=param.shape, mesh=mesh)
-    used = {a for entry in spec for a in _names(entry)}
+    used = {a for entry in spec for a in entry_axes(entry)}
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     if any(types[a] != AxisType.Auto for a in used):
         return ReplicaView(param)  # Explicit axes: JAX's sharding types decide
@@ -163,7 +164,7 @@ def per_replica(
         # Only a leading run of a dimension's mesh axes: splitting it into [g, D/g]
         # keeps the device order (so costs nothing) when the replica axes come first.
         run = []
-        for a in _names(entry):
+        for a in entry_axes(entry):
             if a in used or types[a] != AxisType.Auto:
                 break
             run.append(a)
@@ -174,8 +175,3 @@ def per_replica(
     value = jnp.broadcast_to(param, (math.prod(groups), *param.shape))
     value = jax.lax.with_sharding_constraint(value, PartitionSpec(tuple(axes), *spec))
     return ReplicaView(value, tuple(groups), tuple(axes))
-
-
-def _names(entry: Any) -> tuple[str, ...]:
-    """The mesh axes of one ``PartitionSpec`` entry."""
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())

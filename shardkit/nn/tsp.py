@@ -63,6 +63,7 @@ from shardkit.annotate.constrain import is_explicit
 from shardkit.errors import ShardingError
 from shardkit.nn.attention import causal_attention
 from shardkit.nn.rope import apply_rope
+from shardkit.rules import entry_axes
 from shardkit.scopes import scope
 
 __all__ = [
@@ -266,10 +267,6 @@ def active_axis() -> str | None:
     return axis
 
 
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def tsp_dot_general(
     x: jax.Array,
     w: jax.Array,
@@ -297,9 +294,9 @@ def tsp_dot_general(
     n = mesh.shape[axis]
     where = f"TSP projection of kernel {tuple(kernel_axes)} {tuple(w.shape)}"
     kspec = tuple(ctx.param_rules.spec(tuple(kernel_axes), mesh=mesh)) + (None,) * w.ndim
-    kdims = [i for i in range(w.ndim) if axis in _entry_axes(kspec[i])]
+    kdims = [i for i in range(w.ndim) if axis in entry_axes(kspec[i])]
     others = {
-        a for i in range(w.ndim) for a in _entry_axes(kspec[i]) if a != axis and mesh.shape[a] > 1
+        a for i in range(w.ndim) for a in entry_axes(kspec[i]) if a != axis and mesh.shape[a] > 1
     }
     if others:
         raise ShardingError(
@@ -328,7 +325,7 @@ def tsp_dot_general(
     ring = _ring(dims, x.ndim, w.ndim, kdim, axis, n, precision)
     rules = ctx.activation_rules
     batch = rules.spec(("batch",), mesh=mesh)[0] if rules is not None else None
-    batch = tuple(a for a in _entry_axes(batch) if a != axis) or None
+    batch = tuple(a for a in entry_axes(batch) if a != axis) or None
     wspec = PartitionSpec(*(axis if i == kdim else None for i in range(w.ndim)))
     y_ndim = x.ndim + w.ndim - 2 * len(dims[0][0])
 

@@ -50,6 +50,7 @@ from jax.sharding import PartitionSpec
 from shardkit import context
 from shardkit.annotate.constrain import is_explicit
 from shardkit.nn.tsp import active_axis
+from shardkit.rules import entry_axes
 from shardkit.scopes import block
 
 __all__ = ["vocab_ring_cross_entropy", "vocab_ring_lookup"]
@@ -152,10 +153,6 @@ def _ring_loss_bwd(head, res, g):
 _ring_loss.defvjp(_ring_loss_fwd, _ring_loss_bwd)
 
 
-def _names(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())
-
-
 def _layout(
     weight: jax.Array,
     weight_axes: Sequence[str | None],
@@ -178,7 +175,7 @@ def _layout(
     wspec = tuple(ctx.param_rules.spec(weight_axes, shape=weight.shape, mesh=mesh))
     wspec += (None,) * (weight.ndim - len(wspec))
     vdim = weight_axes.index(vocab)
-    split = [(i, a) for i, e in enumerate(wspec) for a in _names(e) if mesh.shape[a] > 1]
+    split = [(i, a) for i, e in enumerate(wspec) for a in entry_axes(e) if mesh.shape[a] > 1]
     if split != [(vdim, axis)]:
         return None
     tspec = tuple(
@@ -187,7 +184,7 @@ def _layout(
         )
     )
     tspec += (None,) * (len(token_shape) - len(tspec))
-    if axis not in {a for e in tspec for a in _names(e)}:
+    if axis not in {a for e in tspec for a in entry_axes(e)}:
         return None
     return mesh, axis, mesh.shape[axis], vdim, PartitionSpec(*tspec)
 
@@ -350,7 +347,7 @@ def vocab_ring_lookup(
     if layout is None or layout[3] != 0 or table.ndim != 2:
         return None
     mesh, axis, n, _, tspec = layout
-    dims = tuple(i for i, e in enumerate(tspec) if axis in _names(e))
+    dims = tuple(i for i, e in enumerate(tspec) if axis in entry_axes(e))
     lookup = _Lookup(axis, n, dims, (table.shape[0] // n, table.shape[1]), table.dtype)
     wspec = PartitionSpec(axis, None)
     if is_explicit(mesh):

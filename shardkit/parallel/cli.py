@@ -26,6 +26,7 @@ from typing import Any
 
 from shardkit.errors import NotPipelinableError
 from shardkit.parallel.schedules import SCHEDULES
+from shardkit.step import PIPELINE_DEFAULTS
 
 __all__ = ["add_arguments", "for_plan", "options"]
 
@@ -66,7 +67,7 @@ def options(args: argparse.Namespace) -> dict[str, Any] | None:
     keys = ("microbatches", "schedule", "virtual_stages", "unit")
     if all(getattr(args, k, None) is None for k in keys):
         return None
-    schedule = args.schedule or "1f1b"
+    schedule = args.schedule or PIPELINE_DEFAULTS["schedule"]
     default_v = 2 if schedule == "interleaved" else 1
     return {
         "microbatches": args.microbatches,
@@ -80,7 +81,8 @@ def for_plan(plan: Any, opts: dict[str, Any] | None) -> dict[str, Any] | None:
     """The pipeline options of ``shardkit.train.train_step`` for ``plan``, or ``None`` (no
     ``stage`` axis: the plain step).
 
-    Fills what the flags leave out: one micro-batch per stage, ``1f1b``; under
+    Fills what the flags leave out from ``shardkit.step.PIPELINE_DEFAULTS`` (one
+    micro-batch per stage, ``1f1b``); under
     ``interleaved`` with ``virtual_stages > 1`` the stack stored in the schedule's order
     (the step's ``to_stored`` / ``to_layers`` convert the state). ``opts`` may name
     ``stack_order="layers"`` to keep the layer order (to measure what it costs).
@@ -103,12 +105,12 @@ def for_plan(plan: Any, opts: dict[str, Any] | None) -> dict[str, Any] | None:
                 "zeropp or dp_tp_sp_pp, or drop the pipeline flags."
             )
         return None
-    opts = dict(opts or {"schedule": "1f1b", "virtual_stages": 1, "unit": None})
-    opts["microbatches"] = opts.get("microbatches") or int(stages)
-    v = int(opts.get("virtual_stages") or 1)
-    opts["virtual_stages"] = v
-    interleaved = opts.get("schedule") == "interleaved" and v > 1
-    opts["stack_order"] = opts.get("stack_order") or ("interleaved" if interleaved else "layers")
+    given = {k: v for k, v in (opts or {}).items() if v is not None}
+    opts = {**PIPELINE_DEFAULTS, "microbatches": int(stages), **given}
+    opts["virtual_stages"] = int(opts["virtual_stages"])
+    interleaved = opts["schedule"] == "interleaved" and opts["virtual_stages"] > 1
     if not interleaved:
         opts["stack_order"] = "layers"
+    elif "stack_order" not in given:
+        opts["stack_order"] = "interleaved"
     return opts

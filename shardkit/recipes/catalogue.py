@@ -226,45 +226,55 @@ def dp_tp_sp() -> Recipe:
 
 
 def cp() -> Recipe:
-    """Context parallel: the sequence split over ``sequence``, ring attention.
+    """Context parallel: the sequence split over ``sequence``, ring attention, state ZeRO-3.
 
     Every activation is split along ``length``; attention passes K/V blocks around the
-    ring (``jax.lax.ppermute``, online softmax, causal load balancing by a zigzag
-    layout), so no device ever holds a [seq, seq] score matrix. State is replicated
-    (as DP) and gradients are all-reduced over ``sequence``: 2Ψ·4·(N−1)/N. Attention
-    adds N−1 permutes of the local K/V block per layer (forward), 2·b·(s/N)·h·4 bytes
-    each. Use for sequences whose activations do not fit one device;
-    ``dataclasses.replace(recipe, attention="allgather")`` gathers K/V instead.
+    ring (``jax.lax.ppermute``, online softmax), so no device ever holds a [seq, seq]
+    score matrix. The tokens are placed in the zigzag order once per step
+    (``balance="zigzag"``, :mod:`shardkit.balance`: every rank does the same causal
+    work, no layer reorders). Parameters, gradients and Adam state are split over
+    ``sequence`` as FSDP splits them over ``fsdp`` (``context_state="sharded"``): 16Ψ/N
+    bytes per device, each layer's weights all-gathered where used (forward, and again
+    backward) and the gradients reduce-scattered, 3Ψ·4·(N−1)/N. Attention adds, per
+    layer and pass, N−1 permutes of the local K/V block, 2·b·(s/N)·h_kv·4 bytes each.
+    ``with_context_state("replicated")`` keeps the whole state on every device and
+    all-reduces the gradients (2Ψ·4·(N−1)/N); ``dataclasses.replace(recipe,
+    attention="allgather")`` gathers K/V instead, ``attention="ulysses"`` exchanges
+    heads (:mod:`shardkit.nn.ulysses`).
     """
     return Recipe(
         name="cp",
         optional_names=_REFERENCE_NAMES,
-        collectives=frozenset({"all-reduce", "collective-permute"}),
-        summary="context parallel: 'length' split over 'sequence', ring attention",
+        summary="context parallel: 'length' split over 'sequence', ring attention, ZeRO-3",
         mesh_axes=(("sequence", -1),),
-        rules=Rules([]),
+        rules=Rules([("vocab", "sequence"), ("embed", "sequence")]),
         activation_rules=Rules([("batch", None), ("length", "sequence"), *_REPLICATED_ACTIVATIONS]),
         attention="ring",
+        balance="zigzag",
+        context_state="sharded",
     )
 
 
 def fsdp_cp() -> Recipe:
     """FSDP over ``fsdp`` × context parallel over ``sequence`` (4×2 on 8 devices).
 
-    State sharded as ``fsdp``; the batch split over ``fsdp`` and each sequence over
-    ``sequence`` with ring attention. For long sequences on models that need FSDP.
+    The batch split over ``fsdp`` and each sequence over ``sequence`` (zigzag order,
+    ring attention); the state split over both (ZeRO-3 over the 8 devices that split
+    the tokens: 16Ψ/8). ``with_context_state("replicated")`` splits it over ``fsdp``
+    only. For long sequences on models that need FSDP.
     """
     return Recipe(
         name="fsdp_cp",
         optional_names=_REFERENCE_NAMES,
-        collectives=frozenset({"all-gather", "reduce-scatter", "all-reduce", "collective-permute"}),
         summary="FSDP over 'fsdp' × context parallel over 'sequence' (4×2 on 8 devices)",
         mesh_axes=(("fsdp", -1), ("sequence", 2)),
-        rules=Rules([("vocab", "fsdp"), ("embed", "fsdp")]),
+        rules=Rules([("vocab", ("fsdp", "sequence")), ("embed", ("fsdp", "sequence"))]),
         activation_rules=Rules(
             [("batch", "fsdp"), ("length", "sequence"), *_REPLICATED_ACTIVATIONS]
         ),
         attention="ring",
+        balance="zigzag",
+        context_state="sharded",
     )
 
 

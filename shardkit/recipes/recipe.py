@@ -170,6 +170,16 @@ class Recipe:
       logits: the logits' layout where an activation rule splits the vocabulary over a
         mesh axis that also splits the tokens (``"auto"``, ``"vocab"``, ``"tokens"``;
         see :meth:`step_activation_rules`). Recipes without such a rule ignore it.
+      balance: ``"zigzag"``: :meth:`shardkit.Plan.shard_batch` places every batch's
+        tokens in the zigzag order over ``attention_axis`` with their positions
+        (:mod:`shardkit.balance`), so causal attention's work is even across the context
+        ranks and no layer reorders; ``"none"``: as given.
+      context_state: where a context-parallel recipe keeps the state: ``"sharded"``
+        (parameters, gradients and optimizer state split over every axis that splits
+        the batch or the sequence, ZeRO-3, weights gathered per layer) or
+        ``"replicated"`` (whole over the context axis, gradients all-reduced); ``None``
+        for a recipe without a context axis. Set by the rules; :meth:`with_context_state`
+        changes both.
     """
 
     name: str
@@ -178,14 +188,35 @@ class Recipe:
     rules: Rules
     activation_rules: Rules
     optimizer_rules: Rules | None = None
-    attention: Literal["dense", "ring", "allgather"] = "dense"
+    attention: Literal["dense", "ring", "allgather", "ulysses"] = "dense"
     collectives: frozenset[str] | None = None
     optional_names: frozenset[str] = frozenset()
     attention_axis: str = "sequence"
     layer_schedule: Literal["gspmd", "tsp"] = "gspmd"
     logits: LogitsLayout = "auto"
+    balance: Literal["none", "zigzag"] = "none"
+    context_state: Literal["sharded", "replicated"] | None = None
 
     def __post_init__(self) -> None:
+        if self.balance not in ("none", "zigzag"):
+            raise ShardingError(
+                f"Recipe {self.name!r}: balance is 'none' or 'zigzag', got {self.balance!r}."
+            )
+        if self.context_state not in (None, "sharded", "replicated"):
+            raise ShardingError(
+                f"Recipe {self.name!r}: context_state is 'sharded', 'replicated' or None, got "
+                f"{self.context_state!r}.\nFix: recipe.with_context_state('replicated')."
+            )
+        if self.context_state is not None:
+            on = {a for _, axes in self.rules for a in _as_tuple(axes)}
+            if (self.attention_axis in on) != (self.context_state == "sharded"):
+                raise ShardingError(
+                    f"Recipe {self.name!r}: context_state={self.context_state!r}, but its "
+                    f"parameter rules {list(self.rules.pairs())} "
+                    f"{'do not split' if self.context_state == 'sharded' else 'split'} "
+                    f"anything over {self.attention_axis!r}.\nFix: "
+                    f"recipe.with_context_state({self.context_state!r}) rewrites the rules."
+                )
         if self.collectives is None:
             object.__setattr__(self, "collectives", expected_collectives(self))
         else:
@@ -352,6 +383,47 @@ class Recipe:
         """
         return dataclasses.replace(self, logits=layout)
 
+    def with_context_state(self, state: Literal["sharded", "replicated"]) -> Recipe:
+        """The same recipe with the state sharded over, or replicated across, the context
+        axis: the parameter (and optimizer) rules of ``embed`` and ``vocab`` gain or lose
+        ``attention_axis``, the collectives are derived again.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("cp").rules.spec(("embed", "mlp"))
+          P('sequence', None)
+          >>> old = recipes.get("cp").with_context_state("replicated")
+          >>> old.context_state, old.rules.spec(("embed", "mlp")), sorted(old.collectives)
+          ('replicated', P(None, None), ['all-reduce', 'collective-permute'])
+        """
+        if state not in ("sharded", "replicated"):
+            raise ShardingError(
+                f"with_context_state takes 'sharded' or 'replicated', got {state!r}."
+            )
+        axis = self.attention_axis
+
+        def rewrite(rules: Rules | None) -> Rules | None:
+            if rules is None:
+                return None
+            pairs = []
+            for name, axes in rules:
+                kept = tuple(a for a in _as_tuple(axes) if a != axis)
+                if name in ("embed", "vocab") and state == "sharded":
+                    kept = (*kept, axis)
+                pairs.append((name, kept[0] if len(kept) == 1 else kept or None))
+            names = {name for name, _ in pairs}
+            if state == "sharded":
+                pairs += [(n, axis) for n in ("vocab", "embed") if n not in names]
+            return Rules([(n, a) for n, a in pairs if a is not None], strict=rules.strict)
+
+        return dataclasses.replace(
+            self,
+            rules=rewrite(self.rules),
+            optimizer_rules=rewrite(self.optimizer_rules),
+            context_state=state,
+            collectives=None,
+        )
+
     def with_mesh(self, axes: Mapping[str, int]) -> Recipe:
         """The same recipe on other mesh sizes (new axes go last).
 
@@ -417,7 +489,9 @@ def expected_collectives(recipe: Recipe) -> frozenset[str]:
         if role == "data" and _names_on(recipe.optimizer_rules, axis):
             out |= {"reduce-scatter", "all-gather"}
         if axis == recipe.attention_axis and role in ("sequence", "tsp"):
-            out |= {"ring": {"collective-permute"}, "allgather": {"all-gather"}}.get(
-                recipe.attention, set()
-            )
+            out |= {
+                "ring": {"collective-permute"},
+                "allgather": {"all-gather"},
+                "ulysses": {"all-to-all", "all-gather"},
+            }.get(recipe.attention, set())
     return frozenset(out or {"all-reduce"})

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardkit.errors import ShardingError
+from shardkit.rules import entry_axes
 
 __all__ = ["check_layout"]
 
@@ -32,7 +33,7 @@ def check_layout(recipe: Any, mesh_shape: Any) -> None:
       >>> check_layout(recipes.get("tsp"), {"tsp": 8})   # fine: returns None
     """
     axis, shape = recipe.attention_axis, dict(mesh_shape)
-    on_axis = lambda rules: {n for n, a in rules or () if axis in _entry_axes(a)}  # noqa: E731
+    on_axis = lambda rules: {n for n, a in rules or () if axis in entry_axes(a)}  # noqa: E731
     is_tsp = bool(on_axis(recipe.rules)) and "length" in on_axis(recipe.activation_rules)
     if recipe.layer_schedule == "tsp" and axis not in shape:
         raise ShardingError(
@@ -42,9 +43,11 @@ def check_layout(recipe: Any, mesh_shape: Any) -> None:
         )
     if not (is_tsp or recipe.layer_schedule == "tsp"):
         return
+    if recipe.layer_schedule != "tsp" and getattr(recipe, "context_state", None) is not None:
+        return  # context parallelism's ZeRO-3 (fsdp_cp): no rings, XLA gathers the weights
     for rules in (recipe.rules, recipe.activation_rules, recipe.optimizer_rules):
         for name, axes in rules or ():
-            both = _entry_axes(axes)
+            both = entry_axes(axes)
             others = [a for a in both if a != axis and shape.get(a, 1) > 1]
             if axis in both and others:
                 sizes = ", ".join(f"{a}={shape.get(a, 1)}" for a in both)
@@ -57,7 +60,3 @@ def check_layout(recipe: Any, mesh_shape: Any) -> None:
                     f"{others} on another dimension or another recipe (e.g. dp_tsp "
                     "adds data parallelism)."
                 )
-
-
-def _entry_axes(entry: Any) -> tuple[str, ...]:
-    return (entry,) if isinstance(entry, str) else tuple(entry or ())

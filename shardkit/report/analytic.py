@@ -244,7 +244,7 @@ def analytic_costs(
     h_kv = None
     if w.has_dims and w.n_kv_heads is not None:
         h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
-    attention = "ring" if recipe.attention == "ring" else "allgather"
+    attention = recipe.attention if recipe.attention in ("ring", "ulysses") else "allgather"
     terms: dict[str, float] = {}
     wire, wire_notes = hybrid_wire(
         par.sizes(),
@@ -263,6 +263,7 @@ def analytic_costs(
         activations=w.has_dims,
         terms=terms,
         in_projections=w.in_projections,
+        positions=recipe.balance == "zigzag",
     )
     if w.has_dims:
         wire_notes += _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms)
@@ -280,22 +281,25 @@ def _tsp_costs(
     recipe, par, w, param_bytes, optimizer_bytes, psi, nb, layer_params, in_params, vocab_tables=2
 ) -> AnalyticModel:
     """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``)."""
-    if par.fsdp > 1 or par.tensor > 1 or par.sequence > 1:
+    fsdp = par.fsdp if par.tsp_kind == "gspmd" else 1  # fsdp_cp: ZeRO-3 over fsdp × sequence
+    if par.fsdp != fsdp or par.tensor > 1 or par.sequence > 1:
         raise ShardingError(
-            f"{recipe.name}: the analytic model covers TSP with data parallelism only, got {par}."
+            f"{recipe.name}: the analytic model covers TSP with data parallelism (and, by "
+            f"rules only, FSDP) only, got {par}."
         )
     d, data = par.tsp, par.data
     psi = param_bytes / nb if psi is None else psi
     remat = w.remat or "none"
     memory = AnalyticMemory(
-        params=param_bytes / d,
-        grads=param_bytes / d,
-        optimizer=optimizer_bytes / d,
+        params=param_bytes / (d * fsdp),
+        grads=param_bytes / (d * fsdp),
+        optimizer=optimizer_bytes / (d * fsdp),
         activations=0.0,
     )
     notes = [
         f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
-        f"state: params, grads and optimizer / {d} (every weight split over the TSP axis)",
+        f"state: params, grads and optimizer / {d * fsdp} (every weight split over the "
+        f"context axis{' and fsdp' if fsdp > 1 else ''})",
     ]
     if not w.has_dims:
         notes.append(
@@ -303,7 +307,7 @@ def _tsp_costs(
             "dimensions (layers, d_model, seq)"
         )
         return AnalyticModel(memory=memory, wire_bytes_by_kind={}, notes=tuple(notes))
-    b, s = w.batch / data, w.seq / d
+    b, s = w.batch / (data * fsdp), w.seq / d
     mode = "full_recompute" if remat == "full" else "none"
     per_layer = megatron_activations_per_layer(
         s, b, w.d_model, w.n_heads, mode=mode, bytes_per_value=activation_bytes(w.precision, nb)
@@ -335,6 +339,9 @@ def _tsp_costs(
         vocab=w.vocab,
         tables=vocab_tables,
         terms=terms,
+        attention=recipe.attention,
+        zigzag=recipe.balance != "zigzag",
+        fsdp=fsdp,
     )
     notes += [
         f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["tsp_crossover_tokens", "tsp_wire_bytes"]
+__all__ = ["context_kv_bytes", "tsp_crossover_tokens", "tsp_wire_bytes"]
 
 
 def tsp_wire_bytes(
@@ -72,6 +72,9 @@ def tsp_wire_bytes(
     vocab: int = 0,
     tables: int = 2,
     terms: dict[str, float] | None = None,
+    attention: str = "ring",
+    zigzag: bool = True,
+    fsdp: int = 1,
 ) -> tuple[dict[str, float], list[str]]:
     """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
 
@@ -85,6 +88,15 @@ def tsp_wire_bytes(
       h_kv: K/V width (default ``h``).
       vocab: V, for the embedding lookup and the head (0: counted in Ψ_r as FSDP).
       tables: vocabulary tables in Ψ, 1 tied (GPT) or 2 (Llama's embedding and head).
+      attention: how the context axis moves K/V: ``"ring"``, ``"allgather"`` or
+        ``"ulysses"`` (:func:`context_kv_bytes`).
+      fsdp: an FSDP axis beside the context axis that splits the batch and, with it, every
+        weight (``fsdp_cp``: ZeRO-3 over the F·D devices): the weights, the head and the
+        lookup run over the F·D group, for its F·b sequences; the K/V traffic over D
+        for b (``b`` is then the sequences of one context group).
+      zigzag: the ring reorders q, k, v and the output in every layer (the tokens placed
+        in order); ``False`` where the batch is placed balanced, with positions
+        (:mod:`shardkit.balance`).
       terms: a dict that receives the same bytes by wire term
         (:mod:`shardkit.report.wire_terms`): the K/V ring and the zigzag reorder are
         ``context-parallel K/V``; the token ids and the lookup ``activation collectives``;
@@ -101,6 +113,8 @@ def tsp_wire_bytes(
       1616.0
     """
     f = (d - 1) / d
+    group = d * fsdp  # the devices one copy of the state is split over
+    fg, bg = (group - 1) / group, b * fsdp
     out: dict[str, float] = {}
     notes: list[str] = []
 
@@ -116,30 +130,40 @@ def tsp_wire_bytes(
 
     h_kv = h if h_kv is None else h_kv
     passes = 3 if recompute else 2
-    add(
-        "collective-permute",
-        layers * passes * f * 2 * b * s * h_kv * nbytes,
-        f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B",
-        kv,
-    )
-    add(
-        "collective-permute",
-        layers * passes * 4 * (h + h_kv) * b * s * nbytes / d,
-        f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D",
-        kv,
-    )
+    for kind, value, note in context_kv_bytes(
+        attention,
+        layers=layers,
+        b=b,
+        s=s,
+        h=h,
+        h_kv=h_kv,
+        n=d,
+        nbytes=nbytes,
+        recompute=recompute,
+        positions=not zigzag,
+    ):
+        add(kind, value, note, kv)
+    if attention == "ring" and zigzag:
+        add(
+            "collective-permute",
+            layers * passes * 4 * (h + h_kv) * b * s * nbytes / d,
+            f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D",
+            kv,
+        )
     rest = psi - (tables * vocab * h if vocab else 0)
     if vocab:
-        add("all-gather", f * b * s * 4, "token ids for the lookup, f·b·S·4", act)
+        add("all-gather", fg * bg * s * 4, "token ids for the lookup, f·b·S·4", act)
         lookup = "collective-permute" if schedule == "tsp" else "reduce-scatter"
-        add(lookup, f * b * s * h * nbytes, "embedding lookup forward, f·b·S·h·B", act)
+        add(lookup, fg * bg * s * h * nbytes, "embedding lookup forward, f·b·S·h·B", act)
         lookup = "collective-permute" if schedule == "tsp" else "all-gather"
-        add(lookup, f * b * s * h * nbytes, "embedding gradient back, f·b·S·h·B", act)
+        add(lookup, fg * bg * s * h * nbytes, "embedding gradient back, f·b·S·h·B", act)
         if schedule == "tsp":
             add("collective-permute", 3 * f * vocab * h * nbytes, "head ring, 3f·V·h·B", weights)
         else:
-            add("all-gather", f * vocab * h * nbytes, "head weight gathered once, f·V·h·B", weights)
-            add("reduce-scatter", f * vocab * h * nbytes, "head gradient, f·V·h·B", grads)
+            add(
+                "all-gather", fg * vocab * h * nbytes, "head weight gathered once, f·V·h·B", weights
+            )
+            add("reduce-scatter", fg * vocab * h * nbytes, "head gradient, f·V·h·B", grads)
     if schedule == "tsp":
         ring = 3 * layer_params + (in_params if recompute else 0)
         add(
@@ -150,16 +174,94 @@ def tsp_wire_bytes(
         )
         rest -= layers * layer_params
     rest = max(rest, 0.0)
-    add("all-gather", 2 * f * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B", weights)
-    add("reduce-scatter", f * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
+    add("all-gather", 2 * fg * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B", weights)
+    add("reduce-scatter", fg * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
     if data > 1:
         add(
             "all-reduce",
-            2 * psi / d * nbytes * (data - 1) / data,
+            2 * psi / group * nbytes * (data - 1) / data,
             "gradient shard over data, 2(Ψ/D)·B·(d−1)/d",
             grads,
         )
     return out, notes
+
+
+def context_kv_bytes(
+    attention: str,
+    *,
+    layers: int,
+    b: float,
+    s: float,
+    h: float,
+    h_kv: float,
+    n: int,
+    nbytes: float,
+    recompute: bool,
+    positions: bool,
+) -> list[tuple[str, float, str]]:
+    """The context axis's attention traffic per device and step, ``(kind, bytes, note)``.
+
+    f = (N − 1)/N, passes P = 2 (forward, backward) or 3 under full remat, per layer:
+
+    - ``ring``: K and V blocks around the ring, P·f·2·b·S·h_kv·B (dK/dV travel back in
+      the backward); with ``positions`` the blocks' positions travel with them in the
+      forward passes with their segment ids, (P − 1)·f·2·b·S·4 (int32);
+    - ``allgather``: K and V all-gathered each forward pass, (P − 1)·f·2·b·S·h_kv·B, and
+      dK/dV reduce-scattered, f·2·b·S·h_kv·B; with ``positions`` the segment ids and
+      positions gathered, (P − 1)·f·2·b·S·4;
+    - ``ulysses``: 4 all-to-alls (q, k, v, the output) each pass,
+      P·f·b·(S/N)·(2h + 2h_kv)·B (:func:`shardkit.nn.ulysses.ulysses_wire_bytes`), and
+      with ``positions`` the segment ids and positions all-gathered, (P − 1)·f·2·b·S·4.
+
+    ``b``: the sequences one context group holds; ``S`` the whole sequence.
+
+    Example:
+      >>> [round(v) for _, v, _ in context_kv_bytes("ulysses", layers=1, b=1, s=8, h=4,
+      ...  h_kv=4, n=2, nbytes=1, recompute=False, positions=False)]
+      [64]
+    """
+    if n <= 1:
+        return []
+    f = (n - 1) / n
+    passes = 3 if recompute else 2
+    kv = layers * f * 2 * b * s * h_kv * nbytes
+    pos = layers * (passes - 1) * f * 2 * b * s * 4  # segment ids and positions, int32
+    out: list[tuple[str, float, str]] = []
+    if attention == "ulysses":
+        a2a = passes * layers * f * b * (s / n) * (2 * h + 2 * h_kv) * nbytes
+        out.append(
+            ("all-to-all", a2a, f"Ulysses q/k/v/out, {passes} passes × L·f·b·(S/N)·(2h + 2h_kv)·B")
+        )
+        if positions:
+            out.append(
+                ("all-gather", pos, f"segment ids and positions, {passes - 1} passes × L·f·2·b·S·4")
+            )
+    elif attention == "allgather":
+        out.append(
+            (
+                "all-gather",
+                (passes - 1) * kv,
+                f"K/V gathered, {passes - 1} passes × L·f·2·b·S·h_kv·B",
+            )
+        )
+        out.append(("reduce-scatter", kv, "dK/dV, L·f·2·b·S·h_kv·B"))
+        if positions:
+            out.append(
+                ("all-gather", pos, f"segment ids and positions, {passes - 1} passes × L·f·2·b·S·4")
+            )
+    else:
+        out.append(
+            ("collective-permute", passes * kv, f"K/V ring, {passes} passes × L·f·2·b·S·h_kv·B")
+        )
+        if positions:
+            out.append(
+                (
+                    "collective-permute",
+                    pos,
+                    f"K/V segment ids and positions, {passes - 1} passes × L·f·2·b·S·4",
+                )
+            )
+    return out
 
 
 def tsp_crossover_tokens(

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 from shardkit.errors import ShardingError
+from shardkit.report.analytic_tsp import context_kv_bytes
 
 __all__ = [
     "AnalyticMemory",
@@ -327,7 +328,8 @@ def wire_bytes_hybrid(
         ``2 + in_projections``; under TP+SP also the 2 inputs' all-gathers, which then
         serve the weight gradients in place of the re-gathers (6 all-gathers either way).
       attention: how ``sequence`` moves K/V: ``"allgather"`` (all-gather forward,
-        reduce-scatter backward) or ``"ring"`` (collective-permutes, the same bytes).
+        reduce-scatter backward), ``"ring"`` (collective-permutes, the same bytes) or
+        ``"ulysses"`` (all-to-alls of q, k, v and the output).
 
     Returns:
       ``{kind: bytes}`` for the kinds with traffic.
@@ -375,8 +377,14 @@ def hybrid_wire(
     terms=None,
     in_projections=2,
     head_term="logits / loss collectives",
+    positions=False,
 ):
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`.
+
+    The sequence axis's attention traffic is
+    :func:`~shardkit.report.analytic_tsp.context_kv_bytes` (``attention`` ring,
+    allgather or ulysses; ``positions``: the batch carries segment ids and positions,
+    placed balanced or packed).
 
     ``activations=False`` leaves out the tensor and sequence axes' activation traffic
     (a workload without the model's dimensions) instead of raising. ``terms`` (a dict)
@@ -520,34 +528,21 @@ def hybrid_wire(
                 "logits / loss collectives",
             )
     if c > 1 and activations:
-        kv = 2 * layers * b / (d * f) * s * (h if h_kv is None else h_kv) / t
-        if attention == "ring":  # the same bytes, block by block around the ring
-            add(
-                "collective-permute",
-                kv,
-                c,
-                3 if recompute else 2,
-                "K, V blocks forward "
-                "(again when recomputed) and dK, dV blocks backward, 2·L·b·s·h_kv/t each",
-                "context-parallel K/V",
-            )
-        else:
-            add(
-                "all-gather",
-                kv,
-                c,
-                2 if recompute else 1,
-                "K and V per layer forward (again when recomputed), 2·L·b·s·h_kv/t",
-                "context-parallel K/V",
-            )
-            add(
-                "reduce-scatter",
-                kv,
-                c,
-                1,
-                "dK and dV per layer backward, 2·L·b·s·h_kv/t",
-                "context-parallel K/V",
-            )
+        for kind, value, note in context_kv_bytes(
+            attention,
+            layers=layers,
+            b=b / (d * f),
+            s=s,
+            h=h / t,
+            h_kv=(h if h_kv is None else h_kv) / t,
+            n=c,
+            nbytes=nbytes,
+            recompute=recompute,
+            positions=positions,
+        ):
+            out[kind] = out.get(kind, 0.0) + value
+            terms["context-parallel K/V"] = terms.get("context-parallel K/V", 0.0) + value
+            notes.append(f"{kind} over {c}: {note}")
     return out, notes
 
 

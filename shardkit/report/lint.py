@@ -25,7 +25,6 @@ from shardkit.report.wire_terms import ParamMatch, term_of
 
 __all__ = [
     "grows_with_devices",
-    "human_bytes",
     "reduced_more_than_once",
     "replicated_params",
     "unexpected_collectives",

@@ -28,8 +28,8 @@ than 10 %.
 Example:
   >>> import shardkit as sk
   >>> from shardkit import models
-  >>> r = models.report(sk.Plan("fsdp"), models.get("gpt-tiny", remat="full"),
-  ...                   batch=8, seq=32, itemise=True)
+  >>> r = sk.report.build_report(sk.Plan("fsdp"), model=models.get("gpt-tiny", remat="full"),
+  ...                            batch=8, seq=32, itemise=True)
   >>> sum(t.bytes for t in r.memory_terms) == r.memory.temp
   True
 """

@@ -244,7 +244,7 @@ def pipeline_model(
         raise ShardingError(
             f"{label}: the analytic pipeline model covers stage × data × fsdp, and stage × "
             f"data × tensor with sequence parallelism (TP+SP, dp_tp_sp_pp), got {par}.\nFix: "
-            "one of those layouts, or read the compiled wire bytes (plan.report) alone."
+            "one of those layouts, or read the compiled wire bytes (sk.report.build_report) alone."
         )
     m = int(pipeline["microbatches"])
     schedule = pipeline.get("schedule", "1f1b")

@@ -14,7 +14,7 @@ Example:
   >>> import shardkit as sk
   >>> from shardkit import models
   >>> from shardkit.models import get
-  >>> r = models.report(sk.Plan("dp"), get("gpt-tiny"), batch=8, seq=32)
+  >>> r = sk.report.build_report(sk.Plan("dp"), model=get("gpt-tiny"), batch=8, seq=32)
   >>> import tempfile, os
   >>> path = os.path.join(tempfile.mkdtemp(), "dp.png")
   >>> plot_reports({"dp": r}, path)   # doctest: +ELLIPSIS

@@ -1,6 +1,6 @@
 """``Report``: what each device holds, what crosses the wire, against the analytic limit.
 
-Built from a compiled step (``plan.report(step, state, batch)``): the per-leaf
+Built from a compiled step (:func:`shardkit.report.build_report`): the per-leaf
 table from the plan, memory from ``compiled.memory_analysis()``, collectives from
 the optimized HLO, FLOPs from ``cost_analysis()``, the analytic model of the recipe
 for the step's :class:`~shardkit.workload.Workload`, and lint warnings. A ``Report``
@@ -10,7 +10,7 @@ is data; it renders itself (``print(report)``, rich's ``console.print(report)``,
 Example:
   >>> import jax, shardkit as sk
   >>> from shardkit import models
-  >>> report = models.report(sk.Plan("fsdp"), models.get("gpt-tiny"), batch=8, seq=32)
+  >>> report = sk.report.build_report(sk.Plan("fsdp"), model=models.get("gpt-tiny"), batch=8, seq=32)
   >>> report.mesh, report.replicated_fraction < 0.05, report.workload.seq
   ({'fsdp': 8}, True, 32)
 """
@@ -27,7 +27,7 @@ from shardkit.dims import ModelDims
 from shardkit.dtypes import dtype_name, itemsize
 from shardkit.errors import ShardingError
 from shardkit.report import lint, memory_terms, wire_terms
-from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases, workload_of
+from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.estimator import Estimate, against, estimate
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
@@ -41,9 +41,10 @@ from shardkit.report.records import (
     WireTerm,
 )
 from shardkit.report.render import report_renderables, to_text
+from shardkit.rules import entry_axes
 from shardkit.workload import Workload
 
-__all__ = ["Report", "build_report", "param_rows"]
+__all__ = ["Report", "param_rows", "read_compiled"]
 
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
@@ -231,9 +232,7 @@ def param_rows(plan: Any, state: Any) -> list[ParamRow]:
 def _mesh_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
     """Per dimension, the mesh axes of a ``PartitionSpec`` entry (``()`` for ``None``)."""
     entries = list(spec) + [None] * (ndim - len(spec))
-    return tuple(
-        () if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries[:ndim]
-    )
+    return tuple(entry_axes(e) for e in entries[:ndim])
 
 
 def compiled_flops(compiled: Any) -> float | None:
@@ -247,21 +246,20 @@ def compiled_flops(compiled: Any) -> float | None:
     return float(flops) if flops is not None and flops >= 0 else None
 
 
-def build_report(
+def read_compiled(
     plan: Any,
     compiled: Any,
     state: Any,
     *,
     workload: Workload | None = None,
     dims: ModelDims | None = None,
-    batch: int | None = None,
-    seq: int | None = None,
     replicated_threshold_bytes: int = 1 << 20,
     replicated_threshold_share: float = 1e-3,
     pipeline: Any = None,
     buffers: BufferAssignment | None = None,
 ) -> Report:
-    """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``.
+    """A ``Report`` of ``compiled`` (a step compiled under ``plan``) for ``state``; what
+    :func:`shardkit.report.build_report` reads once it has compiled.
 
     Args:
       plan: the ``sk.Plan`` the step was compiled under.
@@ -272,14 +270,13 @@ def build_report(
         terms from the batch alone; activation terms with the model's dimensions).
       dims: the model's dimensions (:class:`~shardkit.dims.ModelDims`), for a model whose
         loss is shardkit's chunked head: with ``workload`` they add the analytic peak of
-        each phase of the step; alone (with ``batch``, ``seq``) they set the workload.
-      batch, seq: with ``dims`` and no ``workload``.
+        each phase of the step.
       replicated_threshold_bytes, replicated_threshold_share: warn about replicated
         parameters at least this big, in bytes and as a share of all parameter bytes.
         Gradients all-reduced more than once are checked for parameters over
         ``replicated_threshold_bytes``.
       pipeline: a pipelined step's options (``{"microbatches": m, "schedule": ...}``, what
-        a ``PipelinedStep`` carries as ``step.options``; ``plan.report`` reads it):
+        a ``PipelinedStep`` carries as ``step.options``; ``build_report`` reads it):
         the analytic model of a recipe with a ``stage`` axis counts the stage's share.
       buffers: the step's buffer assignment
         (:func:`shardkit.report.buffers.compile_with_buffers`): the temp memory at its
@@ -290,8 +287,6 @@ def build_report(
     collectives = tuple(wire_terms.attach_layouts(collectives_of(compiled), rows))
     recipe = plan.recipe
     mesh = {str(k): int(v) for k, v in plan.mesh.shape.items()}
-    if workload is None and dims is not None and batch and seq:
-        workload = workload_of(dims, batch=batch, seq=seq, precision=plan.precision)
     analytic, notes = None, []
     if workload is not None:
         full = {k: sum(_full_bytes(r) for r in rows if r.kind == k) for k in ("param", "optimizer")}

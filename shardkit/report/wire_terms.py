@@ -31,7 +31,8 @@ collectives by source line with their runs per step.
 Example:
   >>> import shardkit as sk
   >>> from shardkit import models
-  >>> r = models.report(sk.Plan("fsdp"), models.get("gpt-tiny", remat="full"), batch=8, seq=32)
+  >>> model = models.get("gpt-tiny", remat="full")
+  >>> r = sk.report.build_report(sk.Plan("fsdp"), model=model, batch=8, seq=32)
   >>> sum(t.bytes for t in r.wire_terms) == r.wire_bytes
   True
 """

@@ -3,8 +3,8 @@
 import json
 
 from shardkit.cli import main
-from shardkit.report.lint import human_bytes
 from shardkit.report.memory_terms import TERMS
+from shardkit.report.records import human_bytes
 
 
 def test_itemise_splits_the_temp_memory_into_terms(tmp_path, monkeypatch, capsys):

@@ -9,6 +9,7 @@ import pytest
 
 import shardkit as sk
 from shardkit import models
+from shardkit.report import build_report
 
 
 def _init(rng):
@@ -49,7 +50,7 @@ def test_every_form_a_factory_may_return(form, factory_module):
 
 def test_a_loaded_model_reports_like_a_reference_one(factory_module):
     m = models.load("my_factories:as_mapping")
-    report = models.report(sk.Plan("fsdp", annotations=m.annotations), m, batch=8, seq=4)
+    report = build_report(sk.Plan("fsdp", annotations=m.annotations), model=m, batch=8, seq=4)
     w = next(r for r in report.params if r.path == "params/w")
     assert w.spec == "P('fsdp', None)" and w.bytes_per_device == 16 * 8 * 4 // 8
     assert report.workload.model == "my_factories:as_mapping" and report.workload.remat is None

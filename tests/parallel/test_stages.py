@@ -14,7 +14,7 @@ import pytest
 import shardkit as sk
 from shardkit import train
 from shardkit.models import get
-from shardkit.models.reporting import token_batch
+from shardkit.train import token_batch
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

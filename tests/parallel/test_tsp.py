@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 from shardkit import context
 from shardkit.nn import tsp
 from shardkit.nn.tsp import ring_dot
+from shardkit.report import build_report
 from shardkit.report.hlo import parse_collectives
 from shardkit.rules import Rules
 
@@ -176,7 +177,7 @@ def test_sequence_not_a_multiple_of_2d_names_the_numbers(recipe):
     from shardkit.errors import ShardingError
 
     with pytest.raises(ShardingError) as err:
-        models.report(sk.Plan(recipe), models.get("gpt-tiny"), batch=2, seq=24)
+        build_report(sk.Plan(recipe), model=models.get("gpt-tiny"), batch=2, seq=24)
     assert "length 24" in str(err.value) and "\nFix: " in str(err.value)
     assert "multiple of 16" in str(err.value).split("Fix:")[1]
 
@@ -188,7 +189,7 @@ def test_weight_dimension_not_divisible_by_tsp_names_the_numbers():
 
     model = models.get("gpt-tiny", d_model=36, n_heads=4, n_kv_heads=4)
     with pytest.raises(ShardingError, match=r"'embed'.*36.*tsp=8.*\nFix: .*multiple of 8"):
-        models.report(sk.Plan("tsp"), model, batch=2, seq=32)
+        build_report(sk.Plan("tsp"), model=model, batch=2, seq=32)
 
 
 @pytest.mark.parametrize("recipe", ["tsp", "tsp_gspmd"])

@@ -7,6 +7,7 @@ import pytest
 import shardkit as sk
 from shardkit import models, recipes
 from shardkit.models import CONFIGS
+from shardkit.report import build_report
 from shardkit.report.analytic import analytic_model
 from shardkit.report.analytic_tsp import tsp_crossover_tokens, tsp_wire_bytes
 
@@ -53,7 +54,7 @@ def test_crossover_is_where_the_counts_cross():
 def test_measured_wire_within_15_percent_of_analytic(recipe):
     # llama-tiny, full remat, compile only: XLA's bytes against tsp_wire_bytes.
     model = models.get("llama-tiny", remat="full")
-    report = models.report(sk.Plan(recipe), model, batch=2, seq=64)
+    report = build_report(sk.Plan(recipe), model=model, batch=2, seq=64)
     by_kind = collections.Counter()
     for c in report.collectives:
         by_kind[c.kind] += c.wire_bytes

@@ -8,6 +8,7 @@ import shardkit as sk
 from shardkit import models, train
 from shardkit.data import MarkovSource
 from shardkit.errors import ShardingError
+from shardkit.report import build_report
 
 
 def test_gpt_small_12_heads_trains_under_tsp_on_8_devices():
@@ -15,7 +16,7 @@ def test_gpt_small_12_heads_trains_under_tsp_on_8_devices():
     model = models.get("gpt-small", n_layers=2, max_seq=64)
     assert model.config.n_heads == 12 and jax.device_count() == 8
     with pytest.raises(ShardingError):  # Megatron TP needs heads divisible by 8
-        models.report(sk.Plan("tp"), model, batch=1, seq=32)
+        build_report(sk.Plan("tp"), model=model, batch=1, seq=32)
     plan = sk.Plan("tsp")
     tx = train.adamw(1e-3)
     state = plan.init(train.init_fn(model, tx), jax.random.key(0))

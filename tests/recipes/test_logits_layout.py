@@ -8,6 +8,7 @@ import pytest
 import shardkit as sk
 from shardkit import models, recipes
 from shardkit.recipes import VocabRules
+from shardkit.report import build_report
 
 LOGITS = ("batch", "length", "vocab")
 FSDP = recipes.get("fsdp")
@@ -58,7 +59,7 @@ def _hidden_gathers(logits, n, seq=128, d_model=64):
     """Per-device elements of the all-gathers of hidden states [n, seq, d_model]
     (one sequence per device, so the gathered batch is n), and the step's lint."""
     plan = sk.Plan(FSDP.with_logits(logits), devices=jax.devices()[:n])
-    report = models.report(plan, models.get("gpt-tiny", remat="full"), batch=n, seq=seq)
+    report = build_report(plan, model=models.get("gpt-tiny", remat="full"), batch=n, seq=seq)
     shape = (n, seq, d_model)
     gathers = [c for c in report.collectives if c.kind == "all-gather" and c.shape == shape]
     return gathers, [w for w in report.warnings if w.startswith("activation grows")]

@@ -10,8 +10,8 @@ import jax
 import pytest
 
 import shardkit as sk
-from shardkit import models, train
 from shardkit.models import get
+from shardkit.report import build_report
 
 BATCH, SEQ = 8, 512
 
@@ -19,7 +19,7 @@ BATCH, SEQ = 8, 512
 @functools.cache
 def report(recipe: str, devices: int = 8, remat: str = "full"):
     plan = sk.Plan(recipe, devices=jax.devices()[:devices])
-    return models.report(plan, get("gpt-small", remat=remat), train.adamw(), batch=BATCH, seq=SEQ)
+    return build_report(plan, model=get("gpt-small", remat=remat), batch=BATCH, seq=SEQ)
 
 
 def kinds(r, share=0.01):
@@ -85,7 +85,7 @@ def test_no_weight_all_gather_under_tp():
 def test_dp_wire_bytes_at_the_ring_limit():
     # Llama (untied embedding): exactly one all-reduce of the gradients, 2Ψ·4·(N−1)/N.
     plan = sk.Plan("dp")
-    r = models.report(plan, get("llama-small", remat="full"), train.adamw(), batch=BATCH, seq=SEQ)
+    r = build_report(plan, model=get("llama-small", remat="full"), batch=BATCH, seq=SEQ)
     assert r.ratios()["wire_bytes"] <= 1.1
 
 

@@ -7,6 +7,7 @@ import pytest
 from shardkit import recipes
 from shardkit.errors import ShardingError
 from shardkit.models import CONFIGS, ModelConfig
+from shardkit.report import build_report
 from shardkit.report.analytic import (
     AnalyticMemory,
     analytic_model,
@@ -446,8 +447,11 @@ def test_vocab_split_head_moves_hidden_states_instead_of_its_weight():
         analytic[layout] = analytic_model(
             cfg.dims(), recipe, {"fsdp": f}, batch=batch, seq=seq, remat="none"
         ).wire_bytes_by_kind
-        r = models.report(
-            sk.Plan(recipe), models.get("llama-tiny", vocab=v, remat="none"), batch=batch, seq=seq
+        r = build_report(
+            sk.Plan(recipe),
+            model=models.get("llama-tiny", vocab=v, remat="none"),
+            batch=batch,
+            seq=seq,
         )
         measured[layout] = r.wire_bytes_by_kind
     for kind, x in want.items():
@@ -497,8 +501,8 @@ def test_tp_sp_wire_matches_the_compiled_program(name, projections, remat):
         "all-gather": (6 * layers + 2) * one,
         "reduce-scatter": ((2 + (remat == "full") + projections) * layers + 2) * one,
     }
-    r = models.report(
-        sk.Plan("dp_tp_sp"), models.get(name, vocab=4096, remat=remat), batch=batch, seq=seq
+    r = build_report(
+        sk.Plan("dp_tp_sp"), model=models.get(name, vocab=4096, remat=remat), batch=batch, seq=seq
     )
     assert r.mesh == {"data": 2, "tensor": 4}
     analytic, measured = r.analytic.wire_bytes_by_kind, r.wire_bytes_by_kind
@@ -531,7 +535,7 @@ def test_tp_wire_matches_the_compiled_program(name, projections, remat):
     cfg = CONFIGS[name]
     one = 2 * ring(t) * batch * seq * cfg.d_model * 4
     want = ((2 + (remat == "full") + projections) * layers + 2) * one + 3 * one / cfg.d_model
-    r = models.report(sk.Plan("tp"), models.get(name, remat=remat), batch=batch, seq=seq)
+    r = build_report(sk.Plan("tp"), model=models.get(name, remat=remat), batch=batch, seq=seq)
     assert r.mesh == {"tensor": t}
     assert r.analytic.wire_bytes_by_kind["all-reduce"] == pytest.approx(want)
     assert r.wire_bytes_by_kind["all-reduce"] == pytest.approx(want, rel=0.005)

@@ -155,7 +155,7 @@ def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
     # recipe; these are a dense layout each way of remat and a pipeline.
     model = models.get("gpt-tiny", remat=remat)
     plan = sk.Plan(recipe)
-    compiled = models.report(plan, model, batch=8, seq=64).memory
+    compiled = sk.report.build_report(plan, model=model, batch=8, seq=64).memory
     e = estimate(plan, model, batch=8, seq=64)
     assert e.total / compiled.total == pytest.approx(1, abs=tolerance)
     assert e.arguments / compiled.arguments == pytest.approx(1, abs=0.06)

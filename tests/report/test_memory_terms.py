@@ -4,6 +4,7 @@ import pytest
 
 import shardkit as sk
 from shardkit import models
+from shardkit.report import build_report
 from shardkit.report.render import to_text
 
 CFG = models.CONFIGS["gpt-tiny"]
@@ -12,7 +13,7 @@ CFG = models.CONFIGS["gpt-tiny"]
 @pytest.fixture(scope="module", params=["fsdp", "dp"])
 def report(request):
     model = models.get("gpt-tiny", remat="full")
-    return models.report(sk.Plan(request.param), model, batch=8, seq=32, itemise=True)
+    return build_report(sk.Plan(request.param), model=model, batch=8, seq=32, itemise=True)
 
 
 def test_terms_add_up_to_the_measured_temp_memory(report):

@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 
 import shardkit as sk
-from shardkit import models, train
 from shardkit.models import CONFIGS, get
+from shardkit.report import build_report
 from shardkit.report.analytic import analytic_model
 from shardkit.report.phases import (
     head_loss_peak_bytes,
@@ -64,11 +64,11 @@ def test_phases_track_the_compiled_program(chunks):
     # (XLA's buffer assignment) within 10% of the largest phase, chunked or not; chunked,
     # it is less than half the unchunked step.
     model = get("gpt-tiny", vocab=8192, remat="full", loss_chunks=chunks)
-    report = models.report(sk.Plan("fsdp"), model, train.adamw(), batch=8, seq=64)
+    report = build_report(sk.Plan("fsdp"), model=model, batch=8, seq=64)
     ratio = report.memory.total / report.analytic.memory.total
     assert 0.9 <= ratio <= 1.1, (report.memory.to_dict(), report.analytic.memory.to_dict())
     assert peak_phase(report.analytic.memory.phases) == "head_loss"
     if chunks > 1:
         unchunked = get("gpt-tiny", vocab=8192, remat="full", loss_chunks=1)
-        whole = models.report(sk.Plan("fsdp"), unchunked, train.adamw(), batch=8, seq=64)
+        whole = build_report(sk.Plan("fsdp"), model=unchunked, batch=8, seq=64)
         assert report.memory.total < 0.5 * whole.memory.total

@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import pytest
 
 import shardkit as sk
-from shardkit import models, train
+from shardkit import train
 from shardkit.errors import ShardingError
 from shardkit.models import get
+from shardkit.report import build_report
 from shardkit.report.analytic import analytic_costs
 from shardkit.report.pipeline_analytic import in_flight
 from shardkit.workload import Workload
@@ -69,7 +70,7 @@ def test_report_of_a_pipelined_step_counts_the_stage_share():
     step = train.train_step(model, tx, plan=plan, abstract=abstract, pipeline={"microbatches": 4})
     batch = {k: jax.ShapeDtypeStruct((8, 16), jnp.int32) for k in ("inputs", "targets")}
     workload = Workload.from_config(model.config, batch=8, seq=16)
-    report = plan.report(step, abstract, batch, workload=workload)
+    report = build_report(plan, step, abstract, batch, workload=workload)
     # The plan's own placement: what one device holds of the parameters.
     held = sum(r.bytes_per_device for r in report.params if r.kind == "param")
     assert report.analytic.memory.params == pytest.approx(held, rel=1e-6)
@@ -121,8 +122,8 @@ def test_a_stage_and_tensor_layout_without_sequence_parallelism_is_not_modelled(
 def _3d_report(name, m=4, batch=16, seq=16, layers=4):
     model = get(name, n_layers=layers)
     plan = sk.Plan("dp_tp_sp_pp", devices=jax.devices()[:8])  # data 2 × stage 2 × tensor 2
-    return models.report(
-        plan, model, batch=batch, seq=seq, pipeline={"microbatches": m, "schedule": "1f1b"}
+    return build_report(
+        plan, model=model, batch=batch, seq=seq, pipeline={"microbatches": m, "schedule": "1f1b"}
     )
 
 

@@ -12,7 +12,7 @@ import shardkit as sk
 from shardkit import models
 from shardkit.parallel.plot import plot_schedules
 from shardkit.parallel.schedules import make
-from shardkit.report import plot
+from shardkit.report import build_report, plot
 from shardkit.report.plot import plot_reports
 
 matplotlib.use("Agg")
@@ -28,7 +28,7 @@ def png_size(path):
 
 @pytest.fixture(scope="module")
 def report():
-    return models.report(sk.Plan("dp"), models.get("gpt-tiny"), batch=8, seq=16)
+    return build_report(sk.Plan("dp"), model=models.get("gpt-tiny"), batch=8, seq=16)
 
 
 @pytest.mark.parametrize("count", [1, 3, 18])

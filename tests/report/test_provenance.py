@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import shardkit as sk
+from shardkit.report import build_report
 from shardkit.report.provenance import Frame, frames_by_id, module_path_of, pass_of, source_of
 
 
@@ -59,7 +60,7 @@ def step(state, batch):
 def test_a_mis_annotated_layer_is_found_by_file_and_line():
     plan = sk.Plan(sk.Rules([("mlp", "tensor"), ("batch", None)]), sk.make_mesh({"tensor": 8}))
     abstract = plan.abstract_init(init, jax.random.key(0))
-    report = plan.report(step, abstract, {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32)})
+    report = build_report(plan, step, abstract, {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32)})
     at_bad = [c for c in report.collectives if c.source == f"test_provenance.py:{BAD_LINE}"]
     assert at_bad, [(c.kind, c.source, c.module_path) for c in report.collectives]
     forward = [c for c in at_bad if c.pass_ == "forward"]

@@ -7,16 +7,16 @@ import optax
 import pytest
 
 import shardkit as sk
-from shardkit import models, train
 from shardkit.cli import main
 from shardkit.models import get
+from shardkit.report import build_report
 
 TX = optax.sgd(0.1)
 
 
 @pytest.fixture(scope="module")
 def fsdp_report():
-    return models.report(sk.Plan("fsdp"), get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    return build_report(sk.Plan("fsdp"), model=get("gpt-tiny"), batch=8, seq=32)
 
 
 def test_report_numbers_are_consistent(fsdp_report):
@@ -103,7 +103,7 @@ def _lint(model):
     plan = sk.Plan("tp")
     batch = {"x": jax.ShapeDtypeStruct((8, 16), jnp.float32)}
     compiled = plan.compile(step, plan.abstract_init(init, jax.random.key(0)), batch)
-    return plan.report(compiled, jax.eval_shape(init, jax.random.key(0)))
+    return build_report(plan, compiled, jax.eval_shape(init, jax.random.key(0)))
 
 
 def test_lint_names_the_op_a_broken_annotation_makes_xla_gather():
@@ -118,7 +118,7 @@ def test_lint_names_the_op_a_broken_annotation_makes_xla_gather():
 
 def test_lint_flags_rules_that_match_nothing(fsdp_report):
     plan = sk.Plan(sk.Rules([("vocab", "data"), ("embd", "data")]), sk.make_mesh({"data": 8}))
-    r = models.report(plan, get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    r = build_report(plan, model=get("gpt-tiny"), batch=8, seq=32)
     assert any("('embd', 'data') matched no parameter" in w for w in r.warnings)
 
 
@@ -137,7 +137,7 @@ def test_cli_report_json_and_compare_plot(tmp_path, capsys):
 
 def test_builtin_recipes_do_not_flag_axes_the_model_lacks():
     # tp carries a kv_heads rule for Llama; GPT has no kv_heads axis.
-    r = models.report(sk.Plan("tp"), get("gpt-tiny"), train.adamw(), batch=8, seq=32)
+    r = build_report(sk.Plan("tp"), model=get("gpt-tiny"), batch=8, seq=32)
     assert not [w for w in r.warnings if "matched no parameter" in w]
 
 
@@ -166,7 +166,7 @@ def _tied_report(replicas: bool):
     batch = {"tokens": jax.ShapeDtypeStruct((8, 16), jnp.int32)}
     compiled = plan.compile(step, sk.unbox(plan.abstract_init(init, jax.random.key(0))), batch)
     state = jax.eval_shape(init, jax.random.key(0))
-    return plan.report(compiled, state, replicated_threshold_bytes=0)
+    return build_report(plan, compiled, state, replicated_threshold_bytes=0)
 
 
 def test_lint_flags_a_weight_whose_gradient_is_all_reduced_twice():

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import shardkit as sk
+from shardkit.report import build_report
 from shardkit.report.provenance import Frame, block_of, blocks_in, source_of
 
 # A user's model: an MLP-style "attention" layer and a vocab-parallel loss of its own.
@@ -85,7 +86,7 @@ def _terms(module):
         "x": jax.ShapeDtypeStruct((8, 16), jnp.float32),
         "t": jax.ShapeDtypeStruct((8,), jnp.int32),
     }
-    report = plan.report(module.step, abstract, batch)
+    report = build_report(plan, module.step, abstract, batch)
     term = {id(c): t.term for t in report.wire_terms for c in t.collectives}
     booked = sorted(
         (c.kind, c.pass_, c.module_path, c.wire_bytes, term[id(c)]) for c in report.collectives
@@ -125,13 +126,13 @@ def test_a_blocks_collectives_name_the_models_line_and_the_block():
     # the line of gpt.py that calls it; under fsdp no TSP frame names a weight gather.
     from shardkit import models
 
-    cp = models.report(sk.Plan("cp"), models.get("gpt-tiny"), batch=8, seq=32)
+    cp = build_report(sk.Plan("cp"), model=models.get("gpt-tiny"), batch=8, seq=32)
     ring = [c for c in cp.collectives if c.kind == "collective-permute"]
     assert ring and {c.block.split(".")[0] for c in ring} == {"attention"}
     assert {c.source.split(":")[0] for c in ring} == {"gpt.py"}
     kv = {t.term: t for t in cp.wire_terms}["context-parallel K/V"]
     assert set(map(id, kv.collectives)) == set(map(id, ring))
-    fsdp = models.report(sk.Plan("fsdp"), models.get("gpt-tiny"), batch=8, seq=32)
+    fsdp = build_report(sk.Plan("fsdp"), model=models.get("gpt-tiny"), batch=8, seq=32)
     # The weights' gathers: at the reference model's own lines (gpt.py; jax 0.12 books the
     # tied table's gather at the constraint in models/model.py that pins what Model.loss
     # reads). A gather of the targets (no logical axes) is not a weight's.

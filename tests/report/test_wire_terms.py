@@ -8,7 +8,7 @@ import pytest
 import shardkit as sk
 from shardkit import models, recipes
 from shardkit.errors import ShardingError
-from shardkit.report import wire_terms
+from shardkit.report import build_report, wire_terms
 from shardkit.report.analytic import analytic_model
 from shardkit.report.hlo import LOWERED_RS, Collective
 from shardkit.report.records import ParamRow
@@ -277,7 +277,7 @@ def _build(name, recipe, seq, itemise):
     for n in (8, 4):  # 8 devices, or 4 where 8 does not divide the model
         try:
             plan = sk.Plan(recipe, devices=jax.devices()[:n])
-            return models.report(plan, model, batch=8, seq=seq, itemise=itemise)
+            return build_report(plan, model=model, batch=8, seq=seq, itemise=itemise)
         except ShardingError as e:
             error = e
     raise error
