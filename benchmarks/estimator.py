@@ -279,7 +279,9 @@ def main() -> None:
     if args.tiny:  # a smoke run: two points compiled here, nothing cached
         train, held = [(p, compile_point(p)) for p in points("training")[:2]], []
     fit = fit_constants(train) if args.fit else dict(FIT)
-    result = {"constants": fit, "fitted": bool(args.fit)}
+    result = {"constants": fit, "fitted": bool(args.fit), "left_out": list(STALE)}
+    for grid in GRIDS:
+        result[f"{grid}_points_planned"] = len(points(grid))
     table = []
     for grid, rows in (("training", train), ("held_out", held)):
         ests = estimates(rows, fit)
