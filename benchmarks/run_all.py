@@ -35,6 +35,7 @@ SCRIPTS = (
     "autoplan",
     "estimator",
     "gpu",
+    "packed",
 )
 #: Further tables a script writes, after its own.
 EXTRA_RESULTS = {

@@ -27,7 +27,7 @@ from shardkit.cli.options import (
 )
 from shardkit.errors import ShardingError
 from shardkit.report.estimator import estimate
-from shardkit.report.lint import human_bytes
+from shardkit.report.records import human_bytes
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
