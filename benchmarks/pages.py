@@ -75,6 +75,13 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("autoplan",),
         "`shardkit autoplan` on gpt-7b: what it chose, what it compiled and how long it took.",
     ),
+    "estimator": (
+        "The pre-compile estimate",
+        ("estimator",),
+        "`sk.estimate` against the compiled program on a training grid (where its constants "
+        "are fitted) and a held-out grid of other sizes, sequences, batches and device "
+        "counts: the share of totals within ±10 % and the worst, per recipe family.",
+    ),
     "overhead": (
         "Overhead",
         ("overhead",),

@@ -34,6 +34,7 @@ SCRIPTS = (
     "moe",
     "explicit",
     "autoplan",
+    "estimator",
     "gpu",
     "packed",
 )
