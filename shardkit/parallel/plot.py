@@ -57,10 +57,18 @@ def _plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> 
     ax.set_title(
         title
         or f"{schedule.name}: p={p}, m={schedule.microbatches}, "
-        f"v={schedule.virtual}, bubble {schedule.bubble:.0%}, holds "
-        f"{schedule.ring} micro-batches",
+        f"v={schedule.virtual}, bubble {schedule.bubble:.0%}, a stage holds at most "
+        f"{_held(schedule)}",
         fontsize=9,
     )
+
+
+def _held(schedule: Any) -> str:
+    """What a stage holds at once: ``slots`` items, a chunk's share each when ``v > 1``
+    (``ring``, the engine's slot count, is the longest wait and may be larger)."""
+    if schedule.virtual == 1:
+        return f"{schedule.slots} micro-batches"
+    return f"{schedule.slots} chunks (1/{schedule.virtual} of a stage each)"
 
 
 #: (fill, hatch, text colour): dark forward, light hatched backward.
