@@ -44,6 +44,13 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Tensor-sequence parallelism against TP, TP+SP and context parallelism on llama-1b: "
         "one sequence length head to head, then a sweep of the sequence.",
     ),
+    "moe": (
+        "Expert parallelism",
+        ("moe",),
+        "moe-small's expert state per device and its expert dispatch's all-to-all bytes "
+        "under `ep`, `fsdp_ep`, `ep_tp` and the rules-only `ep_gspmd`, against the analytic "
+        "model (`shardkit.report.analytic_moe`) and `dp`/`fsdp`.",
+    ),
     "context_parallel": (
         "Context parallelism",
         ("context_parallel", "context_parallel_long"),
@@ -67,6 +74,13 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "The auto-planner",
         ("autoplan",),
         "`shardkit autoplan` on gpt-7b: what it chose, what it compiled and how long it took.",
+    ),
+    "estimator": (
+        "The pre-compile estimate",
+        ("estimator",),
+        "`sk.estimate` against the compiled program on a training grid (where its constants "
+        "are fitted) and a held-out grid of other sizes, sequences, batches and device "
+        "counts: the share of totals within ±10 % and the worst, per recipe family.",
     ),
     "overhead": (
         "Overhead",

@@ -31,8 +31,10 @@ SCRIPTS = (
     "pipeline",
     "tsp",
     "context_parallel",
+    "moe",
     "explicit",
     "autoplan",
+    "estimator",
     "gpu",
     "packed",
 )

@@ -41,6 +41,7 @@ from shardkit.rules import Rules
 
 __all__ = [
     "AttentionStrategy",
+    "ExpertDispatch",
     "LayerSchedule",
     "PRECISIONS",
     "Precision",
@@ -56,6 +57,10 @@ AttentionStrategy = Literal["dense", "allgather", "ring", "ulysses"]
 #: How the layers' matmuls treat weights sharded over ``attention_axis``: ``"gspmd"``
 #: leaves them to XLA; ``"tsp"`` runs shardkit.nn.tsp's weight-shard ring.
 LayerSchedule = Literal["gspmd", "tsp"]
+#: How a mixture-of-experts layer reaches experts split over a mesh axis: ``"gspmd"``
+#: leaves its one-hot einsums to XLA; ``"alltoall"`` dispatches and combines with
+#: all-to-alls over the expert axis inside ``shard_map`` (``shardkit.nn.moe``).
+ExpertDispatch = Literal["gspmd", "alltoall"]
 #: ``"f32"``: everything in float32. ``"bf16"``: mixed precision, activations and matrix
 #: products in bfloat16, parameters, gradients and optimizer state in float32.
 Precision = Literal["f32", "bf16"]
@@ -85,6 +90,8 @@ class ShardingContext:
       layer_schedule: how the models' projections run (``"tsp"``: weight shards
         circulate over ``attention_axis``, see ``shardkit.nn.tsp``).
       precision: ``"f32"`` or ``"bf16"`` (see :func:`compute_dtype`).
+      expert_dispatch: how MoE layers reach their experts (``"alltoall"``: all-to-alls
+        over the expert axis, see ``shardkit.nn.moe``).
     """
 
     param_rules: Rules | None = None
@@ -93,9 +100,15 @@ class ShardingContext:
     attention_axis: str = "sequence"
     layer_schedule: LayerSchedule = "gspmd"
     precision: Precision = "f32"
+    expert_dispatch: ExpertDispatch = "gspmd"
 
     def __post_init__(self):
         check_precision(self.precision)
+        if self.expert_dispatch not in get_args(ExpertDispatch):
+            raise ShardingError(
+                f"Unknown expert dispatch {self.expert_dispatch!r}.\nFix: use one of "
+                f"{list(get_args(ExpertDispatch))}."
+            )
         if self.attention not in get_args(AttentionStrategy):
             raise ShardingError(
                 f"Unknown attention strategy {self.attention!r}.\nFix: use one of "

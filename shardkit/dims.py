@@ -50,6 +50,11 @@ class ModelDims:
         step's phases (the layers, the head and loss, the optimizer step) one by one.
       loss_chunks: with ``chunked_head``, the chunks of the sequence the head and the
         loss run in; ``None``: chosen from the step's size.
+      n_experts: routed experts of a mixture-of-experts MLP (0: a dense MLP). Each is a
+        SwiGLU of width ``expert_d_ff``; ``top_k`` of them read each token, with
+        ``capacity_factor`` (``None``: dropless) bounding each expert's tokens;
+        ``n_shared_experts`` more read every token. The router is a ``d_model × E``
+        matrix. ``d_ff`` is then unused by the counts.
 
     Raises:
       ShardingError: a size that is not a positive int, heads that do not divide
@@ -71,8 +76,14 @@ class ModelDims:
     in_projections: int = 2
     chunked_head: bool = False
     loss_chunks: int | None = None
+    n_experts: int = 0
+    top_k: int = 0
+    n_shared_experts: int = 0
+    expert_d_ff: int | None = None
+    capacity_factor: float | None = None
 
     def __post_init__(self) -> None:
+        self._check_experts()
         for field in _SIZES:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -122,6 +133,50 @@ class ModelDims:
                 "Fix: pass max_seq=<longest sequence>."
             )
 
+    def _check_experts(self) -> None:
+        def whole(field: str, low: int) -> bool:
+            value = getattr(self, field)
+            return isinstance(value, int) and not isinstance(value, bool) and value >= low
+
+        for field, low in (("n_experts", 0), ("top_k", 0), ("n_shared_experts", 0)):
+            if not whole(field, low):
+                raise ShardingError(
+                    f"ModelDims({field}={getattr(self, field)!r}): {field} must be an int ≥ "
+                    f"{low}.\nFix: declare {field} as a non-negative integer (0: no experts)."
+                )
+        if not self.n_experts:
+            return
+        if not 1 <= self.top_k <= self.n_experts:
+            raise ShardingError(
+                f"ModelDims(top_k={self.top_k}, n_experts={self.n_experts}): each token "
+                f"reads 1 to n_experts distinct experts.\nFix: declare top_k between 1 and "
+                f"{self.n_experts}."
+            )
+        if not whole("expert_d_ff", 1):
+            raise ShardingError(
+                f"ModelDims(expert_d_ff={self.expert_d_ff!r}): an MoE model declares its "
+                "experts' hidden width as a positive int.\nFix: pass expert_d_ff=<width>."
+            )
+        cf = self.capacity_factor
+        if cf is not None and (isinstance(cf, bool) or not isinstance(cf, int | float) or cf <= 0):
+            raise ShardingError(
+                f"ModelDims(capacity_factor={cf!r}): the capacity factor is > 0, or None "
+                "(dropless).\nFix: declare e.g. capacity_factor=1.25."
+            )
+
+    @property
+    def expert_params(self) -> int:
+        """One layer's routed experts' weights (``E · 3 · d · f_e``; 0 without experts).
+
+        Example:
+          >>> ModelDims(layers=1, d_model=4, n_heads=1, n_kv_heads=1, d_ff=1, vocab=8,
+          ...           n_experts=8, top_k=2, expert_d_ff=16).expert_params
+          1536
+        """
+        if not self.n_experts:
+            return 0
+        return self.n_experts * 3 * self.d_model * self.expert_d_ff
+
     @property
     def head_dim(self) -> int:
         """Width of one attention head: ``d_model // n_heads``."""
@@ -139,8 +194,12 @@ class ModelDims:
 
     @property
     def mlp_params(self) -> tuple[int, int]:
-        """(weights, biases) of one layer's MLP."""
+        """(weights, biases) of one layer's MLP (with experts: the routed and shared
+        experts and the router)."""
         d, f = self.d_model, self.d_ff
+        if self.n_experts:
+            shared = self.n_shared_experts * 3 * d * self.expert_d_ff
+            return self.expert_params + shared + d * self.n_experts, 0
         matrices = (3 if self.gated_mlp else 2) * d * f
         biases = ((2 if self.gated_mlp else 1) * f + d) if self.biases else 0
         return matrices, biases
@@ -201,4 +260,6 @@ class ModelDims:
         parameters that multiply activations (all but :attr:`embedding_params`).
         """
         matmul_params = self.param_count - self.embedding_params
+        if self.n_experts:  # a token passes through top_k of the experts
+            matmul_params -= self.layers * self.expert_params * (1 - self.top_k / self.n_experts)
         return float(6 * matmul_params + 12 * self.layers * self.d_model * seq)

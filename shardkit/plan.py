@@ -190,6 +190,7 @@ class Plan:
             attention=self.recipe.attention,
             attention_axis=self.recipe.attention_axis,
             layer_schedule=self.recipe.layer_schedule,
+            expert_dispatch=self.recipe.expert_dispatch,
             precision=self.precision,
         )
 

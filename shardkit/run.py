@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,7 +39,16 @@ from shardkit.report.report import Report
 from shardkit.step import PipelinedStep
 from shardkit.workload import Workload
 
-__all__ = ["RunResult", "run"]
+__all__ = ["DROP_WARNING", "DroppedTokensWarning", "RunResult", "run"]
+
+#: Share of an MoE model's routed choices dropped (over capacity) above which ``run``
+#: warns, once, with the load of each expert.
+DROP_WARNING = 0.01
+
+
+class DroppedTokensWarning(UserWarning):
+    """An MoE model's experts dropped more tokens than :data:`DROP_WARNING` of them."""
+
 
 StepCallback = Callable[[int, float, float], None]
 BalanceCallback = Callable[[int, float, float], None]
@@ -64,6 +74,17 @@ class RunResult:
     imbalance: list[float] = dataclasses.field(default_factory=list)
     imbalance_contiguous: list[float] = dataclasses.field(default_factory=list)
     context_ranks: int = 1
+    #: an MoE model's routers on the last step's batch, after training: ``load`` and
+    #: ``dropped`` tokens per layer and expert (``[layers][experts]``); ``None`` otherwise
+    router: dict[str, list[list[float]]] | None = None
+
+    @property
+    def dropped_fraction(self) -> float | None:
+        """Share of the routed choices the experts dropped (``None`` without experts)."""
+        if self.router is None:
+            return None
+        routed = sum(map(sum, self.router["load"]))
+        return sum(map(sum, self.router["dropped"])) / routed if routed else 0.0
 
     def to_json(self) -> dict[str, Any]:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -198,6 +219,7 @@ def run(
             return compiled(state, batch)
 
     losses: list[float] = []
+    batch_i = first
     tokens_per_s = 0.0
     timed_tokens, timed_seconds = 0, 0.0
     for i in range(first_step, steps):
@@ -221,6 +243,7 @@ def run(
             )
     if checkpoint_dir:
         checkpoint.wait(checkpoint_dir)
+    router = _router_stats(spec, plan, state, batch_i)
     return RunResult(
         model=spec.name,
         recipe=plan.recipe.name,
@@ -236,7 +259,32 @@ def run(
         imbalance=balances[0],
         imbalance_contiguous=balances[1],
         context_ranks=ranks,
+        router=router,
     )
+
+
+def _router_stats(spec: Any, plan: Plan, state: Any, batch: dict) -> dict | None:
+    """An MoE model's tokens routed and dropped per layer and expert on ``batch``; warns
+    (:class:`DroppedTokensWarning`) when more than :data:`DROP_WARNING` of them drop."""
+    stats_of = getattr(spec, "router_stats", None)
+    if stats_of is None or getattr(getattr(spec, "config", None), "family", None) != "moe":
+        return None
+    stats = plan.jit(lambda p, b: (p, stats_of(p, b)), donate_state=False)(state.params, batch)[1]
+    out = {k: [[float(v) for v in row] for row in stats[k]] for k in ("load", "dropped")}
+    routed = sum(map(sum, out["load"]))
+    dropped = sum(map(sum, out["dropped"]))
+    if routed and dropped / routed > DROP_WARNING:
+        per_expert = [sum(col) for col in zip(*out["load"], strict=True)]
+        warnings.warn(
+            f"{spec.name}: the experts dropped {dropped:,.0f} of {routed:,.0f} routed tokens "
+            f"({dropped / routed:.1%} > {DROP_WARNING:.0%}) on the last batch; tokens sent to "
+            f"each expert (all layers): {[round(x) for x in per_expert]}.\nFix: raise the "
+            "capacity factor (capacity_factor=...), route dropless (capacity_factor=None), "
+            "or raise the load-balancing loss weight (aux_loss_weight=...).",
+            DroppedTokensWarning,
+            stacklevel=3,
+        )
+    return out
 
 
 def _context_ranks(plan: Plan) -> int:

@@ -320,6 +320,15 @@ def _print_summary(result) -> None:
             f"{len(result.imbalance)} steps",
         )
     table.add_row("throughput", f"{result.tokens_per_s:,.0f} tokens/s (after the compile step)")
+    if result.router is not None:
+        load = [sum(col) for col in zip(*result.router["load"], strict=True)]
+        dropped = sum(map(sum, result.router["dropped"]))
+        table.add_row(
+            "dropped tokens",
+            f"{dropped:,.0f} of {sum(load):,.0f} routed ({result.dropped_fraction:.2%}) on "
+            "the last batch",
+        )
+        table.add_row("tokens per expert", ", ".join(f"{x:,.0f}" for x in load))
     Console().print(table)
 
 

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from shardkit import context, errors
 from shardkit.dims import ModelDims
+from shardkit.nn.moe import MoeSpec
 
 __all__ = ["ModelConfig", "CONFIGS", "REMAT_POLICIES"]
 
@@ -27,11 +28,12 @@ REMAT_POLICIES = ("none", "full", "save_dots")
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """The shape and execution options of a GPT-2 (linen) or Llama (NNX) reference model.
+    """The shape and execution options of a GPT-2 (linen), Llama or MoE (NNX) reference model.
 
     Attributes:
-      family: ``"gpt"`` (flax.linen, tied embedding, LayerNorm, GELU MLP, biases) or
-        ``"llama"`` (flax.nnx, RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases).
+      family: ``"gpt"`` (flax.linen, tied embedding, LayerNorm, GELU MLP, biases),
+        ``"llama"`` (flax.nnx, RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases)
+        or ``"moe"`` (Llama with a mixture-of-experts MLP, ``shardkit.nn.moe``).
       vocab: vocabulary size.
       d_model: width of the residual stream.
       n_layers: number of transformer blocks.
@@ -49,6 +51,10 @@ class ModelConfig:
       loss_chunks: chunks of the sequence the vocabulary head and the loss run in
         (``sk.chunked_cross_entropy``); ``None`` picks them from the step's size
         (``shardkit.nn.loss.auto_chunks``), 1 projects all the tokens at once.
+      n_experts, top_k, n_shared_experts, expert_d_ff, capacity_factor, router,
+      aux_loss_weight, z_loss_weight: the MoE MLP of family ``"moe"``
+        (:class:`shardkit.nn.moe.MoeSpec`; ``expert_d_ff=None``: ``d_ff``;
+        ``capacity_factor=None``: dropless).
 
     Example:
       >>> cfg = ModelConfig("gpt", vocab=256, d_model=64, n_layers=2, n_heads=8,
@@ -57,7 +63,7 @@ class ModelConfig:
       8
     """
 
-    family: Literal["gpt", "llama"]
+    family: Literal["gpt", "llama", "moe"]
     vocab: int
     d_model: int
     n_layers: int
@@ -70,13 +76,31 @@ class ModelConfig:
     dtype: Any = None
     param_dtype: Any = jnp.float32
     loss_chunks: int | None = None
+    n_experts: int = 0
+    top_k: int = 2
+    n_shared_experts: int = 0
+    expert_d_ff: int | None = None
+    capacity_factor: float | None = 1.25
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.001
 
     def __post_init__(self) -> None:
         where = (
             f"ModelConfig(family={self.family!r}, d_model={self.d_model}, n_heads={self.n_heads})"
         )
-        if self.family not in ("gpt", "llama"):
-            raise errors.ShardingError(f"{where}: family is 'gpt' or 'llama', got {self.family!r}.")
+        if self.family not in ("gpt", "llama", "moe"):
+            raise errors.ShardingError(
+                f"{where}: family is 'gpt', 'llama' or 'moe', got {self.family!r}."
+            )
+        if (self.family == "moe") != (self.n_experts != 0):
+            raise errors.ShardingError(
+                f"{where}: family {self.family!r} with n_experts={self.n_experts!r}; the "
+                "'moe' family and only it has experts.\nFix: family='moe' with n_experts > 0, "
+                "or n_experts=0."
+            )
+        if self.family == "moe":
+            self.moe_spec()  # validates the expert fields
         if self.remat not in REMAT_POLICIES:
             raise errors.ShardingError(
                 f"{where}: remat is one of {REMAT_POLICIES}, got {self.remat!r}."
@@ -109,6 +133,28 @@ class ModelConfig:
                 f"{where}: GPT uses multi-head attention; n_kv_heads must equal n_heads, "
                 f"got {self.n_kv_heads}.\nFix: pass n_kv_heads={self.n_heads}."
             )
+
+    def moe_spec(self) -> MoeSpec:
+        """The MoE MLP of a ``"moe"`` model (:class:`shardkit.nn.moe.MoeSpec`).
+
+        Raises:
+          ShardingError: an invalid expert field (``top_k > n_experts``, a capacity
+            factor ``≤ 0``, ...).
+
+        Example:
+          >>> CONFIGS["moe-tiny"].moe_spec().capacity_of(16)   # ⌈1.25·16·2/8⌉
+          5
+        """
+        return MoeSpec(
+            n_experts=self.n_experts,
+            top_k=self.top_k,
+            d_ff=self.d_ff if self.expert_d_ff is None else self.expert_d_ff,
+            n_shared=self.n_shared_experts,
+            capacity_factor=self.capacity_factor,
+            router=self.router,
+            aux_weight=self.aux_loss_weight,
+            z_weight=self.z_loss_weight,
+        )
 
     @property
     def compute_dtype(self) -> Any:
@@ -150,6 +196,16 @@ class ModelConfig:
           (True, True)
         """
         gpt = self.family == "gpt"
+        moe = self.moe_spec() if self.family == "moe" else None
+        experts = {}
+        if moe is not None:
+            experts = {
+                "n_experts": moe.n_experts,
+                "top_k": moe.top_k,
+                "n_shared_experts": moe.n_shared,
+                "expert_d_ff": moe.d_ff,
+                "capacity_factor": moe.capacity_factor,
+            }
         return ModelDims(
             layers=self.n_layers,
             d_model=self.d_model,
@@ -166,6 +222,7 @@ class ModelConfig:
             in_projections=self.in_projections,
             chunked_head=True,
             loss_chunks=self.loss_chunks,
+            **experts,
         )
 
     def param_count(self) -> int:
@@ -214,4 +271,12 @@ CONFIGS: dict[str, ModelConfig] = {
     "llama-small": _llama(32000, 768, 12, 12, 4, 2048, 1024),
     "llama-1b": _llama(32256, 2048, 16, 32, 8, 8192, 2048),
     "llama-7b": _llama(32256, 4096, 32, 32, 32, 11008, 4096),
+    # Mixtures of experts (Llama trunks, shardkit.nn.moe): 8 experts, 2 per token. moe-tiny
+    # has a shared expert too (DeepSeek-style); moe-47b is Mixtral-8x7B's shape (its
+    # 32,000-token vocabulary: 46,702,792,704 parameters, 12.9B active per token).
+    "moe-tiny": ModelConfig(
+        "moe", 256, 64, 2, 16, 8, 64, 128, n_experts=8, top_k=2, n_shared_experts=1
+    ),
+    "moe-small": ModelConfig("moe", 32000, 768, 12, 12, 4, 2048, 1024, n_experts=8, top_k=2),
+    "moe-47b": ModelConfig("moe", 32000, 4096, 32, 32, 8, 14336, 4096, n_experts=8, top_k=2),
 }

@@ -37,6 +37,7 @@ from shardkit.errors import NotPipelinableError
 from shardkit.models.config import CONFIGS, ModelConfig
 from shardkit.models.gpt import GPT, LN_EPS, LOGITS, Block, checkpoint_policy
 from shardkit.models.llama import Llama
+from shardkit.models.moe import MoeLlama
 from shardkit.nn.loss import cross_entropy, head_post_grad, masked_mean
 from shardkit.nn.rope import rope_tables
 from shardkit.nn.segments import Segments, segments_of
@@ -117,11 +118,12 @@ class Model:
     @functools.cache  # noqa: B019 (one abstract module per dtype, for the model's life)
     def _llama(self, dtype: Any) -> Any:
         config = dataclasses.replace(self.config, dtype=dtype)
+        cls = MoeLlama if config.family == "moe" else Llama
         # Shapes only, and outside any active mesh: NNX would otherwise read the logical
         # names in ``out_sharding`` as mesh axes of that mesh.
         no_mesh = jax.sharding.AbstractMesh((), ())
         with nnx.use_eager_sharding(False), jax.sharding.use_abstract_mesh(no_mesh):
-            return nnx.eval_shape(lambda: Llama(config, rngs=nnx.Rngs(0)))
+            return nnx.eval_shape(lambda: cls(config, rngs=nnx.Rngs(0)))
 
     @property
     def _graphdef(self) -> nnx.GraphDef:
@@ -147,8 +149,9 @@ class Model:
             # activations (batch 1, length 1) are not to be constrained by any active rules.
             with activation_rules(None):
                 return self.module.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+        cls = MoeLlama if self.config.family == "moe" else Llama
         with nnx.use_eager_sharding(False):
-            module = Llama(self.config, rngs=nnx.Rngs(params=rng))
+            module = cls(self.config, rngs=nnx.Rngs(params=rng))
         return nnx.state(module, nnx.Param)
 
     def apply(
@@ -170,12 +173,14 @@ class Model:
           dtype('float32')
         """
         shape = (*tokens.shape, self.config.vocab)
+        first = (lambda out: out[0]) if self.config.family == "moe" else (lambda out: out)
         if segments is None:
-            return explicit.auto(self._forward, LOGITS, shape)(params, tokens)
+            logits = lambda p, t: first(self._forward(p, t))  # noqa: E731
+            return explicit.auto(logits, LOGITS, shape)(params, tokens)
         seg = self._packed({"segment_ids": segments[0], "positions": segments[1]}, tokens)
 
         def forward(p: Any, i: jax.Array, ids: jax.Array, pos: jax.Array) -> jax.Array:
-            return self._forward(p, i, None, Segments(ids, pos))
+            return first(self._forward(p, i, None, Segments(ids, pos)))
 
         return explicit.auto(forward, LOGITS, shape)(params, tokens, *seg)
 
@@ -202,11 +207,11 @@ class Model:
         """
         seg = self._packed(batch, batch["inputs"])
         if seg is None:
-            mean = lambda p, i, t: self._forward(p, i, t).mean()  # noqa: E731
+            mean = lambda p, i, t: self._mean(self._forward(p, i, t))  # noqa: E731
             return explicit.auto(mean, (), ())(params, batch["inputs"], batch["targets"])
 
         def packed(p: Any, i: jax.Array, t: jax.Array, ids: jax.Array, pos: jax.Array):
-            return masked_mean(self._forward(p, i, t, Segments(ids, pos)), ids)
+            return self._mean(self._forward(p, i, t, Segments(ids, pos)), ids)
 
         return explicit.auto(packed, (), ())(params, batch["inputs"], batch["targets"], *seg)
 
@@ -221,6 +226,36 @@ class Model:
                 f"), or get({self.name!r}, max_seq={tokens.shape[-1]})."
             )
         return seg
+
+    def _mean(self, out: Any, segment_ids: jax.Array | None = None) -> jax.Array:
+        """The mean loss of ``_forward``'s output (of the real tokens of packed rows), with
+        an MoE model's weighted auxiliary losses added."""
+        loss, stats = out if self.config.family == "moe" else (out, None)
+        mean = loss.mean() if segment_ids is None else masked_mean(loss, segment_ids)
+        return mean if stats is None else mean + jnp.sum(stats["aux"])
+
+    def router_stats(self, params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        """An MoE model's routers on ``batch``: ``{"load", "dropped"}`` tokens per layer and
+        expert ``[layers, E]``, ``"balance"`` and ``"z"`` (the unweighted losses) per layer.
+
+        Raises:
+          ShardingError: the model has no experts.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, shardkit as sk
+          >>> model = get("moe-tiny")
+          >>> params = jax.eval_shape(lambda k: sk.unbox(model.init(k)), jax.random.key(0))
+          >>> t = jnp.zeros((2, 16), jnp.int32)
+          >>> jax.eval_shape(model.router_stats, params, {"inputs": t, "targets": t})["load"].shape
+          (2, 8)
+        """
+        if self.config.family != "moe":
+            raise errors.ShardingError(
+                f"{self.name}.router_stats: the model has no experts (family "
+                f"{self.config.family!r}).\nFix: use an MoE model (moe-tiny, moe-small, ...)."
+            )
+        _, stats = self._forward(params, batch["inputs"], batch["targets"])
+        return {k: stats[k] for k in ("load", "dropped", "balance", "z")}
 
     def stages(self) -> Stages:
         """The model cut into embedding, blocks and head, for a pipeline.
@@ -237,6 +272,12 @@ class Model:
           'layers'
         """
         cfg, model = self.config, self
+        if cfg.family == "moe":
+            raise NotPipelinableError(
+                f"{model.name}: a mixture-of-experts block returns its router's auxiliary "
+                "losses beside its output, which a pipeline stage (layer(w, x) -> x) does "
+                "not carry.\nFix: train it with ep, fsdp_ep, ep_tp, ep_gspmd, dp or fsdp."
+            )
         if not cfg.scan:
             raise NotPipelinableError(
                 f"{model.name}: scan=False keeps its {cfg.n_layers} layers as separate "

@@ -469,7 +469,7 @@ def chunked_cross_entropy(
 
 
 #: Vocabulary chunks :func:`head_loss_and_grad` writes the weight's gradient in.
-HEAD_GRAD_CHUNKS = 8
+_HEAD_GRAD_CHUNKS = 8
 
 
 @block("loss.head_grad")
@@ -482,7 +482,7 @@ def head_loss_and_grad(
     vocab_axis: int = 0,
     scale: float | jax.Array = 1.0,
     dtype: Any = None,
-    chunks: int = HEAD_GRAD_CHUNKS,
+    chunks: int = _HEAD_GRAD_CHUNKS,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """``scale`` × the mean cross-entropy of ``hidden · weight``, its gradient for
     ``hidden``, and ``acc`` plus its gradient for ``weight``, added in place.
@@ -544,7 +544,7 @@ def head_loss_and_grad(
     if not isinstance(chunks, int) or chunks < 1:
         raise ChunkError(
             f"head_loss_and_grad: chunks={chunks!r}.\nFix: a positive int (slices of the "
-            f"vocabulary, {HEAD_GRAD_CHUNKS} by default; uneven slices are fine)."
+            f"vocabulary, {_HEAD_GRAD_CHUNKS} by default; uneven slices are fine)."
         )
     dtype = hidden.dtype if dtype is None else dtype
     vocab = weight.shape[vocab_axis]

@@ -14,10 +14,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ROPE_THETA", "apply_rope", "rope_tables", "rope_tables_at"]
+__all__ = ["apply_rope", "rope_tables", "rope_tables_at"]
 
 #: The base of the rotary angles' frequencies (Su et al. 2021; Llama's).
-ROPE_THETA = 10000.0
+_ROPE_THETA = 10000.0
 
 
 def rope_tables(seq: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
@@ -28,7 +28,7 @@ def rope_tables(seq: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
       >>> cos.shape, float(cos[0, 0]), float(sin[0, 0])
       ((4, 4), 1.0, 0.0)
     """
-    inv_freq = 1.0 / ROPE_THETA ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = 1.0 / _ROPE_THETA ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     angles = jnp.arange(seq, dtype=jnp.float32)[:, None] * inv_freq[None, :]
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -42,7 +42,7 @@ def rope_tables_at(positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.
       >>> cos.shape, bool((cos[0, 2] == rope_tables(1, 8)[0][0]).all())
       ((1, 3, 4), True)
     """
-    inv_freq = 1.0 / ROPE_THETA ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    inv_freq = 1.0 / _ROPE_THETA ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     angles = positions.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 

@@ -73,7 +73,6 @@ __all__ = [
     "attention",
     "gated_mlp",
     "ring_dot",
-    "tsp_dot_general",
 ]
 
 Kind = Literal["in", "out"]
@@ -267,7 +266,7 @@ def active_axis() -> str | None:
     return axis
 
 
-def tsp_dot_general(
+def _tsp_dot_general(
     x: jax.Array,
     w: jax.Array,
     dims: Any,
@@ -380,7 +379,7 @@ class TspDot:
                 preferred_element_type=preferred_element_type,
                 **kwargs,
             )
-        return tsp_dot_general(x, w, dims, kernel_axes=self.kernel_axes, precision=precision)
+        return _tsp_dot_general(x, w, dims, kernel_axes=self.kernel_axes, precision=precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,7 +413,7 @@ class TspEinsum:
         natural = "".join(c for c in a if c not in contract) + "".join(
             c for c in b if c not in contract
         )
-        y = tsp_dot_general(x, w, dims, kernel_axes=self.kernel_axes, precision=precision)
+        y = _tsp_dot_general(x, w, dims, kernel_axes=self.kernel_axes, precision=precision)
         return y if natural == out else jnp.transpose(y, [natural.index(c) for c in out])
 
 
@@ -440,12 +439,12 @@ def gated_mlp(
       (1, 4, 8)
     """
     mlp = ("embed", "mlp")
-    h = tsp_dot_general(x, w_up, _IN, kernel_axes=mlp)
+    h = _tsp_dot_general(x, w_up, _IN, kernel_axes=mlp)
     if w_gate is None:
         h = activation(h)
     else:
-        h = activation(tsp_dot_general(x, w_gate, _IN, kernel_axes=mlp)) * h
-    return tsp_dot_general(h, w_down, _IN, kernel_axes=("mlp", "embed"))
+        h = activation(_tsp_dot_general(x, w_gate, _IN, kernel_axes=mlp)) * h
+    return _tsp_dot_general(h, w_down, _IN, kernel_axes=("mlp", "embed"))
 
 
 def attention(
@@ -469,12 +468,12 @@ def attention(
       ...           jnp.ones((2, 4, 8))).shape
       (1, 4, 8)
     """
-    q = tsp_dot_general(x, wq, _IN, kernel_axes=("embed", "heads", "kv"))
-    k = tsp_dot_general(x, wk, _IN, kernel_axes=("embed", "kv_heads", "kv"))
-    v = tsp_dot_general(x, wv, _IN, kernel_axes=("embed", "kv_heads", "kv"))
+    q = _tsp_dot_general(x, wq, _IN, kernel_axes=("embed", "heads", "kv"))
+    k = _tsp_dot_general(x, wk, _IN, kernel_axes=("embed", "kv_heads", "kv"))
+    v = _tsp_dot_general(x, wv, _IN, kernel_axes=("embed", "kv_heads", "kv"))
     if rope is not None:
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     y = causal_attention(q, k, v)  # GQA: K/V travel with their own heads
-    return tsp_dot_general(
+    return _tsp_dot_general(
         y, wo, (((2, 3), (0, 1)), ((), ())), kernel_axes=("heads", "kv", "embed")
     )

@@ -92,12 +92,11 @@ __all__ = [
     "interleaved_order",
     "spec_axes",
     "STAGE",
-    "STACK_ORDERS",
 ]
 
 #: How a layer stack is stored: ``"layers"`` (layer order) or ``"interleaved"`` (each
 #: stage's ``v`` chunks contiguous, see :func:`interleaved_order`).
-STACK_ORDERS = ("layers", "interleaved")
+_STACK_ORDERS = ("layers", "interleaved")
 
 #: The mesh axis pipeline stages are laid along.
 STAGE = "stage"
@@ -320,9 +319,9 @@ def mesh_value_and_grad(
             f" stage axis {stage_axis!r}, batch axes {batch_axes}).\nFix: auto axes are mesh "
             "axes other than the stage and batch axes (e.g. ('tensor',))."
         )
-    if stack_order not in STACK_ORDERS:
+    if stack_order not in _STACK_ORDERS:
         raise PipelineError(
-            f"stack_order={stack_order!r} is not one of {STACK_ORDERS}.\nFix: 'layers' (the "
+            f"stack_order={stack_order!r} is not one of {_STACK_ORDERS}.\nFix: 'layers' (the "
             "stack in layer order) or 'interleaved' (stored as stack[interleaved_order(...)])."
         )
     sched = make(schedule, p, microbatches, virtual_stages)

@@ -21,10 +21,10 @@ from typing import Any
 from shardkit.figures import figure_size, save_figure
 from shardkit.parallel.schedules import Schedule
 
-__all__ = ["plot_timeline", "plot_schedules"]
+__all__ = ["plot_schedules"]
 
 
-def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> None:
+def _plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> None:
     """Draw ``schedule`` on ``ax``: one row per stage, one column per tick; forward cells
     dark blue, backward cells light orange and hatched (both halves of a tick when a
     stage runs both), the micro-batch number inside; blank cells are the bubble."""
@@ -57,10 +57,18 @@ def plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> N
     ax.set_title(
         title
         or f"{schedule.name}: p={p}, m={schedule.microbatches}, "
-        f"v={schedule.virtual}, bubble {schedule.bubble:.0%}, holds "
-        f"{schedule.ring} micro-batches",
+        f"v={schedule.virtual}, bubble {schedule.bubble:.0%}, a stage holds at most "
+        f"{_held(schedule)}",
         fontsize=9,
     )
+
+
+def _held(schedule: Any) -> str:
+    """What a stage holds at once: ``slots`` items, a chunk's share each when ``v > 1``
+    (``ring``, the engine's slot count, is the longest wait and may be larger)."""
+    if schedule.virtual == 1:
+        return f"{schedule.slots} micro-batches"
+    return f"{schedule.slots} chunks (1/{schedule.virtual} of a stage each)"
 
 
 #: (fill, hatch, text colour): dark forward, light hatched backward.
@@ -96,7 +104,7 @@ def plot_schedules(
     )
     cells = list(axes.flat)
     for k, (sched, ax) in enumerate(zip(schedules, cells, strict=False)):
-        plot_timeline(sched, ax, title=None if titles is None else titles[k])
+        _plot_timeline(sched, ax, title=None if titles is None else titles[k])
     for ax in cells[n:]:
         ax.set_visible(False)
     fig.suptitle("Pipeline schedules: what each stage runs at each tick", fontsize=11)

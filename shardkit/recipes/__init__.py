@@ -5,7 +5,7 @@ Example:
   >>> sk.recipes.names()
   ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp', 'tsp', 'dp_tsp',
    'tsp_gspmd', 'dp_tsp_gspmd', 'pp', 'dp_pp', 'zeropp',
-   'dp_tp_sp_pp']
+   'dp_tp_sp_pp', 'ep', 'ep_gspmd', 'fsdp_ep', 'ep_tp']
 """
 
 from __future__ import annotations
@@ -37,6 +37,10 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp_pp": catalogue.dp_pp,
     "zeropp": catalogue.zeropp,
     "dp_tp_sp_pp": catalogue.dp_tp_sp_pp,
+    "ep": catalogue.ep,
+    "ep_gspmd": catalogue.ep_gspmd,
+    "fsdp_ep": catalogue.fsdp_ep,
+    "ep_tp": catalogue.ep_tp,
 }
 
 

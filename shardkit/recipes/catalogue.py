@@ -18,7 +18,11 @@ __all__ = [
     "dp_tp_sp_pp",
     "dp_tsp",
     "dp_tsp_gspmd",
+    "ep",
+    "ep_gspmd",
+    "ep_tp",
     "fsdp",
+    "fsdp_ep",
     "fsdp_cp",
     "fsdp_tp",
     "pp",
@@ -35,7 +39,7 @@ _REPLICATED_ACTIVATIONS = [("length", None), ("embed", None), ("heads", None), (
 
 #: Logical names of the reference models; a model need not use all of them.
 _REFERENCE_NAMES = frozenset(
-    {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab"}
+    {"batch", "length", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "expert"}
 )
 
 #: Megatron tensor parallelism: attention heads, MLP hidden units and the vocabulary
@@ -403,6 +407,95 @@ def dp_tsp_gspmd() -> Recipe:
         activation_rules=Rules([("batch", "data"), *_TSP_ACTIVATIONS]),
         attention="ring",
         attention_axis="tsp",
+    )
+
+
+# -- expert parallelism (shardkit.nn.moe) ---------------------------------------------------
+#: A mixture-of-experts layer's experts split over ``expert``, the batch too.
+_EXPERT = [("expert", "expert")]
+_EXPERT_ACTIVATIONS = [("batch", "expert"), *_REPLICATED_ACTIVATIONS]
+_EXPERT_COLLECTIVES = frozenset({"all-to-all", "all-reduce"})
+
+
+def ep() -> Recipe:
+    """Expert parallel: an MoE layer's experts split over ``expert``, the rest data parallel.
+
+    Each device holds E/N experts (their weights, gradients and Adam state: 16·Ψ_e/N
+    bytes) and a whole replica of the dense part (16·Ψ_d), and trains on B/N sequences.
+    Each MoE layer dispatches its tokens to their experts with an all-to-all over
+    ``expert`` inside ``shard_map`` and brings the outputs home with another
+    (:mod:`shardkit.nn.moe`): per device and layer, forward, 2·(N−1)/N·(B/N)·E·C·d·B
+    bytes (C = ⌈cf·S·k/E⌉ slots per expert and sequence), and as many backward
+    (:func:`shardkit.report.analytic_moe.dispatch_bytes`); the dense gradients are
+    all-reduced, 2Ψ_d·4·(N−1)/N. ``ep_gspmd`` is the same layout left to XLA.
+    """
+    return Recipe(
+        name="ep",
+        optional_names=_REFERENCE_NAMES,
+        collectives=_EXPERT_COLLECTIVES,
+        summary="experts over 'expert' (all-to-all dispatch), the rest DP",
+        mesh_axes=(("expert", -1),),
+        rules=Rules(_EXPERT),
+        activation_rules=Rules(_EXPERT_ACTIVATIONS),
+        expert_dispatch="alltoall",
+    )
+
+
+def ep_gspmd() -> Recipe:
+    """``ep``'s layout by rules only: the one-hot dispatch einsums left to XLA.
+
+    The same rules as ``ep``; XLA chooses how the tokens, split over ``expert`` by the
+    batch, meet the experts, split over it too (on XLA:CPU: all-gathers of the tokens and
+    all-to-alls). The baseline ``ep`` is measured against.
+    """
+    return Recipe(
+        name="ep_gspmd",
+        optional_names=_REFERENCE_NAMES,
+        collectives=_EXPERT_COLLECTIVES | {"all-gather"},
+        summary="ep's layout by rules only: XLA places the dispatch",
+        mesh_axes=(("expert", -1),),
+        rules=Rules(_EXPERT),
+        activation_rules=Rules(_EXPERT_ACTIVATIONS),
+    )
+
+
+def fsdp_ep() -> Recipe:
+    """Experts over ``expert``, the dense weights and all the rest of the state FSDP over it.
+
+    One axis: each expert's weights live whole on one device (E/N per device), every
+    dense matrix 1/N per device along ``embed`` (the tables along ``vocab``); the state
+    is 16·(Ψ_e + Ψ_d)/N per device. Wire: ``ep``'s all-to-alls, and FSDP's all-gathers
+    and reduce-scatter of the dense part, 3Ψ_d·4·(N−1)/N.
+    """
+    return Recipe(
+        name="fsdp_ep",
+        optional_names=_REFERENCE_NAMES,
+        collectives=frozenset({"all-to-all", "all-gather", "reduce-scatter"}),
+        summary="experts over 'expert' (all-to-all), the rest FSDP",
+        mesh_axes=(("expert", -1),),
+        rules=Rules([*_EXPERT, ("vocab", "expert"), ("embed", "expert")]),
+        activation_rules=Rules(_EXPERT_ACTIVATIONS),
+        expert_dispatch="alltoall",
+    )
+
+
+def ep_tp() -> Recipe:
+    """Experts over ``expert``, each expert's MLP and the dense layers Megatron TP over
+    ``tensor`` (expert 4 × tensor 2 on 8 devices).
+
+    Inside the dispatch each device runs its experts' slice of ``mlp`` and the partial
+    outputs are all-reduced over ``tensor`` before the all-to-all home; the tokens are
+    split over ``expert`` only (replicated over ``tensor``).
+    """
+    return Recipe(
+        name="ep_tp",
+        optional_names=_REFERENCE_NAMES,
+        collectives=_EXPERT_COLLECTIVES,
+        summary="experts over 'expert' × TP over 'tensor' (4×2 on 8)",
+        mesh_axes=(("expert", -1), ("tensor", 2)),
+        rules=Rules([*_EXPERT, *_TENSOR]),
+        activation_rules=Rules([("batch", "expert"), *_TENSOR, *_REPLICATED_ACTIVATIONS]),
+        expert_dispatch="alltoall",
     )
 
 

@@ -72,6 +72,9 @@ class Parallelism:
     tsp_kind: Literal["gspmd", "tsp"] = "gspmd"
     #: pipeline stages: a mesh axis that shards only the ``layers`` axis of the stack.
     stage: int = 1
+    #: expert parallelism: mesh axes that split the experts (``expert``) of an MoE
+    #: layer; what such an axis does to the rest of the state is its role above.
+    expert: int = 1
 
     def sizes(self) -> dict[str, int]:
         """``{"data": d, "fsdp": f, "tensor": t, "sequence": c}``."""
@@ -170,6 +173,9 @@ class Recipe:
       logits: the logits' layout where an activation rule splits the vocabulary over a
         mesh axis that also splits the tokens (``"auto"``, ``"vocab"``, ``"tokens"``;
         see :meth:`step_activation_rules`). Recipes without such a rule ignore it.
+      expert_dispatch: ``"gspmd"`` (XLA places a mixture-of-experts layer's collectives)
+        or ``"alltoall"`` (all-to-alls over the mesh axis the rules put ``expert`` on;
+        see ``shardkit.nn.moe``).
       balance: ``"zigzag"``: :meth:`shardkit.Plan.shard_batch` places every batch's
         tokens in the zigzag order over ``attention_axis`` with their positions
         (:mod:`shardkit.balance`), so causal attention's work is even across the context
@@ -194,6 +200,7 @@ class Recipe:
     attention_axis: str = "sequence"
     layer_schedule: Literal["gspmd", "tsp"] = "gspmd"
     logits: LogitsLayout = "auto"
+    expert_dispatch: Literal["gspmd", "alltoall"] = "gspmd"
     balance: Literal["none", "zigzag"] = "none"
     context_state: Literal["sharded", "replicated"] | None = None
 
@@ -244,7 +251,7 @@ class Recipe:
         Example:
           >>> from shardkit import recipes
           >>> recipes.get("dp_tp_sp").parallelism({"data": 2, "tensor": 4})
-          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp', tsp=1, tsp_kind='gspmd', stage=1)
+          Parallelism(data=2, fsdp=1, tensor=4, sequence=1, data_kind='dp', tensor_kind='tp_sp', tsp=1, tsp_kind='gspmd', stage=1, expert=1)
           >>> recipes.get("zero1").parallelism({"data": 8}).data_kind
           'zero1'
         """
@@ -256,9 +263,12 @@ class Recipe:
                 f"sizes {extra}.\nFix: drop those axes or set them to 1."
             )
         degrees = {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1, "tsp": 1, "stage": 1}
+        degrees["expert"] = 1
         kinds = {"data_kind": "dp", "tensor_kind": "tp", "tsp_kind": self.layer_schedule}
         for axis, size in mesh.items():
             role = self.axis_role(axis)
+            if "expert" in _names_on(self.rules, axis):
+                degrees["expert"] *= int(size)
             if role is None:
                 continue
             if role == "tensor" and "length" in _names_on(self.activation_rules, axis):
@@ -271,14 +281,16 @@ class Recipe:
     def axis_role(self, axis: str) -> str | None:
         """What mesh axis ``axis`` runs under this recipe's rules (never its name):
         ``"tensor"``, ``"stage"``, ``"tsp"``, ``"fsdp"``, ``"data"``, ``"sequence"``, or
-        ``None`` for an axis no rule uses.
+        ``None`` for an axis no rule uses. The experts of an MoE layer (``expert``) do not
+        decide it: an axis splitting them and the batch is ``"data"`` for the rest of the
+        state (:attr:`Parallelism.expert` counts it).
 
         Example:
           >>> from shardkit import recipes
           >>> recipes.get("dp_tp_sp").axis_role("tensor"), recipes.get("fsdp").axis_role("fsdp")
           ('tensor', 'fsdp')
         """
-        params = _names_on(self.rules, axis)
+        params = _names_on(self.rules, axis) - {"expert"}
         acts = _names_on(self.activation_rules, axis)
         if params & TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
             return "tensor"  # and heads/MLP units is FSDP that also shards those
@@ -505,6 +517,10 @@ def expected_collectives(recipe: Recipe) -> frozenset[str]:
             out |= {"reduce-scatter", "all-gather"}
         if role == "data" and _names_on(recipe.optimizer_rules, axis):
             out |= {"reduce-scatter", "all-gather"}
+        if "expert" in _names_on(recipe.rules, axis):
+            # the experts' tokens travel to them and back (shardkit.nn.moe); left to XLA
+            # (expert_dispatch="gspmd") the tokens are gathered too
+            out |= {"all-to-all"} | ({"all-gather"} if recipe.expert_dispatch == "gspmd" else set())
         if axis == recipe.attention_axis and role in ("sequence", "tsp"):
             out |= {
                 "ring": {"collective-permute"},

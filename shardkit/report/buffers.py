@@ -2,8 +2,8 @@
 
 ``memory_analysis()`` gives one number for the temporaries (``temp_size_in_bytes``, the
 size of the heap XLA lays them out in). To say *what* is in it, compile the program
-once more with ``xla_dump_to`` (:func:`buffer_assignment`, into a temporary directory)
-and read three of the files XLA writes for it (:func:`read_dump`):
+once more with ``xla_dump_to`` (:func:`_buffer_assignment`, into a temporary directory)
+and read three of the files XLA writes for it (:func:`_read_dump`):
 
 - ``*-buffer-assignment.txt``: allocations (arguments, output, the preallocated temp
   heap, constants), and the values in each with their size and offset;
@@ -19,7 +19,7 @@ From those: the program point where the temp heap holds the most live bytes
 Example:
   >>> import jax, jax.numpy as jnp
   >>> f = lambda x: jnp.sort(x @ x.T).sum()  # a sort stays an op of its own in XLA
-  >>> ba = buffer_assignment(jax.jit(f).lower(jnp.ones((64, 32))))
+  >>> ba = _buffer_assignment(jax.jit(f).lower(jnp.ones((64, 32))))
   >>> ba.temp_bytes == jax.jit(f).lower(jnp.ones((64, 32))).compile(
   ...     ).memory_analysis().temp_size_in_bytes
   True
@@ -38,7 +38,7 @@ from typing import Any
 
 from shardkit.report.provenance import metadata_of, named_after_use
 
-__all__ = ["BufferAssignment", "Value", "buffer_assignment", "compile_with_buffers", "read_dump"]
+__all__ = ["BufferAssignment", "Value", "compile_with_buffers"]
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*)$")
 _VALUE = re.compile(
@@ -198,7 +198,7 @@ def _one(directory: str, suffix: str) -> str:
         return f.read()
 
 
-def read_dump(directory: str) -> BufferAssignment:
+def _read_dump(directory: str) -> BufferAssignment:
     """Read the buffer assignment XLA dumped for one program into ``directory``."""
     base = "cpu_after_optimizations" if glob.glob(os.path.join(directory, "*cpu_after*")) else ""
     assignment = _one(directory, f"{base}-buffer-assignment.txt")
@@ -308,9 +308,9 @@ def compile_with_buffers(lowered: Any, **compiler_options: Any) -> tuple[Any, Bu
     with tempfile.TemporaryDirectory(prefix="shardkit-xla-dump-") as directory:
         options = {**compiler_options, "xla_dump_to": directory}
         compiled = lowered.compile(compiler_options=options)
-        return compiled, read_dump(directory)
+        return compiled, _read_dump(directory)
 
 
-def buffer_assignment(lowered: Any, **compiler_options: Any) -> BufferAssignment:
+def _buffer_assignment(lowered: Any, **compiler_options: Any) -> BufferAssignment:
     """The buffer assignment of ``lowered`` compiled (see :func:`compile_with_buffers`)."""
     return compile_with_buffers(lowered, **compiler_options)[1]

@@ -102,6 +102,8 @@ def build_report(
         step, state, batch, workload, dims = _model_step(
             plan, model, step, state, batch, extra, seq, tx, seed, pipeline, workload, dims
         )
+        if isinstance(step, PipelinedStep):  # the options filled in (micro-batches, ...)
+            pipeline = step.options
     else:
         for name, value in (("seq", seq), ("tx", tx)):
             if value is not None:

@@ -33,7 +33,7 @@ __all__ = [
 
 #: Share of a step's wire bytes below which a collective kind is noise (the loss's and
 #: the norms' small reductions, which tiny models make look large).
-WIRE_THRESHOLD = 0.05
+_WIRE_THRESHOLD = 0.05
 
 _CAUSES = {
     "all-gather": "XLA gathered a sharded array: a weight read with a layout other than its "
@@ -68,7 +68,7 @@ def unexpected_collectives(
     for kind in sorted({c.kind for c in collectives} - expected):
         ops = [c for c in collectives if c.kind == kind]
         wire = sum(c.wire_bytes for c in ops)
-        if wire < WIRE_THRESHOLD * total:
+        if wire < _WIRE_THRESHOLD * total:
             continue
         top = max(ops, key=lambda c: c.wire_bytes)
         row = params.param_of(top)

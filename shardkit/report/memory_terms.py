@@ -67,7 +67,7 @@ TERMS = (
 )
 
 #: What each term is, for terms the analytic model has no value of.
-UNMODELLED = {
+_UNMODELLED = {
     "activation gradients": "the analytic model counts the recomputed layer's activations, "
     "not the gradients the backward pass computes from them",
     "collective buffers": "the analytic model has no term for collective inputs and outputs",
@@ -341,7 +341,7 @@ def explain(terms: Sequence[MemoryTerm], phase: str, *, tolerance: float = TOLER
         elif not modelled:  # a layout the phase model does not cover (a pipeline)
             why = "the analytic phase model does not cover this layout (no term of it is modelled)"
         elif ratio is None:
-            why = UNMODELLED.get(
+            why = _UNMODELLED.get(
                 t.term, f"the analytic model has no such term in the {phase} phase"
             )
         else:

@@ -12,7 +12,7 @@ at once: it passes through phases, and its peak is the largest of them. Per devi
   hidden states in the head's layout, and a gathered copy of the head's weight with
   its gradient where the head computes in another layout than the one stored;
 - ``optimizer_step``: the state, and what the update holds on top
-  (:func:`optimizer_step_peak_bytes`): nothing for a clip by one scalar factor, a copy
+  (:func:`_optimizer_step_peak_bytes`): nothing for a clip by one scalar factor, a copy
   of the gradients for optax's ``select`` form, and the largest gradient all-reduced
   out of place (XLA's CPU all-reduce writes a new buffer).
 
@@ -43,17 +43,15 @@ from shardkit.nn.loss import LOGITS, auto_chunks
 from shardkit.report.formulas import activation_bytes, logits_bytes, megatron_activations_per_layer
 
 __all__ = [
-    "PHASES",
     "head_loss_peak_bytes",
     "head_weight_copy_bytes",
     "layer_peak_bytes",
-    "optimizer_step_peak_bytes",
     "peak_phase",
     "phase_peaks",
 ]
 
 #: The phases, in the order a step runs them.
-PHASES = ("layers", "head_loss", "optimizer_step")
+_PHASES = ("layers", "head_loss", "optimizer_step")
 
 
 def head_loss_peak_bytes(
@@ -109,7 +107,7 @@ def head_loss_peak_bytes(
     return float(live_logits * logits + 2 * hidden + weight_buffers * weight_copy_bytes)
 
 
-def optimizer_step_peak_bytes(
+def _optimizer_step_peak_bytes(
     *,
     grads_bytes: float,
     clip: Literal["scale", "select"] = "scale",
@@ -125,14 +123,14 @@ def optimizer_step_peak_bytes(
     gradient twice under ``dp``).
 
     Example:
-      >>> optimizer_step_peak_bytes(grads_bytes=100.0, clip="select")
+      >>> _optimizer_step_peak_bytes(grads_bytes=100.0, clip="select")
       100.0
-      >>> optimizer_step_peak_bytes(grads_bytes=100.0, reduced_leaf_bytes=30.0)
+      >>> _optimizer_step_peak_bytes(grads_bytes=100.0, reduced_leaf_bytes=30.0)
       30.0
     """
     if clip not in ("scale", "select"):
         raise ShardingError(
-            f"optimizer_step_peak_bytes: clip is 'scale' or 'select', got {clip!r}."
+            f"_optimizer_step_peak_bytes: clip is 'scale' or 'select', got {clip!r}."
         )
     return float((grads_bytes if clip == "select" else 0.0) + reduced_leaf_bytes)
 
@@ -312,7 +310,7 @@ def phase_peaks(
     stored_split = _split(recipe.rules.spec(("vocab", "embed"), mesh=sizes), sizes, (0, 1))
     replicas = d * c if data_kind == "dp" else 1
     reduced = weight / stored_split if replicas > 1 else 0.0
-    step = optimizer_step_peak_bytes(grads_bytes=base.grads, clip=clip, reduced_leaf_bytes=reduced)
+    step = _optimizer_step_peak_bytes(grads_bytes=base.grads, clip=clip, reduced_leaf_bytes=reduced)
     return {
         "layers": state + saved + layer,
         "head_loss": state + saved + head,

@@ -57,7 +57,6 @@ from shardkit.report.formulas import (
 
 __all__ = [
     "PipelineCosts",
-    "crossover_unit",
     "in_flight",
     "pipeline_costs",
     "pipeline_model",
@@ -154,11 +153,11 @@ def zeropp_beats_tp(
     return 8 * seq * micro_batch * d_model > 12 * d_model**2 * gathers_per_unit / unit
 
 
-def crossover_unit(*, seq: int, micro_batch: int, d_model: int, gathers_per_unit: int = 3) -> int:
+def _crossover_unit(*, seq: int, micro_batch: int, d_model: int, gathers_per_unit: int = 3) -> int:
     """The smallest unit ``U`` for which :func:`zeropp_beats_tp` holds.
 
     Example:
-      >>> crossover_unit(seq=4096, micro_batch=1, d_model=4096)
+      >>> _crossover_unit(seq=4096, micro_batch=1, d_model=4096)
       5
     """
     return math.floor(12 * d_model * gathers_per_unit / (8 * seq * micro_batch)) + 1

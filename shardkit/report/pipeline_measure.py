@@ -87,7 +87,7 @@ def measure(
         memory,
         wire,
         float(cost.get("flops", 0.0)),
-        analytic_for(
+        _analytic_for(
             plan,
             model,
             batch=batch,
@@ -100,7 +100,7 @@ def measure(
     )
 
 
-def analytic_for(
+def _analytic_for(
     plan: Any,
     model: Any,
     *,

@@ -250,7 +250,7 @@ def module_path_of(op_name: str) -> str:
 
 #: Primitives that move or pin a value without computing with it: an all-gather named
 #: after one of them is named after the op that uses what it gathered instead.
-MOVES = frozenset(
+_MOVES = frozenset(
     {
         "sharding_constraint",
         "squeeze",
@@ -273,7 +273,7 @@ def named_after_use(
     jax 0.12's XLA names a weight's all-gather after the op that sliced or pinned the
     weight (``.../jit(dynamic_index_in_dim)/squeeze``), 0.10's after the layer's op that
     uses it (``.../layers/mlp/up/dot_general``); the report needs the layer. When
-    ``op_name`` ends in a :data:`MOVES` primitive, this follows ``uses(name)`` (``(user,
+    ``op_name`` ends in a :data:`_MOVES` primitive, this follows ``uses(name)`` (``(user,
     opcode, user's op_name, user's frame)`` tuples) from ``start``, past bitcasts, copies,
     tuple elements and ops themselves named after a move, to the first op whose model
     path lies deeper inside ``op_name``'s, and gives its name; else ``(op_name, frame)``.
@@ -283,13 +283,13 @@ def named_after_use(
       >>> named_after_use("jit(f)/jvp(M)/layers/sharding_constraint", 3, "ag", uses.get)
       ('jit(f)/jvp(M)/layers/up/dot_general', 9)
     """
-    if op_name.rpartition("/")[2] not in MOVES:
+    if op_name.rpartition("/")[2] not in _MOVES:
         return op_name, frame
     own = module_path_of(op_name)
     todo, seen = [start], {start}
     while todo:
         for user, opcode, used_as, used_frame in uses(todo.pop(0)) or ():
-            if opcode in _PASS_THROUGH or used_as.rpartition("/")[2] in MOVES:
+            if opcode in _PASS_THROUGH or used_as.rpartition("/")[2] in _MOVES:
                 if user not in seen:
                     seen.add(user)
                     todo.append(user)

@@ -25,8 +25,6 @@ from shardkit.report.records import human_bytes
 from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, table_width
 
 __all__ = [
-    "abbreviate",
-    "collectives_table",
     "estimate_renderables",
     "memory_terms_table",
     "report_renderables",
@@ -109,9 +107,9 @@ def report_renderables(report: Any, *, top: int = 12, width: int = 80) -> list[R
     )
     out.append(wire)
     if report.wire_terms:
-        out.append(wire_terms_table(report))
+        out.append(_wire_terms_table(report))
 
-    out.append(collectives_table(report, top=top, width=width))
+    out.append(_collectives_table(report, top=top, width=width))
 
     params = [r for r in report.params if r.kind == "param"]
     out.append(
@@ -124,7 +122,7 @@ def report_renderables(report: Any, *, top: int = 12, width: int = 80) -> list[R
     )
     prefixed = [r for r in params if r.prefix]
     if prefixed:
-        out.append(Text(prefix_note(prefixed)))
+        out.append(Text(_prefix_note(prefixed)))
     for e in report.explanations:
         head = f"is {e.ratio:.2f}× analytic" if e.analytic_bytes else "has no analytic term"
         out.append(Text.from_markup(f"[cyan]why {e.term} {head}:[/cyan] ") + Text(e.why))
@@ -133,7 +131,7 @@ def report_renderables(report: Any, *, top: int = 12, width: int = 80) -> list[R
     return out
 
 
-def collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
+def _collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
     """The ``top`` collectives by cause, one line each, fitted to ``width`` columns: the
     kind, pass and source line whole, the model path cut from the middle to what is left."""
     groups = report.collective_groups()
@@ -148,7 +146,7 @@ def collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
     def columns(where_width: int | None) -> list[Column]:
         def where(g: Any) -> str:
             text = g.block or g.where or "–"  # the block that made it, if any
-            return text if where_width is None else abbreviate(text, where_width)
+            return text if where_width is None else _abbreviate(text, where_width)
 
         return [
             Column("kind", kind, keep=True),
@@ -173,7 +171,7 @@ def collectives_table(report: Any, *, top: int = 12, width: int = 80) -> Table:
     )
 
 
-def prefix_note(rows: Any) -> str:
+def _prefix_note(rows: Any) -> str:
     """One line on parameters whose logical names were a prefix of their dimensions."""
     first = rows[0]
     return (
@@ -231,7 +229,7 @@ def memory_terms_table(report: Any) -> Table:
     return table
 
 
-def wire_terms_table(report: Any) -> Table:
+def _wire_terms_table(report: Any) -> Table:
     """The wire bytes by term (``Report.wire_terms``), 80 columns wide."""
     table = Table(title="wire bytes by term", box=box.SIMPLE_HEAD)
     for col in ("term", "measured", "analytic", "ratio", "runs"):
@@ -247,13 +245,13 @@ def wire_terms_table(report: Any) -> Table:
     return table
 
 
-def abbreviate(text: str, width: int) -> str:
+def _abbreviate(text: str, width: int) -> str:
     """``text`` cut from the middle to ``width`` characters, keeping its distinctive end.
 
     Example:
-      >>> abbreviate("params/layers/mlp/down/kernel", 20)
+      >>> _abbreviate("params/layers/mlp/down/kernel", 20)
       'params/…/down/kernel'
-      >>> abbreviate("short", 20)
+      >>> _abbreviate("short", 20)
       'short'
     """
     if len(text) <= width:

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from shardkit.dims import ModelDims
 from shardkit.dtypes import dtype_name, itemsize
 from shardkit.errors import ShardingError
-from shardkit.report import lint, memory_terms, wire_terms
+from shardkit.report import analytic_moe, lint, memory_terms, wire_terms
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.estimator import Estimate, against, estimate
@@ -49,7 +49,7 @@ __all__ = ["Report", "param_rows", "read_compiled"]
 
 #: What the analytic phase model leaves out, by the phase that sets the peak (measured on
 #: gpt-small and llama-small; see docs/explain/limits.md).
-PHASE_WHY = {
+_PHASE_WHY = {
     "layers": "the layer being recomputed in the backward pass holds XLA's f32 temporaries "
     "(about 20 buffers of b·s·h under tensor parallelism, and attention scores), which the "
     "analytic model counts with Megatron's 16-bit constants; XLA's buffer assignment, not "
@@ -235,7 +235,7 @@ def _mesh_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
     return tuple(entry_axes(e) for e in entries[:ndim])
 
 
-def compiled_flops(compiled: Any) -> float | None:
+def _compiled_flops(compiled: Any) -> float | None:
     try:
         cost = compiled.cost_analysis()
     except Exception:  # backends without a cost model
@@ -319,6 +319,8 @@ def read_compiled(
             )
             if dims is not None:  # a chunked head: the step's phases set the total
                 analytic = with_phases(analytic, dims, recipe, mesh, workload)
+            if dims is not None and dims.n_experts:
+                analytic = _with_experts(analytic, dims, recipe, mesh, workload, full)
         except ShardingError as e:  # a layout the analytic model does not cover
             notes.append(f"no analytic model: {' '.join(str(e).split())}")
     logical_names = {n for r in rows for n in r.logical if n}
@@ -371,7 +373,7 @@ def read_compiled(
         params=tuple(rows),
         memory=memory_per_device(compiled),
         collectives=collectives,
-        flops=compiled_flops(compiled),
+        flops=_compiled_flops(compiled),
         analytic=analytic,
         warnings=tuple(warnings),
         workload=workload,
@@ -381,6 +383,64 @@ def read_compiled(
         estimate=guess,
         logits=recipe.logits,
         wire_terms=tuple(wire),
+    )
+
+
+def _with_experts(analytic, dims, recipe, mesh, workload, full) -> AnalyticModel:
+    """``analytic`` with an MoE model's expert state split as the rules split the experts
+    and the expert dispatch's all-to-alls (:mod:`shardkit.report.analytic_moe`)."""
+    split = analytic_moe.state_split(dims, recipe, mesh)
+    per_device = split["expert"] + split["dense"]
+    per_param = {k: v / dims.param_count for k, v in full.items()}
+    memory = dataclasses.replace(
+        analytic.memory,
+        params=per_param["param"] * per_device,
+        grads=per_param["param"] * per_device,
+        optimizer=per_param["optimizer"] * per_device,
+    )
+    nb = 2 if workload.precision == "bf16" else 4
+    moved = analytic_moe.dispatch_bytes(
+        dims,
+        recipe,
+        mesh,
+        batch=workload.batch,
+        seq=workload.seq or 0,
+        bytes_per_value=nb,
+        remat=workload.remat or "none",
+    )
+    wire, terms = dict(analytic.wire_bytes_by_kind), dict(analytic.wire_terms)
+    par = recipe.parallelism(mesh)
+    if par.expert > 1:
+        # Experts split over an axis that splits the batch too are never gathered nor
+        # reduced over it (their tokens travel instead): the weight and gradient terms
+        # of the dense model apply to the dense share of the parameters only.
+        share = 1 - dims.layers * dims.expert_params / dims.param_count
+        for term, kind in (
+            ("weight all-gathers", "all-gather"),
+            ("gradient reductions", "reduce-scatter" if par.fsdp > 1 else "all-reduce"),
+        ):
+            if term in terms:
+                delta = terms[term] * (1 - share)
+                terms[term] -= delta
+                wire[kind] = max(0.0, wire.get(kind, 0.0) - delta)
+    notes = [
+        f"experts: {dims.layers}·{dims.expert_params:,} parameters split over "
+        f"{analytic_moe.expert_split(recipe, mesh)} devices, the dense "
+        f"{dims.param_count - dims.layers * dims.expert_params:,} as the dense model"
+    ]
+    if moved:
+        wire["all-to-all"] = wire.get("all-to-all", 0.0) + moved
+        terms["expert dispatch"] = moved
+        notes.append(
+            f"expert dispatch: {dims.layers} layers × 4 all-to-alls (6 under full remat) of "
+            f"E·b·C·d·{nb} bytes, C = {analytic_moe.capacity(dims, workload.seq or 0)}"
+        )
+    return dataclasses.replace(
+        analytic,
+        memory=memory,
+        wire_bytes_by_kind=wire,
+        wire_terms=terms,
+        notes=(*analytic.notes, *notes),
     )
 
 
@@ -422,7 +482,7 @@ def _explain_memory(memory: MemoryStats, analytic: AnalyticModel | None) -> list
         return []
     over = memory.total > want
     why = f"the peak is the {peak} phase ({want / 2**20:,.1f} MiB analytic); " + (
-        PHASE_WHY.get(peak, "")
+        _PHASE_WHY.get(peak, "")
         if over
         else "XLA reuses buffers the analytic model counts as live at once"
     )

@@ -6,6 +6,9 @@ state's parameters (:class:`ParamMatch`):
 
 - ``pipeline transfers``: collective-permutes of a layout with a ``stage`` axis, outside
   the attention code;
+- ``expert dispatch``: all-to-alls, and collectives of no parameter's shape, made by
+  shardkit's mixture-of-experts block (the ``moe`` scopes: tokens sent to their experts
+  and the outputs brought home, :mod:`shardkit.nn.moe`);
 - ``context-parallel K/V``: collectives made by shardkit's attention block (the
   ``attention`` scopes: ring or all-gather attention over a sequence axis, its zigzag
   reorder);
@@ -57,7 +60,6 @@ __all__ = [
     "attach_layouts",
     "attribute",
     "explain",
-    "rule_of",
     "term_of",
 ]
 
@@ -67,6 +69,7 @@ TERMS = (
     "gradient reductions",
     "activation collectives",
     "context-parallel K/V",
+    "expert dispatch",
     "logits / loss collectives",
     "pipeline transfers",
     "other collectives",
@@ -189,6 +192,8 @@ def term_of(c: Collective, params: ParamMatch, *, stages: int = 1) -> str:
     if _is_attention(c):
         return "context-parallel K/V"
     row = params.param_of(c)
+    if _family(c) == "moe" and (c.kind == "all-to-all" or row is None):
+        return "expert dispatch"
     if row is not None and c.kind in _GATHERS:
         return "weight all-gathers"
     if row is not None and c.kind in _REDUCTIONS and c.pass_ in ("backward", "update"):
@@ -248,11 +253,11 @@ def attach_layouts(collectives: Sequence[Collective], rows: Sequence[Any]) -> li
         if row is None:
             out.append(c)
             continue
-        out.append(dataclasses.replace(c, logical=tuple(row.logical), rule=rule_of(row)))
+        out.append(dataclasses.replace(c, logical=tuple(row.logical), rule=_rule_of(row)))
     return out
 
 
-def rule_of(row: Any) -> str:
+def _rule_of(row: Any) -> str:
     """``('embed', 'fsdp')``: each sharded dimension's logical name and mesh axes."""
     pairs = []
     for name, axes in zip(row.logical, getattr(row, "mesh_axes", ()) or (), strict=False):
@@ -353,7 +358,7 @@ def _per_param(t: WireTerm, params: ParamMatch, rows: Sequence[Any], verb: str) 
         share = math.prod(r.shape) / psi
         if share < 0.01:
             break
-        rule = rule_of(r)
+        rule = _rule_of(r)
         layout = f"the rule {rule} keeps it sharded" if rule else "it is replicated"
         split = [n for n, axes in zip(r.logical, r.mesh_axes or (), strict=False) if axes]
         if verb == "reduced":

@@ -55,6 +55,8 @@ CASES = {
                                         *SMALL],
     "pipeline flags with a recipe that cannot pipeline": ["report", "--recipe", "cp",
                                                           *PIPELINE[2:], *SMALL],
+    "--rolled with a recipe that cannot pipeline": ["report", "--recipe", "cp", "--rolled",
+                                                    *SMALL],
     "micro-batches that do not divide the batch": ["report", *PIPELINE[:-2], *SMALL],
     "unknown pipeline schedule": ["report", *PIPELINE[:2], "--schedule", "1fb1", *PIPELINE[4:],
                                   *SMALL],

@@ -233,6 +233,10 @@ MESHES = {
     "tsp_gspmd": {"tsp": 8},
     "dp_tsp": {"data": 2, "tsp": 4},
     "dp_tsp_gspmd": {"data": 2, "tsp": 4},
+    "ep": {"expert": 8},
+    "ep_gspmd": {"expert": 8},
+    "fsdp_ep": {"expert": 8},
+    "ep_tp": {"expert": 4, "tensor": 2},
 }
 DEGREES = {  # (data, fsdp, tensor, sequence)
     name: tuple(mesh.get(a, 1) for a in ("data", "fsdp", "tensor", "sequence"))
@@ -241,6 +245,9 @@ DEGREES = {  # (data, fsdp, tensor, sequence)
 # cp and fsdp_cp split the state over 'sequence' too (context_state="sharded"): by their
 # rules that axis splits parameters and the tokens, TSP's role (par.tsp), run by XLA.
 DEGREES["cp"], DEGREES["fsdp_cp"] = (1, 1, 1, 1), (1, 2, 1, 1)
+# The expert axis splits the batch: data parallel for the dense part (FSDP under fsdp_ep).
+DEGREES.update({"ep": (8, 1, 1, 1), "ep_gspmd": (8, 1, 1, 1), "fsdp_ep": (1, 8, 1, 1)})
+DEGREES["ep_tp"] = (4, 1, 2, 1)
 
 
 #: What each built-in recipe runs, by hand from its docstring (data kind, tensor kind).
@@ -306,7 +313,8 @@ def test_analytic_model_each_recipe(name, config_name):
     assert m.memory.grads == pytest.approx(4 * psi / (t * f))
     opt_degree = t * f * (d if name == "zero1" else 1)
     assert m.memory.optimizer == pytest.approx(8 * psi / opt_degree)
-    mode = {"tp": "tp", "fsdp_tp": "tp", "tp_sp": "tp_sp", "dp_tp_sp": "tp_sp"}.get(name, "none")
+    mode = {"tp": "tp", "fsdp_tp": "tp", "ep_tp": "tp", "tp_sp": "tp_sp", "dp_tp_sp": "tp_sp"}
+    mode = mode.get(name, "none")
     b, s = 16 / (d * f), 64 / c
     layer = megatron_activations_per_layer(
         s, b, cfg.d_model, cfg.n_heads, t=t, mode=mode, bytes_per_value=4

@@ -104,6 +104,20 @@ def test_a_pipeline_plan_reports_its_pipelined_step_against_the_pipeline_model()
     assert r.wire_bytes_by_kind.get("collective-permute", 0) > 0
 
 
+def test_pipeline_options_left_out_are_the_steps_defaults_in_the_analytic_model_too():
+    # `shardkit report --recipe dp_pp --schedule gpipe` gives only the schedule: the step
+    # runs one micro-batch per stage, and the analytic model must count that same step.
+    plan = sk.Plan("dp_pp", sk.make_mesh({"stage": 2, "data": 4}))
+    model = models.get("gpt-tiny")
+    partial = build_report(plan, model=model, batch=8, seq=32, pipeline={"schedule": "gpipe"})
+    explicit = build_report(
+        plan, model=model, batch=8, seq=32, pipeline={"schedule": "gpipe", "microbatches": 2}
+    )
+    assert partial.analytic is not None
+    assert partial.analytic.wire_bytes_by_kind == explicit.analytic.wire_bytes_by_kind
+    assert partial.wire_bytes_by_kind == explicit.wire_bytes_by_kind
+
+
 def test_bad_arguments_name_the_form_that_fixes_them():
     plan, model = sk.Plan("dp"), models.get("gpt-tiny")
     abstract = plan.abstract_init(init, jax.random.key(0))

@@ -164,7 +164,7 @@ def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
 def test_the_report_shows_the_estimate_next_to_the_compiled_memory():
     model = models.get("gpt-tiny", remat="save_dots")
     plan = sk.Plan("tp_sp")
-    report = models.report(plan, model, batch=8, seq=64, itemise=True)
+    report = sk.report.build_report(plan, model=model, batch=8, seq=64, itemise=True)
     assert report.estimate.total == estimate(plan, model, batch=8, seq=64).total
     vs = report.estimate_vs_compiled()
     names = [r[0] for r in vs["rows"]]

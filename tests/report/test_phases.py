@@ -9,8 +9,8 @@ from shardkit.models import CONFIGS, get
 from shardkit.report import build_report
 from shardkit.report.analytic import analytic_model
 from shardkit.report.phases import (
+    _optimizer_step_peak_bytes,
     head_loss_peak_bytes,
-    optimizer_step_peak_bytes,
     peak_phase,
     phase_peaks,
 )
@@ -27,10 +27,10 @@ def test_head_term_counts_three_logits_buffers():
 
 
 def test_optimizer_term_is_a_gradient_copy_only_for_select():
-    assert optimizer_step_peak_bytes(grads_bytes=475.0, clip="select") == 475.0
-    assert optimizer_step_peak_bytes(grads_bytes=475.0, clip="scale") == 0.0
+    assert _optimizer_step_peak_bytes(grads_bytes=475.0, clip="select") == 475.0
+    assert _optimizer_step_peak_bytes(grads_bytes=475.0, clip="scale") == 0.0
     with pytest.raises(sk.ShardingError, match="clip"):
-        optimizer_step_peak_bytes(grads_bytes=1.0, clip="none")
+        _optimizer_step_peak_bytes(grads_bytes=1.0, clip="none")
 
 
 def test_phase_that_sets_the_peak():

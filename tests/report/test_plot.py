@@ -84,6 +84,26 @@ def test_pipeline_timelines_are_a_grid_between_square_and_two_to_one(tmp_path, c
     assert fig.get_suptitle().startswith("Pipeline schedules")
 
 
+def _most_held(schedule) -> int:
+    """By hand from the tables: items a stage has run forward and not yet backward."""
+    most = 0
+    for s in range(schedule.stages):
+        live = 0
+        for t in range(schedule.ticks):
+            live += schedule.forward[t][s] is not None
+            most = max(most, live)
+            live -= schedule.backward[t][s] is not None
+    return most
+
+
+@pytest.mark.parametrize("name,virtual", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_a_timelines_title_says_what_a_stage_holds_not_the_engines_ring(name, virtual):
+    schedule = make(name, 4, 8, virtual)
+    fig = plot_schedules([schedule])
+    unit = "micro-batches" if virtual == 1 else "chunks"
+    assert f"holds at most {_most_held(schedule)} {unit}" in fig.axes[0].get_title()
+
+
 GIB = 2**30
 #: gpt-7b's planning rows (benchmarks/results/planning.json, fsdp and fsdp_tp total MiB),
 #: as (memory bytes, wire bytes) per device; fsdp_tp's wire bytes were not recorded.
