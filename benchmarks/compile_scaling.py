@@ -5,7 +5,13 @@ compile only. For each depth: the train step's compile time with scanned layers 
 fastest of three compiles) and with unrolled layers (one), and the time shardkit spends resolving rules into shardings
 (``plan.shardings`` of the annotated state) as a share of the scanned compile.
 
-Run: python benchmarks/compile_scaling.py [--tiny]
+A second table (``compile_scaling_pipeline.json``): the pipelined train step of gpt-small
+(``pp``, 4 stages, 1f1b, seq 256, compile only) with 12 and 24 layers and with 16 and 32
+micro-batches, the stage's layers unrolled (the default) and rolled (``rolled=True``),
+compiled alternately in one process; the ratios are what the issue asks (24 ÷ 12 layers,
+m = 32 ÷ m = 16).
+
+Run: python benchmarks/compile_scaling.py [--tiny] [--pipeline-only]
 """
 
 from __future__ import annotations
@@ -43,8 +49,66 @@ def compile_seconds(layers: int, scan: bool) -> tuple[float, float]:
     return time.perf_counter() - start, resolve
 
 
+def pipeline_compile_seconds(model_name: str, layers: int, m: int, seq: int, rolled: bool) -> float:
+    """Seconds to trace and compile gpt-small's pipelined train step (pp, 4 stages, 1f1b)."""
+    model, tx = get(model_name, n_layers=layers), train.adamw()
+    plan = sk.Plan("pp", devices=jax.devices()[:4])
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    tokens = jax.ShapeDtypeStruct((m, seq), jnp.int32)
+    start = time.perf_counter()
+    step = train.train_step(
+        model,
+        tx,
+        plan=plan,
+        abstract=abstract,
+        pipeline={"microbatches": m, "schedule": "1f1b", "rolled": rolled},
+    )
+    plan.jit(step, state=abstract).lower(abstract, {"inputs": tokens, "targets": tokens}).compile()
+    return time.perf_counter() - start
+
+
+def pipeline_table(args) -> None:
+    name, seq, (l0, m0) = ("gpt-tiny", 16, (4, 4)) if args.tiny else ("gpt-small", 256, (12, 16))
+    configs = [(l0, m0), (2 * l0, m0), (l0, 2 * m0)]
+    seconds = {}
+    for layers, m in configs:  # unrolled and rolled alternately: the machine's load drifts
+        for rolled in (False, True):
+            seconds[layers, m, rolled] = pipeline_compile_seconds(name, layers, m, seq, rolled)
+    rows, extra = [], {}
+    for rolled in (False, True):
+        base = seconds[l0, m0, rolled]
+        depth = seconds[2 * l0, m0, rolled] / base
+        micro = seconds[l0, 2 * m0, rolled] / base
+        label = "rolled" if rolled else "unrolled"
+        rows.append([label, base, seconds[2 * l0, m0, rolled], seconds[l0, 2 * m0, rolled]])
+        rows[-1] += [depth, micro]
+        extra[label] = {"depth_ratio": depth, "microbatch_ratio": micro, "base_s": base}
+    emit(
+        "compile_scaling_pipeline",
+        f"Compile time of {name}'s pipelined step (pp, 4 stages, 1f1b, seq {seq}): "
+        f"{2 * l0} ÷ {l0} layers = {extra['rolled']['depth_ratio']:.2f}× rolled, "
+        f"{extra['unrolled']['depth_ratio']:.2f}× unrolled",
+        [
+            "stage layers",
+            f"{l0} layers, m={m0} s",
+            f"{2 * l0} layers, m={m0} s",
+            f"{l0} layers, m={2 * m0} s",
+            f"{2 * l0} ÷ {l0} layers",
+            f"m={2 * m0} ÷ m={m0}",
+        ],
+        rows,
+        args.out,
+        extra=extra,
+    )
+
+
 def main(argv=None) -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--pipeline-only", action="store_true", help="only the pipeline table")
+    args = ap.parse_args(argv)
+    pipeline_table(args)
+    if args.pipeline_only:
+        return
     depths = (2, 4) if args.tiny else (6, 12, 24, 48)
     rows, scanned = [], {}
     repeats = 1 if args.tiny else 3

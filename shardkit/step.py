@@ -26,7 +26,13 @@ __all__ = ["PIPELINE_DEFAULTS", "PipelinedStep"]
 #: A pipeline's options where none are given (``microbatches``: one per stage). The one
 #: definition: ``train.train_step``, the command line's flags and ``build_report`` read it.
 PIPELINE_DEFAULTS = types.MappingProxyType(
-    {"schedule": "1f1b", "virtual_stages": 1, "unit": None, "stack_order": "layers"}
+    {
+        "schedule": "1f1b",
+        "virtual_stages": 1,
+        "unit": None,
+        "stack_order": "layers",
+        "rolled": False,
+    }
 )
 
 

@@ -139,9 +139,10 @@ def train_step(
       tx: the optimizer.
       plan, abstract: the plan and its abstract state (``plan.abstract_init``); a
         pipelined step reads the layout from them.
-      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order"}``
-        (defaults, ``shardkit.step.PIPELINE_DEFAULTS``: one micro-batch per stage,
-        ``"1f1b"``, 1, one weight gather per step, ``"layers"``). ``stack_order="interleaved"`` (``interleaved`` schedule): the
+      pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order",
+        "rolled"}`` (defaults, ``shardkit.step.PIPELINE_DEFAULTS``: one micro-batch per
+        stage, ``"1f1b"``, 1, one weight gather per step, ``"layers"``, ``False``: a
+        stage's layers unrolled). ``stack_order="interleaved"`` (``interleaved`` schedule): the
         state's layer stacks are stored in the schedule's order; the step's
         ``to_stored`` / ``to_layers`` convert the state once each way.
       return_grads: the metrics also hold the gradients (tests that compare layouts).
@@ -183,7 +184,7 @@ def train_step(
     if unknown:
         raise ShardingError(
             f"train_step(pipeline=...): {unknown} are not pipeline options.\nFix: use "
-            "microbatches, schedule, virtual_stages, unit, stack_order."
+            "microbatches, schedule, virtual_stages, unit, stack_order, rolled."
         )
     cut = model if isinstance(model, Stages) else model.stages()
     opts.update({k: v for k, v in (pipeline or {}).items() if v is not None})
@@ -195,7 +196,7 @@ def train_step(
             plan, abstract, int(stages), int(opts["virtual_stages"])
         )
     return PipelinedStep(
-        _step(grad_fn, tx, return_grads),
+        _step(grad_fn, tx, return_grads, packed=False),
         schedule=grad_fn.schedule,
         microbatches=opts["microbatches"],
         schedule_name=opts["schedule"],
@@ -211,8 +212,18 @@ def _step(
     value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]],
     tx: optax.GradientTransformation,
     return_grads: bool,
+    *,
+    packed: bool = True,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        if not packed and isinstance(batch, Mapping) and "segment_ids" in batch:
+            raise NotPipelinableError(
+                "train_step: a packed batch (segment_ids "
+                f"{tuple(batch['segment_ids'].shape)}) under a pipeline: the pipeline's "
+                "stages read inputs and targets only, so the documents' mask and positions "
+                "would be ignored.\nFix: train packed rows under a recipe without a 'stage' "
+                "axis (cp, fsdp_cp, tsp, ...), or drop segment_ids and positions."
+            )
         loss, grads = value_and_grad(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -32,7 +32,7 @@ __all__ = ["add_arguments", "for_plan", "options"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--unit`` to ``p``."""
+    """Add ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--unit``, ``--rolled``."""
     g = p.add_argument_group(
         "pipeline (recipes with a 'stage' axis: pp, dp_pp, zeropp, dp_tp_sp_pp)"
     )
@@ -60,21 +60,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="ZeroPP: micro-batches per weight gather (default: one per step)",
     )
+    g.add_argument(
+        "--rolled",
+        action="store_true",
+        default=None,
+        help="a stage's layers (and runs of like ticks) in rolled loops: compile time flat "
+        "in depth and micro-batches, one layer rematerialised at a time",
+    )
 
 
 def options(args: argparse.Namespace) -> dict[str, Any] | None:
     """The pipeline options the flags ask for, or ``None`` when no flag is given."""
-    keys = ("microbatches", "schedule", "virtual_stages", "unit")
+    keys = ("microbatches", "schedule", "virtual_stages", "unit", "rolled")
     if all(getattr(args, k, None) is None for k in keys):
         return None
     schedule = args.schedule or PIPELINE_DEFAULTS["schedule"]
     default_v = 2 if schedule == "interleaved" else 1
-    return {
+    out = {
         "microbatches": args.microbatches,
         "schedule": schedule,
         "virtual_stages": args.virtual_stages or default_v,
         "unit": args.unit,
     }
+    if getattr(args, "rolled", None):
+        out["rolled"] = True
+    return out
 
 
 def for_plan(plan: Any, opts: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -246,6 +246,7 @@ def mesh_value_and_grad(
     stack_order: str = "layers",
     stage_axis: str = STAGE,
     post_grad: Callable[..., tuple[jax.Array, Any, jax.Array]] | None = None,
+    rolled: bool = False,
 ) -> PipelinedGrad:
     """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
 
@@ -287,6 +288,11 @@ def mesh_value_and_grad(
         the engine runs ``jax.value_and_grad(post_fn)`` and adds: on CPU XLA then holds
         the head's gradient twice, the sum and the new term. Not used with ``auto_axes``
         (a vocabulary split over an axis left to XLA would be resliced per chunk).
+      rolled: run a stage's layers in a rolled loop (``lax.scan``, one layer's vjp per
+        iteration) forward and backward, instead of unrolled: the program does not grow
+        with the layers per stage, a backward rematerialises one layer at a time, and each
+        residual is one array ``[ring, L/(p·v), ...]`` per leaf, written in place. XLA's
+        cost analysis counts a loop's body once, so its FLOPs are the layers' ``1/(L/(p·v))``.
 
     Returns:
       the loss (the mean over the whole batch) and the gradients of ``stack`` and ``rest``,
@@ -390,6 +396,7 @@ def mesh_value_and_grad(
             auto,
             rules,
             None if auto else post_grad,
+            rolled=rolled,
         )
         is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
         m_specs = lambda t: jax.tree.map(lambda sp: _only(sp, manual), t, is_leaf=is_spec)  # noqa: E731
@@ -466,7 +473,9 @@ class _Body:
         auto=frozenset(),
         rules=None,
         post_grad=None,
+        rolled=False,
     ):
+        self.rolled = rolled
         self.layer_fn, self.pre_fn, self.post_fn = layer_fn, pre_fn, post_fn
         self.post_grad = post_grad
         self.rules = rules or (None, None)
@@ -487,6 +496,139 @@ class _Body:
         m, ticks = self.sched.microbatches, self.sched.ticks
         units = 1 if self.unit is None else max(1, math.ceil(m / int(self.unit)))
         return sorted({round(i * ticks / units) for i in range(units)})
+
+    def _rolled_ticks(self, at, mb_at, head, rest_g, start_unit, flush, windows, zeros_x, s, s_def):
+        """The ticks with each stage's layers rolled (:class:`_Rolled`): runs of ticks that do
+        the same kinds of work (a 1f1b's steady state) in one ``lax.fori_loop``, so the
+        program does not grow with ``m`` either; returns the loss and the rest's gradient."""
+        sched, stage, p = self.sched, self.stage, self.sched.stages
+        np_tables = sched.tables()
+        scale = 1.0 / (sched.microbatches * self.n_shards)
+        read_slots = jnp.asarray(sched.read_slots())
+        # Where the schedule's own slots (each stage's lowest free one, plus one that idle
+        # forwards write) are fewer than the ring's (gpipe: m + 1 against m + 2p − 1), a
+        # forward writes its item's slot and a backward reads it: nothing is stored for
+        # the bubble's ticks.
+        own = sched.slots + 1 < sched.ring
+        ring = sched.slots + 1 if own else sched.ring
+
+        def write_slot(t):
+            return at("f_slot", t) if own else t % ring
+
+        def read_slot(t):
+            return at("b_slot", t) if own else read_slots[t][s]
+
+        fwd_perm = [(i, (i + 1) % p) for i in range(p if sched.virtual > 1 else p - 1)]
+        bwd_perm = [(b, a) for a, b in fwd_perm]
+
+        def kinds(t):  # what a tick does, as the program sees it
+            return tuple(
+                bool(np_tables[name][t].any())
+                for name in ("f_valid", "b_valid", "f_first", "f_last", "b_first", "b_last")
+            )
+
+        def tick(t, st, w_g, rolled, kind):
+            has_f, has_b, f_first, f_last, b_first, b_last = kind
+            st = dict(st)
+            rolled.rings = st["rings"]
+            if has_f:
+                i, k = at("f_mb", t), at("f_k", t)
+                x_in = st["recv_f"]
+                if f_first:
+                    x_in = jax.lax.cond(
+                        at("f_first", t),
+                        lambda i=i: self.pre_fn(rest_g, mb_at(i)),
+                        lambda r=x_in: r,
+                    )
+                # This forward writes the rings the last backward read: it waits for it
+                # (through a 0 XLA cannot prove), or XLA copies every ring each tick.
+                x_in = x_in + st["after_b"].astype(x_in.dtype)
+                y = rolled.forward(w_g, k, x_in, write_slot(t))
+                if f_last:
+
+                    def loss_and_grads(d_rest, y=y, i=i):
+                        if self.post_grad is not None:
+                            return self.post_grad(rest_g, y, mb_at(i), d_rest, scale)
+                        grad_fn = jax.value_and_grad(head, argnums=(0, 1))
+                        val, (dr, dy) = grad_fn(rest_g, y, mb_at(i))
+                        return val, jax.tree.map(jnp.add, d_rest, dr), dy
+
+                    def none(d_rest, y=y):
+                        return jnp.zeros((), jnp.float32), d_rest, jnp.zeros_like(y)
+
+                    val, st["d_rest"], dy = jax.lax.cond(
+                        at("f_last", t), loss_and_grads, none, st["d_rest"]
+                    )
+                    st["loss"] = st["loss"] + val.astype(jnp.float32)
+                    st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), write_slot(t))
+                if p > 1:
+                    with scope("pipeline.send"):
+                        st["recv_f"] = jax.lax.ppermute(y, stage, fwd_perm)
+            if has_b:
+                j, k = at("b_mb", t), at("b_k", t)
+                slot = read_slot(t)
+                g_in = st["recv_b"]
+                if b_last:
+                    g_in = jnp.where(at("b_last", t), _at(st["dys"], slot), g_in)
+                st["d_acc"], d_x = rolled.backward(
+                    w_g, k, g_in, st["d_acc"], slot, at("b_valid", t)
+                )
+                st["after_b"] = jnp.where(s == -1 - t, d_x.ravel()[0], 0).astype(jnp.float32)
+                if b_first:
+
+                    def pre_grad(d_rest, j=j, d_x=d_x):
+                        mb = mb_at(j)
+                        _, pull = jax.vjp(lambda r: self.pre_fn(r, mb), rest_g)
+                        return jax.tree.map(jnp.add, d_rest, pull(d_x)[0])
+
+                    st["d_rest"] = jax.lax.cond(
+                        at("b_first", t), pre_grad, lambda d: d, st["d_rest"]
+                    )
+                if p > 1:
+                    with scope("pipeline.send"):
+                        st["recv_b"] = jax.lax.ppermute(d_x, stage, bwd_perm)
+            st["rings"] = rolled.rings
+            return st
+
+        # Runs of ticks of one kind, cut where a scheduling unit starts.
+        runs: list[list[int]] = []
+        for t in range(sched.ticks):
+            if runs and t not in windows and kinds(t) == kinds(runs[-1][0]):
+                runs[-1].append(t)
+            else:
+                runs.append([t])
+        rolled, st, d_acc = None, None, None
+        for run in runs:
+            if run[0] in windows:
+                w_g, d_acc = start_unit(run[0], d_acc)
+                if st is not None:
+                    st["d_acc"] = d_acc
+            if rolled is None:
+                rolled = _Rolled(self.layer_fn, s_def, w_g, zeros_x, ring)
+                st = {
+                    "recv_f": zeros_x,
+                    "recv_b": zeros_x,
+                    "d_acc": d_acc,
+                    "d_rest": jax.tree.map(jnp.zeros_like, rest_g),
+                    "loss": jnp.zeros((), jnp.float32),
+                    "dys": jnp.zeros((ring, *zeros_x.shape), zeros_x.dtype),
+                    "after_b": jnp.zeros((), jnp.float32),
+                    "rings": rolled.rings,
+                }
+            kind = kinds(run[0])
+            if len(run) < 3:
+                for t in run:
+                    st = tick(t, st, w_g, rolled, kind)
+            else:
+                st = jax.lax.fori_loop(
+                    run[0],
+                    run[-1] + 1,
+                    lambda t, st, w_g=w_g, kind=kind, r=rolled: tick(t, st, w_g, r, kind),
+                    st,
+                )
+            d_acc = st["d_acc"]
+        flush(d_acc)
+        return st["loss"], st["d_rest"]
 
     def __call__(self, stack: Any, rest: Any, batch: Any):
         acts, params = self.rules
@@ -560,7 +702,26 @@ class _Body:
                 return [x[0] for x in tree_flat]
             return [jax.lax.dynamic_index_in_dim(x, k, 0, False) for x in tree_flat]
 
-        for t in range(sched.ticks):
+        def start_unit(t, d_acc):
+            """A new scheduling unit at tick ``t``: the last one's gradient flushed, this
+            one's weights gathered once; returns the gathered weights and a zero sum."""
+            if d_acc is not None:
+                flush(d_acc)
+            # Each unit's shards as a distinct value (+ 0 that XLA cannot prove is 0): see
+            # the unrolled loop below.
+            zero = None
+            if t:
+                g0 = d_stack_sharded[0].reshape(-1)[0]
+                zero = ((s == -1 - t) & (g0 == g0)).astype(s_flat[0].dtype)
+            shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
+            w_g = [chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec, strict=True)]
+            return w_g, [jnp.zeros_like(x) for x in w_g]
+
+        if self.rolled:
+            loss, d_rest = self._rolled_ticks(
+                at, mb_at, head, rest_g, start_unit, flush, windows, zeros_x, s, s_def
+            )
+        for t in range(0 if self.rolled else sched.ticks):
             if t in windows:  # a new scheduling unit: gather its weights once
                 if d_acc is not None:
                     flush(d_acc)
@@ -683,7 +844,8 @@ class _Body:
                 if p > 1:
                     with scope("pipeline.send"):
                         recv_b = jax.lax.ppermute(d_x, stage, bwd_perm)
-        flush(d_acc)
+        if not self.rolled:
+            flush(d_acc)
 
         # Sum over the batch axes (and, for rest, over stages); shards stay shards.
         d_stack = []
@@ -696,3 +858,93 @@ class _Body:
             d_rest_out.append(_psum_over(g, (*axes, stage) if p > 1 else axes))
         loss = _psum_over(loss, (*self.b_axes, stage) if p > 1 else self.b_axes)
         return loss, (jax.tree.unflatten(s_def, d_stack), jax.tree.unflatten(r_def, d_rest_out))
+
+
+def _at(x: jax.Array, *index: Any) -> jax.Array:
+    """``x[index]`` for leading (possibly traced) indices: one dynamic slice."""
+    starts = [jnp.asarray(i, jnp.int32) for i in index] + [jnp.int32(0)] * (x.ndim - len(index))
+    sizes = (1,) * len(index) + x.shape[len(index) :]
+    return jax.lax.dynamic_slice(x, starts, sizes).reshape(x.shape[len(index) :])
+
+
+def _put(x: jax.Array, value: jax.Array, *index: Any) -> jax.Array:
+    """``x.at[index].set(value)`` for leading (possibly traced) indices, in place."""
+    starts = [jnp.asarray(i, jnp.int32) for i in index] + [jnp.int32(0)] * value.ndim
+    return jax.lax.dynamic_update_slice(x, value.reshape((1,) * len(index) + value.shape), starts)
+
+
+class _Rolled:
+    """A stage's layers as two rolled loops, its residuals in rings updated in place.
+
+    The forward is a ``lax.scan`` over the chunk's ``L/(p·v)`` layers, each iteration one
+    layer's ``jax.vjp``; the residuals that are not the layer's weights go into one array
+    per leaf, ``[ring, L/(p·v), ...]``, at (the tick's ring slot, the layer), carried
+    through the loop so XLA writes them in place. The backward is the reverse scan: each
+    iteration reads its layer's residuals and weights, runs that layer's vjp (under a
+    model's remat, one layer recomputed at a time) and adds the weight gradient into
+    the running sum at (chunk, layer), carried. Each tick's program is one layer's,
+    whatever ``L/p``.
+    """
+
+    def __init__(self, layer_fn, s_def, w_g, x, ring):
+        self.layer_fn, self.s_def, self.ring = layer_fn, s_def, ring
+        self.n_layers = int(w_g[0].shape[1])
+        self.res_def, self.is_w = None, None
+        w_l = [jax.ShapeDtypeStruct(w.shape[2:], w.dtype) for w in w_g]
+        x_s = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        shapes = jax.eval_shape(lambda w, h: self._vjp(w, h, probe=True)[1], w_l, x_s)
+        self.rings = [
+            None if f is not None else jnp.zeros((ring, self.n_layers, *r.shape), r.dtype)
+            for r, f in zip(shapes, self._probe_flags, strict=True)
+        ]
+
+    def _vjp(self, w_l, x, probe=False):
+        y, vjp = jax.vjp(lambda w, h: self.layer_fn(jax.tree.unflatten(self.s_def, w), h), w_l, x)
+        leaves, tdef = jax.tree.flatten(vjp)
+        # Residuals that *are* the weights are not stored: the backward slices them again.
+        flags = [next((q for q, w in enumerate(w_l) if leaf is w), None) for leaf in leaves]
+        if probe:
+            self._probe_flags = flags
+            return y, [jnp.zeros((), jnp.float32) if f is not None else x for x, f in
+                       zip(leaves, flags, strict=True)]  # fmt: skip
+        if self.res_def is None:
+            self.res_def, self.is_w = tdef, flags
+        if flags != self.is_w or flags != self._probe_flags:
+            raise PipelineError("The layer's vjp residuals differ between ticks.")
+        return y, leaves
+
+    def forward(self, w_g, k, x, slot):
+        def one(carry, layer):
+            h, rings = carry
+            y, leaves = self._vjp([_at(w, k, layer) for w in w_g], h)
+            rings = [
+                r if r is None else _put(r, leaf, slot, layer)
+                for r, leaf in zip(rings, leaves, strict=True)
+            ]
+            return (y, rings), None
+
+        layers = jnp.arange(self.n_layers)
+        (y, self.rings), _ = jax.lax.scan(one, (x, self.rings), layers)
+        return y
+
+    def backward(self, w_g, k, g, d_acc, slot, valid):
+        g = jnp.where(valid, g, jnp.zeros_like(g))
+
+        def one(carry, layer):
+            g, d_acc = carry
+            w_l = [_at(w, k, layer) for w in w_g]
+            leaves = [
+                w_l[f] if f is not None else _at(r, slot, layer)
+                for r, f in zip(rings, self.is_w, strict=True)
+            ]
+            d_w, d_x = jax.tree.unflatten(self.res_def, leaves)(g)
+            new = []
+            for acc, dw in zip(d_acc, d_w, strict=True):
+                cur = _at(acc, k, layer)
+                new.append(_put(acc, jnp.where(valid, cur + dw, cur), k, layer))
+            return (d_x, new), None
+
+        rings = self.rings
+        layers = jnp.arange(self.n_layers)
+        (d_x, d_acc), _ = jax.lax.scan(one, (g, d_acc), layers, reverse=True)
+        return d_acc, d_x

@@ -57,6 +57,7 @@ def pipeline_value_and_grad(
     virtual_stages: int = 1,
     unit: int | None = None,
     stack_order: str = "layers",
+    rolled: bool = False,
 ) -> pipeline.PipelinedGrad:
     """``fn(params, batch) -> (loss, grads)`` of ``stages.loss``, run as a pipeline under ``plan``.
 
@@ -66,7 +67,7 @@ def pipeline_value_and_grad(
         over it.
       abstract_params: the params with their logical axes (``jax.eval_shape(init, key)``
         of the annotated params), or an ``AbstractState`` whose tree has ``.params``.
-      microbatches, schedule, virtual_stages, unit, stack_order: see
+      microbatches, schedule, virtual_stages, unit, stack_order, rolled: see
         :func:`shardkit.parallel.pipeline.mesh_value_and_grad` (``stack_order="interleaved"``:
         ``params[key]`` stored as :func:`to_interleaved` gives it).
 
@@ -131,6 +132,7 @@ def pipeline_value_and_grad(
         auto_axes=auto_axes,
         stack_order=stack_order,
         post_grad=stages.post_grad,
+        rolled=rolled,
     )
 
     def fn(params: Any, batch: Any) -> tuple[jax.Array, Any]:

@@ -51,6 +51,7 @@ from shardkit.nn.loss import LOGITS, auto_chunks
 from shardkit.report.analytic import analytic_costs, workload_of
 from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
 from shardkit.report.pipeline_analytic import in_flight
+from shardkit.step import PIPELINE_DEFAULTS
 
 __all__ = ["FIT", "Estimate", "against", "estimate", "saved_values"]
 
@@ -262,7 +263,7 @@ def estimate(
         raise ShardingError(f"estimate(batch={batch!r}, seq={seq!r}): positive ints, please.")
     par = recipe.parallelism(sizes)
     if par.stage > 1:
-        pipeline = {"microbatches": par.stage, "schedule": "1f1b", **(pipeline or {})}
+        pipeline = {**PIPELINE_DEFAULTS, "microbatches": par.stage, **(pipeline or {})}
     nb = 4
     psi = dims.param_count
     workload = workload_of(dims, batch=batch, seq=seq, remat=remat, precision=precision)

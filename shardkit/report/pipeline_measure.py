@@ -54,6 +54,7 @@ def measure(
     virtual_stages: int = 1,
     unit: int | None = None,
     stack_order: str = "layers",
+    rolled: bool = False,
 ) -> PipelineMeasurement:
     """Compile the pipelined step of ``model`` under ``plan`` and read its costs
     (``stack_order="interleaved"``: the abstract state taken as stored in that order)."""
@@ -66,6 +67,7 @@ def measure(
         virtual_stages=virtual_stages,
         unit=unit,
         stack_order=stack_order,
+        rolled=rolled,
     )
     tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
     batch_ = {"inputs": tokens, "targets": tokens}

@@ -189,7 +189,8 @@ def test_output_paths_are_checked_before_any_work(argv, message, capsys, monkeyp
 @pytest.mark.parametrize("flag", [True, False])
 def test_explicit_flag_reaches_the_plan(argv, flag, capsys, monkeypatch):
     # Nothing compiles: the plan each command builds is caught where it is used.
-    from shardkit import errors, models, run
+    from shardkit import errors, run
+    from shardkit.cli import report_cmd
 
     plans = []
 
@@ -198,6 +199,6 @@ def test_explicit_flag_reaches_the_plan(argv, flag, capsys, monkeypatch):
         raise errors.ShardingError("caught")
 
     monkeypatch.setattr(run, "run", caught)
-    monkeypatch.setattr(models, "report", caught)
+    monkeypatch.setattr(report_cmd, "build_report", caught)
     assert main([*argv, "--model", "gpt-tiny", *(["--explicit"] if flag else [])]) == 2
     assert [p.explicit for p in plans] == [flag]

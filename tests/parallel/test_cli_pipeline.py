@@ -28,6 +28,7 @@ def test_flags_to_options():
         "virtual_stages": 2,
         "unit": None,
     }
+    assert cli.options(parse("--rolled"))["rolled"] is True
 
 
 def test_flags_with_a_recipe_that_cannot_pipeline_name_the_fix():

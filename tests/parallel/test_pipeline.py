@@ -85,8 +85,19 @@ if os.environ.get("SHARDKIT_PIPELINE_ALL"):
     ]
 
 
-@pytest.mark.parametrize("model_name,schedule,factor,recipe", CASES)
-def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, one_device):
+# The rolled layer loop (a stage's layers in one lax.scan each way): every recipe, both
+# models, each schedule once.
+ROLLED = [
+    ("gpt-tiny", "1f1b", 1, "zeropp"),
+    ("llama-tiny", "1f1b", 2, "dp_tp_sp_pp"),
+    ("llama-tiny", "gpipe", 1, "dp_pp"),
+    ("gpt-tiny", "interleaved", 2, "pp"),
+]
+CASES = [(*c, False) for c in CASES] + [(*c, True) for c in ROLLED]
+
+
+@pytest.mark.parametrize("model_name,schedule,factor,recipe,rolled", CASES)
+def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, rolled, one_device):
     ref_losses, ref_grads, ref_state = one_device(model_name)
     plan = sk.Plan(recipe, devices=jax.devices()[: DEVICES[recipe]])
     p = plan.mesh.shape["stage"]
@@ -97,7 +108,12 @@ def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, one_d
         model_name,
         plan,
         dict(
-            microbatches=factor * p, schedule=schedule, virtual_stages=2, unit=p, stack_order=order
+            microbatches=factor * p,
+            schedule=schedule,
+            virtual_stages=2,
+            unit=p,
+            stack_order=order,
+            rolled=rolled,
         ),
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)

@@ -84,8 +84,17 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("schedule,layout,factor", CASES)
-def test_exact_loss_and_grads(schedule, layout, factor):
+# The rolled layer loop: each schedule on each layout once, m in {p, 2p, 4p}.
+ROLLED = [
+    (s, list(LAYOUTS)[(i + j) % 3], f, True)
+    for i, s in enumerate(("gpipe", "1f1b", "interleaved"))
+    for j, f in enumerate((1, 2, 4))
+    if (i + 2 * j) % 3 == 0
+]
+
+
+@pytest.mark.parametrize("schedule,layout,factor,rolled", [(*c, False) for c in CASES] + ROLLED)
+def test_exact_loss_and_grads(schedule, layout, factor, rolled):
     axes, s_specs, r_specs, b_axes = LAYOUTS[layout]
     mesh = mesh_of(axes)
     p = axes["stage"]
@@ -102,6 +111,7 @@ def test_exact_loss_and_grads(schedule, layout, factor):
         stack_specs=s_specs,
         rest_specs=r_specs,
         batch_axes=b_axes,
+        rolled=rolled,
     )
     assert_same(jax.jit(fn)(stack, rest, batch), reference(stack, rest, batch))
 
