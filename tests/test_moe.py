@@ -157,8 +157,17 @@ def test_bad_input_is_a_sharding_error():
         get("moe-tiny", top_k=9)
     with pytest.raises(sk.ShardingError, match="capacity factor must be > 0"):
         get("moe-tiny", capacity_factor=0.0)
-    with pytest.raises(sk.ShardingError, match="top_k"):
-        dataclasses.replace(get("moe-tiny").dims, top_k=9)
+    dims = get("moe-tiny").dims
+    for field, value, message in [
+        ("top_k", 9, "each token reads 1 to n_experts"),
+        ("top_k", 0, "each token reads 1 to n_experts"),
+        ("expert_d_ff", None, "experts' hidden width"),
+        ("capacity_factor", -1.0, "capacity factor is > 0"),
+        ("n_experts", -8, "n_experts must be an int"),
+        ("n_shared_experts", True, "n_shared_experts must be an int"),
+    ]:
+        with pytest.raises(sk.ShardingError, match=message):
+            dataclasses.replace(dims, **{field: value})
     model = get("moe-tiny", n_experts=6, n_layers=1)
     tokens = jnp.zeros((8, 16), jnp.int32)
     with pytest.raises(
@@ -176,3 +185,16 @@ def test_bad_input_is_a_sharding_error():
         plan.context(),
     ):
         jax.eval_shape(get("moe-tiny").loss, params, {"inputs": tokens, "targets": tokens})
+
+
+def test_run_reports_dropped_tokens_and_warns_with_the_load():
+    from shardkit.run import DroppedTokensWarning, run
+
+    # 1 slot per expert and sequence of 16 (cf 0.25): 16·2 choices, at most 8 kept a row.
+    model = get("moe-tiny", n_layers=1, capacity_factor=0.25)
+    with pytest.warns(DroppedTokensWarning, match="tokens sent to each expert"):
+        result = run(model, "ep", steps=1, batch=8, seq=16)
+    load, dropped = np.asarray(result.router["load"]), np.asarray(result.router["dropped"])
+    assert load.shape == dropped.shape == (1, 8) and load.sum() == 8 * 16 * 2
+    assert dropped.sum() >= 8 * (16 * 2 - 8)  # each row keeps at most 8 of its 32 choices
+    assert result.dropped_fraction == pytest.approx(dropped.sum() / load.sum())
