@@ -138,10 +138,14 @@ def test_bad_segments_are_sharding_errors_with_the_shapes():
         jax.eval_shape(model.loss, params, bad)
     with pytest.raises(sk.ShardingError, match="'positions' but no 'segment_ids'"):
         jax.eval_shape(model.loss, params, {"inputs": tokens, "targets": tokens, "positions": ints})
-    long = jnp.zeros((1, 256), jnp.int32)  # llama-tiny's max_seq is 128
+    long = jnp.zeros((1, 256), jnp.int32)  # gpt-tiny's position table has 128 rows
     row = {"inputs": long, "targets": long, "segment_ids": long + 1, "positions": long}
+    gpt = get("gpt-tiny", n_layers=1)
+    gpt_params = jax.eval_shape(lambda k: sk.unbox(gpt.init(k)), jax.random.key(0))
     with pytest.raises(sk.ShardingError, match=r"packed row of 256 tokens .* max_seq 128"):
-        jax.eval_shape(model.loss, params, row)
+        jax.eval_shape(gpt.loss, gpt_params, row)
+    # RoPE has no table: llama-tiny (max_seq 128) takes the same row, as it takes it unpacked.
+    assert jax.eval_shape(model.loss, params, row).shape == ()
 
 
 def test_a_packed_batch_under_a_pipeline_is_refused():

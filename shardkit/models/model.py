@@ -218,10 +218,14 @@ class Model:
     def _packed(self, batch: Any, tokens: jax.Array) -> Segments | None:
         """The batch's ``Segments`` (checked), or ``None`` for one document per row."""
         seg = segments_of(batch, tokens.shape, f"{self.name}: batch['segment_ids']")
-        if seg is not None and tokens.shape[-1] > self.config.max_seq:
+        # Only a learned position table bounds a row (a position past it would be read
+        # clamped, silently); RoPE takes any length, packed or not (zigzag-placed rows of
+        # one document each come here with segment ids too).
+        long = tokens.shape[-1] > self.config.max_seq
+        if seg is not None and long and self.dims.position_table:
             raise errors.ShardingError(
                 f"{self.name}: a packed row of {tokens.shape[-1]} tokens is longer than the "
-                f"model's max_seq {self.config.max_seq}.\nFix: pack rows of at most "
+                f"model's position table, max_seq {self.config.max_seq}.\nFix: pack rows of at most "
                 f"{self.config.max_seq} tokens (pack_documents(..., seq={self.config.max_seq})"
                 f"), or get({self.name!r}, max_seq={tokens.shape[-1]})."
             )
