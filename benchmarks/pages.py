@@ -73,6 +73,12 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("overhead",),
         "A shardkit step against the same sharding jitted by hand, run alternately.",
     ),
+    "packed": (
+        "Packed sequences",
+        ("packed",),
+        "Ring attention on packed rows over 8 context ranks: the blocks it skips, the "
+        "attention work's balance (contiguous and balanced split) and the step's time.",
+    ),
     "compile_scaling": (
         "Compile time",
         ("compile_scaling", "compile_scaling_pipeline"),

@@ -34,6 +34,7 @@ SCRIPTS = (
     "explicit",
     "autoplan",
     "gpu",
+    "packed",
 )
 #: Further tables a script writes, after its own.
 EXTRA_RESULTS = {

@@ -227,38 +227,68 @@ def imbalance(work: np.ndarray) -> float:
     return float(np.max(work)) / mean if mean > 0 else 1.0
 
 
-def balance_permutation(segment_ids: np.ndarray, positions: np.ndarray, ranks: int) -> np.ndarray:
+def balance_permutation(
+    segment_ids: np.ndarray, positions: np.ndarray, ranks: int, *, tolerance: float = 1.05
+) -> np.ndarray:
     """Per-row token orders ``perm [batch, seq]`` that balance attention work over ``ranks``.
 
-    Each token's work is ``position + 1`` (its unmasked keys; padding 0). The tokens of a
-    row, heaviest first, are dealt to the ranks in a snake (0, 1, ..., n−1, n−1, ..., 0,
-    ...), so every rank gets ``seq / ranks`` tokens and, in every round of ``n`` deals,
-    the lightest rank of the last round gets the heaviest token of this one. Within a
-    rank the tokens keep their row order. Apply it with :func:`permute_rows`, to the
-    inputs, targets, segment ids and positions alike: the model's loss is unchanged
-    (attention reads segment ids and positions, not places), and each contiguous slice
-    of the permuted row is one rank's balanced share.
+    Each token's work is ``position + 1`` (its unmasked keys; padding 0). Each row is cut
+    into ``m`` equal chunks of consecutive tokens; the chunks, heaviest first, are dealt
+    to the ranks in a snake (0, 1, ..., n−1, n−1, ..., 0, ...; started one rank later on
+    each row), so every rank gets ``seq / ranks`` tokens and, in every round of ``n``
+    deals, the lightest rank of the last round gets the heaviest chunk of this one. For
+    one causal document and ``m = 2n`` this is the zigzag. ``m`` is the fewest chunks
+    (``2n``, ``4n``, ... up to single tokens) that bring the batch's max ÷ mean work to
+    ``tolerance`` or below: coarse chunks keep documents on few ranks, so ring attention
+    still skips the blocks between them. Within a rank the chunks keep their row order.
+
+    Apply it with :func:`permute_rows`, to the inputs, targets, segment ids and
+    positions alike: the model's loss is unchanged (attention reads segment ids and
+    positions, not places), and each contiguous slice of the permuted row is one rank's
+    balanced share.
 
     Example:
       >>> ids, pos = np.ones((1, 8), int), np.arange(8)[None]
       >>> perm = balance_permutation(ids, pos, 2)
-      >>> perm.tolist()
-      [[0, 3, 4, 7, 1, 2, 5, 6]]
+      >>> perm.tolist()   # chunks 0 and 3 on rank 0, 1 and 2 on rank 1: the zigzag
+      [[0, 1, 6, 7, 2, 3, 4, 5]]
       >>> attention_work(ids, np.take_along_axis(pos, perm, 1), 2).tolist()
       [18.0, 18.0]
     """
     ids, pos = np.asarray(segment_ids), np.asarray(positions)
     attention_work(ids, pos, ranks)  # the shapes' checks
     b, s = ids.shape
-    w = np.where(ids != 0, pos + 1, 0)
-    order = np.argsort(-w, axis=1, kind="stable")  # heaviest first
-    k = np.arange(s)
+    w = np.where(ids != 0, pos + 1, 0).astype(np.float64)
+    chunks = [m for m in (ranks * 2**i for i in range(1, s.bit_length() + 1)) if s % m == 0]
+    chunks = chunks or [ranks]
+    if chunks[-1] != s and s % ranks == 0:
+        chunks.append(s)  # single tokens: the finest deal
+    best = None
+    for m in chunks:
+        perm = _deal(w, ranks, m)
+        work = attention_work(*(np.take_along_axis(x, perm, 1) for x in (ids, pos)), ranks)
+        if best is None or imbalance(work) < best[0]:
+            best = (imbalance(work), perm)
+        if imbalance(work) <= tolerance:
+            return perm
+    return best[1]
+
+
+def _deal(w: np.ndarray, ranks: int, m: int) -> np.ndarray:
+    """The snake deal of ``m`` chunks per row (see :func:`balance_permutation`)."""
+    b, s = w.shape
+    size = s // m
+    cw = w.reshape(b, m, size).sum(-1)
+    order = np.argsort(-cw, axis=1, kind="stable")  # heaviest chunk first
+    k = np.arange(m)
     rnd, idx = k // ranks, k % ranks
-    rank_of_deal = np.where(rnd % 2 == 0, idx, ranks - 1 - idx)  # the snake
+    snake = np.where(rnd % 2 == 0, idx, ranks - 1 - idx)
+    deal = (snake[None, :] + np.arange(b)[:, None]) % ranks  # rows start one rank later
     rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.broadcast_to(rank_of_deal, (b, s)), axis=1)
-    # Stable sort by rank: each rank's tokens in row order, ranks one after another.
-    return np.argsort(rank, axis=1, kind="stable").astype(np.int32)
+    np.put_along_axis(rank, order, deal, axis=1)
+    chunk_order = np.argsort(rank, axis=1, kind="stable")  # by rank, then row order
+    perm = chunk_order[:, :, None] * size + np.arange(size)
+    return perm.reshape(b, s).astype(np.int32)
 
 
 def permute_rows(batch: dict[str, np.ndarray], perm: np.ndarray) -> dict[str, np.ndarray]:

@@ -151,8 +151,10 @@ def run(
             process_index=jax.process_index(),
             process_count=jax.process_count(),
         )
+        if ranks == 1:  # no context split (dense, Ulysses, no sequence axis): no balance
+            return plan.shard_batch(rows)
         contiguous = imbalance(attention_work(rows["segment_ids"], rows["positions"], ranks))
-        if balance and ranks > 1:
+        if balance:
             perm = balance_permutation(rows["segment_ids"], rows["positions"], ranks)
             rows = permute_rows(rows, perm)
         trained = imbalance(attention_work(rows["segment_ids"], rows["positions"], ranks))
@@ -165,7 +167,7 @@ def run(
     tx = train.adamw(learning_rate)
     abstract = plan.abstract_init(train.init_fn(spec, tx), jax.random.key(seed))
     first_step, state = _resume(
-        plan, abstract, checkpoint_dir, resume, steps, spec.name, batch, seq, seed
+        plan, abstract, checkpoint_dir, resume, steps, spec.name, batch, seq, seed, packed
     )
     if state is None:
         state = plan.init(abstract)
@@ -212,7 +214,7 @@ def run(
         if on_step is not None:
             on_step(i, loss, tokens_per_s)
         if checkpoint_dir and (i + 1 == steps or (save_every and (i + 1) % save_every == 0)):
-            position = _data_state(spec.name, batch, seq, seed, i + 1)
+            position = _data_state(spec.name, batch, seq, seed, i + 1, packed)
             saved = state if to_layers is None else to_layers(state)
             checkpoint.save(
                 plan, checkpoint_dir, saved, step=i + 1, data_state=position, metrics={"loss": loss}
@@ -238,7 +240,8 @@ def run(
 
 
 def _context_ranks(plan: Plan) -> int:
-    """Ranks the sequence is split over for attention (ring / all-gather), else 1."""
+    """Ranks the sequence is split over for attention (ring / all-gather), else 1 (Ulysses
+    attends the whole sequence for a share of the heads: balanced as it is)."""
     recipe, shape = plan.recipe, dict(plan.mesh.shape)
     if recipe.attention not in ("ring", "allgather"):
         return 1
@@ -251,18 +254,24 @@ def _local_batch(source: MarkovSource, batch: int, seq: int, step: int) -> dict:
     )
 
 
-def _data_state(model: str, batch: int, seq: int, seed: int, next_step: int) -> dict:
-    """Where the data stream is: batch ``i`` is a function of (seed, i) alone."""
-    return {"model": model, "batch": batch, "seq": seq, "seed": seed, "next_step": next_step}
+def _data_state(
+    model: str, batch: int, seq: int, seed: int, next_step: int, packed: LogNormal | None = None
+) -> dict:
+    """Where the data stream is: batch ``i`` is a function of (seed, i) alone (and of the
+    document lengths when packed)."""
+    state = {"model": model, "batch": batch, "seq": seq, "seed": seed, "next_step": next_step}
+    if packed is not None:
+        state["packed"] = [packed.mu, packed.sigma, packed.min_length]
+    return state
 
 
-def _resume(plan, abstract, directory, resume, steps, model, batch, seq, seed):
+def _resume(plan, abstract, directory, resume, steps, model, batch, seq, seed, packed=None):
     """``(first step, restored state or None)``."""
     if not (directory and resume and checkpoint.steps(directory)):
         return 0, None
     restored = checkpoint.restore(plan, directory, like=abstract)
     saved = restored.data_state or {}
-    expected = _data_state(model, batch, seq, seed, restored.step)
+    expected = _data_state(model, batch, seq, seed, restored.step, packed)
     differ = {k: (saved.get(k), v) for k, v in expected.items() if saved.get(k) != v}
     if differ:
         shown = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in differ.items())

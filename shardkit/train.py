@@ -196,7 +196,7 @@ def train_step(
             plan, abstract, int(stages), int(opts["virtual_stages"])
         )
     return PipelinedStep(
-        _step(grad_fn, tx, return_grads),
+        _step(grad_fn, tx, return_grads, packed=False),
         schedule=grad_fn.schedule,
         microbatches=opts["microbatches"],
         schedule_name=opts["schedule"],
@@ -212,8 +212,18 @@ def _step(
     value_and_grad: Callable[[Any, dict], tuple[jax.Array, Any]],
     tx: optax.GradientTransformation,
     return_grads: bool,
+    *,
+    packed: bool = True,
 ) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
     def step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+        if not packed and isinstance(batch, Mapping) and "segment_ids" in batch:
+            raise NotPipelinableError(
+                "train_step: a packed batch (segment_ids "
+                f"{tuple(batch['segment_ids'].shape)}) under a pipeline: the pipeline's "
+                "stages read inputs and targets only, so the documents' mask and positions "
+                "would be ignored.\nFix: train packed rows under a recipe without a 'stage' "
+                "axis (cp, fsdp_cp, tsp, ...), or drop segment_ids and positions."
+            )
         loss, grads = value_and_grad(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)

@@ -114,3 +114,62 @@ def test_bad_shapes_are_sharding_errors():
         attention_work(np.ones((1, 8)), np.zeros((1, 8)), 3)
     with pytest.raises(sk.ShardingError, match=r"sigma"):
         LogNormal(3.0, -1.0)
+
+
+def test_bad_segments_are_sharding_errors_with_the_shapes():
+    import jax
+    import jax.numpy as jnp
+
+    from shardkit.models import get
+    from shardkit.nn.attention import Segments, causal_attention
+
+    q = jnp.ones((2, 8, 4, 8))
+    ints = jnp.zeros((2, 8), jnp.int32)
+    with pytest.raises(sk.ShardingError, match=r"segment ids \(2, 8\) float32 .* = \(2, 8\)"):
+        causal_attention(q, q, q, segments=Segments(jnp.zeros((2, 8)), ints))
+    with pytest.raises(sk.ShardingError, match=r"segment ids \(2, 4\) int32 .* = \(2, 8\)"):
+        causal_attention(q, q, q, segments=Segments(ints[:, :4], ints))
+
+    model = get("llama-tiny", n_layers=1)
+    params = jax.eval_shape(lambda k: sk.unbox(model.init(k)), jax.random.key(0))
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    bad = {"inputs": tokens, "targets": tokens, "segment_ids": ints[:, :7]}
+    with pytest.raises(sk.ShardingError, match=r"batch\['segment_ids'\]: segment ids \(2, 7\)"):
+        jax.eval_shape(model.loss, params, bad)
+    with pytest.raises(sk.ShardingError, match="'positions' but no 'segment_ids'"):
+        jax.eval_shape(model.loss, params, {"inputs": tokens, "targets": tokens, "positions": ints})
+    long = jnp.zeros((1, 256), jnp.int32)  # llama-tiny's max_seq is 128
+    row = {"inputs": long, "targets": long, "segment_ids": long + 1, "positions": long}
+    with pytest.raises(sk.ShardingError, match=r"packed row of 256 tokens .* max_seq 128"):
+        jax.eval_shape(model.loss, params, row)
+
+
+def test_a_packed_batch_under_a_pipeline_is_refused():
+    import jax
+
+    from shardkit import train
+    from shardkit.errors import NotPipelinableError
+    from shardkit.models import get
+
+    model, tx = get("gpt-tiny"), train.adamw()
+    plan = sk.Plan("pp", devices=jax.devices()[:2])
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    step = train.train_step(model, tx, plan=plan, abstract=abstract)
+    ids = np.ones((8, 16), np.int32)
+    batch = {"inputs": ids, "targets": ids, "segment_ids": ids, "positions": ids}
+    with pytest.raises(NotPipelinableError, match=r"packed batch \(segment_ids \(8, 16\)\)"):
+        step(None, batch)
+
+
+def test_balance_takes_the_coarsest_chunks_that_reach_the_tolerance():
+    # One causal document of 64 tokens, then 64 of padding, over 2 ranks. By hand: 4
+    # chunks of 32 weigh [528, 1552, 0, 0]: dealt 1552 -> rank 0, 528 -> rank 1: 1.49.
+    # 8 chunks of 16 weigh [136, 392, 648, 904, 0, 0, 0, 0]: the snake deals 904, 648,
+    # 392, 136 to ranks 0, 1, 1, 0 (then the padding 0, 1, 1, 0): 1040 pairs each.
+    ids = np.array([[1] * 64 + [0] * 64])
+    pos = np.array([list(range(64)) + [0] * 64])
+    perm = balance_permutation(ids, pos, 2)
+    chunks = [0, 3, 4, 7, 1, 2, 5, 6]  # rank 0's, then rank 1's, each in row order
+    assert perm[0].tolist() == [c * 16 + i for c in chunks for i in range(16)]
+    moved = [np.take_along_axis(x, perm, 1) for x in (ids, pos)]
+    assert attention_work(*moved, 2).tolist() == [1040, 1040]

@@ -7,6 +7,7 @@ engine (:mod:`shardkit.parallel`) all build on it.
 
 - :mod:`~shardkit.nn.attention`: causal attention (dense, ring, all-gather K/V);
 - :mod:`~shardkit.nn.rope`: rotary position embeddings;
+- :mod:`~shardkit.nn.segments`: packed rows' segment ids and positions, their mask;
 - :mod:`~shardkit.nn.loss`: cross-entropy, the chunked vocabulary head and its gradient;
 - :mod:`~shardkit.nn.replicas`: one gradient all-reduce for a weight read twice;
 - :mod:`~shardkit.nn.tsp`, :mod:`~shardkit.nn.tsp_head`: TSP's weight-shard and
@@ -19,6 +20,6 @@ Example:
   1.3862943649291992
 """
 
-from shardkit.nn import attention, loss, replicas, rope, tsp, tsp_head
+from shardkit.nn import attention, loss, replicas, rope, segments, tsp, tsp_head
 
-__all__ = ["attention", "loss", "replicas", "rope", "tsp", "tsp_head"]
+__all__ = ["attention", "loss", "replicas", "rope", "segments", "tsp", "tsp_head"]

@@ -281,7 +281,10 @@ def _allgather(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -
 
 # -- packed rows: segment ids and positions (shardkit.nn.segments) ----------------------
 def _softmax_pv(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, pin=None):
-    """Softmax attention of ``q`` to ``k``/``v`` where ``keep`` [b, q, k] holds, f32 [b,q,h,d]."""
+    """Softmax attention of ``q`` to ``k``/``v`` where ``keep`` [b, q, k] holds, f32 [b,q,h,d].
+
+    A query with no key at all (padding) gets 0, as in the ring.
+    """
     k, v = _heads(k, q.shape[2]), _heads(v, q.shape[2])
     scores = _scores(q, k) if pin is None else pin(_scores(q, k))
     keep = keep[:, None]
@@ -289,6 +292,7 @@ def _softmax_pv(q: jax.Array, k: jax.Array, v: jax.Array, keep: jax.Array, pin=N
         p = jax.nn.softmax(jnp.where(keep, scores, _NEG), axis=-1)
     else:
         p = masked_softmax(scores, jnp.broadcast_to(keep, scores.shape), v.dtype)
+    p = p * keep.any(-1, keepdims=True).astype(p.dtype)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
@@ -358,9 +362,14 @@ def _ring_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
         return kv, kseg, fold(carries, kv, kseg, False)
 
     _, _, carries = jax.lax.fori_loop(1, n, step, (kv, kseg, carries))
+    # A query that no key may be attended by (padding) has kept the initial maximum: 0.
     out = jnp.concatenate(
-        [acc / jnp.where(denom > 0, denom, 1.0)[..., None] for _, denom, acc in carries], axis=2
-    )  # padding: no key at all
+        [
+            jnp.where((m > _NEG)[..., None], acc / jnp.where(denom > 0, denom, 1.0)[..., None], 0)
+            for m, denom, acc in carries
+        ],
+        axis=2,
+    )
     return out.transpose(0, 2, 1, 3).astype(q.dtype)
 
 
