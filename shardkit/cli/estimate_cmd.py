@@ -21,6 +21,7 @@ from shardkit.cli.options import (
     add_json,
     add_mesh,
     add_precision,
+    add_seq_and_remat,
     emit_json,
     recipe_for,
     wants_tables,
@@ -41,15 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     add_mesh(p)
     p.add_argument("--batch", type=int, default=None, help="global batch (default: one per device)")
-    p.add_argument(
-        "--seq", type=int, default=None, help="sequence length (default: min(512, max_seq))"
-    )
-    p.add_argument(
-        "--remat",
-        choices=["none", "full", "save_dots"],
-        default=None,
-        help="override a reference model's rematerialization policy",
-    )
+    add_seq_and_remat(p)
     add_precision(p)
     from shardkit.parallel.cli import add_arguments
 

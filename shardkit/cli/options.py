@@ -76,6 +76,20 @@ def add_precision(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_seq_and_remat(parser: argparse.ArgumentParser) -> None:
+    """``--seq`` (default: the model's, at most 512) and ``--remat`` (a reference model's
+    rematerialization policy), as ``report`` and ``estimate`` take them."""
+    parser.add_argument(
+        "--seq", type=int, default=None, help="sequence length (default: min(512, max_seq))"
+    )
+    parser.add_argument(
+        "--remat",
+        choices=["none", "full", "save_dots"],
+        default=None,
+        help="override a reference model's rematerialization policy",
+    )
+
+
 def add_attention(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention",

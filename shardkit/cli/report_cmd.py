@@ -26,6 +26,7 @@ from shardkit.cli.options import (
     add_logits,
     add_mesh,
     add_precision,
+    add_seq_and_remat,
     add_wide,
     emit_json,
     wants_tables,
@@ -46,15 +47,7 @@ def _common(p: argparse.ArgumentParser) -> None:
         default=None,
         help="global batch size (default: one example per device)",
     )
-    p.add_argument(
-        "--seq", type=int, default=None, help="sequence length (default: min(512, max_seq))"
-    )
-    p.add_argument(
-        "--remat",
-        choices=["none", "full", "save_dots"],
-        default=None,
-        help="override the model's rematerialization policy",
-    )
+    add_seq_and_remat(p)
     add_precision(p)
     add_logits(p)
     p.add_argument(

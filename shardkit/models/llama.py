@@ -192,6 +192,9 @@ class Llama(nnx.Module):
       ('embed', 'vocab')
     """
 
+    #: The block of every layer (a subclass swaps it: the MoE Llama's MoE block).
+    block_class: type[nnx.Module] = Block
+
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         cfg = config
         self.config = cfg
@@ -207,12 +210,12 @@ class Llama(nnx.Module):
 
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make_layers(rngs: nnx.Rngs) -> Block:
-                return Block(cfg, rngs=rngs)
+            def make_layers(rngs: nnx.Rngs) -> nnx.Module:
+                return self.block_class(cfg, rngs=rngs)
 
             self.layers = make_layers(rngs)
         else:
-            self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+            self.layers = nnx.List([self.block_class(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm = _rms_norm(cfg, rngs)
         self.head = nnx.Linear(
             cfg.d_model,

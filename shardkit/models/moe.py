@@ -26,8 +26,8 @@ from flax import nnx
 
 from shardkit.annotate import axes, constrain
 from shardkit.models.config import ModelConfig
-from shardkit.models.gpt import LOGITS, RESIDUAL, checkpoint_policy
-from shardkit.models.llama import HEAD, Attention, _normal, _rms_norm
+from shardkit.models.gpt import LOGITS, RESIDUAL
+from shardkit.models.llama import HEAD, Attention, Llama, _rms_norm
 from shardkit.nn.loss import chunked_cross_entropy
 from shardkit.nn.moe import NnxMoe
 from shardkit.nn.rope import rope_tables, rope_tables_at
@@ -68,49 +68,11 @@ class MoeBlock(nnx.Module):
         r"^head/kernel$": HEAD,
     }
 )
-class MoeLlama(nnx.Module):
-    """``int32[batch, seq]`` tokens to ``(logits or per-token loss, router stats)``."""
+class MoeLlama(Llama):
+    """``int32[batch, seq]`` tokens to ``(logits or per-token loss, router stats)``: Llama's
+    embedding, norm and head (its ``__init__``), an :class:`MoeBlock` in every layer."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        cfg = config
-        self.config = cfg
-        self.embed = nnx.Embed(
-            cfg.vocab,
-            cfg.d_model,
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.param_dtype,
-            embedding_init=_normal(),
-            rngs=rngs,
-        )
-        if cfg.scan:
-
-            @nnx.split_rngs(splits=cfg.n_layers)
-            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-            def make_layers(rngs: nnx.Rngs) -> MoeBlock:
-                return MoeBlock(cfg, rngs=rngs)
-
-            self.layers = make_layers(rngs)
-        else:
-            self.layers = nnx.List([MoeBlock(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.norm = _rms_norm(cfg, rngs)
-        self.head = nnx.Linear(
-            cfg.d_model,
-            cfg.vocab,
-            use_bias=False,
-            dtype=cfg.compute_dtype,
-            param_dtype=cfg.param_dtype,
-            kernel_init=_normal(),
-            rngs=rngs,
-        )
-
-    def _block_fn(self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array, segments=None):
-        def run(state: nnx.State, x: jax.Array):
-            return nnx.merge(graphdef, state)(x, cos, sin, segments)
-
-        cfg = self.config
-        if cfg.remat == "none":
-            return run
-        return jax.checkpoint(run, prevent_cse=not cfg.scan, policy=checkpoint_policy(cfg.remat))
+    block_class = MoeBlock
 
     def __call__(
         self,
