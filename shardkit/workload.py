@@ -112,24 +112,13 @@ class Workload:
           >>> Workload.of_model(models.get("llama-tiny"), batch=8, seq=32).in_projections
           5
         """
-        dims = model.dims
-        sizes = {}
-        if dims is not None:
-            sizes = {
-                "layers": dims.layers,
-                "d_model": dims.d_model,
-                "n_heads": dims.n_heads,
-                "n_kv_heads": dims.n_kv_heads,
-                "vocab": dims.vocab,
-                "in_projections": dims.in_projections,
-            }
         return cls(
             batch=batch,
             seq=seq,
             model=model.name,
             remat=model.remat,
             precision=model.precision or precision,
-            **sizes,
+            **dims_sizes(model.dims),
         )
 
     @classmethod
@@ -165,3 +154,23 @@ def _precision_of(dtype: Any, default: str | None) -> str:
     if dtype is None:
         return default or "f32"
     return "bf16" if np.dtype(dtype).name == "bfloat16" else "f32"
+
+
+def dims_sizes(dims: Any) -> dict[str, int]:
+    """The :class:`Workload` fields a model's ``ModelDims`` gives (none without dims).
+
+    Example:
+      >>> from shardkit import models
+      >>> dims_sizes(models.get("gpt-tiny").dims)["layers"]
+      2
+    """
+    if dims is None:
+        return {}
+    return {
+        "layers": dims.layers,
+        "d_model": dims.d_model,
+        "n_heads": dims.n_heads,
+        "n_kv_heads": dims.n_kv_heads,
+        "vocab": dims.vocab,
+        "in_projections": dims.in_projections,
+    }

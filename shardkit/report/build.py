@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +38,7 @@ from shardkit.protocol import Model
 from shardkit.report.buffers import compile_with_buffers
 from shardkit.report.report import Report, read_compiled
 from shardkit.step import PipelinedStep
-from shardkit.workload import Workload
+from shardkit.workload import Workload, dims_sizes
 
 __all__ = ["build_report"]
 
@@ -123,6 +124,13 @@ def build_report(
                 "build_report(plan, step): the state is missing.\nFix: build_report(plan, "
                 "step, plan.abstract_init(init_fn, key), batch)."
             )
+        if pipeline is not None and not dict(plan.mesh.shape).get("stage"):
+            raise NotPipelinableError(
+                f"build_report(..., pipeline={dict(pipeline)}): the analytic pipeline model "
+                f"needs a plan with a 'stage' axis; recipe {plan.recipe.name!r} has "
+                f"{dict(plan.mesh.shape)}.\nFix: drop pipeline=, or report a pipelined step "
+                "under sk.Plan('pp' | 'dp_pp' | 'zeropp' | 'dp_tp_sp_pp', ...)."
+            )
     _check_axes_known(plan, state)  # before any compile: a lost layout fails fast
     buffers = None
     if _is_compiled(step):
@@ -145,8 +153,10 @@ def build_report(
             )
         lowered = plan.lower(step, state, batch, *extra)
         compiled, buffers = compile_with_buffers(lowered) if itemise else (lowered.compile(), None)
-        if workload is None and dims is None:
+        if workload is None:  # the batch's sizes, and the model's where dims= declares them
             workload = Workload.of_batch(batch, plan.precision)
+            if workload is not None and dims is not None:
+                workload = dataclasses.replace(workload, **dims_sizes(dims))
         if pipeline is None and isinstance(step, PipelinedStep):
             pipeline = step.options  # what the pipeline's analytic model counts
     return read_compiled(

@@ -118,6 +118,26 @@ def test_pipeline_options_left_out_are_the_steps_defaults_in_the_analytic_model_
     assert partial.wire_bytes_by_kind == explicit.wire_bytes_by_kind
 
 
+def test_a_users_step_with_declared_dims_gets_the_analytic_model():
+    # Your own step, the model's dims declared: the same analytic figures as model= gives.
+    plan = sk.Plan("fsdp", sk.make_mesh({"fsdp": 8}))
+    model = models.get("gpt-tiny")
+    tx = train.adamw()
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    batch = train.token_batch(8, 32, plan)
+    own = build_report(plan, train.train_step(model, tx), abstract, batch, dims=model.dims)
+    built = build_report(plan, model=model, batch=8, seq=32)
+    assert own.analytic is not None
+    assert own.analytic.wire_bytes_by_kind == built.analytic.wire_bytes_by_kind
+    assert own.analytic.memory == built.analytic.memory
+
+
+def test_pipeline_options_under_a_plan_without_stages_are_refused_not_ignored():
+    plan = sk.Plan("dp", sk.make_mesh({"data": 8}))
+    with pytest.raises(NotPipelinableError, match="'stage' axis"):
+        build_report(plan, step, init(jax.random.key(0)), batch(), pipeline={"microbatches": 2})
+
+
 def test_bad_arguments_name_the_form_that_fixes_them():
     plan, model = sk.Plan("dp"), models.get("gpt-tiny")
     abstract = plan.abstract_init(init, jax.random.key(0))
