@@ -186,9 +186,28 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
     return math.prod(mesh.get(n, 1) for n in names)
 
 
+def _uncovered(dims: ModelDims, par: Any, pipeline: Mapping[str, Any] | None) -> str | None:
+    """What of the step the estimator has no terms for (``None``: it covers it all)."""
+    if dims.n_experts:
+        return (
+            f"a mixture of experts ({dims.n_experts} experts; expert state and dispatch are "
+            "not among its terms)"
+        )
+    if pipeline is not None and par.stage == 1:
+        return f"pipeline={dict(pipeline)} on a mesh without a 'stage' axis"
+    if pipeline is not None and pipeline.get("rolled"):
+        return "the rolled pipeline engine (its terms are the unrolled engine's)"
+    return None
+
+
 def _resolve(plan_or_recipe: Any, mesh: Any, devices: int | None) -> tuple[Any, dict[str, int]]:
     """(recipe, mesh sizes) from a plan, or a recipe with a mesh or a device count."""
     if hasattr(plan_or_recipe, "recipe") and hasattr(plan_or_recipe, "mesh"):
+        if mesh is not None or devices is not None:
+            raise ShardingError(
+                "estimate(plan, ..., mesh=/devices=): a plan has its mesh already.\n"
+                "Fix: drop mesh= and devices=, or pass the recipe's name instead of the plan."
+            )
         shape = dict(plan_or_recipe.mesh.shape)
         return plan_or_recipe.recipe, {a: int(v) for a, v in shape.items()}
     recipe = recipes.get(plan_or_recipe)
@@ -196,6 +215,11 @@ def _resolve(plan_or_recipe: Any, mesh: Any, devices: int | None) -> tuple[Any, 
         raise ShardingError(
             f"estimate({recipe.name!r}, ...): a recipe needs mesh= (axis sizes) or devices=.\n"
             f"Fix: estimate({recipe.name!r}, dims, devices=8, ...), or pass an sk.Plan."
+        )
+    if mesh is not None and devices is not None:
+        raise ShardingError(
+            f"estimate({recipe.name!r}, ..., mesh=..., devices={devices}): give one of them.\n"
+            f"Fix: estimate({recipe.name!r}, dims, devices={devices}) or mesh={{...}} alone."
         )
     if mesh is None:
         mesh = recipe.axis_sizes(devices)
@@ -264,6 +288,13 @@ def estimate(
     if not isinstance(batch, int) or not isinstance(seq, int) or batch < 1 or seq < 1:
         raise ShardingError(f"estimate(batch={batch!r}, seq={seq!r}): positive ints, please.")
     par = recipe.parallelism(sizes)
+    uncovered = _uncovered(dims, par, pipeline)
+    if uncovered:
+        raise ShardingError(
+            f"estimate: the estimator does not cover {recipe.name} on {sizes}: {uncovered}.\n"
+            "Fix: compile it with `shardkit report` (sk.report.build_report) for its "
+            "measured figures."
+        )
     if par.stage > 1:
         pipeline = {**PIPELINE_DEFAULTS, "microbatches": par.stage, **(pipeline or {})}
     nb = 4

@@ -180,3 +180,18 @@ def test_the_report_shows_the_estimate_next_to_the_compiled_memory():
     total = vs["rows"][2][3]
     assert ("the term off most: " + vs["off"][0] in text) == (abs(total - 1) > 0.10)
     assert report.to_json()["estimate"]["total"] == report.estimate.total
+
+
+def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
+    # Experts, the rolled engine, pipeline options without stages, a plan given a mesh too.
+    with pytest.raises(sk.ShardingError, match="does not cover ep .*mixture of experts"):
+        estimate("ep", models.get("moe-tiny"), devices=8, batch=8, seq=32)
+    gpt = models.get("gpt-tiny")
+    with pytest.raises(sk.ShardingError, match="rolled pipeline engine"):
+        estimate("pp", gpt, devices=2, batch=8, seq=32, pipeline={"rolled": True})
+    with pytest.raises(sk.ShardingError, match="without a 'stage' axis"):
+        estimate("fsdp", gpt, devices=8, batch=8, seq=32, pipeline={"microbatches": 2})
+    with pytest.raises(sk.ShardingError, match="give one of them"):
+        estimate("fsdp", gpt, mesh={"fsdp": 8}, devices=4, batch=8, seq=32)
+    with pytest.raises(sk.ShardingError, match="has its mesh already"):
+        estimate(sk.Plan("fsdp", sk.make_mesh({"fsdp": 8})), gpt, devices=8, batch=8, seq=32)
