@@ -100,8 +100,19 @@ def balance_batch(batch: Mapping[str, Any], order: np.ndarray) -> dict[str, Any]
                 f"batch['positions'] has shape {np.shape(batch[POSITIONS])}, the tokens "
                 f"{(rows, seq)}.\nFix: one position per token."
             )
+    elif SEGMENT_IDS in batch:  # packed rows: positions restart per document, then move
+        out[POSITIONS] = _restarting_positions(np.asarray(batch[SEGMENT_IDS]))[:, order]
     else:
         out[POSITIONS] = np.broadcast_to(order.astype(np.int32), (rows, seq)).copy()
     if SEGMENT_IDS not in batch:
         out[SEGMENT_IDS] = np.ones((rows, seq), np.int32)
     return out
+
+
+def _restarting_positions(ids: np.ndarray) -> np.ndarray:
+    """0, 1, ... within every run of equal segment ids along each row (as the models
+    derive them for packed rows without positions)."""
+    idx = np.arange(ids.shape[-1], dtype=np.int32)
+    start = np.ones(ids.shape, bool)
+    start[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    return (idx - np.maximum.accumulate(np.where(start, idx, 0), axis=-1)).astype(np.int32)
