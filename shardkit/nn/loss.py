@@ -409,7 +409,13 @@ def chunked_cross_entropy(
     probe = jax.ShapeDtypeStruct((*lead, length, d), hidden.dtype)
     vocab = jax.eval_shape(logits_of, probe).shape[-1]
     full_spec = _logits_spec((*lead, length, vocab), logits_axes)
-    quantum = _quantum(full_spec, k)
+    # A chunk's positions must split as the logits split them and, where the logits take
+    # another layout, as the hidden states' own layout does (cp: logits over the
+    # vocabulary, the hidden states over the sequence).
+    own_split = 1
+    if full_spec is not None:
+        own_split = _quantum(_logits_spec((*lead, length, d), (*token_axes, None)), k)
+    quantum = math.lcm(_quantum(full_spec, k), own_split)
     divisors = [c for c in range(1, length + 1) if length % c == 0]
     if chunks is None:
         chunks = auto_chunks(length, vocab, d, quantum=quantum)
