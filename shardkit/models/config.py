@@ -150,6 +150,12 @@ class ModelConfig:
                 f"{where}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}.\n"
                 "Fix: pick n_heads dividing d_model."
             )
+        if self.kv_latent and self.n_kv_heads != self.n_heads:
+            raise errors.ShardingError(
+                f"{where}: latent attention (kv_latent={self.kv_latent}) has no K/V heads of "
+                f"its own: every head reads the latent, so n_kv_heads equals n_heads, got "
+                f"{self.n_kv_heads}.\nFix: pass n_kv_heads={self.n_heads}."
+            )
         if self.n_heads % self.n_kv_heads:
             raise errors.ShardingError(
                 f"{where}: n_heads {self.n_heads} is not a multiple of n_kv_heads "
