@@ -16,6 +16,7 @@ from shardkit.models import get
 from shardkit.models.deepseek import latent_cache
 from shardkit.nn import mla
 from shardkit.nn.rope import rope_tables
+from shardkit.report import analytic_mla
 
 STEPS, BATCH, SEQ, LR, EPS = 2, 8, 16, 1e-2, 1e-5
 # Capacity factor 4 = E/k (16 experts, 4 a token): every expert has a slot for every token
@@ -140,16 +141,20 @@ def latent_bytes(recipe):
     tokens = jax.ShapeDtypeStruct((BATCH, SEQ), jnp.int32, sharding=plan.batch_sharding((8, 16)))
     with jax.set_mesh(plan.mesh), plan.context():
         compiled = jax.jit(lambda p, t: latent_cache(model, p, t)).lower(params, tokens).compile()
-    return compiled.memory_analysis().output_size_in_bytes, plan.mesh.shape["tensor"]
+    return compiled.memory_analysis().output_size_in_bytes, dict(plan.mesh.shape)
 
 
 def test_latent_split_keeps_one_tth_of_the_latent():
-    heads, t = latent_bytes("tp")
-    split, _ = latent_bytes(sk.recipes.get("tp").with_latent("split"))
-    cfg = get("deepseek-tiny").config
+    tp_latent = sk.recipes.get("tp").with_latent("split")
+    heads, mesh = latent_bytes("tp")
+    split, _ = latent_bytes(tp_latent)
+    model = get("deepseek-tiny")
     # by hand: every layer's [batch, seq, d_c] latent in f32, whole on every device
-    assert heads == cfg.n_layers * BATCH * SEQ * cfg.kv_latent * 4
-    assert t == 8 and split * t == heads
+    assert heads == model.config.n_layers * BATCH * SEQ * model.config.kv_latent * 4
+    assert mesh == {"tensor": 8} and split * 8 == heads
+    for recipe, measured in (("tp", heads), (tp_latent, split)):
+        count = analytic_mla.latent_bytes(model.dims, recipe, mesh, batch=BATCH, seq=SEQ)
+        assert count == measured
 
 
 def test_with_latent_rules():

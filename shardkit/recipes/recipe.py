@@ -460,8 +460,10 @@ class Recipe:
         ``"split"``: the K/V latent ``kv_latent`` (and the query latent ``q_latent``) split
         over the mesh axes ``heads`` is on, in the parameter, optimizer and activation
         rules: each device keeps ``1/t`` of the latent; the recipe is named
-        ``<name>_latent``. ``"heads"``: no latent rule (the heads split, the latent
-        replicated: every built-in recipe's layout).
+        ``<name>_latent``. The up-projections then contract the split latent: K and V are
+        reduce-scattered onto the heads (all-gathered in the backward pass), so the recipe
+        expects those collectives too. ``"heads"``: no latent rule (the heads split, the
+        latent replicated: every built-in recipe's layout).
 
         Raises:
           ShardingError: an unknown layout, or ``"split"`` on a recipe whose rules put
@@ -498,6 +500,11 @@ class Recipe:
             return Rules([*added, *kept], strict=rules.strict)
 
         base = self.name.removesuffix("_latent")
+        had = any(n in names for n, _ in self.rules)
+        if layout == "split":  # k/v reduce-scattered onto the heads, gathered backward
+            collectives = self.collectives | {"reduce-scatter", "all-gather"}
+        else:
+            collectives = None if had else self.collectives
         return dataclasses.replace(
             self,
             name=f"{base}_latent" if layout == "split" else base,
@@ -505,7 +512,7 @@ class Recipe:
             optimizer_rules=rewrite(self.optimizer_rules),
             activation_rules=rewrite(self.activation_rules),
             optional_names=self.optional_names | set(names),
-            collectives=None if layout == "split" else self.collectives,
+            collectives=collectives,
         )
 
     def with_mesh(self, axes: Mapping[str, int]) -> Recipe:
