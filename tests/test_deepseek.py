@@ -32,12 +32,18 @@ def recipe_of(name):
     return sk.recipes.get(name)
 
 
-def run_steps(plan):
+def run_steps(plan, host_state=None):
+    """Losses of STEPS steps and the first step's gradients; the state is placed from
+    ``host_state`` (one init, shared) when given, else made by ``plan.init``."""
     model = get("deepseek-tiny", **NO_DROP)
     tx = train.adamw(LR, eps=EPS)
     source = MarkovSource(vocab=model.config.vocab, seed=0)
-    state = plan.init(train.init_fn(model, tx), jax.random.key(0))
-    step = plan.jit(train.train_step(model, tx, return_grads=True))
+    abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
+    if host_state is None:
+        state = plan.init(abstract)
+    else:  # no init program to compile per layout: the same values, placed
+        state = jax.device_put(host_state, jax.tree.map(lambda x: x.sharding, abstract.tree))
+    step = plan.jit(train.train_step(model, tx, return_grads=True), state=abstract)
     losses, first_grads = [], None
     for i in range(STEPS):
         state, metrics = step(state, plan.shard_batch(source.batch(BATCH, SEQ, i)))
@@ -48,18 +54,21 @@ def run_steps(plan):
 
 @pytest.fixture(scope="module")
 def one_device():
+    """(the host copy of the initial state, the 1-device losses and first gradients)."""
+    plan = sk.Plan("dp", devices=jax.devices()[:1])
     model = get("deepseek-tiny", **NO_DROP)
-    params = sk.unbox(model.init(jax.random.key(0)))
+    tx = train.adamw(LR, eps=EPS)
+    state = jax.tree.map(np.asarray, plan.init(train.init_fn(model, tx), jax.random.key(0)))
     batch = MarkovSource(vocab=256, seed=0).batch(BATCH, SEQ, 0)
-    stats = jax.jit(model.router_stats)(params, batch)
+    stats = jax.jit(model.router_stats)(state.params, batch)
     assert float(stats["dropped"].sum()) == 0.0 and float(stats["load"].sum()) == BATCH * SEQ * 4
-    return run_steps(sk.Plan("dp", devices=jax.devices()[:1]))
+    return (state, *run_steps(plan, state))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_matches_one_device(recipe, one_device):
-    ref_losses, ref_grads = one_device
-    losses, grads = run_steps(sk.Plan(recipe_of(recipe)))
+    host_state, ref_losses, ref_grads = one_device
+    losses, grads = run_steps(sk.Plan(recipe_of(recipe)), host_state)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     scale = max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(ref_grads))
     for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads), strict=True):
