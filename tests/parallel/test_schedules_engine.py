@@ -93,7 +93,18 @@ ROLLED = [
 ]
 
 
-@pytest.mark.parametrize("schedule,layout,factor,rolled", [(*c, False) for c in CASES] + ROLLED)
+# Zero-bubble schedules (rolled only): m in {p, 2p}, each on two layouts.
+ZERO_BUBBLE = [
+    ("zb1", "pp", 1, True),
+    ("zb1", "zeropp", 2, True),
+    ("zbv", "dp_pp", 1, True),
+    ("zbv", "zeropp", 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    "schedule,layout,factor,rolled", [(*c, False) for c in CASES] + ROLLED + ZERO_BUBBLE
+)
 def test_exact_loss_and_grads(schedule, layout, factor, rolled):
     axes, s_specs, r_specs, b_axes = LAYOUTS[layout]
     mesh = mesh_of(axes)
