@@ -166,7 +166,7 @@ class Schedule:
         (the same slot on every stage, so the write is static), and every item is read back
         before that slot comes round again: ``ring`` = the longest forward-to-backward wait + 1
         (``2p − 1`` for 1f1b, ``m + 2p − 1`` for gpipe; zb1 / zbv: to the ``W``, which reads
-        them last)."""
+        them last: ``2p − 1`` for zb1, ``4p − 1`` chunks for zbv)."""
         return int(max(self.ages().values())) + 1
 
     @property

@@ -7,8 +7,9 @@ in a tick where the stage would otherwise idle. ``jax.vjp`` gives both at once; 
 module cuts the vjp's program (its jaxpr, with nested ``jit`` and ``checkpoint`` calls
 inlined) in two: ``B`` is every equation the input gradient depends on, ``W`` every other
 equation the weight gradient depends on. What ``W`` reads from ``B`` (the *frontier*: for
-a matmul ``y = x @ w``, the cotangent of ``y``; ``W`` computes ``xᵀ·dy`` from it and the
-stored ``x``) is returned by ``B`` and kept until ``W`` runs; nothing is computed twice.
+a matmul ``y = x @ w``, the cotangent of ``y``, and ``x``, from which ``W`` computes
+``xᵀ·dy``) is returned by ``B`` and kept until ``W`` runs; nothing is computed twice, and
+where the forward stored its residuals can be reused once ``B`` has run.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -18,10 +19,10 @@ Example:
   >>> res, tdef = jax.tree.flatten(vjp)
   >>> split = split_backward(lambda r, g: jax.tree.unflatten(tdef, r)(g), res, y, n_w=1)
   >>> d_x, frontier = split.b(res, jnp.ones_like(y))
-  >>> (d_w,) = split.w(res, frontier, jnp.ones_like(y))
+  >>> (d_w,) = split.w(res, frontier)
   >>> want_w, want_x = vjp(jnp.ones_like(y))
   >>> bool(jnp.allclose(d_x, want_x)), bool(jnp.allclose(d_w, want_w)), len(frontier)
-  (True, True, 1)
+  (True, True, 2)
 """
 
 from __future__ import annotations
@@ -106,33 +107,46 @@ class Split:
     Attributes:
       b: ``(residuals, g) -> (d_x, frontier)``: the input gradient, and the values ``W``
         needs that only ``B`` computes.
-      w: ``(residuals, frontier, g) -> [d_w, ...]``: the weight gradient.
+      w: ``(residuals, frontier) -> [d_w, ...]``: the weight gradient (it reads only the
+        residuals marked ``direct``).
       frontier: the frontier's shapes and dtypes (``jax.ShapeDtypeStruct`` each).
-      reads_g: whether ``W`` reads the output cotangent ``g`` itself (it is then kept too).
       b_equations, w_equations: how many equations each part runs.
     """
 
     b: Callable[..., tuple[Any, list[Any]]]
     w: Callable[..., list[Any]]
     frontier: tuple[jax.ShapeDtypeStruct, ...]
-    reads_g: bool
     b_equations: int
     w_equations: int
 
 
-def split_backward(bwd: Callable[..., Any], residuals: Sequence[Any], g: Any, *, n_w: int) -> Split:
+def split_backward(
+    bwd: Callable[..., Any],
+    residuals: Sequence[Any],
+    g: Any,
+    *,
+    n_w: int,
+    direct: Sequence[bool] | None = None,
+) -> Split:
     """Cut ``bwd(residuals, g) -> (d_w, d_x)`` (``d_w`` a list of ``n_w`` arrays, ``d_x``
     one array) into ``B`` and ``W`` (see :class:`Split`); traced once, abstractly.
+
+    ``direct[i]``: ``W`` may read residual ``i`` itself when it runs (a weight, which stays
+    in memory anyway); the others it reads (and the output cotangent ``g``) are in the
+    frontier, so nothing ``W`` needs is read from where the forward stored it: that can be
+    overwritten once ``B`` has run. Default: every residual direct.
 
     Example:
       >>> import jax.numpy as jnp
       >>> bwd = lambda r, g: ([r[0].T @ g], g @ r[1].T)   # y = x @ w: r = (x, w)
-      >>> s = split_backward(bwd, [jnp.ones((2, 3)), jnp.ones((3, 3))], jnp.ones((2, 3)), n_w=1)
-      >>> s.frontier, s.reads_g, s.b_equations, s.w_equations
-      ((), True, 2, 2)
+      >>> s = split_backward(bwd, [jnp.ones((2, 3)), jnp.ones((3, 3))], jnp.ones((2, 3)), n_w=1,
+      ...                    direct=[False, True])
+      >>> [tuple(f.shape) for f in s.frontier], s.b_equations, s.w_equations   # x and g
+      ([(2, 3), (2, 3)], 2, 2)
     """
     spec = lambda x: jax.ShapeDtypeStruct(jax.numpy.shape(x), x.dtype)  # noqa: E731
     res_s = [spec(r) for r in residuals]
+    direct = [True] * len(res_s) if direct is None else list(direct)
     closed = jax.make_jaxpr(lambda r, gg: _pack(bwd(r, gg)))(res_s, spec(g))
     nodes: list[_Node] = []
     in_refs = [_Ref(v.aval) for v in closed.jaxpr.invars]
@@ -158,16 +172,16 @@ def split_backward(bwd: Callable[..., Any], residuals: Sequence[Any], g: Any, *,
     in_w = ancestors(d_w_refs) - in_b
     b_nodes = [nodes[n] for n in sorted(in_b)]
     w_nodes = [nodes[n] for n in sorted(in_w)]
-    # What W reads that B produced (in B's order): the frontier. Inputs W reads directly.
-    b_outs = {id(r) for node in b_nodes for r in node.outs}
+    # What W reads that it does not compute, is not a constant and may not read directly
+    # (B's outputs, the stored residuals, g): the frontier, which B hands over.
+    w_outs = {id(r) for node in w_nodes for r in node.outs}
+    free = {id(r) for r, d in zip(res_refs, direct, strict=True) if d}
     wanted: dict[int, _Ref] = {}
     for a in [x for node in w_nodes for x in node.ins] + list(d_w_refs):
-        if not isinstance(a, tuple) and id(a) in b_outs:
-            wanted.setdefault(id(a), a)
+        if isinstance(a, tuple) or a.const is not None or id(a) in w_outs or id(a) in free:
+            continue
+        wanted.setdefault(id(a), a)
     frontier = list(wanted.values())
-    reads = {id(a) for node in w_nodes for a in node.ins if not isinstance(a, tuple)}
-    reads |= {id(a) for a in d_w_refs if not isinstance(a, tuple)}
-    reads_g = id(g_ref) in reads
 
     def b(res: Sequence[Any], gv: Any) -> tuple[Any, list[Any]]:
         env = dict(zip(res_refs, res, strict=True))
@@ -175,15 +189,14 @@ def split_backward(bwd: Callable[..., Any], residuals: Sequence[Any], g: Any, *,
         _run(b_nodes, env)
         return _value(d_x_ref, env), [env[r] for r in frontier]
 
-    def w(res: Sequence[Any], front: Sequence[Any], gv: Any) -> list[Any]:
-        env = dict(zip(res_refs, res, strict=True))
-        env[g_ref] = gv
+    def w(res: Sequence[Any], front: Sequence[Any]) -> list[Any]:
+        env = {r: x for r, x, d in zip(res_refs, res, direct, strict=True) if d}
         env.update(zip(frontier, front, strict=True))
         _run(w_nodes, env)
         return [_value(r, env) for r in d_w_refs]
 
     shapes = tuple(jax.ShapeDtypeStruct(r.aval.shape, r.aval.dtype) for r in frontier)
-    return Split(b, w, shapes, reads_g, len(b_nodes), len(w_nodes))
+    return Split(b, w, shapes, len(b_nodes), len(w_nodes))
 
 
 def _pack(out: Any) -> list[Any]:
