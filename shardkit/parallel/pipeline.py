@@ -591,17 +591,8 @@ class _Body:
 
         # d loss / d y of the last chunk, kept until its backward: zb1 and zbv run that
         # backward in the tick of the forward, so one slot (the others keep ``ring``).
-        dy_ring = (
-            1
-            if split
-            and max(sched.ages("f", "b").values()) >= 0
-            and all(
-                age == 0
-                for (t, st_), age in sched.ages("f", "b").items()
-                if np_tables["b_last"][t][st_]
-            )
-            else ring
-        )
+        last = [a for (t, q), a in sched.ages("f", "b").items() if np_tables["b_last"][t][q]]
+        dy_ring = 1 if split and max(last) == 0 else ring
 
         def dy_slot(t, slot=None):
             if dy_ring == 1:
