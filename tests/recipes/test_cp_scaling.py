@@ -48,20 +48,34 @@ def _context_parallel(name: str, recipe, devices=None):
     return float(m0["loss"]), jax.device_get(m0["grads"]), float(m1["loss"]), batch
 
 
+#: What each strategy needs placed (by hand): the ring (alone or in USP) the zigzag for
+#: its causal load; all-gather and Ulysses attend evenly as the tokens come.
+ZIGZAG = {"ring": True, "usp": True, "allgather": False, "ulysses": False}
+
+
+def _recipe(strategy: str):
+    """cp with ``strategy``; USP on cp_usp (ring 4 × Ulysses 2)."""
+    return sk.recipes.get("cp_usp" if strategy == "usp" else "cp").with_attention(strategy)
+
+
 @pytest.mark.parametrize(
     ("name", "strategy"),
     [
         ("gpt-tiny", "ring"),
         ("gpt-tiny", "ulysses"),
+        ("gpt-tiny", "usp"),
         ("llama-tiny", "allgather"),
         ("llama-tiny", "ulysses"),
+        ("llama-tiny", "usp"),
     ],
 )
 def test_every_strategy_trains_to_the_one_device_losses(name, strategy):
     want0, want_grads, want1 = _one_device(name)
-    recipe = sk.recipes.get("cp").with_attention(strategy)
+    recipe = _recipe(strategy)
+    assert recipe.balance == ("zigzag" if ZIGZAG[strategy] else "none")
     loss0, grads, loss1, batch = _context_parallel(name, recipe)
-    assert "positions" in batch  # placed in the zigzag order, positions carried along
+    # placed in the zigzag order with positions carried along only where the ring runs
+    assert ("positions" in batch) == ZIGZAG[strategy]
     np.testing.assert_allclose(loss0, want0, rtol=1e-5)
     np.testing.assert_allclose(loss1, want1, rtol=1e-5)
     top = max(float(np.abs(g).max()) for g in jax.tree.leaves(want_grads))
