@@ -224,8 +224,8 @@ def context_kv_bytes(
       U, f_U = (U − 1)/U): the all-to-alls over U of the U·R-way shards,
       P·f_U·b·(S/(U·R))·(2h + 2h_kv)·B, and the ring over R of h_kv/U heads,
       P·f·2·b·S·(h_kv/U)·B; with ``positions`` the segment ids and positions
-      all-gathered over U, (P − 1)·f_U·2·b·(S/R)·4, and travelling the ring,
-      (P − 1)·f·2·b·S·4.
+      all-gathered over U once a step, f_U·2·b·(S/R)·4 (the recompute's gather of the
+      same integers is the forward's), and travelling the ring, (P − 1)·f·2·b·S·4.
 
     ``b``: the sequences one context group holds; ``S`` the whole sequence.
 
@@ -304,10 +304,12 @@ def _usp_bytes(*, layers, b, s, h, h_kv, ring, ulysses, nbytes, passes, position
         note = f"USP: K/V ring over R={ring}, {passes} passes × L·f_R·2·b·S·(h_kv/U)·B"
         out.append(("collective-permute", kv, note))
     if positions:
-        gather = (passes - 1) * layers * fu * 2 * b * (s / ring) * 4
+        # once a step: the batch's integers, gathered alike in the forward and the
+        # recompute (XLA keeps one; measured), where the ring's travel in its loop twice
+        gather = layers * fu * 2 * b * (s / ring) * 4
         travel = (passes - 1) * layers * fr * 2 * b * s * 4
         if gather:
-            note = f"USP: segment ids and positions over U, {passes - 1} passes × L·f_U·2·b·(S/R)·4"
+            note = "USP: segment ids and positions over U, once × L·f_U·2·b·(S/R)·4"
             out.append(("all-gather", gather, note))
         if travel:
             note = f"USP: segment ids and positions round the ring, {passes - 1} passes × L·f_R·2·b·S·4"
