@@ -115,6 +115,8 @@ def test_shard_batch_places_inputs_targets_and_positions_in_one_order():
     np.testing.assert_array_equal(placed["positions"], np.broadcast_to(order, (ROWS, SEQ)))
     np.testing.assert_array_equal(placed["segment_ids"], np.ones((ROWS, SEQ)))  # one document
     assert sk.Plan("fsdp").balance_order(SEQ) is None
+    # USP: the zigzag over the ring's 4 ranks (Ulysses attends each one's whole block)
+    np.testing.assert_array_equal(sk.Plan("cp_usp").balance_order(SEQ), zigzag_order(SEQ, 4))
     with pytest.raises(sk.ShardingError, match="permutation"):
         balance_batch(host, np.zeros(SEQ, int))
 
