@@ -13,6 +13,11 @@ rest, ``b·(s/N)·(2h + 2h_kv)·B·(N−1)/N`` for q, k, v and the output (h, h_
 all-to-alls), full remat once more. A batch placed out of order or packed carries its
 segment ids and positions, all-gathered beside (``2·b·s·4·(N−1)/N``). The heads per device (after any tensor split) must divide by N.
 
+USP (Fang & Zhao 2024, A Unified Sequence Parallelism Approach for Long Context
+Generative AI) runs this over one axis of size U around ring attention over another of
+size R (``causal_attention`` under ``use_attention("usp", axis=(ulysses, ring))``):
+:func:`check_usp` says whether a model and a sequence fit such a mesh.
+
 Example:
   >>> check_heads(12, 4, 4)
   >>> check_heads(12, 4, 8)
