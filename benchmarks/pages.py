@@ -43,7 +43,7 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("tsp",),
         "Tensor-sequence parallelism against TP, TP+SP and context parallelism on llama-1b: "
         "one sequence length head to head, then a sweep of the sequence. The context-parallel "
-        "rows keep the state whole over `sequence` (`with_context_state(\"replicated\")`, "
+        'rows keep the state whole over `sequence` (`with_context_state("replicated")`, '
         "`cp`'s layout when they were measured); today's ZeRO-3 `cp` is on the context "
         "parallelism page.",
     ),
