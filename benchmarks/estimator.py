@@ -72,12 +72,59 @@ GRIDS = {
 }
 
 
+#: Mixture-of-experts points (moe-tiny's and moe-small's shapes, 8 devices): the four
+#: expert-parallel recipes × remat; not in the fit (its constants are the dense grid's).
+MOE_RECIPES = ("ep", "fsdp_ep", "ep_tp", "ep_gspmd")
+MOE_GRIDS = {
+    "moe_tiny": {
+        "config": dict(
+            vocab=256, d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, d_ff=64,
+            n_experts=8, top_k=2, n_shared_experts=1,
+        ),
+        "seq": 64,
+        "batch": 16,
+        "remats": REMATS,
+    },
+    "moe_small": {
+        "config": dict(
+            vocab=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048,
+            n_experts=8, top_k=2,
+        ),
+        "seq": 128,
+        "batch": 8,
+        "remats": ("full",),
+    },
+}
+
+
+def moe_points(grid: str) -> list[dict]:
+    """A MoE grid's points: every expert-parallel recipe × its remat policies, f32."""
+    g = MOE_GRIDS[grid]
+    return [
+        dict(
+            grid=grid,
+            family="moe",
+            config={**g["config"], "max_seq": g["seq"]},
+            recipe=recipe,
+            devices=8,
+            batch=g["batch"],
+            seq=g["seq"],
+            remat=remat,
+            precision="f32",
+        )
+        for recipe in MOE_RECIPES
+        for remat in g["remats"]
+    ]
+
+
 def points(grid: str) -> list[dict]:
     """The grid's points: every recipe × family × ``PER_CELL`` (remat, precision) pairs."""
+    if grid in MOE_GRIDS:
+        return moe_points(grid)
     g = GRIDS[grid]
     combos = [(r, p) for r in REMATS for p in PRECISIONS]
     out = []
-    for i, recipe in enumerate(recipes.names()):
+    for i, recipe in enumerate(r for r in recipes.names() if r not in MOE_RECIPES):
         for j, family in enumerate(("gpt", "llama")):
             for k in range(g.get("per_cell", PER_CELL)):
                 remat, precision = combos[(2 * i + 3 * j + k * 2 + k // 2) % len(combos)]
@@ -101,6 +148,8 @@ def points(grid: str) -> list[dict]:
 def key(p: dict) -> str:
     c = p["config"]
     size = "-".join(str(c[k]) for k in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"))
+    if c.get("n_experts"):
+        size += f"-e{c['n_experts']}k{c['top_k']}s{c.get('n_shared_experts', 0)}"
     return (
         f"{p['family']}-{size}-{c['d_ff']}/{p['recipe']}/{p['devices']}/"
         f"b{p['batch']}s{p['seq']}/{p['remat']}/{p['precision']}"
@@ -109,7 +158,8 @@ def key(p: dict) -> str:
 
 def load_cache() -> dict:
     out: dict = {}
-    for path in (CACHE, *(cache_file(g + r) for g in GRIDS for r in ("", "_reversed"))):
+    grids = (*GRIDS, *MOE_GRIDS)
+    for path in (CACHE, *(cache_file(g + r) for g in grids for r in ("", "_reversed"))):
         out.update(json.loads(path.read_text()) if path.exists() else {})
     return out
 
@@ -117,7 +167,7 @@ def load_cache() -> dict:
 def model_of(p: dict):
     from shardkit import models
 
-    base = "gpt-tiny" if p["family"] == "gpt" else "llama-tiny"
+    base = {"gpt": "gpt-tiny", "llama": "llama-tiny", "moe": "moe-tiny"}[p["family"]]
     return models.get(base, remat=p["remat"], **p["config"])
 
 
@@ -266,7 +316,7 @@ def errors(rows, ests) -> dict:
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--collect", choices=tuple(GRIDS))
+    p.add_argument("--collect", choices=(*GRIDS, *MOE_GRIDS))
     p.add_argument("--reverse", action="store_true", help="collect the grid's last points first")
     p.add_argument("--fit", action="store_true", help="refit the constants (training grid)")
     args = p.parse_args()

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec
 
 from shardkit import context
 from shardkit.annotate import axes, constrain
+from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.scopes import scope
 
@@ -160,12 +161,18 @@ class MoeSpec:
         return capacity(self, seq)
 
 
-def capacity(spec: MoeSpec, seq: int) -> int:
+def capacity(spec: MoeSpec | ModelDims, seq: int) -> int:
     """``min(S, ⌈cf · S · k / E⌉)`` slots per expert per sequence; ``S`` when dropless.
+
+    ``spec`` is the layer's :class:`MoeSpec` or a model's
+    :class:`~shardkit.dims.ModelDims` (the analytic model's count is this one).
 
     Example:
       >>> capacity(MoeSpec(8, 2, 16, capacity_factor=None), 16)
       16
+      >>> capacity(ModelDims(layers=1, d_model=8, n_heads=1, n_kv_heads=1, d_ff=8, vocab=8,
+      ...                    n_experts=8, top_k=2, expert_d_ff=8, capacity_factor=1.25), 256)
+      80
     """
     if spec.capacity_factor is None:
         return seq
