@@ -72,14 +72,22 @@ GRIDS = {
 }
 
 
-#: Mixture-of-experts points (moe-tiny's and moe-small's shapes, 8 devices): the four
-#: expert-parallel recipes × remat; not in the fit (its constants are the dense grid's).
+#: Mixture-of-experts points (moe-tiny's and moe-small's shapes, both with one shared
+#: expert, capacity factor 1.25, 8 devices): the four expert-parallel recipes × remat;
+#: not in the fit (the constants are the dense training grid's).
 MOE_RECIPES = ("ep", "fsdp_ep", "ep_tp", "ep_gspmd")
 MOE_GRIDS = {
     "moe_tiny": {
         "config": dict(
-            vocab=256, d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, d_ff=64,
-            n_experts=8, top_k=2, n_shared_experts=1,
+            vocab=256,
+            d_model=64,
+            n_layers=2,
+            n_heads=16,
+            n_kv_heads=8,
+            d_ff=64,
+            n_experts=8,
+            top_k=2,
+            n_shared_experts=1,
         ),
         "seq": 64,
         "batch": 16,
@@ -87,8 +95,15 @@ MOE_GRIDS = {
     },
     "moe_small": {
         "config": dict(
-            vocab=32000, d_model=768, n_layers=12, n_heads=12, n_kv_heads=4, d_ff=2048,
-            n_experts=8, top_k=2,
+            vocab=32000,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            n_kv_heads=4,
+            d_ff=2048,
+            n_experts=8,
+            top_k=2,
+            n_shared_experts=1,
         ),
         "seq": 128,
         "batch": 8,
