@@ -317,9 +317,7 @@ def read_compiled(
                 # the vocabulary tables among the parameters: 1 tied (GPT), 2 untied
                 **({"vocab_tables": dims.vocab_tables} if dims is not None else {}),
             )
-            if dims is not None:  # a chunked head: the step's phases set the total
-                analytic = with_phases(analytic, dims, recipe, mesh, workload)
-            if dims is not None and dims.n_experts:
+            if dims is not None and dims.n_experts:  # before the phases: their state
                 analytic = analytic_moe.with_experts(
                     analytic,
                     dims,
@@ -332,6 +330,8 @@ def read_compiled(
                     optimizer_bytes=full["optimizer"],
                     bytes_per_value=2 if workload.precision == "bf16" else 4,
                 )
+            if dims is not None:  # a chunked head: the step's phases set the total
+                analytic = with_phases(analytic, dims, recipe, mesh, workload)
         except ShardingError as e:  # a layout the analytic model does not cover
             notes.append(f"no analytic model: {' '.join(str(e).split())}")
     logical_names = {n for r in rows for n in r.logical if n}
