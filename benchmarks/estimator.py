@@ -8,7 +8,9 @@ Compile only (nothing runs), AdamW. Two grids of points, every recipe × both fa
   devices;
 - *held-out*: d_model 256, 3 layers, vocab 2048, seq 128, global batch 32, on 16
   devices (other sizes, sequence, batch and device count than the fit ever saw), one
-  (remat, precision) pair per recipe × family (the six pairs rotate over the recipes).
+  (remat, precision) pair per recipe × family (the six pairs rotate over the recipes);
+- *moe_tiny*, *moe_small*: mixture-of-experts points (:data:`MOE_GRIDS`), the four
+  expert-parallel recipes on 8 devices, f32; never in the fit.
 
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
@@ -18,7 +20,7 @@ family, go to ``results/estimator.json``.
 
 ``--tiny`` compiles the training grid's first two points (no cache) and reports on them.
 
-Run: python benchmarks/estimator.py [--tiny] [--collect training|held_out] [--fit]
+Run: python benchmarks/estimator.py [--tiny] [--collect training|held_out|moe_tiny|moe_small] [--fit]
 """
 
 from __future__ import annotations
@@ -309,7 +311,8 @@ def errors(rows, ests) -> dict:
     out: dict[str, dict] = {}
     for (p, c), e in zip(rows, ests, strict=True):
         err = e.total / c["memory"]["total"] - 1
-        for fam in ("all", family_of(p["recipe"])):
+        family = "experts (ep)" if p["family"] == "moe" else family_of(p["recipe"])
+        for fam in ("all", family):
             f = out.setdefault(
                 fam,
                 {"points": 0, "within": 0, "worst": 0.0, "worst_point": "", "wire": 0, "wired": 0},
@@ -345,10 +348,12 @@ def main() -> None:
         train, held = [(p, compile_point(p)) for p in points("training")[:2]], []
     fit = fit_constants(train) if args.fit else dict(FIT)
     result = {"constants": fit, "fitted": bool(args.fit), "left_out": list(STALE)}
-    for grid in GRIDS:
+    for grid in (*GRIDS, *MOE_GRIDS):
         result[f"{grid}_points_planned"] = len(points(grid))
     table = []
-    for grid, rows in (("training", train), ("held_out", held)):
+    grids = [("training", train), ("held_out", held)]
+    grids += [(g, compiled(g)) for g in MOE_GRIDS if not args.tiny]
+    for grid, rows in grids:
         ests = estimates(rows, fit)
         err = errors(rows, ests)
         result[grid] = {
