@@ -8,7 +8,10 @@ of a candidate has size at least 2: a size-1 axis is another recipe (``dp_fsdp``
 
 A context-parallel recipe (``Recipe.context_state`` set: ``cp``, ``fsdp_cp``) is tried
 with each attention strategy over its context axis (``ring``, ``allgather``,
-``ulysses``); elsewhere ``attention`` is ``None`` (the recipe's own).
+``ulysses``); one with two context axes (``cp_usp``) runs USP (Ulysses × ring) on
+every factorisation of the devices into a Ulysses and a ring axis, and the planner
+prunes those whose Ulysses size does not divide the heads. Elsewhere ``attention`` is
+``None`` (the recipe's own).
 
 A mixture-of-experts model (``n_experts``) searches the expert axis: every recipe that
 splits the experts (its rules name ``expert``) is tried with each expert-axis size that
@@ -40,6 +43,9 @@ from shardkit.rules import Rules
 
 __all__ = [
     "Candidate",
+    "LOGITS",
+    "PRECISIONS",
+    "REMATS",
     "enumerate_candidates",
     "expert_recipe",
     "factorisations",
@@ -50,7 +56,7 @@ REMATS = ("none", "save_dots", "full")
 PRECISIONS = ("f32", "bf16")
 LOGITS = ("vocab", "tokens")
 #: The attention strategies a context-parallel recipe is tried with.
-ATTENTIONS = ("ring", "allgather", "ulysses")
+_ATTENTIONS = ("ring", "allgather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -235,7 +241,9 @@ def enumerate_candidates(
             # say (dp_tp_sp_pp compiles the same program under both): no choice there.
             choice = recipe.vocab_gather_axes(dict(mesh)) and not stages
             layouts = LOGITS if choice else (None,)
-            attentions = ATTENTIONS if recipe.context_state is not None else (None,)
+            attentions = (None,)
+            if recipe.context_state is not None and len(recipe.context_axes) == 1:
+                attentions = _ATTENTIONS
             for m, remat, logits, precision, attention in itertools.product(
                 counts, remats, layouts, precisions, attentions
             ):
