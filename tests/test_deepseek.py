@@ -206,6 +206,8 @@ def test_bad_input_is_a_sharding_error():
     with pytest.raises(sk.ShardingError, match="n_kv_heads equals n_heads"):
         get("deepseek-tiny", n_kv_heads=4)
     dims = get("deepseek-tiny").dims
+    with pytest.raises(sk.ShardingError, match="latent attention"):  # no terms for MLA
+        sk.estimate("ep", dims, batch=8, seq=16, devices=8)
     for field, value, message in [
         ("rope_dim", 5, "rope_dim is even"),
         ("v_dim", 0, "per-head v_dim as a positive int"),
