@@ -34,13 +34,20 @@ from collections.abc import Iterable, Sequence
 
 from shardkit import recipes
 
-__all__ = ["Candidate", "factorisations", "enumerate_candidates"]
+__all__ = [
+    "Candidate",
+    "LOGITS",
+    "PRECISIONS",
+    "REMATS",
+    "enumerate_candidates",
+    "factorisations",
+]
 
 REMATS = ("none", "save_dots", "full")
 PRECISIONS = ("f32", "bf16")
 LOGITS = ("vocab", "tokens")
 #: The attention strategies a context-parallel recipe is tried with.
-ATTENTIONS = ("ring", "allgather", "ulysses")
+_ATTENTIONS = ("ring", "allgather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -170,7 +177,7 @@ def enumerate_candidates(
             layouts = LOGITS if choice else (None,)
             attentions = (None,)
             if recipe.context_state is not None and len(recipe.context_axes) == 1:
-                attentions = ATTENTIONS
+                attentions = _ATTENTIONS
             for m, remat, logits, precision, attention in itertools.product(
                 counts, remats, layouts, precisions, attentions
             ):
