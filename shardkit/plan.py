@@ -64,7 +64,7 @@ BATCH_AXES = ("batch", "length")
 
 #: ``plan.init`` warns when a recipe meant to shard parameters (or optimizer state)
 #: leaves more than this share of their bytes whole on every device.
-REPLICATED_WARN_SHARE = 0.5
+_REPLICATED_WARN_SHARE = 0.5
 
 
 class Plan:
@@ -349,7 +349,7 @@ class Plan:
             total = sum(_nbytes(leaf) for leaf in rows)
             whole = [leaf for leaf in rows if all(e is None for e in leaf.spec)]
             replicated = sum(_nbytes(leaf) for leaf in whole)
-            if not sharded or not total or replicated <= REPLICATED_WARN_SHARE * total:
+            if not sharded or not total or replicated <= _REPLICATED_WARN_SHARE * total:
                 continue
             unmatched = [leaf.path for leaf in whole if leaf.info.source == "unmatched"]
             if unmatched:

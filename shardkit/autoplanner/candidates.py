@@ -31,13 +31,20 @@ from collections.abc import Iterable, Sequence
 
 from shardkit import recipes
 
-__all__ = ["Candidate", "factorisations", "enumerate_candidates"]
+__all__ = [
+    "Candidate",
+    "LOGITS",
+    "PRECISIONS",
+    "REMATS",
+    "enumerate_candidates",
+    "factorisations",
+]
 
 REMATS = ("none", "save_dots", "full")
 PRECISIONS = ("f32", "bf16")
 LOGITS = ("vocab", "tokens")
 #: The attention strategies a context-parallel recipe is tried with.
-ATTENTIONS = ("ring", "allgather", "ulysses")
+_ATTENTIONS = ("ring", "allgather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -165,7 +172,7 @@ def enumerate_candidates(
             # say (dp_tp_sp_pp compiles the same program under both): no choice there.
             choice = recipe.vocab_gather_axes(dict(mesh)) and not stages
             layouts = LOGITS if choice else (None,)
-            attentions = ATTENTIONS if recipe.context_state is not None else (None,)
+            attentions = _ATTENTIONS if recipe.context_state is not None else (None,)
             for m, remat, logits, precision, attention in itertools.product(
                 counts, remats, layouts, precisions, attentions
             ):

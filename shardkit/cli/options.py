@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "add_attention",
     "add_explicit",
     "add_json",
     "add_logits",
     "add_mesh",
     "add_precision",
+    "add_seq_and_remat",
     "add_wide",
     "check_outputs",
     "emit_json",

@@ -78,6 +78,7 @@ __all__ = [
     "Segments",
     "causal_attention",
     "current_attention",
+    "masked_softmax",
     "use_attention",
 ]
 

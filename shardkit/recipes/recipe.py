@@ -34,11 +34,11 @@ __all__ = ["LogitsLayout", "Parallelism", "Recipe", "VocabRules", "expected_coll
 LogitsLayout = Literal["auto", "vocab", "tokens"]
 
 #: Logical names of an activation's token dimensions.
-TOKEN_NAMES = ("batch", "length")
+_TOKEN_NAMES = ("batch", "length")
 
 #: Logical names whose weights Megatron splits: a mesh axis that shards them is a
 #: tensor-parallel axis.
-TENSOR_NAMES = frozenset({"heads", "kv_heads", "mlp"})
+_TENSOR_NAMES = frozenset({"heads", "kv_heads", "mlp"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +292,7 @@ class Recipe:
         """
         params = _names_on(self.rules, axis) - {"expert"}
         acts = _names_on(self.activation_rules, axis)
-        if params & TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
+        if params & _TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
             return "tensor"  # and heads/MLP units is FSDP that also shards those
         if params == {"layers"}:
             return "stage"
@@ -317,7 +317,7 @@ class Recipe:
           >>> recipes.get("tp").vocab_gather_axes({"tensor": 4})   # tp does not split tokens
           ()
         """
-        token_axes = {a for name in TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
+        token_axes = {a for name in _TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
         return tuple(
             a
             for a in _axes_of(self.activation_rules, "vocab")
@@ -381,7 +381,7 @@ class Recipe:
           >>> recipes.get("fsdp").gathered_tokens({"fsdp": 512}, 512 * 2048)
           1048576.0
         """
-        token_axes = {a for name in TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
+        token_axes = {a for name in _TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
         split = math.prod(mesh.get(a, 1) for a in token_axes)
         return tokens / split * math.prod(mesh.get(a, 1) for a in self.vocab_gather_axes(mesh))
 

@@ -18,7 +18,7 @@ from shardkit import train
 from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
 from shardkit.report.pipeline_analytic import PipelineCosts, pipeline_costs
 
-__all__ = ["PipelineMeasurement", "measure"]
+__all__ = ["PipelineMeasurement", "measure", "useful_flops"]
 
 
 @dataclasses.dataclass(frozen=True)
