@@ -376,8 +376,9 @@ class Plan:
 
     def balance_order(self, seq: int) -> np.ndarray | None:
         """The order :meth:`shard_batch` places a sequence of ``seq`` tokens in: the
-        zigzag order over the recipe's ``attention_axis`` when its ``balance`` is
-        ``"zigzag"`` and that axis splits the sequence, else ``None`` (as given).
+        zigzag order over the recipe's ring (``Recipe.balance_axis``: its
+        ``attention_axis``, USP's ring axis) when its ``balance`` is ``"zigzag"`` and that
+        axis splits the sequence, else ``None`` (as given).
 
         Example:
           >>> import shardkit as sk
@@ -386,7 +387,7 @@ class Plan:
           >>> sk.Plan("fsdp").balance_order(32) is None
           True
         """
-        axis = self.recipe.attention_axis
+        axis = self.recipe.balance_axis
         if self.recipe.balance != "zigzag" or dict(self.mesh.shape).get(axis, 1) == 1:
             return None
         return zigzag_order(seq, self.mesh.shape[axis])

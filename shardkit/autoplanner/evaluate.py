@@ -36,9 +36,9 @@ from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
-from shardkit.nn.ulysses import check_heads
+from shardkit.nn.ulysses import check_heads, check_usp
 from shardkit.plan import Plan
-from shardkit.report import build_report
+from shardkit.report import analytic_moe, build_report
 from shardkit.report.analytic import analytic_costs, with_phases
 from shardkit.report.estimator import estimate
 from shardkit.report.records import human_bytes
@@ -108,6 +108,9 @@ class Analytic:
     #: the pre-compile estimate's total per device (``sk.estimate``), where the model
     #: declares its dims and the estimator covers the layout; else ``None``
     estimated: float | None = None
+    #: an MoE model's expert state per device and its dispatch's all-to-all bytes, in
+    #: words (why expert parallelism wins or loses); ``None`` for a dense model
+    experts: str | None = None
 
     @property
     def ranking_memory(self) -> float:
@@ -170,15 +173,19 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             f"{4 * stages} micro-batches per data replica"
         )
     dims = subject.model.dims
-    ring = mesh.get(recipe.attention_axis, 1)
+    sizes = [int(mesh.get(a, 1)) for a in recipe.context_axes]
+    ring = sizes[-1]
     zigzag = (
-        recipe.attention == "ring" or recipe.layer_schedule == "tsp" or recipe.balance == "zigzag"
+        recipe.attention in ("ring", "usp")
+        or recipe.layer_schedule == "tsp"
+        or recipe.balance == "zigzag"
     )
-    if zigzag and ring > 1 and subject.seq % (2 * ring):
+    chunks = math.lcm(math.prod(sizes), 2 * ring) if zigzag and ring > 1 else math.prod(sizes)
+    if chunks > 1 and subject.seq % chunks:
         return Pruned(
-            f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
-            f"into 2·{ring} = {2 * ring} zigzag chunks; sequence {subject.seq} does "
-            "not divide"
+            f"attention over {recipe.attention_axis}={'×'.join(map(str, sizes))} cuts each "
+            f"sequence into {chunks} {'zigzag ' if zigzag and ring > 1 else ''}chunks; "
+            f"sequence {subject.seq} does not divide"
         )
     if stages and dims is not None and dims.layers % stages:
         return Pruned(f"{dims.layers} layers do not split into {stages} stages")
@@ -186,6 +193,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
     try:
         if recipe.attention == "ulysses" and ring > 1 and dims is not None:
             check_heads(dims.n_heads, dims.n_kv_heads, ring, recipe.attention_axis)
+        if recipe.attention == "usp" and dims is not None and min(sizes) > 1:
+            check_usp(subject.seq, dims.n_heads, dims.n_kv_heads, recipe.context_axes, sizes)
         for leaf in subject.leaves:
             rules = recipe.rules
             if leaf.kind == "optimizer" and recipe.optimizer_rules is not None:
@@ -224,6 +233,21 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             optimizer_bytes=subject.optimizer_bytes,
             **extra,
         )
+        experts = None
+        if dims is not None and dims.n_experts:  # the experts split (before the phases)
+            analytic = analytic_moe.with_experts(
+                analytic,
+                dims,
+                recipe,
+                mesh,
+                batch=subject.batch,
+                seq=subject.seq,
+                remat=workload.remat or "none",
+                param_bytes=subject.param_bytes,
+                optimizer_bytes=subject.optimizer_bytes,
+                bytes_per_value=2 if candidate.precision == "bf16" else 4,
+            )
+            experts = _experts_note(subject, recipe, mesh, analytic)
         if not stages:  # a no-op unless the model's loss is shardkit's chunked head
             analytic = with_phases(analytic, dims, recipe, mesh, workload)
     except ShardingError as e:
@@ -239,6 +263,21 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         state=float(state),
         wire=float(sum(analytic.wire_bytes_by_kind.values())),
         estimated=_estimated(subject, candidate, extra.get("pipeline")),
+        experts=experts,
+    )
+
+
+def _experts_note(subject: Subject, recipe: Any, mesh: dict, analytic: Any) -> str:
+    """The expert state one device holds and the dispatch's all-to-all bytes, in words."""
+    dims = subject.model.dims
+    split = analytic_moe.expert_split(recipe, mesh)
+    per_param = (subject.param_bytes + subject.optimizer_bytes) / dims.param_count + 4
+    whole = dims.layers * dims.expert_params * per_param
+    a2a = analytic.wire_bytes_by_kind.get("all-to-all", 0.0)
+    moved = f"{human_bytes(a2a)} of all-to-all dispatch a step" if a2a else "no all-to-all"
+    return (
+        f"expert state {human_bytes(whole / split)} per device (1/{split} of "
+        f"{human_bytes(whole)}), {moved}"
     )
 
 

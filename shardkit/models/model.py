@@ -241,6 +241,7 @@ class Model:
     def router_stats(self, params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """An MoE model's routers on ``batch``: ``{"load", "dropped"}`` tokens per layer and
         expert ``[layers, E]``, ``"balance"`` and ``"z"`` (the unweighted losses) per layer.
+        A packed batch's padding (``segment_ids`` 0) is routed nowhere and counted nowhere.
 
         Raises:
           ShardingError: the model has no experts.
@@ -258,7 +259,9 @@ class Model:
                 f"{self.name}.router_stats: the model has no experts (family "
                 f"{self.config.family!r}).\nFix: use an MoE model (moe-tiny, moe-small, ...)."
             )
-        _, stats = self._forward(params, batch["inputs"], batch["targets"])
+        seg = self._packed(batch, batch["inputs"])  # packed rows: padding routes nowhere
+        segments = None if seg is None else Segments(*seg)
+        _, stats = self._forward(params, batch["inputs"], batch["targets"], segments)
         return {k: stats[k] for k in ("load", "dropped", "balance", "z")}
 
     def stages(self) -> Stages:

@@ -57,7 +57,8 @@ class MoeBlock(nnx.Module):
     ):
         x = constrain(x, RESIDUAL)
         x = constrain(x + self.attn(self.attn_norm(x), cos, sin, segments), RESIDUAL)
-        y, stats = self.moe(self.mlp_norm(x))
+        valid = None if segments is None else segments.ids != 0  # padding routes nowhere
+        y, stats = self.moe(self.mlp_norm(x), valid)
         return constrain(x + y, RESIDUAL), stats
 
 

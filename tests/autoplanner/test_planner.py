@@ -240,3 +240,24 @@ def test_candidates_are_ranked_by_the_estimate_and_each_compiled_says_how_far_it
         assert f"{off:+.0%} off the compiled" in c.reason
         assert c.to_json()["estimated_memory_per_device_bytes"] == e.total
     assert any(x.stage == "not compiled" for x in r.rejected)
+
+
+def test_an_moe_model_searches_the_expert_axis_and_can_choose_ep(cache):
+    # moe-tiny's whole state is 16 B × 279,872 parameters = 4.27 MiB: over a 4.25 MiB
+    # budget replicated (dp), while ep holds 1/e of the experts' 196,608. The planner
+    # tries every expert axis dividing the 8 experts (the rest of the devices data).
+    budget = 4.25 * MIB
+    result = plan("moe-tiny", cache, recipes=["dp", "ep"], memory_per_device=budget, max_compiles=1)
+    considered = [r.candidate for r in result.rejected] + [r.candidate for r in result.candidates]
+    meshes = {c.mesh for c in considered if c.recipe == "ep"}
+    assert meshes == {
+        (("expert", 8),),
+        (("data", 2), ("expert", 4)),
+        (("data", 4), ("expert", 2)),
+    }
+    dp = [r for r in result.rejected if r.candidate.recipe == "dp"]
+    assert dp and all("over the" in r.reason for r in dp)
+    best = result.best
+    assert best.candidate.recipe == "ep" and best.evidence.memory["total"] <= budget
+    split = best.candidate.mesh_sizes["expert"]
+    assert f"(1/{split} of " in best.reason and "all-to-all" in best.reason
