@@ -602,10 +602,12 @@ class _Body:
         # zbv: chunk 0 goes down the stages, chunk 1 comes back up. A forward of chunk s
         # runs at ticks of s's parity and one of chunk 2p - 1 - s at the others (a backward
         # the reverse), so at each tick the stages of one parity send down and the others
-        # up: one permute per tick, neighbours swapping in pairs.
+        # up: one permute per tick, neighbours swapping in pairs. The turn (the last stage's
+        # chunk p - 1 to its chunk p, and back) is that stage sending to itself.
         swaps = [
             [(i, i + 1) for i in range(p - 1) if i % 2 == par]
             + [(i, i - 1) for i in range(1, p) if i % 2 != par]
+            + ([(p - 1, p - 1)] if (p - 1) % 2 == par else [])
             for par in (0, 1)
         ]
         fwd_perm = [(i, (i + 1) % p) for i in range(p if sched.virtual > 1 else p - 1)]
@@ -642,8 +644,6 @@ class _Body:
             if has_f:
                 i, k = at("f_mb", t), at("f_k", t)
                 x_in = st["recv_f"]
-                if vee:  # the turn: the last stage's round 1 reads its own round 0
-                    x_in = jnp.where((k == 1) & (s == p - 1), st["prev_f"], x_in)
                 if f_first:
                     x_in = jax.lax.cond(
                         at("f_first", t),
@@ -662,15 +662,12 @@ class _Body:
                     st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), dy_slot(t))
                 if vee:
                     send_v(st, "recv_f", y, t)
-                    st["prev_f"] = y
                 else:
                     send(st, "recv_f", y, fwd_perm)
             if has_b:
                 j, k = at("b_mb", t), at("b_k", t)
                 slot = read_slot(t)
                 g_in = st["recv_b"]
-                if vee:  # the turn: the last stage's round 0 reads its own round 1
-                    g_in = jnp.where((k == 0) & (s == p - 1), st["prev_b"], g_in)
                 if b_last:
                     g_in = jnp.where(at("b_last", t), _at(st["dys"], dy_slot(t, slot)), g_in)
                 if split:
@@ -695,7 +692,6 @@ class _Body:
                     )
                 if vee:
                     send_v(st, "recv_b", d_x, t + 1)
-                    st["prev_b"] = d_x
                 else:
                     send(st, "recv_b", d_x, bwd_perm)
             if has_w and has_w[0]:
@@ -750,8 +746,6 @@ class _Body:
                     "rings": rolled.rings,
                     "w_rings": rolled.w_rings,
                 }
-                if vee:
-                    st.update(prev_f=zeros_x, prev_b=zeros_x)
             kind = run_kind[run[0]]
             if len(run) < 3:
                 for t in run:
