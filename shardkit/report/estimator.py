@@ -200,6 +200,11 @@ def _uncovered(
     dims: ModelDims, par: Any, pipeline: Mapping[str, Any] | None, recipe: Any
 ) -> str | None:
     """What of the step the estimator has no terms for (``None``: it covers it all)."""
+    if dims.kv_latent:
+        return (
+            f"multi-head latent attention (kv_latent={dims.kv_latent}; its projections and "
+            "saved values are not grouped-query attention's terms)"
+        )
     if dims.n_experts and (par.stage > 1 or recipe.attention != "dense" or par.tsp > 1):
         return (
             f"a mixture of experts ({dims.n_experts} experts) under a pipeline, ring or "
