@@ -216,3 +216,15 @@ def test_bad_input_is_a_sharding_error():
     ]:
         with pytest.raises(sk.ShardingError, match=message):
             dataclasses.replace(dims, **{field: value})
+
+
+def test_report_shows_the_latent_per_device_of_each_layout():
+    heads, mesh = latent_bytes("tp")
+    for recipe, measured in (("tp", heads), (sk.recipes.get("tp").with_latent("split"), None)):
+        plan = sk.Plan(recipe)
+        r = sk.report.build_report(plan, model=get("deepseek-tiny"), batch=BATCH, seq=SEQ)
+        want = measured if measured is not None else latent_bytes(recipe)[0]  # compiled
+        assert r.kv_latent_bytes == want and r.to_json()["kv_latent_bytes"] == want
+        assert "K/V latent, every layer" in str(r)
+    dense = sk.report.build_report(sk.Plan("tp"), model=get("llama-tiny"), batch=BATCH, seq=SEQ)
+    assert dense.kv_latent_bytes is None and "K/V latent" not in str(dense)

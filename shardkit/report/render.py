@@ -84,6 +84,8 @@ def report_renderables(report: Any, *, top: int = 12, width: int = 80) -> list[R
     for phase, peak in ((whole.memory.phases or {}) if whole else {}).items():
         mark = " (peak)" if peak == whole.memory.total else ""
         mem.add_row(f"  analytic phase: {phase}{mark}", "", human_bytes(peak), "")
+    if report.kv_latent_bytes is not None:  # latent attention: the K/V latent of every layer
+        mem.add_row("  K/V latent, every layer", "", human_bytes(report.kv_latent_bytes), "")
     out.append(mem)
     if report.memory_terms:
         out.append(memory_terms_table(report))

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from shardkit.dims import ModelDims
 from shardkit.dtypes import dtype_name, itemsize
 from shardkit.errors import ShardingError
-from shardkit.report import analytic_moe, lint, memory_terms, wire_terms
+from shardkit.report import analytic_mla, analytic_moe, lint, memory_terms, wire_terms
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.estimator import Estimate, against, estimate
@@ -83,6 +83,10 @@ class Report:
     #: the pre-compile estimate of this layout (``sk.estimate``), where the report knows
     #: the model's dims and the estimator covers the layout
     estimate: Estimate | None = None
+    #: every layer's K/V latent per device, for a model with latent attention (analytic,
+    #: :func:`shardkit.report.analytic_mla.latent_bytes`: the heads' layout keeps it whole
+    #: on every tensor rank, ``Recipe.with_latent("split")`` splits it)
+    kv_latent_bytes: float | None = None
 
     def estimate_vs_compiled(self, tolerance: float = 0.10) -> dict[str, Any] | None:
         """The estimate next to the compiled memory (and its itemised terms), and the
@@ -189,6 +193,7 @@ class Report:
             "memory_terms": [t.to_json() for t in self.memory_terms],
             "memory_peak_phase": self.memory_peak_phase,
             "estimate": self.estimate.to_json() if self.estimate else None,
+            "kv_latent_bytes": self.kv_latent_bytes,
             "estimate_vs_compiled": self.estimate_vs_compiled(),
             "flops": self.flops,
         }
@@ -373,6 +378,16 @@ def read_compiled(
             )
         except ShardingError as e:  # a layout the estimator does not cover: it says so
             warnings.append(" ".join(str(e).split()))
+    latent = None
+    if dims is not None and dims.kv_latent and workload is not None and workload.seq:
+        latent = analytic_mla.latent_bytes(
+            dims,
+            recipe,
+            mesh,
+            batch=workload.batch,
+            seq=workload.seq,
+            itemsize=2 if workload.precision == "bf16" else 4,
+        )
     terms: list[MemoryTerm] = []
     phase = None
     if buffers is not None:
@@ -392,6 +407,7 @@ def read_compiled(
         memory_terms=tuple(terms),
         memory_peak_phase=phase,
         estimate=guess,
+        kv_latent_bytes=latent,
         logits=recipe.logits,
         wire_terms=tuple(wire),
     )
