@@ -393,7 +393,13 @@ def estimate(
     # Ring attention (cp, TSP) keeps the K and V blocks each of the n − 1 steps received
     # for the backward pass: 2·k·(n − 1) values per local token, saved for every layer
     # without remat, else held by the layer being recomputed.
-    ring = int(sizes.get(recipe.attention_axis, 1)) if recipe.attention != "dense" else 1
+    # Ulysses keeps no other rank's K/V (its all-to-all trades heads for tokens); under
+    # USP only the ring's own axis does.
+    ring = 1
+    if recipe.attention in ("ring", "allgather"):
+        ring = int(sizes.get(recipe.attention_axis, 1))
+    elif recipe.attention == "usp":
+        ring = int(sizes.get(recipe.balance_axis, 1))
     ring_values = 2 * dims.n_kv_heads * dims.head_dim * (ring - 1) / t
     if remat == "none":
         per_token += ring_values

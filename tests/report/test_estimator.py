@@ -64,6 +64,19 @@ def test_ring_attention_keeps_the_received_kv_blocks(tiny):
     assert dense.terms["saved activations"] == 2 * 8 * 64 * per_token * 4
 
 
+def test_ulysses_keeps_no_other_ranks_kv_and_usp_only_its_rings(tiny):
+    kw = dict(batch=8, seq=64, remat="none")
+    per_token = saved_values(tiny, "none", seq=64)
+    own = 2 * 8 * 8 * per_token * 4  # 2 layers · 8 rows · 8 local tokens, as the ring's
+    ulysses = estimate(
+        sk.recipes.get("cp").with_attention("ulysses"), tiny, mesh={"sequence": 8}, **kw
+    )
+    assert ulysses.terms["saved activations"] == pytest.approx(own)
+    # USP: Ulysses 2 × ring 4; the ring's 3 received K and V blocks, 2·64·3 values a token
+    usp = estimate("cp_usp", tiny, mesh={"ulysses": 2, "sequence": 4}, **kw)
+    assert usp.terms["saved activations"] == pytest.approx(own + 2 * 8 * 8 * 2 * 64 * 3 * 4)
+
+
 def test_a_pipeline_stage_holds_its_items_in_flight(tiny):
     kw = dict(mesh={"stage": 2, "data": 4}, batch=16, seq=64, remat="full")
     one = estimate("dp_pp", tiny, pipeline={"microbatches": 2, "schedule": "1f1b"}, **kw)
