@@ -5,10 +5,11 @@
 - ``compute = max(flops, useful · r / (1 − bubble)) / peak``: the model's useful
   FLOPs per device (below), times ``r = 4/3`` under full remat (one more forward,
   ``2Ψ`` of ``6Ψ``), stretched by the pipeline bubble ``(p−1)/(m+p−1)`` (GPipe and
-  1F1B), at the precision's dense peak. XLA's own FLOPs (``flops``) are a floor, not
-  the estimate: its cost analysis counts a while loop's body once, so a scanned layer
-  stack is under-counted (measured: gpt-tiny's scanned 2- and 4-layer stacks report
-  the same FLOPs; unrolled, they match the formula below within 0.1 %);
+  1F1B), at the precision's dense peak. The compiled program's FLOPs (``flops``, XLA's
+  cost analysis with each while loop weighted by its trip count,
+  :mod:`shardkit.report.flops`) are a floor: they hold the useful work plus elementwise
+  work the formula leaves out (measured: gpt-tiny's 4 scanned layers, 1.10x the formula
+  below);
 - each collective's link is the node's fast link when its first replica group sits in
   one node (devices ``k·n .. k·n+n−1``), the inter-node link otherwise.
 
@@ -98,7 +99,7 @@ def estimate(
     """The roofline :class:`Estimate` of one device's step.
 
     Args:
-      flops: XLA's FLOPs per device for the step.
+      flops: the compiled step's FLOPs per device, loops weighted by their trip counts.
       collectives: ``(kind, wire_bytes, first_group)`` triples.
       hardware: the accelerator and its links.
       precision: ``"f32"`` or ``"bf16"`` (picks the peak).
