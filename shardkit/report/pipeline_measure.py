@@ -56,7 +56,7 @@ def measure(
     virtual_stages: int = 1,
     unit: int | None = None,
     stack_order: str = "layers",
-    rolled: bool = False,
+    rolled: bool = True,
 ) -> PipelineMeasurement:
     """Compile the pipelined step of ``model`` under ``plan`` and read its costs
     (``stack_order="interleaved"``: the abstract state taken as stored in that order)."""
