@@ -13,7 +13,10 @@ Two tables:
    over ``sequence``, the tokens placed in the zigzag order) with ring, all-gather and
    Ulysses attention (Ulysses on a ``sequence`` axis of 4 beside ``fsdp`` 2: the 12
    heads do not divide by 8); the old replicated ``cp``
-   (``with_context_state("replicated")``); ``fsdp_cp``. Targets: ``cp`` total ≤ 1.1 ×
+   (``with_context_state("replicated")``); ``fsdp_cp``; ``cp_usp`` (USP: ring over
+   ``sequence`` 4 × Ulysses over ``ulysses`` 2, the state ZeRO-3 over both; its CP
+   traffic is the all-to-alls and the ring's K/V). All-gather and Ulysses place the
+   tokens as they come (no zigzag: their work is even without it). Targets: ``cp`` total ≤ 1.1 ×
    ``fsdp``'s, arguments ≤ 1.05 × 16Ψ/8, wire within 1.15 × the analytic model.
 2. llama-1b at sequence 8,192 (and 32,768 unless ``--short``), batch 8: ``fsdp``, the
    replicated ``cp`` and the sharded ``cp`` (ring and Ulysses).
@@ -52,6 +55,7 @@ def variants(batch_axes: int = 8) -> list[tuple[str, object]]:
             .with_attention("ulysses"),
         ),
         ("fsdp_cp 4×2 (ring)", sk.recipes.get("fsdp_cp")),
+        ("cp_usp 4×2 (usp)", sk.recipes.get("cp_usp")),
         ("cp replicated (before)", cp.with_context_state("replicated")),
     ]
 

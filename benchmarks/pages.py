@@ -42,7 +42,10 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "TSP",
         ("tsp",),
         "Tensor-sequence parallelism against TP, TP+SP and context parallelism on llama-1b: "
-        "one sequence length head to head, then a sweep of the sequence.",
+        "one sequence length head to head, then a sweep of the sequence. The context-parallel "
+        'rows keep the state whole over `sequence` (`with_context_state("replicated")`, '
+        "`cp`'s layout when they were measured); today's ZeRO-3 `cp` is on the context "
+        "parallelism page.",
     ),
     "moe": (
         "Expert parallelism",
@@ -55,8 +58,9 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "Context parallelism",
         ("context_parallel", "context_parallel_long"),
         "`cp` and `fsdp_cp` with the state ZeRO-3 over the context axis and the zigzag order "
-        "applied where the batch is placed: ring, all-gather and Ulysses attention against "
-        "`fsdp` and the old replicated `cp`, with their analytic wire terms.",
+        "applied where the batch is placed: ring, all-gather, Ulysses and USP (Ulysses × "
+        "ring, `cp_usp`) attention against `fsdp` and the old replicated `cp`, with their "
+        "analytic wire terms.",
     ),
     "explicit": (
         "Explicit axes",

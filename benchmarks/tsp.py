@@ -10,11 +10,18 @@ Two tables:
 
 1. llama-1b at sequence 8,192: both TSP implementations (``tsp``: the paper's
    weight-shard rings; ``tsp_gspmd``: the same layout by rules, XLA all-gathers each
-   layer's weights) against ``tp``, ``tp_sp`` and ``cp``.
+   layer's weights) against ``tp``, ``tp_sp`` and ``cp (replicated)``.
 2. A sweep of the sequence, 512 → 32,768 (and on to 65,536, where the crossover
-   lies), for tp_sp, cp, fsdp_cp and both TSPs; "TSP < TP+SP" marks where the paper's
+   lies), for tp_sp, cp (replicated), fsdp_cp (replicated) and both TSPs; "TSP <
+   TP+SP" marks where the paper's
    schedule moves fewer bytes than TP+SP, measured and analytic; the two crossovers
    are reported with the sweep step between them.
+
+``cp (replicated)`` and ``fsdp_cp (replicated)`` are the context-parallel layouts these
+tables were measured with: the state whole over ``sequence``
+(``with_context_state("replicated")``). Today's ``cp`` and ``fsdp_cp`` split it over
+``sequence`` too (ZeRO-3); benchmarks/context_parallel.py measures them (llama-1b at
+8,192 and 32,768 in its second table).
 
 Run: python benchmarks/tsp.py [--tiny]
 (--tiny: llama-tiny at sequence 64, a smoke test of every path)
@@ -37,18 +44,24 @@ from shardkit import models  # noqa: E402
 from shardkit.report import build_report  # noqa: E402
 from shardkit.report.analytic import analytic_model  # noqa: E402
 
-#: (recipe, mesh axis sizes) on 8 devices; batch 1 per data replica.
+#: Labels of the layouts measured that are not a registered recipe as it stands:
+#: (recipe, its context_state).
+LAYOUTS = {
+    "cp (replicated)": ("cp", "replicated"),
+    "fsdp_cp (replicated)": ("fsdp_cp", "replicated"),
+}
+#: (recipe or label, mesh axis sizes) on 8 devices; batch 1 per data replica.
 HEAD_TO_HEAD = (
     ("tp", {"tensor": 8}),
     ("tp_sp", {"tensor": 8}),
-    ("cp", {"sequence": 8}),
+    ("cp (replicated)", {"sequence": 8}),
     ("tsp_gspmd", {"tsp": 8}),
     ("tsp", {"tsp": 8}),
 )
 SWEEP = (
     ("tp_sp", {"tensor": 8}),
-    ("cp", {"sequence": 8}),
-    ("fsdp_cp", {"fsdp": 4, "sequence": 2}),
+    ("cp (replicated)", {"sequence": 8}),
+    ("fsdp_cp (replicated)", {"fsdp": 4, "sequence": 2}),
     ("tsp_gspmd", {"tsp": 8}),
     ("tsp", {"tsp": 8}),
 )
@@ -71,14 +84,17 @@ def _measure(model_name: str, recipe: str, mesh: dict[str, int], seq: int) -> di
     for axis in ("data", "fsdp"):
         batch *= mesh.get(axis, 1)
     model = models.get(model_name, remat="full", max_seq=max(seq, 128))
-    plan = sk.Plan(sk.recipes.get(recipe).with_mesh(mesh))
+    name, state = LAYOUTS.get(recipe, (recipe, None))
+    layout = sk.recipes.get(name).with_mesh(mesh)
+    layout = layout if state is None else layout.with_context_state(state)
+    plan = sk.Plan(layout)
     t0 = time.perf_counter()
     report = build_report(plan, model=model, batch=batch, seq=seq)
     mem = report.memory
     by_kind: dict[str, float] = collections.Counter()
     for c in report.collectives:
         by_kind[c.kind] += c.wire_bytes
-    analytic = analytic_model(model.config.dims(), recipe, mesh, batch=batch, seq=seq, remat="full")
+    analytic = analytic_model(model.config.dims(), layout, mesh, batch=batch, seq=seq, remat="full")
     return {
         "recipe": recipe,
         "seq": seq,

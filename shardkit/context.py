@@ -49,11 +49,14 @@ __all__ = [
     "active_mesh",
     "check_precision",
     "compute_dtype",
+    "context_axes",
     "current",
     "using",
 ]
 
-AttentionStrategy = Literal["dense", "allgather", "ring", "ulysses"]
+#: ``"usp"``: Ulysses × ring (Fang & Zhao 2024) over a pair of axes
+#: ``(ulysses_axis, ring_axis)``; the others run over one axis.
+AttentionStrategy = Literal["dense", "allgather", "ring", "ulysses", "usp"]
 #: How the layers' matmuls treat weights sharded over ``attention_axis``: ``"gspmd"``
 #: leaves them to XLA; ``"tsp"`` runs shardkit.nn.tsp's weight-shard ring.
 LayerSchedule = Literal["gspmd", "tsp"]
@@ -86,7 +89,9 @@ class ShardingContext:
       param_rules: logical → mesh rules for parameters (``None``: weights unpinned).
       activation_rules: rules for activations and the batch (``None``: no constraints).
       attention: how ``causal_attention`` treats a sharded sequence.
-      attention_axis: the mesh axis that splits the sequence for attention.
+      attention_axis: the mesh axis that splits the sequence for attention; for
+        ``attention="usp"`` a pair ``(ulysses_axis, ring_axis)``: the sequence split over
+        both (ring-major), heads exchanged over the first, K/V passed around the second.
       layer_schedule: how the models' projections run (``"tsp"``: weight shards
         circulate over ``attention_axis``, see ``shardkit.nn.tsp``).
       precision: ``"f32"`` or ``"bf16"`` (see :func:`compute_dtype`).
@@ -97,7 +102,7 @@ class ShardingContext:
     param_rules: Rules | None = None
     activation_rules: Rules | None = None
     attention: AttentionStrategy = "dense"
-    attention_axis: str = "sequence"
+    attention_axis: str | tuple[str, str] = "sequence"
     layer_schedule: LayerSchedule = "gspmd"
     precision: Precision = "f32"
     expert_dispatch: ExpertDispatch = "gspmd"
@@ -113,6 +118,19 @@ class ShardingContext:
             raise ShardingError(
                 f"Unknown attention strategy {self.attention!r}.\nFix: use one of "
                 f"{list(get_args(AttentionStrategy))}."
+            )
+        pair = not isinstance(self.attention_axis, str)
+        if pair != (self.attention == "usp") and not (pair and self.attention == "dense"):
+            raise ShardingError(
+                f"attention={self.attention!r} over attention_axis={self.attention_axis!r}: "
+                "'usp' runs over a pair of axes (ulysses_axis, ring_axis), every other "
+                "strategy over one.\nFix: use_attention('usp', axis=('ulysses', 'sequence')) "
+                "or use_attention('ring', axis='sequence')."
+            )
+        if pair and len(tuple(self.attention_axis)) != 2:
+            raise ShardingError(
+                f"attention_axis={self.attention_axis!r}: 'usp' takes two axes "
+                "(ulysses_axis, ring_axis).\nFix: axis=('ulysses', 'sequence')."
             )
         if self.layer_schedule not in get_args(LayerSchedule):
             raise ShardingError(
@@ -173,6 +191,16 @@ def compute_dtype() -> Any:
       <class 'jax.numpy.float32'>
     """
     return _DTYPES[current().precision]
+
+
+def context_axes(axis: str | Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes an ``attention_axis`` names, as a tuple.
+
+    Example:
+      >>> context_axes("sequence"), context_axes(("ulysses", "sequence"))
+      (('sequence',), ('ulysses', 'sequence'))
+    """
+    return (axis,) if isinstance(axis, str) else tuple(axis)
 
 
 def active_mesh() -> Any:

@@ -53,9 +53,9 @@ ENV_PROCESS_ID = "SHARDKIT_PROCESS_ID"
 ENV_HEARTBEAT = "SHARDKIT_HEARTBEAT_TIMEOUT"
 
 #: Seconds without a heartbeat before a process counts as dead (JAX's default is 100).
-DEFAULT_HEARTBEAT_TIMEOUT = 10
+_DEFAULT_HEARTBEAT_TIMEOUT = 10
 
-_state: dict = {"initialized": False, "guard": None, "heartbeat": DEFAULT_HEARTBEAT_TIMEOUT}
+_state: dict = {"initialized": False, "guard": None, "heartbeat": _DEFAULT_HEARTBEAT_TIMEOUT}
 _CONTROL = b"\x00shardkit-checkpoint="
 
 
@@ -105,7 +105,7 @@ def initialize(
         num_processes = int(env[ENV_NUM_PROCESSES])
         process_id = int(env[ENV_PROCESS_ID])
     if heartbeat_timeout_seconds is None:
-        heartbeat_timeout_seconds = int(env.get(ENV_HEARTBEAT, DEFAULT_HEARTBEAT_TIMEOUT))
+        heartbeat_timeout_seconds = int(env.get(ENV_HEARTBEAT, _DEFAULT_HEARTBEAT_TIMEOUT))
     _state["heartbeat"] = heartbeat_timeout_seconds
     if num_processes == 1:
         _state["initialized"] = True

@@ -49,7 +49,7 @@ __all__ = [
 ]
 
 Overflow = Literal["split", "error"]
-KEYS = ("inputs", "targets", "segment_ids", "positions")
+_KEYS = ("inputs", "targets", "segment_ids", "positions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ def _fill(
     docs: Sequence[np.ndarray], rows: int, seq: int, overflow: Overflow
 ) -> tuple[dict[str, np.ndarray], int]:
     """Documents placed in order, a new row when the next does not fit; ``(batch, used)``."""
-    out = {k: np.zeros((rows, seq), np.int32) for k in KEYS}
+    out = {k: np.zeros((rows, seq), np.int32) for k in _KEYS}
     r = col = 0
     sid = 1
     for used, doc in enumerate(docs):

@@ -64,7 +64,7 @@ BATCH_AXES = ("batch", "length")
 
 #: ``plan.init`` warns when a recipe meant to shard parameters (or optimizer state)
 #: leaves more than this share of their bytes whole on every device.
-REPLICATED_WARN_SHARE = 0.5
+_REPLICATED_WARN_SHARE = 0.5
 
 
 class Plan:
@@ -349,7 +349,7 @@ class Plan:
             total = sum(_nbytes(leaf) for leaf in rows)
             whole = [leaf for leaf in rows if all(e is None for e in leaf.spec)]
             replicated = sum(_nbytes(leaf) for leaf in whole)
-            if not sharded or not total or replicated <= REPLICATED_WARN_SHARE * total:
+            if not sharded or not total or replicated <= _REPLICATED_WARN_SHARE * total:
                 continue
             unmatched = [leaf.path for leaf in whole if leaf.info.source == "unmatched"]
             if unmatched:
@@ -376,8 +376,9 @@ class Plan:
 
     def balance_order(self, seq: int) -> np.ndarray | None:
         """The order :meth:`shard_batch` places a sequence of ``seq`` tokens in: the
-        zigzag order over the recipe's ``attention_axis`` when its ``balance`` is
-        ``"zigzag"`` and that axis splits the sequence, else ``None`` (as given).
+        zigzag order over the recipe's ring (``Recipe.balance_axis``: its
+        ``attention_axis``, USP's ring axis) when its ``balance`` is ``"zigzag"`` and that
+        axis splits the sequence, else ``None`` (as given).
 
         Example:
           >>> import shardkit as sk
@@ -386,7 +387,7 @@ class Plan:
           >>> sk.Plan("fsdp").balance_order(32) is None
           True
         """
-        axis = self.recipe.attention_axis
+        axis = self.recipe.balance_axis
         if self.recipe.balance != "zigzag" or dict(self.mesh.shape).get(axis, 1) == 1:
             return None
         return zigzag_order(seq, self.mesh.shape[axis])

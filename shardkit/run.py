@@ -288,12 +288,13 @@ def _router_stats(spec: Any, plan: Plan, state: Any, batch: dict) -> dict | None
 
 
 def _context_ranks(plan: Plan) -> int:
-    """Ranks the sequence is split over for attention (ring / all-gather), else 1 (Ulysses
-    attends the whole sequence for a share of the heads: balanced as it is)."""
+    """Ranks the sequence is split over for attention (ring / all-gather; USP's ring),
+    else 1 (Ulysses attends the whole sequence for a share of the heads: balanced as it
+    is)."""
     recipe, shape = plan.recipe, dict(plan.mesh.shape)
-    if recipe.attention not in ("ring", "allgather"):
+    if recipe.attention not in ("ring", "allgather", "usp"):
         return 1
-    return int(shape.get(recipe.attention_axis, 1))
+    return int(shape.get(recipe.balance_axis, 1))
 
 
 def _local_batch(source: MarkovSource, batch: int, seq: int, step: int) -> dict:

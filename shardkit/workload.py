@@ -27,7 +27,7 @@ from shardkit.context import check_precision
 from shardkit.dtypes import is_key
 from shardkit.protocol import Model
 
-__all__ = ["Workload"]
+__all__ = ["Workload", "dims_sizes"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

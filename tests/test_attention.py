@@ -202,3 +202,50 @@ def test_masked_softmax_is_softmax_and_keeps_only_its_output():
     # bf16: the backward keeps the b·h·s·s probabilities at 2 bytes each, nothing else
     saved = saved_residuals(lambda x: jnp.sum(masked_softmax(x, keep, jnp.bfloat16)), scores)
     assert sum(a.size * a.dtype.itemsize for a, _ in saved) == b * h * s * s * 2
+
+
+# USP: (mesh, the strategy that runs), the length ring-major over (sequence, ulysses); an
+# axis of size 1 leaves the other's strategy.
+USP_MESHES = [
+    ({"sequence": 4, "ulysses": 2}, "usp"),
+    ({"sequence": 8, "ulysses": 1}, "ring"),
+    ({"sequence": 1, "ulysses": 2}, "ulysses"),
+]
+
+
+@pytest.mark.parametrize(("axes", "runs"), USP_MESHES)
+def test_usp_matches_dense_with_gradients_under_gqa(axes, runs):
+    keys = jax.random.split(jax.random.key(1), 3)
+    q = jax.random.normal(keys[0], (2, 64, 4, 8))
+    k, v = (jax.random.normal(x, (2, 64, 2, 8)) for x in keys[1:])  # 2 K/V heads
+    want_out, want_grads = _reference(q, k, v)
+    devices = jax.devices()[: axes["sequence"] * axes["ulysses"]]
+    mesh = sk.make_mesh(axes, devices=devices)
+    length = ("sequence", "ulysses")
+    args = [jax.device_put(x, NamedSharding(mesh, P(None, length))) for x in (q, k, v)]
+    rules = sk.Rules([("length", length)])
+    with (
+        jax.set_mesh(mesh),
+        activation_rules(rules),
+        use_attention("usp", axis=("ulysses", "sequence")),
+    ):
+        compiled = jax.jit(lambda *a: _out_and_grads(*a)).lower(*args).compile()
+    out, grads = compiled(*args)
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    kinds = {c.kind for c in parse_collectives(compiled.as_text())}
+    assert ("collective-permute" in kinds) == (runs in ("usp", "ring"))
+    assert ("all-to-all" in kinds) == (runs in ("usp", "ulysses"))
+
+
+def test_usp_bad_axes_and_sequences_are_sharding_errors():
+    with pytest.raises(sk.ShardingError, match="pair of axes"):
+        use_attention("usp", axis="sequence")
+    with pytest.raises(sk.ShardingError, match="pair of axes"):
+        use_attention("ring", axis=("ulysses", "sequence"))
+    q, k, v = _qkv(36)  # ring 4 × Ulysses 2: a multiple of lcm(8, 2·4) = 8
+    mesh = sk.make_mesh({"sequence": 4, "ulysses": 2})
+    with jax.set_mesh(mesh), use_attention("usp", axis=("ulysses", "sequence")):
+        with pytest.raises(sk.ShardingError, match="sequence of 32 or 40"):
+            causal_attention(q, k, v)

@@ -1,4 +1,7 @@
-"""Attention over packed rows: every strategy equals each document attended alone."""
+"""Attention over packed rows: every strategy (dense, ring, all-gather, Ulysses, USP) equals
+each document attended alone."""
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -49,21 +52,38 @@ def test_dense_is_each_document_alone_and_padding_is_zero():
     assert not np.asarray(out[0, 26:]).any() and not np.asarray(out[1, 19:]).any()
 
 
+#: (mesh, the length's axes, what attention runs over) per strategy: 4 query heads and
+#: 2 K/V heads split at most 2 ways by Ulysses.
+MESHES = {
+    "ring": ({"data": 2, "sequence": 4}, "sequence", "sequence"),
+    "allgather": ({"data": 2, "sequence": 4}, "sequence", "sequence"),
+    "ulysses": ({"data": 2, "sequence": 2}, "sequence", "sequence"),  # 4 devices
+    "usp": (
+        {"data": 2, "sequence": 2, "ulysses": 2},
+        ("sequence", "ulysses"),
+        ("ulysses", "sequence"),
+    ),
+}
+
+
 @pytest.mark.parametrize("explicit", [False, True])
-@pytest.mark.parametrize("strategy", ["ring", "allgather"])
+@pytest.mark.parametrize("strategy", list(MESHES))
 def test_strategies_equal_dense_with_gradients(strategy, explicit):
     q, k, v, seg = _inputs()
     want_out, want_grads = jax.jit(_out_and_grads)(q, k, v, seg)
-    mesh = sk.make_mesh({"data": 2, "sequence": 4}, explicit=explicit)
-    sharded = NamedSharding(mesh, P("data", "sequence"))
+    sizes, length, axis = MESHES[strategy]
+    devices = jax.devices()[: math.prod(sizes.values())]
+    mesh = sk.make_mesh(sizes, devices=devices, explicit=explicit)
+    sharded = NamedSharding(mesh, P("data", length))
     args = [jax.device_put(x, sharded) for x in (q, k, v)]
     placed = Segments(*(jax.device_put(x, sharded) for x in seg))
-    rules = sk.Rules([("batch", "data"), ("length", "sequence")])
-    with jax.set_mesh(mesh), activation_rules(rules), use_attention(strategy):
+    rules = sk.Rules([("batch", "data"), ("length", length)])
+    with jax.set_mesh(mesh), activation_rules(rules), use_attention(strategy, axis=axis):
         compiled = jax.jit(lambda *a: _out_and_grads(*a)).lower(*args, placed).compile()
     out, grads = compiled(*args, placed)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     hlo = compiled.as_text()
-    assert ("collective-permute" in hlo) == (strategy == "ring")
+    assert ("collective-permute" in hlo) == (strategy in ("ring", "usp"))
+    assert ("all-to-all" in hlo) == (strategy in ("ulysses", "usp"))

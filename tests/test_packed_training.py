@@ -80,12 +80,17 @@ STRATEGIES = {
     "ring_balanced": (lambda: sk.Plan("cp"), 8),
     "allgather_balanced": (lambda: sk.Plan(_cp("allgather")), 8),
     "ulysses": (lambda: sk.Plan(_cp("ulysses")), None),
+    # USP: all-to-alls over 'ulysses' (2) around the ring over 'sequence' (4), whose 4
+    # ranks the balance is for (Ulysses attends its group's whole block)
+    "usp": (lambda: sk.Plan("cp_usp"), None),
+    "usp_balanced": (lambda: sk.Plan("cp_usp"), 4),
     "tsp": (lambda: sk.Plan("tsp"), None),
 }
 
 
-# The contiguous ring once (gpt-tiny); every other strategy on both models.
-CASES = [(m, s) for m in MODELS for s in STRATEGIES if (m, s) != ("llama-tiny", "ring")]
+# The contiguous ring and USP once (gpt-tiny); every other strategy on both models.
+ONCE = {("llama-tiny", "ring"), ("llama-tiny", "usp")}
+CASES = [(m, s) for m in MODELS for s in STRATEGIES if (m, s) not in ONCE]
 
 
 @pytest.mark.parametrize(("model_name", "strategy"), CASES)

@@ -28,6 +28,7 @@ __all__ = [
     "constrain_param",
     "current_activation_rules",
     "current_param_rules",
+    "is_explicit",
     "param_rules",
 ]
 

@@ -8,7 +8,10 @@ of a candidate has size at least 2: a size-1 axis is another recipe (``dp_fsdp``
 
 A context-parallel recipe (``Recipe.context_state`` set: ``cp``, ``fsdp_cp``) is tried
 with each attention strategy over its context axis (``ring``, ``allgather``,
-``ulysses``); elsewhere ``attention`` is ``None`` (the recipe's own).
+``ulysses``); one with two context axes (``cp_usp``) runs USP (Ulysses × ring) on
+every factorisation of the devices into a Ulysses and a ring axis, and the planner
+prunes those whose Ulysses size does not divide the heads. Elsewhere ``attention`` is
+``None`` (the recipe's own).
 
 The logits layout is a dimension only where it changes the program: a recipe whose
 activation rules split the vocabulary over an axis that also splits the tokens
@@ -31,13 +34,20 @@ from collections.abc import Iterable, Sequence
 
 from shardkit import recipes
 
-__all__ = ["Candidate", "factorisations", "enumerate_candidates"]
+__all__ = [
+    "Candidate",
+    "LOGITS",
+    "PRECISIONS",
+    "REMATS",
+    "enumerate_candidates",
+    "factorisations",
+]
 
 REMATS = ("none", "save_dots", "full")
 PRECISIONS = ("f32", "bf16")
 LOGITS = ("vocab", "tokens")
 #: The attention strategies a context-parallel recipe is tried with.
-ATTENTIONS = ("ring", "allgather", "ulysses")
+_ATTENTIONS = ("ring", "allgather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -165,7 +175,9 @@ def enumerate_candidates(
             # say (dp_tp_sp_pp compiles the same program under both): no choice there.
             choice = recipe.vocab_gather_axes(dict(mesh)) and not stages
             layouts = LOGITS if choice else (None,)
-            attentions = ATTENTIONS if recipe.context_state is not None else (None,)
+            attentions = (None,)
+            if recipe.context_state is not None and len(recipe.context_axes) == 1:
+                attentions = _ATTENTIONS
             for m, remat, logits, precision, attention in itertools.product(
                 counts, remats, layouts, precisions, attentions
             ):

@@ -36,7 +36,7 @@ from shardkit.autoplanner.candidates import Candidate
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
-from shardkit.nn.ulysses import check_heads
+from shardkit.nn.ulysses import check_heads, check_usp
 from shardkit.plan import Plan
 from shardkit.report import build_report
 from shardkit.report.analytic import analytic_costs, with_phases
@@ -170,15 +170,19 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             f"{4 * stages} micro-batches per data replica"
         )
     dims = subject.model.dims
-    ring = mesh.get(recipe.attention_axis, 1)
+    sizes = [int(mesh.get(a, 1)) for a in recipe.context_axes]
+    ring = sizes[-1]
     zigzag = (
-        recipe.attention == "ring" or recipe.layer_schedule == "tsp" or recipe.balance == "zigzag"
+        recipe.attention in ("ring", "usp")
+        or recipe.layer_schedule == "tsp"
+        or recipe.balance == "zigzag"
     )
-    if zigzag and ring > 1 and subject.seq % (2 * ring):
+    chunks = math.lcm(math.prod(sizes), 2 * ring) if zigzag and ring > 1 else math.prod(sizes)
+    if chunks > 1 and subject.seq % chunks:
         return Pruned(
-            f"ring attention over {recipe.attention_axis}={ring} cuts each sequence "
-            f"into 2·{ring} = {2 * ring} zigzag chunks; sequence {subject.seq} does "
-            "not divide"
+            f"attention over {recipe.attention_axis}={'×'.join(map(str, sizes))} cuts each "
+            f"sequence into {chunks} {'zigzag ' if zigzag and ring > 1 else ''}chunks; "
+            f"sequence {subject.seq} does not divide"
         )
     if stages and dims is not None and dims.layers % stages:
         return Pruned(f"{dims.layers} layers do not split into {stages} stages")
@@ -186,6 +190,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
     try:
         if recipe.attention == "ulysses" and ring > 1 and dims is not None:
             check_heads(dims.n_heads, dims.n_kv_heads, ring, recipe.attention_axis)
+        if recipe.attention == "usp" and dims is not None and min(sizes) > 1:
+            check_usp(subject.seq, dims.n_heads, dims.n_kv_heads, recipe.context_axes, sizes)
         for leaf in subject.leaves:
             rules = recipe.rules
             if leaf.kind == "optimizer" and recipe.optimizer_rules is not None:

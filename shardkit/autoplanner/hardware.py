@@ -30,7 +30,14 @@ import numpy as np
 
 from shardkit.errors import ShardingError
 
-__all__ = ["Hardware", "HARDWARE", "get", "names"]
+__all__ = [
+    "GB",
+    "GIB",
+    "HARDWARE",
+    "Hardware",
+    "get",
+    "names",
+]
 
 GB = 10**9
 GIB = 2**30

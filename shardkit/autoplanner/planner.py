@@ -51,6 +51,7 @@ from shardkit.autoplanner.evaluate import (
     compile_candidate,
     prune,
 )
+from shardkit.autoplanner.hardware import GIB
 from shardkit.autoplanner.roofline import Estimate, estimate, model_flops
 from shardkit.autoplanner.worker import compile_elsewhere
 from shardkit.errors import ShardingError
@@ -63,10 +64,8 @@ from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, short_
 
 __all__ = ["autoplan", "AutoplanResult", "Ranked", "Rejected", "NoLayoutFitsError"]
 
-GIB = 2**30
 
-
-def human_seconds(s: float) -> str:
+def _human_seconds(s: float) -> str:
     """``1.2 s``, ``35 ms``, ``4.1 µs``."""
     for unit, size in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
         if s >= size:
@@ -301,13 +300,13 @@ def _explain(r: Ranked, best: Ranked, budget: float) -> str:
     if r is best:
         bound = "compute" if e.compute_s >= e.comm_s else "communication"
         parts = [
-            f"fastest: {human_seconds(e.step_time_s)}/step, {bound}-bound "
-            f"({human_seconds(e.compute_s)} compute, {human_seconds(e.comm_s)} "
+            f"fastest: {_human_seconds(e.step_time_s)}/step, {bound}-bound "
+            f"({_human_seconds(e.compute_s)} compute, {_human_seconds(e.comm_s)} "
             "communication)",
             mem,
         ]
         if e.inter_node_s:
-            parts.append(f"{human_seconds(e.inter_node_s)} of communication across nodes")
+            parts.append(f"{_human_seconds(e.inter_node_s)} of communication across nodes")
         return "; ".join(parts)
     slower = e.step_time_s / b.step_time_s
     if e.compute_s >= e.comm_s:
@@ -326,7 +325,7 @@ def _explain(r: Ranked, best: Ranked, budget: float) -> str:
     }[what]
     if slower < 1.005:
         return f"as fast as #1 within 0.5%; ranked after it as the less simple layout (more mesh axes, later in the registry, or more memory); {mem}"
-    return f"{slower:.2f}x slower, {what}-bound (+{human_seconds(extra)}): {why}; {mem}"
+    return f"{slower:.2f}x slower, {what}-bound (+{_human_seconds(extra)}): {why}; {mem}"
 
 
 def _smallest_fit(subject: Subject, devices: int, remats, precisions, names) -> str:

@@ -25,7 +25,7 @@ from shardkit.autoplanner.evaluate import Evidence, Subject, compile_candidate
 from shardkit.devices import compile_only_env
 from shardkit.models import resolve
 
-__all__ = ["compile_elsewhere"]
+__all__ = ["compile_elsewhere", "main"]
 
 
 def compile_elsewhere(job: dict, *, timeout_s: float | None = None) -> Iterator[dict]:

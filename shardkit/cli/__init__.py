@@ -24,7 +24,7 @@ from shardkit.cli import (
 )
 from shardkit.errors import ShardingError
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 _COMMANDS = (
     run_cmd,

@@ -45,6 +45,7 @@ from shardkit.errors import (
 __all__ = [
     "Edit",
     "FlagError",
+    "PIPELINE_FLAGS",
     "closest",
     "edit",
     "explain",
@@ -68,7 +69,7 @@ PIPELINE_FLAGS = (
 )
 
 #: At most this many command lines are checked for one error (each may lay out a model).
-MAX_TRIES = 32
+_MAX_TRIES = 32
 
 
 class FlagError(ShardingError):
@@ -106,12 +107,12 @@ def suggest(error: ShardingError, argv: Sequence[str], args: argparse.Namespace)
 
     Single edits are tried first; then, for the first few edits that fail on another
     mistake, the edits of that mistake (so two flags may change, e.g. ``--schedule`` and
-    ``--batch``). At most :data:`MAX_TRIES` command lines are checked in all.
+    ``--batch``). At most :data:`_MAX_TRIES` command lines are checked in all.
     """
     argv = list(argv)
     if _failure(argv) is None:  # the checks pass: this error comes later, they cannot judge
         return None
-    return _search(error, argv, args, [MAX_TRIES], depth=2)
+    return _search(error, argv, args, [_MAX_TRIES], depth=2)
 
 
 def _search(error, argv, args, budget, depth):

@@ -8,7 +8,7 @@
 - ``--wide`` shows every column of a table; by default the columns that do not fit the
   terminal (``COLUMNS``) are left out and named under it. Names are never cut.
 - ``--explicit`` makes the mesh's axes Explicit (JAX's sharding-in-types), not Auto.
-- ``--attention ring|allgather|ulysses|dense`` replaces the recipe's attention strategy.
+- ``--attention ring|allgather|ulysses|usp|dense`` replaces the recipe's attention strategy.
 - Output paths (``--json PATH``, ``--plot PNG``) are checked before any work starts.
 """
 
@@ -21,11 +21,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "add_attention",
     "add_explicit",
     "add_json",
     "add_logits",
     "add_mesh",
     "add_precision",
+    "add_seq_and_remat",
     "add_wide",
     "check_outputs",
     "emit_json",
@@ -93,11 +95,12 @@ def add_seq_and_remat(parser: argparse.ArgumentParser) -> None:
 def add_attention(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--attention",
-        choices=["ring", "allgather", "ulysses", "dense"],
+        choices=["ring", "allgather", "ulysses", "usp", "dense"],
         default=None,
         help="how attention treats a sequence split over the recipe's context axis: ring "
         "(K/V blocks around a ring), allgather (K/V gathered), ulysses (all-to-all to a "
-        "head split; the heads must divide by the axis), dense (XLA's choice) "
+        "head split; the heads must divide by the axis), usp (Ulysses × ring, on a recipe "
+        "with two context axes: cp_usp), dense (XLA's choice) "
         "(default: the recipe's)",
     )
 

@@ -79,15 +79,18 @@ def _check_attention(args: argparse.Namespace, plan: Any) -> None:
     """Ring attention (and TSP's zigzag) cut each sequence into 2 chunks per device of
     the attention axis, all-gather attention into one: the sequence must split so."""
     recipe, mesh = plan.recipe, dict(plan.mesh.shape)
-    n = int(mesh.get(recipe.attention_axis, 1))
+    sizes = [int(mesh.get(a, 1)) for a in recipe.context_axes]
+    n = math.prod(sizes)
     if recipe.attention == "dense" or n == 1:
         return
-    zigzag = getattr(recipe, "balance", "none") == "zigzag"  # 2 chunks per rank, any strategy
-    chunks = 2 * n if recipe.attention == "ring" or zigzag else n
+    ring = sizes[-1] if recipe.attention in ("ring", "usp") else 1
+    if getattr(recipe, "balance", "none") == "zigzag":  # 2 chunks per rank, any strategy
+        ring = sizes[-1]
+    chunks = math.lcm(n, 2 * ring) if ring > 1 else n
     if args.seq % chunks:
         raise FlagError(
             f"--seq {args.seq}: {recipe.attention} attention over {recipe.attention_axis!r} "
-            f"(size {n}) splits each sequence into {chunks} chunks.",
+            f"(size {' × '.join(map(str, sizes))}) splits each sequence into {chunks} chunks.",
             [
                 {"--seq": str(-(-args.seq // chunks) * chunks)},
                 {"--seq": str(args.seq // chunks * chunks)},

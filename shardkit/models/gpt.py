@@ -38,7 +38,20 @@ from shardkit.nn.segments import Segments
 from shardkit.nn.tsp import TspDot, active_axis
 from shardkit.nn.tsp_head import vocab_ring_lookup
 
-__all__ = ["GPT", "Block", "CausalSelfAttention", "Mlp", "checkpoint_policy"]
+__all__ = [
+    "Block",
+    "CausalSelfAttention",
+    "GPT",
+    "HEADS",
+    "HIDDEN",
+    "INIT_STD",
+    "LN_EPS",
+    "LOGITS",
+    "Mlp",
+    "RESIDUAL",
+    "TABLE",
+    "checkpoint_policy",
+]
 
 # Logical axes of the activations (resolved by the recipe's activation rules).
 RESIDUAL = ("batch", "length", "embed")

@@ -43,12 +43,19 @@ from shardkit.nn.segments import Segments
 from shardkit.nn.tsp import TspDot, TspEinsum
 from shardkit.nn.tsp_head import vocab_ring_lookup
 
-__all__ = ["Llama", "Block", "Attention", "Mlp"]
+__all__ = [
+    "Attention",
+    "Block",
+    "HEAD",
+    "INIT_STD",
+    "Llama",
+    "Mlp",
+]
 
-KV_HEADS = ("batch", "length", "kv_heads", "kv")
+_KV_HEADS = ("batch", "length", "kv_heads", "kv")
 HEAD = ("embed", "vocab")
 INIT_STD = 0.02
-NORM_EPS = 1e-5
+_NORM_EPS = 1e-5
 
 
 def _normal() -> nnx.Initializer:
@@ -98,8 +105,8 @@ class Attention(nnx.Module):
         self, x: jax.Array, cos: jax.Array, sin: jax.Array, segments: Segments | None = None
     ) -> jax.Array:
         q = apply_rope(constrain(self.wq(x), HEADS), cos, sin)
-        k = apply_rope(constrain(self.wk(x), KV_HEADS), cos, sin)
-        v = constrain(self.wv(x), KV_HEADS)
+        k = apply_rope(constrain(self.wk(x), _KV_HEADS), cos, sin)
+        v = constrain(self.wv(x), _KV_HEADS)
         # GQA: K/V keep their n_kv_heads; causal_attention groups the query heads (ring
         # attention moves n_kv_heads/n_heads of the bytes) or repeats them (dense).
         return self.wo(constrain(causal_attention(q, k, v, segments=segments), HEADS))
@@ -140,7 +147,7 @@ class Mlp(nnx.Module):
 def _rms_norm(cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.RMSNorm:
     return nnx.RMSNorm(
         cfg.d_model,
-        epsilon=NORM_EPS,
+        epsilon=_NORM_EPS,
         dtype=cfg.compute_dtype,
         param_dtype=cfg.param_dtype,
         rngs=rngs,

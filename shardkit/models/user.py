@@ -47,7 +47,7 @@ from shardkit.dims import ModelDims
 from shardkit.errors import NoCutError, ShardingError
 from shardkit.protocol import Model, Stages
 
-__all__ = ["UserModel", "load"]
+__all__ = ["UserModel", "as_user_model", "load"]
 
 _OPTIONAL = ("annotations", "vocab", "dims", "stages")
 _HOWTO = "docs/howto/your_own_model.md"

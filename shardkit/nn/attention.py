@@ -17,6 +17,18 @@ three strategies, chosen with ``use_attention`` (a recipe's ``attention`` names 
   Use it when the sequence is too long for allgather. Under grouped-query attention
   (K/V with fewer heads than q) h is the K/V heads: blocks travel with their own heads
   and are repeated to the query heads on arrival.
+- ``"ulysses"``: all-to-all from a sequence split to a head split and back
+  (:mod:`shardkit.nn.ulysses`); each device attends the whole sequence for h/N heads.
+- ``"usp"``: Ulysses × ring (Fang & Zhao 2024) over a pair of axes
+  ``(ulysses_axis, ring_axis)`` of sizes U × R, the sequence split over both
+  (ring-major): an all-to-all over the Ulysses axis gives each device its ring rank's
+  s/R tokens of h/U heads, ring attention over the ring axis attends them, an
+  all-to-all brings the output back. Per device and pass: the all-to-alls move
+  (U−1)/U·b·(s/(U·R))·(2h + 2h_kv)·bytes, the ring (R−1)/R·2·b·s·(h_kv/U)·bytes.
+  Heads ∤ U or a sequence that is not a multiple of lcm(U·R, 2R) is a
+  ``ShardingError`` naming the nearest valid setting
+  (:func:`shardkit.nn.ulysses.check_usp`). An axis of size 1 leaves the other's
+  strategy alone (ring or Ulysses).
 
 Ring load balancing (zigzag): the sequence is cut into 2N chunks and device i
 attends for chunks i and 2N−1−i, so under causal masking every device does the
@@ -33,8 +45,8 @@ kept, but the scan saves the K/V block of every step: ≈ the full K/V per devic
 as for allgather. A hand-written ring backward would avoid that.
 
 Without an active mesh (``jax.set_mesh``; the deprecated ``with mesh:`` is not
-seen), or when the mesh lacks the sequence axis or it has size 1, ``"ring"`` and
-``"allgather"`` fall back to ``"dense"``.
+seen), or when the mesh lacks the sequence axis or it has size 1, every strategy
+falls back to ``"dense"``.
 Batch and head dimensions are sharded as the active ``activation_rules`` map
 ``("batch", "length", "heads", "kv")``; the length dimension always goes on the
 sequence axis and ``kv`` (head_dim) is never sharded inside attention.
@@ -66,10 +78,10 @@ from jax.sharding import PartitionSpec
 
 from shardkit import context
 from shardkit.annotate.constrain import constrain, current_activation_rules, is_explicit
-from shardkit.context import AttentionStrategy
+from shardkit.context import AttentionStrategy, context_axes
 from shardkit.errors import ShardingError
 from shardkit.nn.segments import Segments, check_segments, segment_mask
-from shardkit.nn.ulysses import check_heads, ulysses_attention
+from shardkit.nn.ulysses import check_heads, check_usp, ulysses_attention
 from shardkit.rules import Rules
 from shardkit.scopes import block
 
@@ -78,6 +90,7 @@ __all__ = [
     "Segments",
     "causal_attention",
     "current_attention",
+    "masked_softmax",
     "use_attention",
 ]
 
@@ -85,18 +98,22 @@ _LOGICAL = ("batch", "length", "heads", "kv")
 _NEG = float(jnp.finfo(jnp.float32).min)
 
 
-def use_attention(strategy: AttentionStrategy, *, axis: str = "sequence"):
+def use_attention(strategy: AttentionStrategy, *, axis: str | tuple[str, str] = "sequence"):
     """Make ``causal_attention`` use ``strategy`` over mesh axis ``axis``, restoring on exit.
+
+    ``"usp"`` takes a pair ``axis=(ulysses_axis, ring_axis)``.
 
     The strategy is read when ``causal_attention`` is traced, and ``jax.jit``
     caches traces by function and arguments, not by this context: jit a fresh
     function (or clear its cache) to trace the same step under another strategy.
     """
-    context.ShardingContext(attention=strategy)  # an unknown strategy fails here, not later
+    axis = axis if isinstance(axis, str) else tuple(axis)
+    # an unknown strategy, or a strategy on the wrong number of axes, fails here, not later
+    context.ShardingContext(attention=strategy, attention_axis=axis)
     return context.using(attention=strategy, attention_axis=axis)
 
 
-def current_attention() -> tuple[AttentionStrategy, str]:
+def current_attention() -> tuple[AttentionStrategy, str | tuple[str, str]]:
     """``(strategy, axis)`` of the active context; ``("dense", "sequence")`` by default."""
     ctx = context.current()
     return ctx.attention, ctx.attention_axis
@@ -393,13 +410,37 @@ def _ulysses_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
     return ulysses_attention(q, k, v, tuple(seg), axis=axis, n=n, attend=attend)
 
 
-def _spec(shape: tuple[int, ...], mesh: Any, axis: str) -> PartitionSpec:
-    """q/k/v spec: batch and heads per the activation rules, length on ``axis``, kv whole."""
+def _usp_plain(q, k, v, *, axis: tuple[str, str], n: tuple[int, int]) -> jax.Array:
+    """USP over tokens in order: Ulysses over ``axis[0]`` around the zigzag ring over
+    ``axis[1]`` (the all-to-all gives each device its ring rank's contiguous block)."""
+    (ulysses, ring), (u, r) = axis, n
+
+    def attend(q, k, v, _):
+        return _ring(q, k, v, axis=ring, n=r)
+
+    return ulysses_attention(q, k, v, axis=ulysses, n=u, attend=attend)
+
+
+def _usp_packed(q, k, v, seg: Segments, *, axis: tuple[str, str], n: tuple[int, int]):
+    """USP over packed (or balanced) rows: the segments gathered over the Ulysses axis,
+    then the packed ring over the ring axis in the layout the batch was placed in."""
+    (ulysses, ring), (u, r) = axis, n
+
+    def attend(q, k, v, seg):
+        return _ring_packed(q, k, v, Segments(*seg), axis=ring, n=r)
+
+    return ulysses_attention(q, k, v, tuple(seg), axis=ulysses, n=u, attend=attend)
+
+
+def _spec(shape: tuple[int, ...], mesh: Any, axis: str | tuple[str, ...]) -> PartitionSpec:
+    """q/k/v spec: batch and heads per the activation rules, length on ``axis`` (one
+    axis, or several in order), kv whole."""
     rules = current_activation_rules()
     spec = [*(rules.spec(_LOGICAL, mesh=mesh) if rules else ()), None, None, None, None]
 
     def without_axis(e: Any) -> Any:
-        return tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a != axis) or None
+        drop = context_axes(axis)
+        return tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in drop) or None
 
     fixed = Rules(
         [("batch", without_axis(spec[0])), ("length", axis), ("heads", without_axis(spec[2]))]
@@ -450,19 +491,25 @@ def causal_attention(
         )
     if segments is not None:
         segments = check_segments(segments, q.shape, "causal_attention")
-    strategy, axis = current_attention()
+    strategy, axis = _effective(*current_attention(), context.active_mesh())
     mesh = context.active_mesh()
-    if strategy == "dense" or mesh is None or axis not in mesh.axis_names or mesh.shape[axis] == 1:
+    if strategy == "dense":
         return _dense(q, k, v) if segments is None else _dense_packed(q, k, v, segments)
-    n = mesh.shape[axis]
-    chunks = 2 * n if strategy == "ring" else n
-    if q.shape[1] % chunks:
-        raise ShardingError(
-            f"{strategy} attention over {axis!r} (size {n}) splits the sequence into {chunks} "
-            f"chunks, but it has length {q.shape[1]}.\nFix: make the sequence a multiple of "
-            f"{chunks}, or use another attention strategy."
-        )
-    spec = _spec(q.shape, mesh, axis)
+    if strategy == "usp":  # the sequence ring-major over (ring, ulysses), checked below
+        sizes = (mesh.shape[axis[0]], mesh.shape[axis[1]])
+        length_axes, n = (axis[1], axis[0]), sizes
+    else:
+        length_axes, n = axis, mesh.shape[axis]
+        chunks = 2 * n if strategy == "ring" else n
+        if q.shape[1] % chunks:
+            raise ShardingError(
+                f"{strategy} attention over {axis!r} (size {n}) splits the sequence into "
+                f"{chunks} chunks, but it has length {q.shape[1]}.\nFix: make the sequence a "
+                f"multiple of {chunks}, or use another attention strategy."
+            )
+    if strategy == "usp":  # before the specs: their divisibility error names no fix
+        check_usp(q.shape[1], None, None, axis, sizes)
+    spec = _spec(q.shape, mesh, length_axes)
     kv_spec = spec
     if k.shape != q.shape:
         heads = spec[2] if len(spec) > 2 else None
@@ -472,21 +519,39 @@ def causal_attention(
         if k.shape[2] % split:  # the heads' devices do not divide K/V's: repeat them
             k, v = (_repeat_heads(x, q.shape[2]) for x in (k, v))
         else:
-            kv_spec = _spec(k.shape, mesh, axis)
+            kv_spec = _spec(k.shape, mesh, length_axes)
     if strategy == "ulysses":
         check_heads(q.shape[2] // _split(spec, mesh), k.shape[2] // _split(kv_spec, mesh), n, axis)
+    if strategy == "usp":  # the heads left per device after a tensor split
+        heads = (q.shape[2] // _split(spec, mesh), k.shape[2] // _split(kv_spec, mesh))
+        check_usp(q.shape[1], *heads, axis, sizes)
     if is_explicit(mesh):
         q = jax.sharding.reshard(q, spec)
         k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
     if segments is not None:
-        return _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec)
-    body = {"ring": _ring, "allgather": _allgather, "ulysses": _ulysses_plain}[strategy]
+        return _packed_shard_map(q, k, v, segments, strategy, mesh, axis, n, spec, kv_spec)
+    body = {"ring": _ring, "allgather": _allgather, "ulysses": _ulysses_plain, "usp": _usp_plain}
     return jax.shard_map(
-        lambda q, k, v: body(q, k, v, axis=axis, n=n),
+        lambda q, k, v: body[strategy](q, k, v, axis=axis, n=n),
         mesh=mesh,
         in_specs=(spec, kv_spec, kv_spec),
         out_specs=spec,
     )(q, k, v)
+
+
+def _effective(strategy: str, axis: Any, mesh: Any) -> tuple[str, Any]:
+    """The strategy and axis that run on ``mesh``: ``"dense"`` without a mesh or a
+    context axis of size > 1; USP with one of its two axes of size 1 the other's own
+    strategy (ring, or Ulysses)."""
+    if mesh is None or strategy == "dense":
+        return "dense", axis
+    size = {a: mesh.shape[a] if a in mesh.axis_names else 1 for a in context_axes(axis)}
+    if strategy == "usp":
+        ulysses, ring = axis
+        if size[ulysses] > 1 and size[ring] > 1:
+            return "usp", tuple(axis)
+        strategy, axis = ("ulysses", ulysses) if size[ulysses] > 1 else ("ring", ring)
+    return ("dense", axis) if size[axis] == 1 else (strategy, axis)
 
 
 def _split(spec: PartitionSpec, mesh: Any, dim: int = 2) -> int:
@@ -495,15 +560,17 @@ def _split(spec: PartitionSpec, mesh: Any, dim: int = 2) -> int:
     return math.prod(mesh.shape[a] for a in ((entry,) if isinstance(entry, str) else entry or ()))
 
 
-def _packed_shard_map(q, k, v, segments, strategy, mesh, axis, spec, kv_spec) -> jax.Array:
-    """Ring or all-gather attention of packed rows: the segments split as the tokens."""
+def _packed_shard_map(q, k, v, segments, strategy, mesh, axis, n, spec, kv_spec) -> jax.Array:
+    """Attention of packed rows under ``shard_map``: the segments split as the tokens."""
     seg_spec = PartitionSpec(*tuple(spec)[:2])
     if is_explicit(mesh):
         segments = Segments(*(jax.sharding.reshard(x, seg_spec) for x in segments))
-    body = {"ring": _ring_packed, "allgather": _allgather_packed, "ulysses": _ulysses_packed}[
-        strategy
-    ]
-    n = mesh.shape[axis]
+    body = {
+        "ring": _ring_packed,
+        "allgather": _allgather_packed,
+        "ulysses": _ulysses_packed,
+        "usp": _usp_packed,
+    }[strategy]
     return jax.shard_map(
         lambda q, k, v, seg: body(q, k, v, Segments(*seg), axis=axis, n=n),
         mesh=mesh,

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from shardkit import context, errors
 from shardkit.annotate.constrain import (
@@ -53,6 +53,7 @@ from shardkit.scopes import block, model_code
 
 __all__ = [
     "ChunkError",
+    "LOGITS",
     "auto_chunks",
     "chunked_cross_entropy",
     "cross_entropy",
@@ -68,6 +69,19 @@ LOGITS = ("batch", "length", "vocab")
 
 class ChunkError(errors.ShardingError):
     """A chunk count that does not split the tokens (or the devices' share of them)."""
+
+
+def _one_hot(targets: jax.Array, classes: int, dtype: Any) -> jax.Array:
+    """``jax.nn.one_hot(targets, classes, dtype=dtype)`` written out, same ops.
+
+    ``jax.nn.one_hot`` is a jitted function whose lowering is cached without its caller's
+    name stack, so its iota's ``op_name`` says ``jit(_one_hot)`` and not the loss's
+    scope; written here, the report books that buffer to the loss.
+    """
+    shape = (1,) * targets.ndim + (classes,)
+    replicated = NamedSharding(jax.typeof(targets).sharding.mesh, PartitionSpec())
+    iota = jax.lax.broadcasted_iota(targets.dtype, shape, targets.ndim, out_sharding=replicated)
+    return (targets[..., None] == iota).astype(dtype)
 
 
 @block("loss")
@@ -87,7 +101,7 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
       True
     """
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.sum(logits * jax.nn.one_hot(targets, logits.shape[-1], dtype=logits.dtype), -1)
+    target = jnp.sum(logits * _one_hot(targets, logits.shape[-1], logits.dtype), -1)
     return log_z - target
 
 
@@ -464,7 +478,7 @@ def chunked_cross_entropy(
         logits = _pin(logits_of(h).astype(jnp.float32), chunk_spec)
         if not split_vocab:
             return cross_entropy(logits, t)
-        target = jnp.sum(logits * jax.nn.one_hot(t, logits.shape[-1], dtype=logits.dtype), -1)
+        target = jnp.sum(logits * _one_hot(t, logits.shape[-1], logits.dtype), -1)
         return _logsumexp(logits) - target
 
     def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:

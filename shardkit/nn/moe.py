@@ -53,6 +53,7 @@ from shardkit.scopes import scope
 
 __all__ = [
     "EXPERT_AXES",
+    "INIT_STD",
     "LinenMoe",
     "MoeSpec",
     "NnxMoe",
@@ -74,7 +75,7 @@ EXPERT_AXES: dict[str, tuple[str | None, ...]] = {
     "shared_up": ("embed", "mlp"),
     "shared_down": ("mlp", "embed"),
 }
-TOKENS = ("batch", "length", "embed")
+_TOKENS = ("batch", "length", "embed")
 INIT_STD = 0.02
 
 
@@ -350,7 +351,7 @@ def moe_mlp(
       [0.0, 0.0]
     """
     b, s, _ = x.shape
-    x = constrain(x, TOKENS)
+    x = constrain(x, _TOKENS)
     logits = jnp.einsum("bsd,de->bse", x, weights["router"].astype(x.dtype))
     routing = route(logits, spec, capacity(spec, s))
     layout = dispatch_axis(spec, b, s)
@@ -373,7 +374,7 @@ def moe_mlp(
         "balance": routing.balance,
         "z": routing.z,
     }
-    return constrain(y, TOKENS), stats
+    return constrain(y, _TOKENS), stats
 
 
 def _shapes(spec: MoeSpec, d: int) -> dict[str, tuple[int, ...]]:

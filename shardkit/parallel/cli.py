@@ -25,7 +25,7 @@ import argparse
 from typing import Any
 
 from shardkit.errors import NotPipelinableError
-from shardkit.parallel.schedules import SCHEDULES
+from shardkit.parallel.schedules import SCHEDULES, SPLIT
 from shardkit.step import PIPELINE_DEFAULTS
 
 __all__ = ["add_arguments", "for_plan", "options"]
@@ -47,13 +47,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--schedule",
         default=None,
         help=f"one of {', '.join(SCHEDULES)} (default 1f1b); interleaved trains the layer "
-        "stack stored in the schedule's order (checkpoints stay in layer order)",
+        "stack stored in the schedule's order (checkpoints stay in layer order); zb1 and zbv "
+        "(zero-bubble: weight gradients deferred into the bubble) run rolled",
     )
     g.add_argument(
         "--virtual-stages",
         type=int,
         default=None,
-        help="model chunks per stage (interleaved; default 2)",
+        help="model chunks per stage (interleaved: default 2; zbv: 2)",
     )
     g.add_argument(
         "--unit",
@@ -83,7 +84,7 @@ def options(args: argparse.Namespace) -> dict[str, Any] | None:
     if all(getattr(args, k, None) is None for k in keys):
         return None
     schedule = args.schedule or PIPELINE_DEFAULTS["schedule"]
-    default_v = 2 if schedule == "interleaved" else 1
+    default_v = 2 if schedule in ("interleaved", "zbv") else 1
     out = {
         "microbatches": args.microbatches,
         "schedule": schedule,
@@ -126,6 +127,10 @@ def for_plan(plan: Any, opts: dict[str, Any] | None) -> dict[str, Any] | None:
     given = {k: v for k, v in (opts or {}).items() if v is not None}
     opts = {**PIPELINE_DEFAULTS, "microbatches": int(stages), **given}
     opts["virtual_stages"] = int(opts["virtual_stages"])
+    if opts["schedule"] in SPLIT and "rolled" not in given:
+        opts["rolled"] = True  # zb1 / zbv split each layer's backward: the rolled engine
+    if opts["schedule"] == "zbv" and "virtual_stages" not in given:
+        opts["virtual_stages"] = 2
     interleaved = opts["schedule"] == "interleaved" and opts["virtual_stages"] > 1
     if not interleaved:
         opts["stack_order"] = "layers"

@@ -80,8 +80,11 @@ from shardkit.parallel.schedules import (
     PipelineError,
     Schedule,
     StageDivisibilityError,
+    UnitError,
+    chunk_of,
     make,
 )
+from shardkit.parallel.wgrad import split_backward
 from shardkit.recipes.recipe import VocabRules
 from shardkit.rules import Rules
 from shardkit.scopes import block, scope
@@ -90,6 +93,7 @@ __all__ = [
     "PipelinedGrad",
     "mesh_value_and_grad",
     "interleaved_order",
+    "v_order",
     "spec_axes",
     "STAGE",
 ]
@@ -130,6 +134,25 @@ def interleaved_order(layers: int, stages: int, virtual: int) -> np.ndarray:
     return np.array(
         [
             (k * stages + s) * chunk + i
+            for s in range(stages)
+            for k in range(virtual)
+            for i in range(chunk)
+        ]
+    )
+
+
+def v_order(layers: int, stages: int, virtual: int = 2) -> np.ndarray:
+    """The layer stored at each position of a ``zbv`` stack: stage ``s``'s block holds
+    chunk ``s`` (round 0, down the stages) then chunk ``2p − 1 − s`` (round 1, back up).
+
+    Example:
+      >>> v_order(8, stages=2).tolist()   # 4 chunks of 2 layers: stage 0 runs 0 and 3
+      [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    chunk = layers // (stages * virtual)
+    return np.array(
+        [
+            chunk_of("zbv", stages, s, k) * chunk + i
             for s in range(stages)
             for k in range(virtual)
             for i in range(chunk)
@@ -327,6 +350,27 @@ def mesh_value_and_grad(
         )
     sched = make(schedule, p, microbatches, virtual_stages)
     v = sched.virtual
+    if sched.split and not rolled:
+        raise PipelineError(
+            f"Schedule {schedule!r} splits each backward into its input and weight gradients "
+            "layer by layer, which the rolled engine runs; rolled=False unrolls a stage's "
+            f"layers into one vjp.\nFix: rolled=True (--rolled) with {schedule!r}, or "
+            "schedule '1f1b' unrolled."
+        )
+    if sched.name == "zbv" and stack_order != "layers":
+        raise PipelineError(
+            f"Schedule 'zbv' lays chunks s and {2 * p - 1}-s on stage s, not the interleaved "
+            f"order stack_order={stack_order!r} stores.\nFix: stack_order='layers' with zbv "
+            "(the engine reorders the stack), or schedule 'interleaved'."
+        )
+    if unit is not None and (int(unit) < 1 or microbatches % int(unit)):
+        units = [d for d in range(1, microbatches + 1) if microbatches % d == 0]
+        near = min(units, key=lambda d: (abs(d - int(unit)), d))
+        raise UnitError(
+            f"unit={unit}: ZeroPP gathers a stage's weights once per unit of micro-batches, "
+            f"and {microbatches} micro-batches do not split into units of {unit}.\nFix: "
+            f"unit={near} (the nearest that divides {microbatches}; any of {units})."
+        )
 
     def run(stack: Any, rest: Any, batch: Any):
         layers = {int(np.shape(x)[0]) for x in jax.tree.leaves(stack)}
@@ -371,7 +415,7 @@ def mesh_value_and_grad(
                 )
         perm = None
         if v > 1 and stack_order == "layers":  # chunk k·p + s on stage s: reorder the stack
-            perm = interleaved_order(n_layers, p, v)
+            perm = (v_order if sched.name == "zbv" else interleaved_order)(n_layers, p, v)
             stack = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), stack)
         b_spec = PartitionSpec(b_axes or None)
         manual = frozenset(mesh.axis_names) - auto
@@ -491,6 +535,27 @@ class _Body:
 
         return jax.lax.scan(one, x, w, unroll=True)[0]
 
+    def _head_grad(self, last, rest_g, y, mb, d_rest, head, scale):
+        """Where ``last`` (the last chunk's forward ran here), the micro-batch's loss and its
+        gradients: ``(scale·loss, d_rest + ∂/∂rest, ∂/∂y)``; elsewhere ``(0, d_rest, 0)``.
+
+        ``mb`` is a thunk: the micro-batch is sliced inside the cond that reads it (sliced
+        outside, XLA slices every micro-batch at the start of the step). The running sum
+        goes through the cond, updated in place, never a full-size gradient (the head's)
+        per tick.
+        """
+
+        def loss_and_grads(d_rest):
+            if self.post_grad is not None:
+                return self.post_grad(rest_g, y, mb(), d_rest, scale)
+            val, (dr, dy) = jax.value_and_grad(head, argnums=(0, 1))(rest_g, y, mb())
+            return val, jax.tree.map(jnp.add, d_rest, dr), dy
+
+        def none(d_rest):
+            return jnp.zeros((), jnp.float32), d_rest, jnp.zeros_like(y)
+
+        return jax.lax.cond(last, loss_and_grads, none, d_rest)
+
     def _windows(self) -> list[int]:
         """The tick at which each scheduling unit starts (weights gathered anew)."""
         m, ticks = self.sched.microbatches, self.sched.ticks
@@ -500,17 +565,24 @@ class _Body:
     def _rolled_ticks(self, at, mb_at, head, rest_g, start_unit, flush, windows, zeros_x, s, s_def):
         """The ticks with each stage's layers rolled (:class:`_Rolled`): runs of ticks that do
         the same kinds of work (a 1f1b's steady state) in one ``lax.fori_loop``, so the
-        program does not grow with ``m`` either; returns the loss and the rest's gradient."""
+        program does not grow with ``m`` either; returns the loss and the rest's gradient.
+
+        zb1 / zbv: a tick's backward is its ``B`` (the input gradient; what the ``W`` needs
+        goes into a ring of ``w_ring`` slots), and a third part runs the tick's ``W``."""
         sched, stage, p = self.sched, self.stage, self.sched.stages
         np_tables = sched.tables()
         scale = 1.0 / (sched.microbatches * self.n_shards)
+        split, vee = sched.split, sched.name == "zbv"
         read_slots = jnp.asarray(sched.read_slots())
         # Where the schedule's own slots (each stage's lowest free one, plus one that idle
         # forwards write) are fewer than the ring's (gpipe: m + 1 against m + 2p − 1), a
         # forward writes its item's slot and a backward reads it: nothing is stored for
         # the bubble's ticks.
-        own = sched.slots + 1 < sched.ring
+        own = sched.slots + 1 < sched.ring and not split
         ring = sched.slots + 1 if own else sched.ring
+        if split:
+            w_reads = jnp.asarray(sched.read_slots("w", "f"))
+            w_from_b = jnp.asarray(sched.read_slots("w", "b"))
 
         def write_slot(t):
             return at("f_slot", t) if own else t % ring
@@ -518,22 +590,42 @@ class _Body:
         def read_slot(t):
             return at("b_slot", t) if own else read_slots[t][s]
 
+        # d loss / d y of the last chunk, kept until its backward: zb1 and zbv run that
+        # backward in the tick of the forward, so one slot (the others keep ``ring``).
+        last = [a for (t, q), a in sched.ages("f", "b").items() if np_tables["b_last"][t][q]]
+        dy_ring = 1 if split and max(last) == 0 else ring
+
+        def dy_slot(t, slot=None):
+            if dy_ring == 1:
+                return 0
+            return write_slot(t) if slot is None else slot
+
+        if vee:  # zbv: chunk 0 goes down the stages, chunk 1 comes back up
+            down = [(i, i + 1) for i in range(p - 1)]
+            up = [(i + 1, i) for i in range(p - 1)]
         fwd_perm = [(i, (i + 1) % p) for i in range(p if sched.virtual > 1 else p - 1)]
         bwd_perm = [(b, a) for a, b in fwd_perm]
+        names = ["f_valid", "b_valid", "f_first", "f_last", "b_first", "b_last"]
+        names += ["w_valid"] if split else []
 
         def kinds(t):  # what a tick does, as the program sees it
-            return tuple(
-                bool(np_tables[name][t].any())
-                for name in ("f_valid", "b_valid", "f_first", "f_last", "b_first", "b_last")
-            )
+            return tuple(bool(np_tables[name][t].any()) for name in names)
+
+        def send(st, key, value, perm):
+            if p > 1:
+                with scope("pipeline.send"):
+                    st[key] = jax.lax.ppermute(value, stage, perm)
 
         def tick(t, st, w_g, rolled, kind):
-            has_f, has_b, f_first, f_last, b_first, b_last = kind
+            has_f, has_b, f_first, f_last, b_first, b_last, *has_w = kind
             st = dict(st)
-            rolled.rings = st["rings"]
+            rolled.rings, rolled.w_rings = st["rings"], st["w_rings"]
             if has_f:
                 i, k = at("f_mb", t), at("f_k", t)
                 x_in = st["recv_f"]
+                if vee:  # round 1: from the stage below, or this stage's own round 0 (the turn)
+                    turn = jnp.where(s == p - 1, st["prev_f"], st["recv_f_up"])
+                    x_in = jnp.where(k == 0, x_in, turn)
                 if f_first:
                     x_in = jax.lax.cond(
                         at("f_first", t),
@@ -545,34 +637,35 @@ class _Body:
                 x_in = x_in + st["after_b"].astype(x_in.dtype)
                 y = rolled.forward(w_g, k, x_in, write_slot(t))
                 if f_last:
-
-                    def loss_and_grads(d_rest, y=y, i=i):
-                        if self.post_grad is not None:
-                            return self.post_grad(rest_g, y, mb_at(i), d_rest, scale)
-                        grad_fn = jax.value_and_grad(head, argnums=(0, 1))
-                        val, (dr, dy) = grad_fn(rest_g, y, mb_at(i))
-                        return val, jax.tree.map(jnp.add, d_rest, dr), dy
-
-                    def none(d_rest, y=y):
-                        return jnp.zeros((), jnp.float32), d_rest, jnp.zeros_like(y)
-
-                    val, st["d_rest"], dy = jax.lax.cond(
-                        at("f_last", t), loss_and_grads, none, st["d_rest"]
+                    val, st["d_rest"], dy = self._head_grad(
+                        at("f_last", t), rest_g, y, lambda i=i: mb_at(i), st["d_rest"], head, scale
                     )
                     st["loss"] = st["loss"] + val.astype(jnp.float32)
-                    st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), write_slot(t))
-                if p > 1:
-                    with scope("pipeline.send"):
-                        st["recv_f"] = jax.lax.ppermute(y, stage, fwd_perm)
+                    st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), dy_slot(t))
+                if vee:
+                    send(st, "recv_f", y, down)
+                    send(st, "recv_f_up", y, up)
+                    st["prev_f"] = y
+                else:
+                    send(st, "recv_f", y, fwd_perm)
             if has_b:
                 j, k = at("b_mb", t), at("b_k", t)
                 slot = read_slot(t)
                 g_in = st["recv_b"]
+                if vee:  # round 0: from the stage below, or this stage's own round 1 (the turn)
+                    turn = jnp.where(s == p - 1, st["prev_b"], st["recv_b_up"])
+                    g_in = jnp.where(k == 1, g_in, turn)
                 if b_last:
-                    g_in = jnp.where(at("b_last", t), _at(st["dys"], slot), g_in)
-                st["d_acc"], d_x = rolled.backward(
-                    w_g, k, g_in, st["d_acc"], slot, at("b_valid", t)
-                )
+                    g_in = jnp.where(at("b_last", t), _at(st["dys"], dy_slot(t, slot)), g_in)
+                if split:
+                    g_in = g_in + st["after_w"].astype(g_in.dtype)
+                    d_x = rolled.backward_input(
+                        w_g, k, g_in, slot, t % sched.w_ring, at("b_valid", t)
+                    )
+                else:
+                    st["d_acc"], d_x = rolled.backward(
+                        w_g, k, g_in, st["d_acc"], slot, at("b_valid", t)
+                    )
                 st["after_b"] = jnp.where(s == -1 - t, d_x.ravel()[0], 0).astype(jnp.float32)
                 if b_first:
 
@@ -584,19 +677,42 @@ class _Body:
                     st["d_rest"] = jax.lax.cond(
                         at("b_first", t), pre_grad, lambda d: d, st["d_rest"]
                     )
-                if p > 1:
-                    with scope("pipeline.send"):
-                        st["recv_b"] = jax.lax.ppermute(d_x, stage, bwd_perm)
-            st["rings"] = rolled.rings
+                if vee:
+                    send(st, "recv_b", d_x, down)
+                    send(st, "recv_b_up", d_x, up)
+                    st["prev_b"] = d_x
+                else:
+                    send(st, "recv_b", d_x, bwd_perm)
+            if has_w and has_w[0]:
+                st["d_acc"] = rolled.weight(
+                    w_g,
+                    at("w_k", t),
+                    st["d_acc"],
+                    w_reads[t][s],
+                    w_from_b[t][s],
+                    at("w_valid", t),
+                )
+                # The next tick's forward and B overwrite what this W read: they wait for it.
+                g0 = st["d_acc"][0].ravel()[0]
+                st["after_w"] = jnp.where(s == -1 - t, g0, 0).astype(jnp.float32)
+                st["after_b"] = st["after_b"] + st["after_w"]
+            st["rings"], st["w_rings"] = rolled.rings, rolled.w_rings
             return st
 
-        # Runs of ticks of one kind, cut where a scheduling unit starts.
+        # Runs of ticks of one kind, cut where a scheduling unit starts. zbv's ends of the
+        # model (embedding, loss) alternate tick by tick on stage 0: its runs are cut by
+        # the work alone, each tick testing for the ends it may hold (cheap conds).
         runs: list[list[int]] = []
+        key = (lambda t: kinds(t)[:2] + kinds(t)[6:]) if vee else kinds
         for t in range(sched.ticks):
-            if runs and t not in windows and kinds(t) == kinds(runs[-1][0]):
+            if runs and t not in windows and key(t) == key(runs[-1][0]):
                 runs[-1].append(t)
             else:
                 runs.append([t])
+        run_kind = {}
+        for run in runs:
+            flags = [kinds(t) for t in run]
+            run_kind[run[0]] = tuple(any(f[n] for f in flags) for n in range(len(names)))
         rolled, st, d_acc = None, None, None
         for run in runs:
             if run[0] in windows:
@@ -604,18 +720,24 @@ class _Body:
                 if st is not None:
                     st["d_acc"] = d_acc
             if rolled is None:
-                rolled = _Rolled(self.layer_fn, s_def, w_g, zeros_x, ring)
+                rolled = _Rolled(
+                    self.layer_fn, s_def, w_g, zeros_x, ring, sched.w_ring if split else 0
+                )
                 st = {
                     "recv_f": zeros_x,
                     "recv_b": zeros_x,
                     "d_acc": d_acc,
                     "d_rest": jax.tree.map(jnp.zeros_like, rest_g),
                     "loss": jnp.zeros((), jnp.float32),
-                    "dys": jnp.zeros((ring, *zeros_x.shape), zeros_x.dtype),
+                    "dys": jnp.zeros((dy_ring, *zeros_x.shape), zeros_x.dtype),
                     "after_b": jnp.zeros((), jnp.float32),
+                    "after_w": jnp.zeros((), jnp.float32),
                     "rings": rolled.rings,
+                    "w_rings": rolled.w_rings,
                 }
-            kind = kinds(run[0])
+                if vee:
+                    st.update(recv_f_up=zeros_x, prev_f=zeros_x, recv_b_up=zeros_x, prev_b=zeros_x)
+            kind = run_kind[run[0]]
             if len(run) < 3:
                 for t in run:
                     st = tick(t, st, w_g, rolled, kind)
@@ -769,21 +891,9 @@ class _Body:
                     if f is None:
                         store[n][t % ring] = leaf
                 if np_tables["f_last"][t].any():
-                    last = at("f_last", t)
-
-                    # The accumulator goes through the cond: one running sum, updated in
-                    # place, never a full-size gradient (the head's) per tick.
-                    def loss_and_grads(d_rest, y=y, i=i):
-                        if self.post_grad is not None:
-                            return self.post_grad(rest_g, y, mb_at(i), d_rest, scale)
-                        grad_fn = jax.value_and_grad(head, argnums=(0, 1))
-                        val, (dr, dy) = grad_fn(rest_g, y, mb_at(i))
-                        return val, jax.tree.map(jnp.add, d_rest, dr), dy
-
-                    def none(d_rest, y=y):
-                        return jnp.zeros((), jnp.float32), d_rest, jnp.zeros_like(y)
-
-                    val, d_rest, dy = jax.lax.cond(last, loss_and_grads, none, d_rest)
+                    val, d_rest, dy = self._head_grad(
+                        at("f_last", t), rest_g, y, lambda i=i: mb_at(i), d_rest, head, scale
+                    )
                     loss = loss + val.astype(jnp.float32)
                     store[-1][t % ring] = dy
                 if p > 1:
@@ -886,7 +996,7 @@ class _Rolled:
     whatever ``L/p``.
     """
 
-    def __init__(self, layer_fn, s_def, w_g, x, ring):
+    def __init__(self, layer_fn, s_def, w_g, x, ring, w_ring=0):
         self.layer_fn, self.s_def, self.ring = layer_fn, s_def, ring
         self.n_layers = int(w_g[0].shape[1])
         self.res_def, self.is_w = None, None
@@ -897,6 +1007,23 @@ class _Rolled:
             None if f is not None else jnp.zeros((ring, self.n_layers, *r.shape), r.dtype)
             for r, f in zip(shapes, self._probe_flags, strict=True)
         ]
+        self.split, self.w_rings = None, []
+        if w_ring:  # zb1 / zbv: the layer's backward cut into B and W (shardkit.parallel.wgrad)
+            res = [
+                w if f is not None else r
+                for r, f, w in zip(shapes, self._probe_flags, self._probe_w, strict=True)
+            ]
+            tdef = self._probe_def
+            # W reads the forward's residuals (kept until W) and what B hands over: each
+            # weight's matmul output cotangent (under remat, also the inputs B recomputed).
+            # Measured: handing W the residuals it reads too (direct=weights only, the ring
+            # free after B) holds more (zbv 4.64 against 4.39 MiB on the matmul stack).
+            self.split = split_backward(
+                lambda r, g: jax.tree.unflatten(tdef, r)(g), res, x_s, n_w=len(w_l)
+            )
+            self.w_rings = [
+                jnp.zeros((w_ring, self.n_layers, *f.shape), f.dtype) for f in self.split.frontier
+            ]
 
     def _vjp(self, w_l, x, probe=False):
         y, vjp = jax.vjp(lambda w, h: self.layer_fn(jax.tree.unflatten(self.s_def, w), h), w_l, x)
@@ -904,7 +1031,11 @@ class _Rolled:
         # Residuals that *are* the weights are not stored: the backward slices them again.
         flags = [next((q for q, w in enumerate(w_l) if leaf is w), None) for leaf in leaves]
         if probe:
-            self._probe_flags = flags
+            self._probe_flags, self._probe_def = flags, tdef
+            self._probe_w = [  # the weights' shapes, where a residual is a weight
+                None if f is None else jax.ShapeDtypeStruct(w_l[f].shape, w_l[f].dtype)
+                for f in flags
+            ]
             return y, [jnp.zeros((), jnp.float32) if f is not None else x for x, f in
                        zip(leaves, flags, strict=True)]  # fmt: skip
         if self.res_def is None:
@@ -948,3 +1079,43 @@ class _Rolled:
         layers = jnp.arange(self.n_layers)
         (d_x, d_acc), _ = jax.lax.scan(one, (g, d_acc), layers, reverse=True)
         return d_acc, d_x
+
+    def _leaves(self, w_l, slot, layer):
+        return [
+            w_l[f] if f is not None else _at(r, slot, layer)
+            for r, f in zip(self.rings, self.is_w, strict=True)
+        ]
+
+    def backward_input(self, w_g, k, g, slot, w_slot, valid):
+        """zb1 / zbv's ``B``: the reverse scan, each layer's input gradient only; what its
+        ``W`` needs written to ``w_rings`` at (``w_slot``, the layer)."""
+        g = jnp.where(valid, g, jnp.zeros_like(g))
+
+        def one(carry, layer):
+            g, w_rings = carry
+            w_l = [_at(w, k, layer) for w in w_g]
+            d_x, front = self.split.b(self._leaves(w_l, slot, layer), g)
+            w_rings = [_put(r, v, w_slot, layer) for r, v in zip(w_rings, front, strict=True)]
+            return (d_x, w_rings), None
+
+        layers = jnp.arange(self.n_layers)
+        (d_x, self.w_rings), _ = jax.lax.scan(one, (g, self.w_rings), layers, reverse=True)
+        return d_x
+
+    def weight(self, w_g, k, d_acc, slot, w_slot, valid):
+        """zb1 / zbv's ``W``: a scan over the layers, each layer's weight gradient from its
+        residuals and what its ``B`` left, added into the running sum at (chunk, layer)."""
+        w_rings = self.w_rings
+
+        def one(d_acc, layer):
+            w_l = [_at(w, k, layer) for w in w_g]
+            res = self._leaves(w_l, slot, layer)
+            d_w = self.split.w(res, [_at(r, w_slot, layer) for r in w_rings])
+            new = []
+            for acc, dw in zip(d_acc, d_w, strict=True):
+                cur = _at(acc, k, layer)
+                new.append(_put(acc, jnp.where(valid, cur + dw.astype(cur.dtype), cur), k, layer))
+            return new, None
+
+        d_acc, _ = jax.lax.scan(one, d_acc, jnp.arange(self.n_layers))
+        return d_acc

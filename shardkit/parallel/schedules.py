@@ -22,9 +22,27 @@ checks that every schedule obeys this, and assigns each in-flight item a buffer 
   chunks per stage, chunk ``k·p + s`` on stage ``s``; micro-batches go round the ring
   ``v`` times in groups of ``p``. ``v·m + p − 1`` ticks of a chunk (``1/v`` of a stage)
   each way; needs ``m`` a multiple of ``p``.
+- ``zb1`` (ZB-H1, Qi et al. 2023): 1f1b's forwards and input-gradient backwards ``B``,
+  each backward's weight gradient ``W`` deferred to the tick where the first stage runs
+  that micro-batch's ``B``: every stage computes the same micro-batch's ``W`` in the same
+  tick, so the ``W`` work is ``m`` ticks, not ``m + p − 1``. Needs ``m ≥ p``.
+- ``zbv`` (ZB-V, Qi et al. 2024): two chunks per stage in a V, chunk ``s`` going down
+  the stages and chunk ``2p − 1 − s`` coming back up (the first stage runs the
+  embedding and the loss), micro-batches two ticks apart; ``B`` and ``W`` split as in
+  ``zb1``. Residuals held: ``4p − 1`` chunk ticks, ``1/2`` a stage each, against 1f1b's
+  ``2p − 1`` stage ticks.
 
-Bubble fraction (idle share of a stage's time): ``(p − 1)/(m + p − 1)`` for gpipe and
-1f1b, ``(p − 1)/(v·m + p − 1)`` interleaved.
+The engine's ticks are lock-step (every stage runs a tick's program, so a tick costs
+every stage its forward if any stage runs one, its ``B`` if any does, its ``W`` if any
+does). With ``F``, ``B`` and ``W`` of equal cost (a matmul layer: ``x·w``, ``dy·wᵀ``,
+``xᵀ·dy``), the idle share of a stage's time is ``(p − 1)/(m + p − 1)`` for gpipe and
+1f1b, ``(p − 1)/(v·m + p − 1)`` interleaved, and ``2(p − 1)/(3m + 2(p − 1))`` for zb1
+and zbv (the forwards and ``B`` pay the pipeline's fill, ``W`` does not). Qi et al.'s
+``(p − 1)/(3m)`` assumes stages that run asynchronously, where a ``W`` fills a tick
+whose other stages do ``F``; in lock-step every tick holding an ``F`` costs an ``F``.
+zbv's V does not shorten the fill in lock-step: the last stage starts its ``2m``
+chunk forwards ``p − 1`` ticks late and the last micro-batch then climbs ``p − 1``
+stages back, so the forwards span ``2m + 2p − 2`` chunk ticks, 1f1b's ``m + p − 1``.
 
 Example:
   >>> s = make("1f1b", stages=2, microbatches=4)
@@ -38,6 +56,12 @@ Example:
   3      F3 B1    F2 B2
   4      B2       F3 B3
   5      B3       .
+  >>> print(make("zb1", stages=2, microbatches=2).timeline())
+  tick   stage 0   stage 1
+  0      F0        .
+  1      F1        F0 B0
+  2      B0 W0     F1 B1 W0
+  3      B1 W1     W1
 """
 
 from __future__ import annotations
@@ -57,11 +81,15 @@ __all__ = [
     "MicrobatchError",
     "StageDivisibilityError",
     "PipelineWarning",
+    "UnitError",
     "bubble_fraction",
     "make",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1", "zbv")
+
+#: Schedules that split each backward into ``B`` (input gradient) and ``W`` (weights).
+SPLIT = ("zb1", "zbv")
 
 Item = tuple[int, int] | None  # (microbatch, virtual round) or idle
 
@@ -78,17 +106,26 @@ class StageDivisibilityError(PipelineError):
     """The layers do not split into stages × virtual stages."""
 
 
+class UnitError(PipelineError):
+    """A ZeroPP scheduling unit that does not divide the micro-batches."""
+
+
 class PipelineWarning(UserWarning):
     """A pipeline that runs, with a large bubble."""
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
-    """The idle share of a stage's time: ``(p − 1)/(v·m + p − 1)`` (``v = 1`` unless interleaved).
+    """The idle share of a stage's time: ``(p − 1)/(v·m + p − 1)`` (``v = 1`` unless
+    interleaved); ``2(p − 1)/(3m + 2(p − 1))`` for zb1 and zbv (equal ``F``, ``B``, ``W``).
 
     Example:
       >>> bubble_fraction("gpipe", 4, 16), bubble_fraction("interleaved", 4, 16, 2)
       (0.15789473684210525, 0.08571428571428572)
+      >>> bubble_fraction("zb1", 4, 16)
+      0.1111111111111111
     """
+    if schedule in SPLIT:
+        return 2 * (stages - 1) / (3 * microbatches + 2 * (stages - 1))
     v = virtual if schedule == "interleaved" else 1
     return (stages - 1) / (v * microbatches + stages - 1)
 
@@ -102,6 +139,9 @@ class Schedule:
       slot_f, slot_b: per tick, per stage, the activation buffer slot the item writes
         (forward) or reads and frees (backward); ``slots`` (the trash slot) when idle.
       slots: the most micro-batches a stage holds at once (``2p − 1`` at most for 1f1b).
+      weight: zb1 / zbv: per tick, per stage, the item whose weight gradient ``W`` the
+        stage computes (``backward`` then holds only the input gradients ``B``); ``None``
+        for the other schedules (a backward computes both).
     """
 
     name: str
@@ -113,34 +153,50 @@ class Schedule:
     slot_f: np.ndarray
     slot_b: np.ndarray
     slots: int
+    weight: tuple[tuple[Item, ...], ...] | None = None
+
+    @property
+    def split(self) -> bool:
+        """Whether each backward is split into ``B`` and a later ``W`` (zb1, zbv)."""
+        return self.weight is not None
 
     @property
     def ring(self) -> int:
         """Residual slots the engine keeps: a forward at tick ``t`` writes slot ``t mod ring``
         (the same slot on every stage, so the write is static), and every item is read back
         before that slot comes round again: ``ring`` = the longest forward-to-backward wait + 1
-        (``2p − 1`` for 1f1b, ``m + 2p − 1`` for gpipe)."""
+        (``2p − 1`` for 1f1b, ``m + 2p − 1`` for gpipe; zb1 / zbv: to the ``W``, which reads
+        them last: ``2p − 1`` for zb1, ``4p − 1`` chunks for zbv)."""
         return int(max(self.ages().values())) + 1
 
-    def ages(self) -> dict[tuple[int, int], int]:
-        """``{(tick of the backward, stage): ticks since its forward}`` for every item."""
-        f_tick = {}
-        for t, row in enumerate(self.forward):
-            for s, item in enumerate(row):
-                if item is not None:
-                    f_tick[item, s] = t
-        return {
-            (t, s): t - f_tick[item, s]
-            for t, row in enumerate(self.backward)
-            for s, item in enumerate(row)
-            if item is not None
-        }
+    @property
+    def w_ring(self) -> int:
+        """zb1 / zbv: slots of what a ``B`` leaves for its ``W`` (the longest ``B``-to-``W``
+        wait + 1: ``p`` for zb1); 0 for the other schedules."""
+        if not self.split:
+            return 0
+        return int(max(self.ages("b", "w").values())) + 1
 
-    def read_slots(self) -> np.ndarray:
-        """``int32[ticks, stages]``: the ring slot each backward reads (0 when idle)."""
+    def _ticks_of(self, kind: str) -> dict[tuple[Item, int], int]:
+        rows = {"f": self.forward, "b": self.backward, "w": self.weight}[kind]
+        return {(item, s): t for t, row in enumerate(rows) for s, item in enumerate(row) if item}
+
+    def ages(self, since: str = "f", until: str | None = None) -> dict[tuple[int, int], int]:
+        """``{(tick, stage): ticks since}``: for every item's last read of its residuals (its
+        backward; zb1 / zbv: its ``W``), the ticks since its forward; or ``since`` /
+        ``until`` one of ``"f"``, ``"b"``, ``"w"``."""
+        until = until or ("w" if self.split else "b")
+        start = self._ticks_of(since)
+        return {(t, s): t - start[item, s] for (item, s), t in self._ticks_of(until).items()}
+
+    def read_slots(self, kind: str = "b", ring: str = "f") -> np.ndarray:
+        """``int32[ticks, stages]``: the slot of ``ring`` (``"f"``: the residuals, written
+        at slot ``tick mod ring``; ``"b"``: what a ``B`` leaves for its ``W``, slot ``tick
+        mod w_ring``) that each ``kind`` item (``"b"``, ``"w"``) reads (0 when idle)."""
+        size = self.ring if ring == "f" else self.w_ring
         out = np.zeros((self.ticks, self.stages), np.int32)
-        for (t, s), age in self.ages().items():
-            out[t, s] = (t - age) % self.ring
+        for (t, s), age in self.ages(ring, kind).items():
+            out[t, s] = (t - age) % size
         return out
 
     @property
@@ -156,27 +212,29 @@ class Schedule:
     def work_ticks(self) -> float:
         """Ticks of one full stage (``v`` chunks) forward + backward each stage computes.
 
-        Forward-only and backward-only ticks count by halves in proportion; the
-        engine computes every stage's slot in a tick where any stage has work, so
-        this is the compiled work per device in units of one stage's F + B on
-        one micro-batch: ``(v·m + p − 1)/v``, i.e. ``m / (1 − bubble)``.
+        A tick costs every stage its forward if any stage runs one, and so on; with ``F``,
+        ``B`` and ``W`` a third each (a backward without the split is ``B + W``), this is
+        the compiled work per device in units of one stage's ``F + B + W`` on one
+        micro-batch: ``(v·m + p − 1)/v`` without the split, i.e. ``m / (1 − bubble)``.
         """
-        f = sum(any(x is not None for x in row) for row in self.forward)
-        b = sum(any(x is not None for x in row) for row in self.backward)
-        return (f + b) / 2 / self.virtual
+        busy = lambda rows: sum(any(x is not None for x in row) for row in rows)  # noqa: E731
+        f, b = busy(self.forward), busy(self.backward)
+        w = busy(self.weight) if self.split else b
+        return (f + b + w) / 3 / self.virtual
 
     def chunk(self, stage: int, virtual: int) -> int:
-        """The model chunk (``0 … p·v − 1``, in layer order) a stage runs in a round."""
-        return virtual * self.stages + stage
+        """The model chunk (``0 … p·v − 1``, in layer order) a stage runs in a round
+        (zbv: chunk ``s`` in round 0, ``2p − 1 − s`` in round 1)."""
+        return chunk_of(self.name, self.stages, stage, virtual)
 
     def tables(self) -> dict[str, np.ndarray]:
         """``int32[ticks, stages]`` arrays for the engine: mb, virtual, valid, slot, ends."""
         p, v = self.stages, self.virtual
         out = {}
-        for kind, rows, slot in (
-            ("f", self.forward, self.slot_f),
-            ("b", self.backward, self.slot_b),
-        ):
+        kinds = [("f", self.forward, self.slot_f), ("b", self.backward, self.slot_b)]
+        if self.split:
+            kinds.append(("w", self.weight, self.slot_b))
+        for kind, rows, slot in kinds:
             mb = np.zeros((self.ticks, p), np.int32)
             k = np.zeros((self.ticks, p), np.int32)
             valid = np.zeros((self.ticks, p), bool)
@@ -205,24 +263,30 @@ class Schedule:
 
     def timeline(self) -> str:
         """A text table of the schedule (``F3`` forward of micro-batch 3, ``B3`` backward;
-        ``F3.1`` its second virtual round)."""
+        ``F3.1`` its second virtual round; zb1 / zbv: ``B3`` the input gradient, ``W3`` the
+        weight gradient)."""
 
         def label(kind: str, item: Item) -> str:
             if item is None:
                 return ""
             return f"{kind}{item[0]}" + (f".{item[1]}" if self.virtual > 1 else "")
 
-        lines = ["tick   " + "  ".join(f"stage {s}" for s in range(self.stages))]
-        for t in range(self.ticks):
-            cells = []
-            for s in range(self.stages):
-                text = " ".join(
-                    x
-                    for x in (label("F", self.forward[t][s]), label("B", self.backward[t][s]))
-                    if x
-                )
-                cells.append((text or ".").ljust(7))
-            lines.append(f"{t:<6} " + "  ".join(cells).rstrip())
+        rows = [("F", self.forward), ("B", self.backward)]
+        if self.split:
+            rows.append(("W", self.weight))
+        text = [
+            [
+                " ".join(x for x in (label(k, r[t][s]) for k, r in rows) if x) or "."
+                for s in range(self.stages)
+            ]
+            for t in range(self.ticks)
+        ]
+        width = max(7, *(len(c) for row in text for c in row))
+        lines = [
+            "tick   " + "  ".join(f"stage {s}".ljust(width) for s in range(self.stages)).rstrip()
+        ]
+        for t, cells in enumerate(text):
+            lines.append(f"{t:<6} " + "  ".join(c.ljust(width) for c in cells).rstrip())
         return "\n".join(lines)
 
 
@@ -271,12 +335,62 @@ def _interleaved(p: int, m: int, v: int) -> tuple[list, list]:
     return fwd + idle, idle + bwd
 
 
+def _zb1(p: int, m: int) -> tuple[list, list, list]:
+    fwd, bwd = _one_f_one_b(p, m)
+    # W of micro-batch j on every stage at the tick of the first stage's B (j + 2p − 2).
+    wgt = [
+        [(t - 2 * (p - 1), 0) if 0 <= t - 2 * (p - 1) < m else None] * p for t in range(len(fwd))
+    ]
+    return fwd, bwd, wgt
+
+
+def _zbv(p: int, m: int) -> tuple[list, list, list]:
+    n = 2 * m + 4 * p - 3
+    fwd = [[None] * p for _ in range(n)]
+    bwd = [[None] * p for _ in range(n)]
+    wgt = [[None] * p for _ in range(n)]
+    # W rounds: every stage's round-1 chunk (whose B comes first) at one tick, and every
+    # stage's round-0 chunk at another, of the other parity (so one W per stage and tick).
+    w_up = 3 * p - 2 + (p % 2 == 0)
+    for j in range(m):
+        for c in range(2 * p):
+            s, k = _locate("zbv", p, c)
+            fwd[2 * j + c][s] = (j, k)
+            bwd[2 * j + 4 * p - 2 - c][s] = (j, k)
+        for s in range(p):
+            wgt[2 * j + w_up][s] = (j, 1)
+            wgt[2 * j + 4 * p - 2][s] = (j, 0)
+    return fwd, bwd, wgt
+
+
+def chunk_of(name: str, stages: int, stage: int, virtual: int) -> int:
+    """The model chunk a stage runs in round ``virtual``: ``virtual·p + stage``, or for zbv
+    ``stage`` (round 0, down the stages) and ``2p − 1 − stage`` (round 1, back up).
+
+    Example:
+      >>> [chunk_of("zbv", 4, s, 1) for s in range(4)], chunk_of("interleaved", 4, 1, 1)
+      ([7, 6, 5, 4], 5)
+    """
+    if name == "zbv":
+        return stage if virtual == 0 else 2 * stages - 1 - stage
+    return virtual * stages + stage
+
+
+def _locate(name: str, p: int, chunk: int) -> tuple[int, int]:
+    """``(stage, round)`` of a model chunk: the inverse of :func:`chunk_of`."""
+    if name == "zbv":
+        return (chunk, 0) if chunk < p else (2 * p - 1 - chunk, 1)
+    return chunk % p, chunk // p
+
+
 def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedule:
     """The schedule ``name`` for ``stages`` stages, ``microbatches`` micro-batches.
 
     Raises:
       UnknownScheduleError: ``name`` is not one of :data:`SCHEDULES`.
-      MicrobatchError: ``interleaved`` with micro-batches not a multiple of the stages.
+      MicrobatchError: ``interleaved`` with micro-batches not a multiple of the stages;
+        ``zb1`` / ``zbv`` with fewer micro-batches than stages.
+      StageDivisibilityError: ``zbv`` with ``virtual`` other than 2 (its V is two chunks).
 
     Warns:
       PipelineWarning: fewer micro-batches than stages (the bubble fraction is stated).
@@ -288,7 +402,21 @@ def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
     p, m = int(stages), int(microbatches)
     if m < 1 or p < 1:
         raise MicrobatchError(f"A pipeline needs stages >= 1 and micro-batches >= 1, got {p}, {m}.")
-    v = int(virtual) if name == "interleaved" else 1
+    v = int(virtual) if name == "interleaved" else 2 if name == "zbv" else 1
+    if name == "zbv" and int(virtual) not in (1, 2):
+        raise StageDivisibilityError(
+            f"Schedule 'zbv' runs two chunks per stage (a V: chunk s down the {p} stages, "
+            f"chunk {2 * p - 1}-s back up); virtual_stages={virtual} asks for "
+            f"{p * int(virtual)} chunks.\nFix: virtual_stages=2 with zbv (2·{p} = {2 * p} "
+            f"chunks), or schedule 'interleaved' for {virtual} chunks per stage."
+        )
+    if name in SPLIT and m < p:
+        raise MicrobatchError(
+            f"Schedule {name!r}: {m} micro-batches for {p} stages; its warm-up runs {p} "
+            f"forwards before the first weight gradient, so it needs micro-batches >= {p}."
+            f"\nFix: --microbatches {p} (bubble {bubble_fraction(name, p, p):.0%}) or "
+            f"{2 * p} (bubble {bubble_fraction(name, p, 2 * p):.0%}), or schedule '1f1b'."
+        )
     if name == "interleaved" and m % p:
         raise MicrobatchError(
             f"Schedule 'interleaved' sends micro-batches round the {p} stages in groups of {p}; "
@@ -308,10 +436,13 @@ def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
         "gpipe": lambda: _gpipe(p, m),
         "1f1b": lambda: _one_f_one_b(p, m),
         "interleaved": lambda: _interleaved(p, m, v),
+        "zb1": lambda: _zb1(p, m),
+        "zbv": lambda: _zbv(p, m),
     }[name]
-    fwd, bwd = build()
-    _check(name, p, v, fwd, bwd, m)
-    slot_f, slot_b, slots = _allocate(p, fwd, bwd)
+    fwd, bwd, *wgt = build()
+    wgt = wgt[0] if wgt else None
+    _check(name, p, v, fwd, bwd, m, wgt)
+    slot_f, slot_b, slots = _allocate(p, fwd, wgt or bwd)
     return Schedule(
         name,
         p,
@@ -322,11 +453,13 @@ def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
         slot_f,
         slot_b,
         slots,
+        None if wgt is None else tuple(tuple(r) for r in wgt),
     )
 
 
-def _check(name: str, p: int, v: int, fwd: list, bwd: list, m: int) -> None:
-    """Every item's input arrives from the previous tick; every item runs exactly once."""
+def _check(name: str, p: int, v: int, fwd: list, bwd: list, m: int, wgt: list | None) -> None:
+    """Every item's input arrives from the previous tick; every item runs exactly once; a
+    backward follows its forward, a weight gradient its backward, on the same stage."""
     last_chunk = p * v - 1
     for rows, step, kind in ((fwd, -1, "forward"), (bwd, 1, "backward")):
         seen = set()
@@ -335,28 +468,33 @@ def _check(name: str, p: int, v: int, fwd: list, bwd: list, m: int) -> None:
                 if item is None:
                     continue
                 seen.add((item, s))
-                c = item[1] * p + s
+                c = chunk_of(name, p, s, item[1])
                 end = c == 0 if kind == "forward" else c == last_chunk
                 if end:
                     continue
-                src = (s + step) % p
-                want = (item[0], (c + step) // p)
+                src, k = _locate(name, p, c + step)
                 got = rows[t - 1][src] if t else None
-                assert got == want, (name, kind, t, s, item, got)
+                assert got == (item[0], k), (name, kind, t, s, item, got)
         assert len(seen) == m * v * p, (name, kind, len(seen))
-    done = {}
-    for t, row in enumerate(fwd):
-        for s, item in enumerate(row):
-            if item is not None:
-                done[(item, s)] = t
-    for t, row in enumerate(bwd):
-        for s, item in enumerate(row):
-            if item is not None:
-                assert done[(item, s)] <= t, (name, "backward before forward", t, s, item)
+    pairs = [(fwd, bwd, "backward before forward")]
+    if wgt is not None:
+        assert sum(x is not None for row in wgt for x in row) == m * v * p, (name, "W count")
+        pairs.append((bwd, wgt, "weight gradient before backward"))
+    for first, then, what in pairs:
+        done = {}
+        for t, row in enumerate(first):
+            for s, item in enumerate(row):
+                if item is not None:
+                    done[(item, s)] = t
+        for t, row in enumerate(then):
+            for s, item in enumerate(row):
+                if item is not None:
+                    assert done[(item, s)] <= t, (name, what, t, s, item)
 
 
 def _allocate(p: int, fwd: list, bwd: list) -> tuple[np.ndarray, np.ndarray, int]:
-    """Buffer slots per stage: a forward takes the lowest free slot, its backward frees it."""
+    """Buffer slots per stage: a forward takes the lowest free slot, its last reader (the
+    backward; zb1 / zbv: the weight gradient, passed as ``bwd``) frees it."""
     n = len(fwd)
     slot_f = np.full((n, p), -1, np.int32)
     slot_b = np.full((n, p), -1, np.int32)

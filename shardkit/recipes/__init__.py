@@ -3,8 +3,8 @@
 Example:
   >>> import shardkit as sk
   >>> sk.recipes.names()
-  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp', 'tsp', 'dp_tsp',
-   'tsp_gspmd', 'dp_tsp_gspmd', 'pp', 'dp_pp', 'zeropp',
+  ['dp', 'fsdp', 'zero1', 'tp', 'tp_sp', 'dp_fsdp', 'fsdp_tp', 'dp_tp_sp', 'cp', 'fsdp_cp', 'cp_usp', 'tsp',
+   'dp_tsp', 'tsp_gspmd', 'dp_tsp_gspmd', 'pp', 'dp_pp', 'zeropp',
    'dp_tp_sp_pp', 'ep', 'ep_gspmd', 'fsdp_ep', 'ep_tp']
 """
 
@@ -29,6 +29,7 @@ _REGISTRY: dict[str, Callable[[], Recipe]] = {
     "dp_tp_sp": catalogue.dp_tp_sp,
     "cp": catalogue.cp,
     "fsdp_cp": catalogue.fsdp_cp,
+    "cp_usp": catalogue.cp_usp,
     "tsp": catalogue.tsp,
     "dp_tsp": catalogue.dp_tsp,
     "tsp_gspmd": catalogue.tsp_gspmd,

@@ -11,6 +11,7 @@ from shardkit.rules import Rules
 
 __all__ = [
     "cp",
+    "cp_usp",
     "dp",
     "dp_fsdp",
     "dp_pp",
@@ -290,6 +291,39 @@ def fsdp_cp() -> Recipe:
             ]
         ),
         attention="ring",
+        balance="zigzag",
+        context_state="sharded",
+    )
+
+
+def cp_usp() -> Recipe:
+    """Context parallel over two axes: Ulysses over ``ulysses`` × ring over ``sequence``
+    (USP, Fang & Zhao 2024; 4×2 on 8 devices: ring 4, Ulysses 2).
+
+    Each sequence is split over ``sequence`` × ``ulysses`` (ring-major: ring rank r holds
+    the r-th s/R block, cut U ways); attention runs all-to-alls over ``ulysses`` (each
+    device gets its ring rank's s/R tokens of h/U heads), ring attention over
+    ``sequence`` with those heads, and all-to-alls back. Per layer and pass the
+    all-to-alls move (U−1)/U·b·(s/(U·R))·(2h + 2h_kv)·4 bytes per device, the ring
+    (R−1)/R·2·b·s·(h_kv/U)·4. The tokens are placed in the zigzag order over the ring's
+    R ranks (``balance="zigzag"``); the state is ZeRO-3 over all U·R devices, as ``cp``.
+    Ulysses needs U to divide the (K/V) heads and costs less per byte on a fast link;
+    the ring takes any count, its traffic hides behind the blocks' compute: put
+    ``ulysses`` within a node and ``sequence`` across
+    (``with_mesh({"sequence": -1, "ulysses": 4})``).
+    """
+    axes = ("sequence", "ulysses")
+    return Recipe(
+        name="cp_usp",
+        optional_names=_REFERENCE_NAMES,
+        summary="context parallel, Ulysses over 'ulysses' × ring over 'sequence', ZeRO-3",
+        mesh_axes=(("sequence", -1), ("ulysses", 2)),
+        rules=Rules([("vocab", axes), ("embed", axes)]),
+        activation_rules=Rules(
+            [("vocab", axes), ("batch", None), ("length", axes), *_REPLICATED_ACTIVATIONS]
+        ),
+        attention="usp",
+        attention_axis=("ulysses", "sequence"),
         balance="zigzag",
         context_state="sharded",
     )

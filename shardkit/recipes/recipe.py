@@ -21,11 +21,19 @@ import math
 from collections.abc import Mapping
 from typing import Literal, get_args
 
+from shardkit.context import context_axes
 from shardkit.errors import ShardingError
 from shardkit.mesh import resolve_axis_sizes
 from shardkit.rules import Rules
 
-__all__ = ["LogitsLayout", "Parallelism", "Recipe", "VocabRules", "expected_collectives"]
+__all__ = [
+    "BALANCE_OF",
+    "LogitsLayout",
+    "Parallelism",
+    "Recipe",
+    "VocabRules",
+    "expected_collectives",
+]
 
 #: How a recipe lays out the logits when its activation rules split the vocabulary over
 #: a mesh axis that also splits the tokens (``fsdp``): ``"vocab"`` as the rules say,
@@ -33,12 +41,20 @@ __all__ = ["LogitsLayout", "Parallelism", "Recipe", "VocabRules", "expected_coll
 #: :meth:`Recipe.step_activation_rules`).
 LogitsLayout = Literal["auto", "vocab", "tokens"]
 
+#: The token order each attention strategy needs (:meth:`Recipe.with_attention`): the
+#: ring (alone or in USP) the zigzag, so every rank attends as many causal pairs; the
+#: others none: all-gather attention scores each local query against the whole sequence
+#: (masked or not), Ulysses attends whole sequences for a share of the heads.
+BALANCE_OF = {"ring": "zigzag", "usp": "zigzag", "allgather": "none", "ulysses": "none"}
+BALANCE_OF["dense"] = "none"
+_ONE_AXIS = ("ring", "allgather", "ulysses", "dense")
+
 #: Logical names of an activation's token dimensions.
-TOKEN_NAMES = ("batch", "length")
+_TOKEN_NAMES = ("batch", "length")
 
 #: Logical names whose weights Megatron splits: a mesh axis that shards them is a
 #: tensor-parallel axis.
-TENSOR_NAMES = frozenset({"heads", "kv_heads", "mlp"})
+_TENSOR_NAMES = frozenset({"heads", "kv_heads", "mlp"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +182,9 @@ class Recipe:
       optional_names: logical names the rules cover that a model may not have (the
         built-in recipes serve GPT and Llama, so ``kv_heads`` may match nothing); the
         report does not flag their rules as unused.
-      attention_axis: the mesh axis ring/allgather attention splits the sequence over.
+      attention_axis: the mesh axis ring/allgather/Ulysses attention splits the sequence
+        over; for ``attention="usp"`` the pair ``(ulysses_axis, ring_axis)`` (heads
+        exchanged over the first, K/V passed around the second; :attr:`context_axes`).
       layer_schedule: ``"gspmd"`` (XLA places the layers' collectives) or ``"tsp"``
         (the projections circulate weight shards over ``attention_axis``; see
         ``shardkit.nn.tsp``).
@@ -177,9 +195,12 @@ class Recipe:
         or ``"alltoall"`` (all-to-alls over the mesh axis the rules put ``expert`` on;
         see ``shardkit.nn.moe``).
       balance: ``"zigzag"``: :meth:`shardkit.Plan.shard_batch` places every batch's
-        tokens in the zigzag order over ``attention_axis`` with their positions
-        (:mod:`shardkit.balance`), so causal attention's work is even across the context
-        ranks and no layer reorders; ``"none"``: as given.
+        tokens in the zigzag order over :attr:`balance_axis` with their positions
+        (:mod:`shardkit.balance`), so causal attention's work is even across the ring's
+        ranks and no layer reorders; ``"none"``: as given. Only the ring needs it (ring,
+        usp): all-gather attention scores every local query against the whole sequence
+        and Ulysses attends whole sequences, each as even as it comes;
+        :meth:`with_attention` picks it (:data:`BALANCE_OF`).
       context_state: where a context-parallel recipe keeps the state: ``"sharded"``
         (parameters, gradients and optimizer state split over every axis that splits
         the batch or the sequence, ZeRO-3, weights gathered per layer) or
@@ -194,10 +215,10 @@ class Recipe:
     rules: Rules
     activation_rules: Rules
     optimizer_rules: Rules | None = None
-    attention: Literal["dense", "ring", "allgather", "ulysses"] = "dense"
+    attention: Literal["dense", "ring", "allgather", "ulysses", "usp"] = "dense"
     collectives: frozenset[str] | None = None
     optional_names: frozenset[str] = frozenset()
-    attention_axis: str = "sequence"
+    attention_axis: str | tuple[str, str] = "sequence"
     layer_schedule: Literal["gspmd", "tsp"] = "gspmd"
     logits: LogitsLayout = "auto"
     expert_dispatch: Literal["gspmd", "alltoall"] = "gspmd"
@@ -214,9 +235,23 @@ class Recipe:
                 f"Recipe {self.name!r}: context_state is 'sharded', 'replicated' or None, got "
                 f"{self.context_state!r}.\nFix: recipe.with_context_state('replicated')."
             )
+        if not isinstance(self.attention_axis, str):
+            object.__setattr__(self, "attention_axis", tuple(self.attention_axis))
+        pair = len(self.context_axes) > 1
+        if (
+            len(self.context_axes) > 2
+            or (pair and self.attention not in ("usp", "dense"))
+            or (not pair and self.attention == "usp")
+        ):
+            raise ShardingError(
+                f"Recipe {self.name!r}: attention={self.attention!r} over attention_axis="
+                f"{self.attention_axis!r}: 'usp' runs over a pair (ulysses_axis, ring_axis), "
+                "ring, allgather and ulysses over one axis.\nFix: recipes.get('cp_usp') for "
+                "USP, recipes.get('cp').with_attention(...) for the others."
+            )
         if self.context_state is not None:
             on = {a for _, axes in self.rules for a in _as_tuple(axes)}
-            if (self.attention_axis in on) != (self.context_state == "sharded"):
+            if any((a in on) != (self.context_state == "sharded") for a in self.context_axes):
                 raise ShardingError(
                     f"Recipe {self.name!r}: context_state={self.context_state!r}, but its "
                     f"parameter rules {list(self.rules.pairs())} "
@@ -233,6 +268,30 @@ class Recipe:
                 f"Recipe {self.name!r}: logits is one of {list(get_args(LogitsLayout))}, got "
                 f"{self.logits!r}.\nFix: logits='auto' (the default) picks it per step."
             )
+
+    @property
+    def context_axes(self) -> tuple[str, ...]:
+        """The mesh axes attention splits the sequence over: ``(attention_axis,)``, or
+        USP's ``(ulysses_axis, ring_axis)``.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("cp").context_axes, recipes.get("cp_usp").context_axes
+          (('sequence',), ('ulysses', 'sequence'))
+        """
+        return context_axes(self.attention_axis)
+
+    @property
+    def balance_axis(self) -> str:
+        """The axis whose ranks the load balance evens out: the ring's (USP's second
+        axis; Ulysses attends its group's whole block), else :attr:`attention_axis`.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> recipes.get("cp_usp").balance_axis
+          'sequence'
+        """
+        return self.context_axes[-1]
 
     def axis_sizes(self, device_count: int) -> dict[str, int]:
         """Mesh axis sizes for ``device_count`` devices.
@@ -292,7 +351,7 @@ class Recipe:
         """
         params = _names_on(self.rules, axis) - {"expert"}
         acts = _names_on(self.activation_rules, axis)
-        if params & TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
+        if params & _TENSOR_NAMES and "batch" not in acts:  # an axis splitting the batch
             return "tensor"  # and heads/MLP units is FSDP that also shards those
         if params == {"layers"}:
             return "stage"
@@ -317,7 +376,7 @@ class Recipe:
           >>> recipes.get("tp").vocab_gather_axes({"tensor": 4})   # tp does not split tokens
           ()
         """
-        token_axes = {a for name in TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
+        token_axes = {a for name in _TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
         return tuple(
             a
             for a in _axes_of(self.activation_rules, "vocab")
@@ -381,7 +440,7 @@ class Recipe:
           >>> recipes.get("fsdp").gathered_tokens({"fsdp": 512}, 512 * 2048)
           1048576.0
         """
-        token_axes = {a for name in TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
+        token_axes = {a for name in _TOKEN_NAMES for a in _axes_of(self.activation_rules, name)}
         split = math.prod(mesh.get(a, 1) for a in token_axes)
         return tokens / split * math.prod(mesh.get(a, 1) for a in self.vocab_gather_axes(mesh))
 
@@ -395,22 +454,43 @@ class Recipe:
         """
         return dataclasses.replace(self, logits=layout)
 
-    def with_attention(self, strategy: str) -> Recipe:
+    def with_attention(self, strategy: str, *, balance: str | None = None) -> Recipe:
         """The same recipe with another attention strategy over its context axis
-        (``"ring"``, ``"allgather"``, ``"ulysses"``, ``"dense"``), its collectives derived
-        again.
+        (``"ring"``, ``"allgather"``, ``"ulysses"``, ``"dense"``; ``"usp"`` on a recipe
+        with two context axes, e.g. ``cp_usp``), its collectives derived again.
+
+        ``balance``: the token order :meth:`shardkit.Plan.shard_batch` places; ``None``
+        takes what the new strategy needs (:data:`BALANCE_OF`: the zigzag for the ring's
+        causal load, none where attention's work is even as it comes, so no layer pays
+        for gathering positions it does not need), unless this recipe's balance is not
+        its current strategy's (a choice of the user's): that one is kept.
 
         Example:
           >>> from shardkit import recipes
-          >>> sorted(recipes.get("cp").with_attention("ulysses").collectives)
-          ['all-gather', 'all-reduce', 'all-to-all', 'reduce-scatter']
+          >>> ulysses = recipes.get("cp").with_attention("ulysses")
+          >>> sorted(ulysses.collectives), ulysses.balance
+          (['all-gather', 'all-reduce', 'all-to-all', 'reduce-scatter'], 'none')
+          >>> ulysses.with_attention("ring").balance
+          'zigzag'
+          >>> recipes.get("cp").with_attention("allgather", balance="zigzag").balance
+          'zigzag'
         """
-        if strategy not in ("dense", "ring", "allgather", "ulysses"):
-            raise ShardingError(
-                f"Recipe {self.name!r}: attention is one of dense, ring, allgather, ulysses, "
-                f"got {strategy!r}."
+        strategies = ("usp", "dense") if len(self.context_axes) > 1 else _ONE_AXIS
+        if strategy not in strategies:
+            other = (
+                "recipes.get('cp') (one context axis)"
+                if strategy in _ONE_AXIS
+                else "recipes.get('cp_usp') (a Ulysses axis and a ring axis)"
             )
-        return dataclasses.replace(self, attention=strategy, collectives=None)
+            raise ShardingError(
+                f"Recipe {self.name!r} (context axes {self.context_axes}): attention is one "
+                f"of {', '.join(strategies)}, got {strategy!r}.\nFix: one of those, or "
+                f"{other}."
+            )
+        if balance is None:
+            chose = self.balance != BALANCE_OF.get(self.attention, self.balance)
+            balance = self.balance if chose else BALANCE_OF[strategy]
+        return dataclasses.replace(self, attention=strategy, balance=balance, collectives=None)
 
     def with_context_state(self, state: Literal["sharded", "replicated"]) -> Recipe:
         """The same recipe with the state sharded over, or replicated across, the context
@@ -429,20 +509,21 @@ class Recipe:
             raise ShardingError(
                 f"with_context_state takes 'sharded' or 'replicated', got {state!r}."
             )
-        axis = self.attention_axis
+        axes = self.context_axes
+        whole = axes[0] if len(axes) == 1 else axes
 
         def rewrite(rules: Rules | None) -> Rules | None:
             if rules is None:
                 return None
             pairs = []
-            for name, axes in rules:
-                kept = tuple(a for a in _as_tuple(axes) if a != axis)
+            for name, entry in rules:
+                kept = tuple(a for a in _as_tuple(entry) if a not in axes)
                 if name in ("embed", "vocab") and state == "sharded":
-                    kept = (*kept, axis)
+                    kept = (*kept, *axes)
                 pairs.append((name, kept[0] if len(kept) == 1 else kept or None))
             names = {name for name, _ in pairs}
             if state == "sharded":
-                pairs += [(n, axis) for n in ("vocab", "embed") if n not in names]
+                pairs += [(n, whole) for n in ("vocab", "embed") if n not in names]
             return Rules([(n, a) for n, a in pairs if a is not None], strict=rules.strict)
 
         return dataclasses.replace(
@@ -521,10 +602,13 @@ def expected_collectives(recipe: Recipe) -> frozenset[str]:
             # the experts' tokens travel to them and back (shardkit.nn.moe); left to XLA
             # (expert_dispatch="gspmd") the tokens are gathered too
             out |= {"all-to-all"} | ({"all-gather"} if recipe.expert_dispatch == "gspmd" else set())
-        if axis == recipe.attention_axis and role in ("sequence", "tsp"):
+        if axis in recipe.context_axes and role in ("sequence", "tsp"):
+            strategy = recipe.attention
+            if strategy == "usp":  # heads exchanged over the first axis, the ring on the other
+                strategy = "ulysses" if axis == recipe.context_axes[0] else "ring"
             out |= {
                 "ring": {"collective-permute"},
                 "allgather": {"all-gather"},
                 "ulysses": {"all-to-all", "all-gather"},
-            }.get(recipe.attention, set())
+            }.get(strategy, set())
     return frozenset(out or {"all-reduce"})

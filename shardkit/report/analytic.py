@@ -247,7 +247,7 @@ def analytic_costs(
     h_kv = None
     if w.has_dims and w.n_kv_heads is not None:
         h_kv = w.n_kv_heads * (w.d_model // w.n_heads)
-    attention = recipe.attention if recipe.attention in ("ring", "ulysses") else "allgather"
+    attention = recipe.attention if recipe.attention in ("ring", "ulysses", "usp") else "allgather"
     terms: dict[str, float] = {}
     wire, wire_notes = hybrid_wire(
         par.sizes(),
@@ -267,6 +267,7 @@ def analytic_costs(
         terms=terms,
         in_projections=w.in_projections,
         positions=recipe.balance == "zigzag",
+        ulysses=_ulysses_size(recipe, mesh),
     )
     if w.has_dims:
         wire_notes += _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms)
@@ -278,6 +279,11 @@ def analytic_costs(
         *wire_notes,
     )
     return AnalyticModel(memory=memory, wire_bytes_by_kind=wire, notes=notes, wire_terms=terms)
+
+
+def _ulysses_size(recipe, mesh) -> int:
+    """USP's Ulysses axis size (its first context axis), else 1."""
+    return int(dict(mesh).get(recipe.context_axes[0], 1)) if recipe.attention == "usp" else 1
 
 
 def _tsp_costs(
@@ -355,6 +361,7 @@ def _tsp_costs(
         attention=recipe.attention,
         zigzag=recipe.balance != "zigzag",
         fsdp=fsdp,
+        ulysses=_ulysses_size(recipe, mesh),
     )
     if par.tsp_kind == "gspmd":  # cp's head in the vocabulary layout (logits="auto")
         wire_notes += _vocab_head_wire(

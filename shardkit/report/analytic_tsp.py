@@ -75,6 +75,7 @@ def tsp_wire_bytes(
     attention: str = "ring",
     zigzag: bool = True,
     fsdp: int = 1,
+    ulysses: int = 1,
 ) -> tuple[dict[str, float], list[str]]:
     """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
 
@@ -88,8 +89,10 @@ def tsp_wire_bytes(
       h_kv: K/V width (default ``h``).
       vocab: V, for the embedding lookup and the head (0: counted in Ψ_r as FSDP).
       tables: vocabulary tables in Ψ, 1 tied (GPT) or 2 (Llama's embedding and head).
-      attention: how the context axis moves K/V: ``"ring"``, ``"allgather"`` or
-        ``"ulysses"`` (:func:`context_kv_bytes`).
+      attention: how the context axis moves K/V: ``"ring"``, ``"allgather"``,
+        ``"ulysses"`` or ``"usp"`` (:func:`context_kv_bytes`).
+      ulysses: under ``"usp"``, the Ulysses axis's size U of the D context devices (the
+        ring has D/U).
       fsdp: an FSDP axis beside the context axis that splits the batch and, with it, every
         weight (``fsdp_cp``: ZeRO-3 over the F·D devices): the weights, the head and the
         lookup run over the F·D group, for its F·b sequences; the K/V traffic over D
@@ -130,6 +133,7 @@ def tsp_wire_bytes(
 
     h_kv = h if h_kv is None else h_kv
     passes = 3 if recompute else 2
+    u = ulysses if attention == "usp" else 1
     for kind, value, note in context_kv_bytes(
         attention,
         layers=layers,
@@ -137,17 +141,19 @@ def tsp_wire_bytes(
         s=s,
         h=h,
         h_kv=h_kv,
-        n=d,
+        n=d // u,
         nbytes=nbytes,
         recompute=recompute,
         positions=not zigzag,
+        ulysses=u,
     ):
         add(kind, value, note, kv)
-    if attention == "ring" and zigzag:
+    if attention in ("ring", "usp") and zigzag and d // u > 1:  # USP: the ring's heads, ranks
         add(
             "collective-permute",
-            layers * passes * 4 * (h + h_kv) * b * s * nbytes / d,
-            f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D",
+            layers * passes * 4 * (h + h_kv) / u * b * s * nbytes / (d // u),
+            f"zigzag reorder, {passes} passes × L·4·(h + h_kv)·b·S·B/D"
+            + (" (USP: h/U over the ring's D/U)" if u > 1 else ""),
             kv,
         )
     rest = psi - (tables * vocab * h if vocab else 0)
@@ -198,6 +204,7 @@ def context_kv_bytes(
     nbytes: float,
     recompute: bool,
     positions: bool,
+    ulysses: int = 1,
 ) -> list[tuple[str, float, str]]:
     """The context axis's attention traffic per device and step, ``(kind, bytes, note)``.
 
@@ -213,6 +220,13 @@ def context_kv_bytes(
       P·f·b·(S/N)·(2h + 2h_kv)·B (:func:`shardkit.nn.ulysses.ulysses_wire_bytes`), and
       with ``positions`` the segment ids and positions all-gathered, (P − 1)·f·2·b·S·4.
 
+    - ``usp`` (Ulysses × ring; ``n`` the ring's size R, ``ulysses`` the Ulysses axis's
+      U, f_U = (U − 1)/U): the all-to-alls over U of the U·R-way shards,
+      P·f_U·b·(S/(U·R))·(2h + 2h_kv)·B, and the ring over R of h_kv/U heads,
+      P·f·2·b·S·(h_kv/U)·B; with ``positions`` the segment ids and positions
+      all-gathered over U once a step, f_U·2·b·(S/R)·4 (the recompute's gather of the
+      same integers is the forward's), and travelling the ring, (P − 1)·f·2·b·S·4.
+
     ``b``: the sequences one context group holds; ``S`` the whole sequence.
 
     Example:
@@ -220,6 +234,19 @@ def context_kv_bytes(
       ...  h_kv=4, n=2, nbytes=1, recompute=False, positions=False)]
       [64]
     """
+    if attention == "usp":
+        return _usp_bytes(
+            layers=layers,
+            b=b,
+            s=s,
+            h=h,
+            h_kv=h_kv,
+            ring=n,
+            ulysses=ulysses,
+            nbytes=nbytes,
+            passes=3 if recompute else 2,
+            positions=positions,
+        )
     if n <= 1:
         return []
     f = (n - 1) / n
@@ -261,6 +288,32 @@ def context_kv_bytes(
                     f"K/V segment ids and positions, {passes - 1} passes × L·f·2·b·S·4",
                 )
             )
+    return out
+
+
+def _usp_bytes(*, layers, b, s, h, h_kv, ring, ulysses, nbytes, passes, positions):
+    """:func:`context_kv_bytes` of USP: the Ulysses axis's all-to-alls, the ring's K/V."""
+    out: list[tuple[str, float, str]] = []
+    fu, fr = (ulysses - 1) / ulysses, (ring - 1) / ring
+    a2a = passes * layers * fu * b * (s / (ulysses * ring)) * (2 * h + 2 * h_kv) * nbytes
+    kv = passes * layers * fr * 2 * b * s * (h_kv / ulysses) * nbytes
+    if a2a:
+        note = f"USP: Ulysses q/k/v/out over U={ulysses}, {passes} passes × L·f_U·b·(S/(U·R))"
+        out.append(("all-to-all", a2a, note + "·(2h + 2h_kv)·B"))
+    if kv:
+        note = f"USP: K/V ring over R={ring}, {passes} passes × L·f_R·2·b·S·(h_kv/U)·B"
+        out.append(("collective-permute", kv, note))
+    if positions:
+        # once a step: the batch's integers, gathered alike in the forward and the
+        # recompute (XLA keeps one; measured), where the ring's travel in its loop twice
+        gather = layers * fu * 2 * b * (s / ring) * 4
+        travel = (passes - 1) * layers * fr * 2 * b * s * 4
+        if gather:
+            note = "USP: segment ids and positions over U, once × L·f_U·2·b·(S/R)·4"
+            out.append(("all-gather", gather, note))
+        if travel:
+            note = f"USP: segment ids and positions round the ring, {passes - 1} passes × L·f_R·2·b·S·4"
+            out.append(("collective-permute", travel, note))
     return out
 
 

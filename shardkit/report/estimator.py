@@ -360,6 +360,7 @@ def estimate(
     if p > 1:
         sched = pipeline.get("schedule", "1f1b")
         v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
+        v = 2 if sched == "zbv" else v
         items = in_flight(sched, p, m, v) / v
     per_token = saved_values(dims, remat, seq=seq, t=t, sp=sp)
     # Ring attention (cp, TSP) keeps the K and V blocks each of the n − 1 steps received

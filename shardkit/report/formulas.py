@@ -378,13 +378,15 @@ def hybrid_wire(
     in_projections=2,
     head_term="logits / loss collectives",
     positions=False,
+    ulysses=1,
 ):
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`.
 
     The sequence axis's attention traffic is
     :func:`~shardkit.report.analytic_tsp.context_kv_bytes` (``attention`` ring,
     allgather or ulysses; ``positions``: the batch carries segment ids and positions,
-    placed balanced or packed).
+    placed balanced or packed; ``ulysses``: under ``"usp"``, the Ulysses axis's size of
+    the sequence axes' c devices, the ring's c/ulysses).
 
     ``activations=False`` leaves out the tensor and sequence axes' activation traffic
     (a workload without the model's dimensions) instead of raising. ``terms`` (a dict)
@@ -535,10 +537,11 @@ def hybrid_wire(
             s=s,
             h=h / t,
             h_kv=(h if h_kv is None else h_kv) / t,
-            n=c,
+            n=c // ulysses if attention == "usp" else c,
             nbytes=nbytes,
             recompute=recompute,
             positions=positions,
+            ulysses=ulysses if attention == "usp" else 1,
         ):
             out[kind] = out.get(kind, 0.0) + value
             terms["context-parallel K/V"] = terms.get("context-parallel K/V", 0.0) + value

@@ -52,10 +52,12 @@ from shardkit.report.provenance import (
 )
 
 __all__ = [
-    "KINDS",
     "Collective",
+    "KINDS",
+    "LOWERED_RS",
     "bytes_by_kind",
     "collectives_of",
+    "first_group",
     "parse_collectives",
     "wire_bytes_by_kind",
 ]

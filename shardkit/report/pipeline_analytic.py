@@ -46,7 +46,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardkit.errors import ShardingError
-from shardkit.parallel.schedules import bubble_fraction, make
+from shardkit.parallel.schedules import SPLIT, bubble_fraction, make
 from shardkit.report.formulas import (
     AnalyticMemory,
     AnalyticModel,
@@ -97,7 +97,7 @@ def pipeline_costs(
     """Analytic bubble, wire bytes and state per device of a pipelined step.
 
     Args:
-      schedule: ``gpipe``, ``1f1b`` or ``interleaved``.
+      schedule: ``gpipe``, ``1f1b``, ``interleaved``, ``zb1`` or ``zbv``.
       stages, microbatches, virtual, unit: ``p``, ``m``, ``v``, ``U`` (``None``: one unit).
       stack_param_bytes: bytes of the whole layer stack (all ``L`` layers).
       rest_param_bytes: bytes of the other parameters (embedding, head, norms).
@@ -106,15 +106,18 @@ def pipeline_costs(
       optimizer_factor: optimizer state per parameter byte (2 for Adam's two moments).
     """
     p, m = stages, microbatches
-    v = virtual if schedule == "interleaved" else 1
+    v = virtual if schedule == "interleaved" else 2 if schedule == "zbv" else 1
     bubble = bubble_fraction(schedule, p, m, v)
     ticks = v * m + p - 1  # ticks with forward work; as many with backward work
+    sends = 1
+    if schedule == "zbv":  # the V's forwards span 2m + 2p − 2 chunk ticks, each sent both ways
+        ticks, sends = 2 * m + 2 * p - 2, 2
     stage_bytes = stack_param_bytes / p
     units = 1 if unit is None else math.ceil(m / unit)
     f_share = (fsdp - 1) / fsdp
     wire: dict[str, float] = {}
     if p > 1:
-        wire["collective-permute"] = 2.0 * (ticks - 1) * activation_bytes
+        wire["collective-permute"] = 2.0 * sends * (ticks - 1) * activation_bytes
     if fsdp > 1:
         gather = units * stage_bytes * f_share + rest_param_bytes * f_share
         wire["all-gather"] = gather
@@ -129,8 +132,10 @@ def pipeline_costs(
         wire["all-reduce"] = all_reduce
     state = (2.0 + optimizer_factor) * (stage_bytes + rest_param_bytes) / fsdp
     notes = (
-        f"{schedule}: p={p}, m={m}, v={v}, bubble (p-1)/({v}m+p-1) = {bubble:.4f}",
-        f"collective-permute: 2·({ticks} - 1) ticks × {activation_bytes:,.0f} B",
+        f"{schedule}: p={p}, m={m}, v={v}, bubble "
+        + ("2(p-1)/(3m+2(p-1))" if schedule in SPLIT else f"(p-1)/({v}m+p-1)")
+        + f" = {bubble:.4f}",
+        f"collective-permute: 2·{sends}·({ticks} - 1) ticks × {activation_bytes:,.0f} B",
         f"ZeroPP units: ceil({m}/{unit}) = {units}" if fsdp > 1 else "no fsdp axis",
     )
     return PipelineCosts(schedule, p, m, v, unit, bubble, 1.0 / (1.0 - bubble), wire, state, notes)
@@ -247,7 +252,13 @@ def pipeline_model(
         )
     m = int(pipeline["microbatches"])
     schedule = pipeline.get("schedule", "1f1b")
-    v = int(pipeline.get("virtual_stages") or 1) if schedule == "interleaved" else 1
+    v = (
+        int(pipeline.get("virtual_stages") or 1)
+        if schedule == "interleaved"
+        else 2
+        if schedule == "zbv"
+        else 1
+    )
     unit = pipeline.get("unit")
     nb = bytes_per_value
     rest_p, rest_o = param_bytes - stack_param_bytes, optimizer_bytes - stack_optimizer_bytes

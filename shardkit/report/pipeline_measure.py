@@ -20,7 +20,7 @@ from shardkit.report.flops import compiled_flops
 from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
 from shardkit.report.pipeline_analytic import PipelineCosts, pipeline_costs
 
-__all__ = ["PipelineMeasurement", "measure"]
+__all__ = ["PipelineMeasurement", "measure", "useful_flops"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import pytest
 
 from shardkit import models
-from shardkit.autoplanner.candidates import Candidate
+from shardkit.autoplanner.candidates import Candidate, enumerate_candidates
 from shardkit.autoplanner.evaluate import Analytic, Pruned, Subject, prune
 
 PSI = 124_672  # gpt-tiny's parameters
@@ -77,3 +77,16 @@ def test_the_3d_pipeline_state_is_the_stage_share_split_over_tensor(tiny):
     assert isinstance(got, Analytic), got
     assert got.state == pytest.approx(16 * per_device, rel=1e-3)
     assert got.wire > 0
+
+
+def test_usp_is_tried_on_every_ulysses_ring_split_and_pruned_where_heads_do_not_divide():
+    got = enumerate_candidates(8, 8, recipe_names=["cp_usp"], remats=("full",))
+    meshes = sorted({c.mesh for c in got})  # each with both logits layouts
+    assert meshes == [(("sequence", 2), ("ulysses", 4)), (("sequence", 4), ("ulysses", 2))]
+    assert {c.recipe_object().attention for c in got} == {"usp"}
+    two_kv = Subject.of(models.get("llama-tiny", n_kv_heads=2), batch=8, seq=32)
+    wide, narrow = (next(c for c in got if c.mesh == m) for m in meshes)
+    pruned = prune(two_kv, wide, budget=2**30)  # 2 K/V heads over Ulysses 4
+    assert isinstance(pruned, Pruned) and "'ulysses' (size 4)" in pruned.reason
+    assert "2 K/V heads" in pruned.reason
+    assert isinstance(prune(two_kv, narrow, budget=2**30), Analytic)

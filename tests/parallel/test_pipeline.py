@@ -93,7 +93,15 @@ ROLLED = [
     ("llama-tiny", "gpipe", 1, "dp_pp"),
     ("gpt-tiny", "interleaved", 2, "pp"),
 ]
-CASES = [(*c, False) for c in CASES] + [(*c, True) for c in ROLLED]
+# Zero-bubble schedules (rolled): both models, m in {p, 2p} for each; zbv's stack in layer
+# order (the engine lays chunks s and 2p - 1 - s on stage s); 3D for one of them.
+ZERO_BUBBLE = [
+    ("gpt-tiny", "zb1", 1, "zeropp"),
+    ("llama-tiny", "zb1", 2, "dp_tp_sp_pp"),
+    ("llama-tiny", "zbv", 1, "zeropp"),
+    ("gpt-tiny", "zbv", 2, "pp"),
+]
+CASES = [(*c, False) for c in CASES] + [(*c, True) for c in ROLLED + ZERO_BUBBLE]
 
 
 @pytest.mark.parametrize("model_name,schedule,factor,recipe,rolled", CASES)

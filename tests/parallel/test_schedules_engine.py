@@ -93,7 +93,18 @@ ROLLED = [
 ]
 
 
-@pytest.mark.parametrize("schedule,layout,factor,rolled", [(*c, False) for c in CASES] + ROLLED)
+# Zero-bubble schedules (rolled only): m in {p, 2p}, each on two layouts.
+ZERO_BUBBLE = [
+    ("zb1", "pp", 1, True),
+    ("zb1", "zeropp", 2, True),
+    ("zbv", "dp_pp", 1, True),
+    ("zbv", "zeropp", 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    "schedule,layout,factor,rolled", [(*c, False) for c in CASES] + ROLLED + ZERO_BUBBLE
+)
 def test_exact_loss_and_grads(schedule, layout, factor, rolled):
     axes, s_specs, r_specs, b_axes = LAYOUTS[layout]
     mesh = mesh_of(axes)
@@ -125,11 +136,88 @@ def test_one_f_one_b_holds_bounded_microbatches():
         assert schedules.make("gpipe", 4, m).ring == m + 7
 
 
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize(
+    "name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb1", 1), ("zbv", 2)]
+)
 def test_work_matches_bubble(name, v):
-    for p, m in ((2, 4), (4, 8), (4, 16)):
+    # The tick tables' busy ticks (a tick costs every stage its F, B, W if any stage runs
+    # one) against the formula: (p - 1)/(v·m + p - 1), zb1 / zbv 2(p - 1)/(3m + 2(p - 1)).
+    for p, m in ((2, 4), (4, 4), (4, 8), (4, 16)):
         s = schedules.make(name, p, m, v)
         assert s.work_ticks == pytest.approx(m / (1 - s.bubble))
+    p, m = 4, 8
+    want = 2 * (p - 1) / (3 * m + 2 * (p - 1)) if name in ("zb1", "zbv") else None
+    if want is not None:
+        assert schedules.make(name, p, m).bubble == pytest.approx(want)
+
+
+def test_zero_bubble_below_one_f_one_b_at_the_same_m():
+    for p, m in ((2, 2), (4, 4), (4, 8), (8, 32)):
+        one_f = schedules.make("1f1b", p, m)
+        for name in ("zb1", "zbv"):
+            s = schedules.make(name, p, m)
+            assert s.bubble < one_f.bubble
+            assert s.work_ticks < one_f.work_ticks  # the tables' own count agrees
+        # zb1 keeps 1f1b's F and B ticks and its residual ring (2p - 1)
+        zb1 = schedules.make("zb1", p, m)
+        assert (zb1.forward, zb1.backward, zb1.ring) == (one_f.forward, one_f.backward, one_f.ring)
+
+
+def test_zero_bubble_tables_by_hand():
+    # zb1, p = 2, m = 2: F and B as 1f1b; W of micro-batch j on both stages at tick j + 2.
+    zb1 = schedules.make("zb1", 2, 2)
+    assert zb1.weight == ((None, None), (None, None), ((0, 0), (0, 0)), ((1, 0), (1, 0)))
+    # zbv, p = 2, m = 2 (chunks 0, 1 down stages 0, 1; chunks 2, 3 back up stages 1, 0):
+    # F of (j, chunk c) at tick 2j + c, B at 2j + 6 - c, W of round 1 at 2j + 5 and of
+    # round 0 at 2j + 6 on both stages.
+    assert schedules.make("zbv", 2, 2).timeline().splitlines() == [
+        "tick   stage 0         stage 1",
+        "0      F0.0            .",
+        "1      .               F0.0",
+        "2      F1.0            F0.1",
+        "3      F0.1 B0.1       F1.0",
+        "4      .               F1.1 B0.1",
+        "5      F1.1 B1.1 W0.1  B0.0 W0.1",
+        "6      B0.0 W0.0       B1.1 W0.0",
+        "7      W1.1            B1.0 W1.1",
+        "8      B1.0 W1.0       W1.0",
+    ]
+    zbv = schedules.make("zbv", 4, 8)
+    assert zbv.ring == 4 * 4 - 1  # chunk slots, half a stage each: 1f1b holds 2p - 1 stages
+    assert zbv.chunk(0, 1) == 7 and zbv.chunk(3, 1) == 4  # the loss on stage 0
+    assert pipeline.v_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+
+
+def test_zero_bubble_bad_input_names_numbers_and_fix():
+    with pytest.raises(
+        schedules.StageDivisibilityError, match=r"virtual_stages=3(.|\n)*Fix: virtual_stages=2"
+    ):
+        schedules.make("zbv", 4, 8, virtual=3)
+    with pytest.raises(
+        schedules.MicrobatchError, match=r"3 micro-batches for 4 stages(.|\n)*--microbatches 4"
+    ):
+        schedules.make("zb1", 4, 3)
+    with pytest.raises(sk.ShardingError, match="needs micro-batches >= 4"):
+        schedules.make("zbv", 4, 2)
+    stack, rest, batch = params()
+    mesh = mesh_of({"stage": 4})
+    with pytest.raises(schedules.UnitError, match=r"unit=3(.|\n)*Fix: unit=2 .*\[1, 2, 4, 8\]"):
+        pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=8, unit=3)
+    with pytest.raises(schedules.PipelineError, match=r"rolled=False(.|\n)*Fix: rolled=True"):
+        pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="zb1")
+    with pytest.raises(schedules.PipelineError, match="zbv.*stack_order='interleaved'"):
+        pipeline.mesh_value_and_grad(
+            layer, pre, post, mesh=mesh, microbatches=4, schedule="zbv",
+            stack_order="interleaved", rolled=True,
+        )  # fmt: skip
+    # 8 layers are 8 chunks of zbv on 4 stages; 6 are not
+    bad = pipeline.mesh_value_and_grad(
+        layer, pre, post, mesh=mesh, microbatches=4, schedule="zbv", rolled=True
+    )
+    with pytest.raises(schedules.StageDivisibilityError, match=r"6 layers .* 4 stages × 2 virtual"):
+        jax.jit(bad)(jax.tree.map(lambda x: x[:6], stack), rest, batch)
+    with pytest.warns(schedules.PipelineWarning, match="bubble is 60%"):  # m < p still warns
+        pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=2, schedule="1f1b")
 
 
 def test_bad_input_names_numbers_and_fix():

@@ -229,6 +229,7 @@ MESHES = {
     "fsdp_tp": {"fsdp": 4, "tensor": 2},
     "dp_tp_sp": {"data": 2, "tensor": 4},
     "fsdp_cp": {"fsdp": 2, "sequence": 4},
+    "cp_usp": {"sequence": 2, "ulysses": 2},
     "tsp": {"tsp": 8},  # tsp degree: tests/parallel/test_tsp_analytic.py
     "tsp_gspmd": {"tsp": 8},
     "dp_tsp": {"data": 2, "tsp": 4},
@@ -245,6 +246,7 @@ DEGREES = {  # (data, fsdp, tensor, sequence)
 # cp and fsdp_cp split the state over 'sequence' too (context_state="sharded"): by their
 # rules that axis splits parameters and the tokens, TSP's role (par.tsp), run by XLA.
 DEGREES["cp"], DEGREES["fsdp_cp"] = (1, 1, 1, 1), (1, 2, 1, 1)
+DEGREES["cp_usp"] = (1, 1, 1, 1)  # both context axes: par.tsp = 2 × 2
 # The expert axis splits the batch: data parallel for the dense part (FSDP under fsdp_ep).
 DEGREES.update({"ep": (8, 1, 1, 1), "ep_gspmd": (8, 1, 1, 1), "fsdp_ep": (1, 8, 1, 1)})
 DEGREES["ep_tp"] = (4, 1, 2, 1)
@@ -258,7 +260,7 @@ KINDS = {"zero1": ("zero1", "tp"), "tp_sp": ("dp", "tp_sp"), "dp_tp_sp": ("dp", 
 def test_parallelism_is_read_from_the_recipe_rules(name):
     par = recipes.get(name).parallelism(MESHES[name])
     assert (par.data, par.fsdp, par.tensor, par.sequence) == DEGREES[name]
-    if name in ("cp", "fsdp_cp"):
+    if name in ("cp", "fsdp_cp", "cp_usp"):
         assert (par.tsp, par.tsp_kind) == (4, "gspmd")
     assert (par.data_kind, par.tensor_kind) == KINDS.get(name, ("dp", "tp"))
 
