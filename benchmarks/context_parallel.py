@@ -19,7 +19,10 @@ Two tables:
    tokens as they come (no zigzag: their work is even without it). Targets: ``cp`` total ≤ 1.1 ×
    ``fsdp``'s, arguments ≤ 1.05 × 16Ψ/8, wire within 1.15 × the analytic model.
 2. llama-1b at sequence 8,192 (and 32,768 unless ``--short``), batch 8: ``fsdp``, the
-   replicated ``cp`` and the sharded ``cp`` (ring and Ulysses).
+   replicated ``cp`` and the sharded ``cp`` (ring and Ulysses). The stored Ulysses row,
+   ``cp (ulysses, zigzag-placed)``, was measured before ``with_attention`` dropped the
+   zigzag for Ulysses (its layers gathered the int32 positions and segment ids, < 0.1 % of
+   its wire); a rerun writes ``cp (ulysses)``.
 
 Run: python benchmarks/context_parallel.py [--tiny] [--short] [--no-long]
 (--tiny: gpt-tiny/llama-tiny at sequence 64, a smoke test of every path)

@@ -8,7 +8,9 @@ Compile only (nothing runs), AdamW. Two grids of points, every recipe × both fa
   devices;
 - *held-out*: d_model 256, 3 layers, vocab 2048, seq 128, global batch 32, on 16
   devices (other sizes, sequence, batch and device count than the fit ever saw), one
-  (remat, precision) pair per recipe × family (the six pairs rotate over the recipes).
+  (remat, precision) pair per recipe × family (the six pairs rotate over the recipes);
+- *moe_tiny*, *moe_small*: mixture-of-experts points (:data:`MOE_GRIDS`), the four
+  expert-parallel recipes on 8 devices, f32; never in the fit.
 
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
@@ -18,7 +20,7 @@ family, go to ``results/estimator.json``.
 
 ``--tiny`` compiles the training grid's first two points (no cache) and reports on them.
 
-Run: python benchmarks/estimator.py [--tiny] [--collect training|held_out] [--fit]
+Run: python benchmarks/estimator.py [--tiny] [--collect training|held_out|moe_tiny|moe_small] [--fit]
 """
 
 from __future__ import annotations
@@ -72,12 +74,74 @@ GRIDS = {
 }
 
 
+#: Mixture-of-experts points (moe-tiny's and moe-small's shapes, both with one shared
+#: expert, capacity factor 1.25, 8 devices): the four expert-parallel recipes × remat;
+#: not in the fit (the constants are the dense training grid's).
+MOE_RECIPES = ("ep", "fsdp_ep", "ep_tp", "ep_gspmd")
+MOE_GRIDS = {
+    "moe_tiny": {
+        "config": dict(
+            vocab=256,
+            d_model=64,
+            n_layers=2,
+            n_heads=16,
+            n_kv_heads=8,
+            d_ff=64,
+            n_experts=8,
+            top_k=2,
+            n_shared_experts=1,
+        ),
+        "seq": 64,
+        "batch": 16,
+        "remats": REMATS,
+    },
+    "moe_small": {
+        "config": dict(
+            vocab=32000,
+            d_model=768,
+            n_layers=12,
+            n_heads=12,
+            n_kv_heads=4,
+            d_ff=2048,
+            n_experts=8,
+            top_k=2,
+            n_shared_experts=1,
+        ),
+        "seq": 128,
+        "batch": 8,
+        "remats": ("full",),
+    },
+}
+
+
+def moe_points(grid: str) -> list[dict]:
+    """A MoE grid's points: every expert-parallel recipe × its remat policies, f32."""
+    g = MOE_GRIDS[grid]
+    return [
+        dict(
+            grid=grid,
+            family="moe",
+            config={**g["config"], "max_seq": g["seq"]},
+            recipe=recipe,
+            devices=8,
+            batch=g["batch"],
+            seq=g["seq"],
+            remat=remat,
+            precision="f32",
+        )
+        for recipe in MOE_RECIPES
+        for remat in g["remats"]
+    ]
+
+
 def points(grid: str) -> list[dict]:
     """The grid's points: every recipe × family × ``PER_CELL`` (remat, precision) pairs."""
+    if grid in MOE_GRIDS:
+        return moe_points(grid)
     g = GRIDS[grid]
     combos = [(r, p) for r in REMATS for p in PRECISIONS]
     out = []
-    for i, recipe in enumerate(recipes.names()):
+    for i, recipe in enumerate(r for r in recipes.names() if r not in MOE_RECIPES):
         for j, family in enumerate(("gpt", "llama")):
             for k in range(g.get("per_cell", PER_CELL)):
                 remat, precision = combos[(2 * i + 3 * j + k * 2 + k // 2) % len(combos)]
@@ -101,6 +165,8 @@ def points(grid: str) -> list[dict]:
 def key(p: dict) -> str:
     c = p["config"]
     size = "-".join(str(c[k]) for k in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"))
+    if c.get("n_experts"):
+        size += f"-e{c['n_experts']}k{c['top_k']}s{c.get('n_shared_experts', 0)}"
     return (
         f"{p['family']}-{size}-{c['d_ff']}/{p['recipe']}/{p['devices']}/"
         f"b{p['batch']}s{p['seq']}/{p['remat']}/{p['precision']}"
@@ -109,7 +175,8 @@ def key(p: dict) -> str:
 
 def load_cache() -> dict:
     out: dict = {}
-    for path in (CACHE, *(cache_file(g + r) for g in GRIDS for r in ("", "_reversed"))):
+    grids = (*GRIDS, *MOE_GRIDS)
+    for path in (CACHE, *(cache_file(g + r) for g in grids for r in ("", "_reversed"))):
         out.update(json.loads(path.read_text()) if path.exists() else {})
     return out
 
@@ -117,7 +184,7 @@ def load_cache() -> dict:
 def model_of(p: dict):
     from shardkit import models
 
-    base = "gpt-tiny" if p["family"] == "gpt" else "llama-tiny"
+    base = {"gpt": "gpt-tiny", "llama": "llama-tiny", "moe": "moe-tiny"}[p["family"]]
     return models.get(base, remat=p["remat"], **p["config"])
 
 
@@ -244,7 +311,8 @@ def errors(rows, ests) -> dict:
     out: dict[str, dict] = {}
     for (p, c), e in zip(rows, ests, strict=True):
         err = e.total / c["memory"]["total"] - 1
-        for fam in ("all", family_of(p["recipe"])):
+        family = "experts (ep)" if p["family"] == "moe" else family_of(p["recipe"])
+        for fam in ("all", family):
             f = out.setdefault(
                 fam,
                 {"points": 0, "within": 0, "worst": 0.0, "worst_point": "", "wire": 0, "wired": 0},
@@ -266,7 +334,7 @@ def errors(rows, ests) -> dict:
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--collect", choices=tuple(GRIDS))
+    p.add_argument("--collect", choices=(*GRIDS, *MOE_GRIDS))
     p.add_argument("--reverse", action="store_true", help="collect the grid's last points first")
     p.add_argument("--fit", action="store_true", help="refit the constants (training grid)")
     args = p.parse_args()
@@ -280,10 +348,12 @@ def main() -> None:
         train, held = [(p, compile_point(p)) for p in points("training")[:2]], []
     fit = fit_constants(train) if args.fit else dict(FIT)
     result = {"constants": fit, "fitted": bool(args.fit), "left_out": list(STALE)}
-    for grid in GRIDS:
+    for grid in (*GRIDS, *MOE_GRIDS):
         result[f"{grid}_points_planned"] = len(points(grid))
     table = []
-    for grid, rows in (("training", train), ("held_out", held)):
+    grids = [("training", train), ("held_out", held)]
+    grids += [(g, compiled(g)) for g in MOE_GRIDS if not args.tiny]
+    for grid, rows in grids:
         ests = estimates(rows, fit)
         err = errors(rows, ests)
         result[grid] = {

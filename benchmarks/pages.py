@@ -49,10 +49,11 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "moe": (
         "Expert parallelism",
-        ("moe",),
+        ("moe", "mla"),
         "moe-small's expert state per device and its expert dispatch's all-to-all bytes "
         "under `ep`, `fsdp_ep`, `ep_tp` and the rules-only `ep_gspmd`, against the analytic "
-        "model (`shardkit.report.analytic_moe`) and `dp`/`fsdp`.",
+        "model (`shardkit.report.analytic_moe`) and `dp`/`fsdp`; then deepseek-small's "
+        "K/V latent per device with the heads or the latent split over `tensor`.",
     ),
     "context_parallel": (
         "Context parallelism",

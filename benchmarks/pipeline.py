@@ -15,7 +15,7 @@ forward and again backward, 3·Ψ/p per unit), 2·s·U·b > 6·h for this engine
 once per unit, 2·Ψ/p); b is the 3D layout's micro-batch (the rows whose activations TP
 moves), U ZeroPP's unit.
 
-Run: python benchmarks/pipeline.py [--tiny]
+Run: python benchmarks/pipeline.py [--tiny] [--cache rows.json]  (--cache: resume a long run)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from bench_util import MIB, emit, parser
 
@@ -156,7 +157,15 @@ def main(argv=None) -> None:
     if argv and argv[0] == "--worker":
         print(json.dumps(worker(json.loads(argv[1]))))
         return
-    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    cli = parser(__doc__.splitlines()[0])
+    cli.add_argument(
+        "--cache",
+        type=Path,
+        help="JSON file of finished rows: rows already in it are not compiled again, and "
+        "each new row is written to it as it finishes (a long run can be resumed)",
+    )
+    args = cli.parse_args(argv)
+    cached = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     small = (
         {"model": "gpt-tiny", "overrides": {"n_layers": 8}, "seq": 16}
         if args.tiny
@@ -293,9 +302,16 @@ def main(argv=None) -> None:
     gpipe_temp = {}  # 1f1b's activation memory against gpipe's (same p, m, no remat, engine)
     results = {}
     for label, spec in specs:
-        t0 = time.perf_counter()
-        r = run(spec)
-        r["compile_s"] = time.perf_counter() - t0
+        key = json.dumps(spec, sort_keys=True)
+        if key in cached:
+            r = cached[key]
+        else:
+            t0 = time.perf_counter()
+            r = run(spec)
+            r["compile_s"] = time.perf_counter() - t0
+            if args.cache:
+                cached[key] = r
+                args.cache.write_text(json.dumps(cached))
         results[label] = r
         print(label, r, flush=True)
         if "error" in r:

@@ -32,6 +32,7 @@ SCRIPTS = (
     "tsp",
     "context_parallel",
     "moe",
+    "mla",
     "explicit",
     "autoplan",
     "estimator",

@@ -55,6 +55,11 @@ class ModelDims:
         ``capacity_factor`` (``None``: dropless) bounding each expert's tokens;
         ``n_shared_experts`` more read every token. The router is a ``d_model × E``
         matrix. ``d_ff`` is then unused by the counts.
+      kv_latent: multi-head latent attention's K/V latent rank ``d_c`` (0: q, k, v and out
+        projections of ``head_dim`` per head). With it, ``q_latent`` (the query latent's
+        rank, 0: none), ``nope_dim``, ``rope_dim`` (even) and ``v_dim`` (per-head widths
+        of the position-free q/k part, the rope part and the values) describe the
+        attention (:mod:`shardkit.nn.mla`); ``n_kv_heads`` is then unused by the counts.
 
     Raises:
       ShardingError: a size that is not a positive int, heads that do not divide
@@ -81,9 +86,15 @@ class ModelDims:
     n_shared_experts: int = 0
     expert_d_ff: int | None = None
     capacity_factor: float | None = None
+    kv_latent: int = 0
+    q_latent: int = 0
+    nope_dim: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
 
     def __post_init__(self) -> None:
         self._check_experts()
+        self._check_latent()
         for field in _SIZES:
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -164,6 +175,48 @@ class ModelDims:
                 "(dropless).\nFix: declare e.g. capacity_factor=1.25."
             )
 
+    def _check_latent(self) -> None:
+        fields = ("kv_latent", "q_latent", "nope_dim", "rope_dim", "v_dim")
+        for field in fields:
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ShardingError(
+                    f"ModelDims({field}={value!r}): {field} must be an int ≥ 0.\nFix: declare "
+                    f"{field} as a non-negative integer (kv_latent=0: no latent attention)."
+                )
+        if not self.kv_latent:
+            if any(getattr(self, f) for f in fields):
+                raise ShardingError(
+                    f"ModelDims: {', '.join(f'{f}={getattr(self, f)}' for f in fields[1:])} "
+                    "without a K/V latent (kv_latent=0).\nFix: declare kv_latent=<rank> for "
+                    "latent attention, or leave the other four at 0."
+                )
+            return
+        for field in ("nope_dim", "rope_dim", "v_dim"):
+            if not getattr(self, field):
+                raise ShardingError(
+                    f"ModelDims(kv_latent={self.kv_latent}, {field}=0): latent attention "
+                    f"declares its per-head {field} as a positive int.\nFix: pass {field}=<width>."
+                )
+        if self.rope_dim % 2:
+            raise ShardingError(
+                f"ModelDims(rope_dim={self.rope_dim}): RoPE rotates pairs, so rope_dim is "
+                f"even.\nFix: declare rope_dim={self.rope_dim + 1} (or {self.rope_dim - 1})."
+            )
+
+    @property
+    def latent_per_token(self) -> int:
+        """Values one layer's K/V latent holds per token: ``kv_latent`` (0 without MLA).
+
+        The normalised latent ``c_kv`` (what a decoder caches, beside the ``rope_dim`` key).
+
+        Example:
+          >>> ModelDims(layers=1, d_model=8, n_heads=2, n_kv_heads=2, d_ff=8, vocab=8,
+          ...           kv_latent=4, nope_dim=2, rope_dim=2, v_dim=2).latent_per_token
+          4
+        """
+        return self.kv_latent
+
     @property
     def expert_params(self) -> int:
         """One layer's routed experts' weights (``E · 3 · d · f_e``; 0 without experts).
@@ -188,8 +241,25 @@ class ModelDims:
 
     @property
     def attention_params(self) -> tuple[int, int]:
-        """(weights, biases) of one layer's attention: q, k, v and the output projection."""
-        d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        """(weights, biases) of one layer's attention: q, k, v and the output projection.
+
+        Latent attention: the query (through its latent and the latent's norm scale, when
+        ``q_latent``) ``h·(nope+rope)`` wide, the K/V latent ``d·d_c`` and its norm, the
+        shared rope key ``d·rope``, the up-projections ``d_c·h·(nope + v)``, out ``h·v·d``.
+
+        Example:
+          >>> ModelDims(layers=1, d_model=16, n_heads=2, n_kv_heads=2, d_ff=8, vocab=8,
+          ...           kv_latent=8, nope_dim=4, rope_dim=2, v_dim=4).attention_params
+          (616, 0)
+        """
+        d, h = self.d_model, self.n_heads
+        if self.kv_latent:
+            c, qk = self.kv_latent, self.nope_dim + self.rope_dim
+            cq = self.q_latent
+            query = cq * (d + 1 + h * qk) if cq else d * h * qk
+            kv = c * (d + 1) + d * self.rope_dim + c * h * (self.nope_dim + self.v_dim)
+            return query + kv + h * self.v_dim * d, 0
+        q, kv = h * self.head_dim, self.n_kv_heads * self.head_dim
         return d * q + 2 * d * kv + q * d, (q + 2 * kv + d) if self.biases else 0
 
     @property

@@ -24,10 +24,9 @@ def test_run_all_lists_every_script():
     assert on_disk == set(SCRIPTS)
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_benchmark_runs_tiny(name, tmp_path):
+def _run_tiny(name, out, *extra):
     proc = subprocess.run(
-        [sys.executable, str(BENCH / f"{name}.py"), "--tiny", "--out", str(tmp_path)],
+        [sys.executable, str(BENCH / f"{name}.py"), "--tiny", "--out", str(out), *extra],
         capture_output=True,
         text=True,
         timeout=600,
@@ -35,12 +34,31 @@ def test_benchmark_runs_tiny(name, tmp_path):
         env={**os.environ, "JAX_PLATFORMS": "cpu"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_benchmark_runs_tiny(name, tmp_path):
+    # the pipeline table's long runs resume from a cache of finished rows: checked below
+    extra = ("--cache", str(tmp_path / "rows.json")) if name == "pipeline" else ()
+    proc = _run_tiny(name, tmp_path, *extra)
     if name == "gpu":  # no GPU in CI: it must say so and succeed
         assert "no GPU here" in proc.stdout
         return
     result = json.loads((tmp_path / f"{name}.json").read_text())
     assert result["rows"] and result["machine"]["backend"] == "cpu"
     assert "|---|" in proc.stdout
+    if name == "pipeline":  # a rerun takes its rows from the cache instead of compiling
+        cache = json.loads((tmp_path / "rows.json").read_text())
+        assert len(cache) == len(result["rows"])
+        for row in cache.values():
+            row["temp"] = 7 * 2**20  # a figure no compile gives: 7 MiB temp in every row
+        (tmp_path / "rows.json").write_text(json.dumps(cache))
+        _run_tiny(name, tmp_path / "again", "--cache", str(tmp_path / "rows.json"))
+        again = json.loads((tmp_path / "again" / f"{name}.json").read_text())
+        assert again["rows"] != result["rows"]
+        measured = [row for row in again["rows"] if row[2] != "—"]  # not an error row
+        assert measured and all(row[4] == 7.0 for row in measured)  # the temp MiB column
 
 
 def test_compare_results_flags_a_changed_byte_and_nothing_else(tmp_path):

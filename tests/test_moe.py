@@ -139,17 +139,21 @@ def test_dims_count_every_parameter():
     assert get("moe-47b").dims.param_count == 46_702_792_704  # Mixtral-8x7B
 
 
-def test_ep_all_to_all_bytes_are_the_formula():
-    model = get("moe-tiny")
+@pytest.mark.parametrize("remat", ["none", "save_dots"])
+def test_ep_all_to_all_bytes_are_the_formula(remat):
+    model = get("moe-tiny", remat=remat)
     tx = train.adamw()
     plan = sk.Plan("ep")
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
     batch = plan.shard_batch(MarkovSource(vocab=256, seed=0).batch(BATCH, SEQ, 0))
     compiled = plan.jit(train.train_step(model, tx), state=abstract).lower(abstract, batch)
     moved = sum(c.wire_bytes for c in collectives_of(compiled.compile()) if c.kind == "all-to-all")
-    # by hand: 2 layers · 4 all-to-alls · 7/8 · [8 experts, 1 sequence, 5 slots, 64] f32
-    assert moved == 2 * 4 * 7 / 8 * 8 * 1 * 5 * 64 * 4
-    assert analytic_moe.dispatch_bytes(model.dims, "ep", {"expert": 8}, batch=8, seq=16) == moved
+    # by hand: 2 layers · 4 all-to-alls · 7/8 · [8 experts, 1 sequence, 5 slots, 64] f32;
+    # save_dots keeps no dispatch einsum (they have batch dimensions): 6, as full remat
+    passes = 4 if remat == "none" else 6
+    assert moved == 2 * passes * 7 / 8 * 8 * 1 * 5 * 64 * 4
+    kw = dict(batch=8, seq=16, remat=remat)
+    assert analytic_moe.dispatch_bytes(model.dims, "ep", {"expert": 8}, **kw) == moved
 
 
 def test_bad_input_is_a_sharding_error():
@@ -198,3 +202,34 @@ def test_run_reports_dropped_tokens_and_warns_with_the_load():
     assert load.shape == dropped.shape == (1, 8) and load.sum() == 8 * 16 * 2
     assert dropped.sum() >= 8 * (16 * 2 - 8)  # each row keeps at most 8 of its 32 choices
     assert result.dropped_fraction == pytest.approx(dropped.sum() / load.sum())
+
+
+def test_padding_of_packed_rows_takes_no_slot_and_counts_nowhere():
+    # Tokens 1 and 4 of 6 are padding (segment id 0): routing the row with them marked
+    # must be routing the 4 real tokens alone (same slots per expert), padding all zero.
+    spec = moe.MoeSpec(n_experts=4, top_k=2, d_ff=4, capacity_factor=1.0)
+    logits = jax.random.normal(jax.random.key(5), (1, 6, 4))
+    valid = jnp.array([[1, 0, 1, 1, 0, 1]], bool)
+    real = [0, 2, 3, 5]
+    slots = moe.capacity(spec, 6)
+    got = moe.route(logits, spec, slots, valid)
+    alone = moe.route(logits[:, real], spec, slots)
+    for field in ("load", "dropped", "balance", "z"):
+        np.testing.assert_allclose(getattr(got, field), getattr(alone, field), rtol=1e-6)
+    np.testing.assert_allclose(got.combine[:, real], alone.combine, rtol=1e-6)
+    assert not np.asarray(got.combine[:, [1, 4]]).any()
+    assert float(got.load.sum()) == 2 * 4  # k choices of each real token
+
+
+def test_router_stats_of_a_packed_batch_count_its_documents_tokens_only():
+    model = get("moe-tiny", n_layers=1)
+    params = sk.unbox(model.init(jax.random.key(0)))
+    tokens = jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16) % 256
+    ids = jnp.array([[1] * 10 + [0] * 6, [1] * 5 + [2] * 7 + [0] * 4], jnp.int32)
+    positions = jnp.where(ids > 0, jnp.arange(16) - jnp.where(ids == 2, 5, 0), 0)
+    batch = {"inputs": tokens, "targets": tokens, "segment_ids": ids, "positions": positions}
+    stats = model.router_stats(params, batch)
+    # 22 real tokens × top-2; the 10 padding tokens route nowhere
+    assert float(stats["load"].sum()) == 2 * 22
+    plain = model.router_stats(params, {"inputs": tokens, "targets": tokens})
+    assert float(plain["load"].sum()) == 2 * 32

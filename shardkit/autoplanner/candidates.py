@@ -13,6 +13,12 @@ every factorisation of the devices into a Ulysses and a ring axis, and the plann
 prunes those whose Ulysses size does not divide the heads. Elsewhere ``attention`` is
 ``None`` (the recipe's own).
 
+A mixture-of-experts model (``n_experts``) searches the expert axis: every recipe that
+splits the experts (its rules name ``expert``) is tried with each expert-axis size that
+divides the experts and the device count, the rest of the devices in a ``data`` axis
+that splits the batch with it (:func:`with_data_axis`: ``ep`` on ``data=8×expert=8``);
+a dense model gets no expert candidates (on it they are ``dp``'s layout).
+
 The logits layout is a dimension only where it changes the program: a recipe whose
 activation rules split the vocabulary over an axis that also splits the tokens
 (``Recipe.vocab_gather_axes``, e.g. ``fsdp``) is tried with ``logits="vocab"`` (gather
@@ -33,6 +39,7 @@ import math
 from collections.abc import Iterable, Sequence
 
 from shardkit import recipes
+from shardkit.rules import Rules
 
 __all__ = [
     "Candidate",
@@ -40,7 +47,9 @@ __all__ = [
     "PRECISIONS",
     "REMATS",
     "enumerate_candidates",
+    "expert_recipe",
     "factorisations",
+    "with_data_axis",
 ]
 
 REMATS = ("none", "save_dots", "full")
@@ -77,6 +86,8 @@ class Candidate:
           'tokens'
         """
         recipe = recipes.get(self.recipe)
+        if "data" in self.mesh_sizes and "data" not in dict(recipe.mesh_axes):
+            recipe = with_data_axis(recipe)
         if self.attention is not None:
             recipe = recipe.with_attention(self.attention)
         return recipe if self.logits is None else recipe.with_logits(self.logits)
@@ -128,6 +139,36 @@ class Candidate:
         )
 
 
+def expert_recipe(recipe: recipes.Recipe) -> bool:
+    """Whether ``recipe``'s rules split a mixture of experts' ``expert`` axis."""
+    return any(name == "expert" for name, _ in recipe.rules.pairs())
+
+
+def with_data_axis(recipe: recipes.Recipe) -> recipes.Recipe:
+    """``recipe`` with a ``data`` axis in front that splits the batch next to its own
+    batch axes (the state replicated over it): ``ep`` on ``data × expert``.
+
+    Example:
+      >>> r = with_data_axis(recipes.get("ep"))
+      >>> r.mesh_axes, r.activation_rules.spec(("batch",))
+      ((('data', -1), ('expert', -1)), P(('data', 'expert'),))
+    """
+    pairs = recipe.activation_rules.pairs()
+    batch = next((axes for name, axes in pairs if name == "batch"), None)
+    batch = (batch,) if isinstance(batch, str) else tuple(batch or ())
+    rules = [("batch", ("data", *batch))] + [(n, a) for n, a in pairs if n != "batch"]
+    return dataclasses.replace(
+        recipe,
+        mesh_axes=(("data", -1), *recipe.mesh_axes),
+        activation_rules=Rules(rules),
+        collectives=None,
+    )
+
+
+def _expert_sizes(recipe: recipes.Recipe, mesh: tuple[tuple[str, int], ...], experts: int) -> bool:
+    return dict(mesh).get("expert", 1) >= 2 and experts % dict(mesh)["expert"] == 0
+
+
 def factorisations(n: int, k: int) -> list[tuple[int, ...]]:
     """Ordered ``k``-tuples of integers ≥ 2 whose product is ``n`` (``[(1,)]`` for n=k=1)."""
     if k == 1:
@@ -151,21 +192,46 @@ def enumerate_candidates(
     recipe_names: Sequence[str] | None = None,
     remats: Iterable[str | None] = REMATS,
     precisions: Iterable[str] = ("f32",),
+    n_experts: int = 0,
 ) -> list[Candidate]:
     """Every candidate for ``devices`` devices, in registry order.
 
     A pipelining recipe gets ``m ∈ {p, 2p, 4p}`` micro-batches (those that divide the
     batch evenly over its data replicas); a batch that allows none leaves it out here
     and the planner says so. A mesh on which the recipe's logits layout is a choice
-    (``Recipe.vocab_gather_axes``, and no ``stage`` axis) gets both layouts.
+    (``Recipe.vocab_gather_axes``, and no ``stage`` axis) gets both layouts. With
+    ``n_experts`` (an MoE model) a recipe that splits the experts gets every expert-axis
+    size dividing them (and a ``data`` axis for the rest of the devices); without, none.
+
+    Example:
+      >>> [c.mesh_label for c in enumerate_candidates(16, 16, recipe_names=["ep"],
+      ...                                             remats=["full"], n_experts=8)]
+      ['data=2×expert=8', 'data=4×expert=4', 'data=8×expert=2']
+      >>> enumerate_candidates(16, 16, recipe_names=["ep"], remats=["full"])
+      []
     """
     out = []
     remats, precisions = tuple(remats), tuple(precisions)
     for name in recipe_names or recipes.names():
         recipe = recipes.get(name)
+        experts = expert_recipe(recipe)
+        if experts and not n_experts:
+            continue  # a dense model: the layout is dp's
         axes = [a for a, _ in recipe.mesh_axes]
-        for sizes in factorisations(devices, len(axes)) if axes else [()]:
-            mesh = tuple(zip(axes, sizes, strict=True))
+        meshes = [tuple(zip(axes, s, strict=True)) for s in factorisations(devices, len(axes))]
+        if not axes:
+            meshes = [()]
+        if experts and "data" not in axes:  # the expert axis, the rest of the devices data
+            wide = with_data_axis(recipe)
+            waxes = [a for a, _ in wide.mesh_axes]
+            meshes += [
+                tuple(zip(waxes, s, strict=True)) for s in factorisations(devices, len(waxes))
+            ]
+        if experts:
+            meshes = [m for m in meshes if _expert_sizes(recipe, m, n_experts)]
+            meshes = [tuple(sorted(m, key=lambda a: a[0] != "data")) for m in meshes]
+        for mesh in meshes:
+            sizes = tuple(s for _, s in mesh)
             stages = dict(mesh).get("stage")
             if stages:
                 counts = _microbatch_counts(stages, batch, math.prod(sizes) // stages) or [None]

@@ -38,7 +38,7 @@ from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
 from shardkit.nn.ulysses import check_heads, check_usp
 from shardkit.plan import Plan
-from shardkit.report import build_report
+from shardkit.report import analytic_moe, build_report
 from shardkit.report.analytic import analytic_costs, with_phases
 from shardkit.report.estimator import estimate
 from shardkit.report.records import human_bytes
@@ -108,6 +108,9 @@ class Analytic:
     #: the pre-compile estimate's total per device (``sk.estimate``), where the model
     #: declares its dims and the estimator covers the layout; else ``None``
     estimated: float | None = None
+    #: an MoE model's expert state per device and its dispatch's all-to-all bytes, in
+    #: words (why expert parallelism wins or loses); ``None`` for a dense model
+    experts: str | None = None
 
     @property
     def ranking_memory(self) -> float:
@@ -233,6 +236,21 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             optimizer_bytes=subject.optimizer_bytes,
             **extra,
         )
+        experts = None
+        if dims is not None and dims.n_experts:  # the experts split (before the phases)
+            analytic = analytic_moe.with_experts(
+                analytic,
+                dims,
+                recipe,
+                mesh,
+                batch=subject.batch,
+                seq=subject.seq,
+                remat=workload.remat or "none",
+                param_bytes=subject.param_bytes,
+                optimizer_bytes=subject.optimizer_bytes,
+                bytes_per_value=2 if candidate.precision == "bf16" else 4,
+            )
+            experts = _experts_note(subject, recipe, mesh, analytic)
         if not stages:  # a no-op unless the model's loss is shardkit's chunked head
             analytic = with_phases(analytic, dims, recipe, mesh, workload)
     except ShardingError as e:
@@ -248,6 +266,21 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         state=float(state),
         wire=float(sum(analytic.wire_bytes_by_kind.values())),
         estimated=_estimated(subject, candidate, extra.get("pipeline")),
+        experts=experts,
+    )
+
+
+def _experts_note(subject: Subject, recipe: Any, mesh: dict, analytic: Any) -> str:
+    """The expert state one device holds and the dispatch's all-to-all bytes, in words."""
+    dims = subject.model.dims
+    split = analytic_moe.expert_split(recipe, mesh)
+    per_param = (subject.param_bytes + subject.optimizer_bytes) / dims.param_count + 4
+    whole = dims.layers * dims.expert_params * per_param
+    a2a = analytic.wire_bytes_by_kind.get("all-to-all", 0.0)
+    moved = f"{human_bytes(a2a)} of all-to-all dispatch a step" if a2a else "no all-to-all"
+    return (
+        f"expert state {human_bytes(whole / split)} per device (1/{split} of "
+        f"{human_bytes(whole)}), {moved}"
     )
 
 

@@ -343,7 +343,12 @@ def _smallest_fit(subject: Subject, devices: int, remats, precisions, names) -> 
         if n < 1:
             continue
         for c in enumerate_candidates(
-            n, subject.batch, recipe_names=names, remats=remats, precisions=precisions
+            n,
+            subject.batch,
+            recipe_names=names,
+            remats=remats,
+            precisions=precisions,
+            n_experts=_experts(subject),
         ):
             if not isinstance(prune(subject, c, budget=math.inf), Pruned):
                 works.append(n)
@@ -414,7 +419,12 @@ def autoplan(
     rejected: list[Rejected] = []
     survivors: list[tuple[Candidate, Analytic, float]] = []
     for c in enumerate_candidates(
-        devices, batch, recipe_names=names, remats=remats, precisions=precisions
+        devices,
+        batch,
+        recipe_names=names,
+        remats=remats,
+        precisions=precisions,
+        n_experts=_experts(subject),
     ):
         got = prune(subject, c, budget=budget)
         if isinstance(got, Pruned):
@@ -478,11 +488,20 @@ def autoplan(
     best = ranked[0]
     ranked = [
         dataclasses.replace(
-            r, reason=_explain(r, best, budget) + _estimate_note(r.analytic, r.evidence)
+            r,
+            reason=_explain(r, best, budget)
+            + (f"; {r.analytic.experts}" if r.analytic.experts else "")
+            + _estimate_note(r.analytic, r.evidence),
         )
         for r in ranked
     ]
     return AutoplanResult(tuple(ranked), tuple(rejected), hw, devices, budget, name, batch, seq)
+
+
+def _experts(subject: Subject) -> int:
+    """The model's routed experts (0: dense, or no declared dims)."""
+    dims = subject.model.dims
+    return dims.n_experts if dims is not None else 0
 
 
 def _estimate_note(a: Analytic, e: Evidence) -> str:
@@ -587,7 +606,12 @@ def _in_process(subject: Subject, c: Candidate, devices: int) -> dict:
 def _raise_no_fit(subject, rejected, devices, budget, remats, precisions, names):
     mems = []
     for c in enumerate_candidates(
-        devices, subject.batch, recipe_names=names, remats=remats, precisions=precisions
+        devices,
+        subject.batch,
+        recipe_names=names,
+        remats=remats,
+        precisions=precisions,
+        n_experts=_experts(subject),
     ):
         got = prune(subject, c, budget=math.inf)
         if isinstance(got, Analytic):

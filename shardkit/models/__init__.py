@@ -1,4 +1,4 @@
-"""Annotated reference models: GPT-2 (flax.linen), Llama and MoE Llama (flax.nnx).
+"""Annotated reference models: GPT-2 (flax.linen), Llama, MoE Llama and DeepSeek (flax.nnx).
 
 Every parameter carries logical axes (``@sk.axes`` on the module classes) and
 activations are constrained at layer boundaries with ``sk.constrain``, so any
@@ -9,7 +9,7 @@ Example:
   >>> from shardkit import models
   >>> models.names()
   ['gpt-tiny', 'gpt-small', 'gpt-1b', 'gpt-7b', 'llama-tiny', 'llama-small', 'llama-1b', 'llama-7b',
-   'moe-tiny', 'moe-small', 'moe-47b']
+   'moe-tiny', 'moe-small', 'moe-47b', 'deepseek-tiny', 'deepseek-small']
   >>> models.get("llama-7b").config.param_count()
   6740512768
 """

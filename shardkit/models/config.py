@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from shardkit import context, errors
 from shardkit.dims import ModelDims
+from shardkit.nn.mla import MlaSpec
 from shardkit.nn.moe import MoeSpec
 
 __all__ = ["ModelConfig", "CONFIGS", "REMAT_POLICIES"]
@@ -55,6 +56,12 @@ class ModelConfig:
       aux_loss_weight, z_loss_weight: the MoE MLP of family ``"moe"``
         (:class:`shardkit.nn.moe.MoeSpec`; ``expert_d_ff=None``: ``d_ff``;
         ``capacity_factor=None``: dropless).
+      kv_latent, q_latent, nope_dim, rope_dim, v_dim: multi-head latent attention
+        (DeepSeek-V2, :class:`shardkit.nn.mla.MlaSpec`) in place of grouped-query
+        attention, for family ``"moe"``: the K/V latent's rank (0: no MLA), the query
+        latent's (0: none), the per-head widths of the position-free q/k part, of the rope
+        part (even; one rope key shared by the heads) and of the values. ``n_kv_heads``
+        is then unused (every head reads the latent).
 
     Example:
       >>> cfg = ModelConfig("gpt", vocab=256, d_model=64, n_layers=2, n_heads=8,
@@ -84,6 +91,11 @@ class ModelConfig:
     router: Literal["softmax", "sigmoid"] = "softmax"
     aux_loss_weight: float = 0.01
     z_loss_weight: float = 0.001
+    kv_latent: int = 0
+    q_latent: int = 0
+    nope_dim: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
 
     def __post_init__(self) -> None:
         where = (
@@ -101,6 +113,21 @@ class ModelConfig:
             )
         if self.family == "moe":
             self.moe_spec()  # validates the expert fields
+        mla = (self.kv_latent, self.q_latent, self.nope_dim, self.rope_dim, self.v_dim)
+        if self.kv_latent and self.family != "moe":
+            raise errors.ShardingError(
+                f"{where}: latent attention (kv_latent={self.kv_latent}) is built into the "
+                f"'moe' family's blocks, not {self.family!r}'s.\nFix: family='moe' "
+                "(deepseek-tiny, deepseek-small), or kv_latent=0."
+            )
+        if self.kv_latent:
+            self.mla_spec()  # validates the latent fields
+        elif any(mla):
+            raise errors.ShardingError(
+                f"{where}: q_latent, nope_dim, rope_dim, v_dim = {mla[1:]} without a K/V "
+                "latent (kv_latent=0).\nFix: pass kv_latent=<rank> for latent attention, or "
+                "leave the other four at 0."
+            )
         if self.remat not in REMAT_POLICIES:
             raise errors.ShardingError(
                 f"{where}: remat is one of {REMAT_POLICIES}, got {self.remat!r}."
@@ -122,6 +149,12 @@ class ModelConfig:
             raise errors.ShardingError(
                 f"{where}: d_model {self.d_model} is not divisible by n_heads {self.n_heads}.\n"
                 "Fix: pick n_heads dividing d_model."
+            )
+        if self.kv_latent and self.n_kv_heads != self.n_heads:
+            raise errors.ShardingError(
+                f"{where}: latent attention (kv_latent={self.kv_latent}) has no K/V heads of "
+                f"its own: every head reads the latent, so n_kv_heads equals n_heads, got "
+                f"{self.n_kv_heads}.\nFix: pass n_kv_heads={self.n_heads}."
             )
         if self.n_heads % self.n_kv_heads:
             raise errors.ShardingError(
@@ -155,6 +188,37 @@ class ModelConfig:
             aux_weight=self.aux_loss_weight,
             z_weight=self.z_loss_weight,
         )
+
+    def mla_spec(self) -> MlaSpec | None:
+        """The latent attention of a DeepSeek-style model, ``None`` without one.
+
+        Raises:
+          ShardingError: an invalid latent field (an odd ``rope_dim``, a rank ≤ 0, ...).
+
+        Example:
+          >>> CONFIGS["deepseek-tiny"].mla_spec().qk_dim
+          12
+        """
+        if not self.kv_latent:
+            return None
+        return MlaSpec(
+            n_heads=self.n_heads,
+            kv_latent=self.kv_latent,
+            nope_dim=self.nope_dim,
+            rope_dim=self.rope_dim,
+            v_dim=self.v_dim,
+            q_latent=self.q_latent,
+        )
+
+    @property
+    def rope_width(self) -> int:
+        """The width RoPE rotates: ``rope_dim`` under latent attention, else ``head_dim``.
+
+        Example:
+          >>> CONFIGS["deepseek-tiny"].rope_width, CONFIGS["moe-tiny"].rope_width
+          (4, 4)
+        """
+        return self.rope_dim if self.kv_latent else self.head_dim
 
     @property
     def compute_dtype(self) -> Any:
@@ -206,6 +270,15 @@ class ModelConfig:
                 "expert_d_ff": moe.d_ff,
                 "capacity_factor": moe.capacity_factor,
             }
+        mla = self.mla_spec()
+        if mla is not None:
+            experts.update(
+                kv_latent=mla.kv_latent,
+                q_latent=mla.q_latent,
+                nope_dim=mla.nope_dim,
+                rope_dim=mla.rope_dim,
+                v_dim=mla.v_dim,
+            )
         return ModelDims(
             layers=self.n_layers,
             d_model=self.d_model,
@@ -279,4 +352,46 @@ CONFIGS: dict[str, ModelConfig] = {
     ),
     "moe-small": ModelConfig("moe", 32000, 768, 12, 12, 4, 2048, 1024, n_experts=8, top_k=2),
     "moe-47b": ModelConfig("moe", 32000, 4096, 32, 32, 8, 14336, 4096, n_experts=8, top_k=2),
+    # DeepSeek-V2-style (shardkit.nn.mla + shardkit.nn.moe): latent attention with a query
+    # latent and decoupled RoPE, fine-grained experts (16 narrow ones, 4 per token) and 2
+    # shared experts. Heads, latents and experts divide over 8 devices (tp, tp_latent, ep).
+    "deepseek-tiny": ModelConfig(
+        "moe",
+        256,
+        64,
+        2,
+        8,
+        8,
+        64,
+        128,
+        n_experts=16,
+        top_k=4,
+        n_shared_experts=2,
+        expert_d_ff=16,
+        kv_latent=32,
+        q_latent=32,
+        nope_dim=8,
+        rope_dim=4,
+        v_dim=8,
+    ),
+    # At the llama-small trunk's width: 16 heads (tp over 8), a 256-rank K/V latent.
+    "deepseek-small": ModelConfig(
+        "moe",
+        32000,
+        768,
+        12,
+        16,
+        16,
+        2048,
+        1024,
+        n_experts=16,
+        top_k=4,
+        n_shared_experts=2,
+        expert_d_ff=384,
+        kv_latent=256,
+        q_latent=384,
+        nope_dim=32,
+        rope_dim=16,
+        v_dim=32,
+    ),
 }

@@ -234,11 +234,14 @@ class Llama(nnx.Module):
             rngs=rngs,
         )
 
-    def _block_fn(self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array, segments=None):
-        """``(state, x) -> x`` running one block, wrapped in ``jax.checkpoint`` per ``remat``."""
+    def _block_fn(
+        self, graphdef: nnx.GraphDef, cos: jax.Array, sin: jax.Array, segments=None, **options
+    ):
+        """``(state, x) -> x`` running one block, wrapped in ``jax.checkpoint`` per ``remat``;
+        ``options``: keyword arguments of the block's call (none for Llama's own)."""
 
         def run(state: nnx.State, x: jax.Array) -> jax.Array:
-            return nnx.merge(graphdef, state)(x, cos, sin, segments)
+            return nnx.merge(graphdef, state)(x, cos, sin, segments, **options)
 
         cfg = self.config
         if cfg.remat == "none":

@@ -35,6 +35,7 @@ from shardkit.annotate import activation_rules
 from shardkit.dims import ModelDims
 from shardkit.errors import NotPipelinableError
 from shardkit.models.config import CONFIGS, ModelConfig
+from shardkit.models.deepseek import DeepseekLlama
 from shardkit.models.gpt import GPT, LN_EPS, LOGITS, Block, checkpoint_policy
 from shardkit.models.llama import Llama
 from shardkit.models.moe import MoeLlama
@@ -118,7 +119,7 @@ class Model:
     @functools.cache  # noqa: B019 (one abstract module per dtype, for the model's life)
     def _llama(self, dtype: Any) -> Any:
         config = dataclasses.replace(self.config, dtype=dtype)
-        cls = MoeLlama if config.family == "moe" else Llama
+        cls = _nnx_class(config)
         # Shapes only, and outside any active mesh: NNX would otherwise read the logical
         # names in ``out_sharding`` as mesh axes of that mesh.
         no_mesh = jax.sharding.AbstractMesh((), ())
@@ -149,7 +150,7 @@ class Model:
             # activations (batch 1, length 1) are not to be constrained by any active rules.
             with activation_rules(None):
                 return self.module.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
-        cls = MoeLlama if self.config.family == "moe" else Llama
+        cls = _nnx_class(self.config)
         with nnx.use_eager_sharding(False):
             module = cls(self.config, rngs=nnx.Rngs(params=rng))
         return nnx.state(module, nnx.Param)
@@ -241,6 +242,7 @@ class Model:
     def router_stats(self, params: Any, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         """An MoE model's routers on ``batch``: ``{"load", "dropped"}`` tokens per layer and
         expert ``[layers, E]``, ``"balance"`` and ``"z"`` (the unweighted losses) per layer.
+        A packed batch's padding (``segment_ids`` 0) is routed nowhere and counted nowhere.
 
         Raises:
           ShardingError: the model has no experts.
@@ -258,7 +260,9 @@ class Model:
                 f"{self.name}.router_stats: the model has no experts (family "
                 f"{self.config.family!r}).\nFix: use an MoE model (moe-tiny, moe-small, ...)."
             )
-        _, stats = self._forward(params, batch["inputs"], batch["targets"])
+        seg = self._packed(batch, batch["inputs"])  # packed rows: padding routes nowhere
+        segments = None if seg is None else Segments(*seg)
+        _, stats = self._forward(params, batch["inputs"], batch["targets"], segments)
         return {k: stats[k] for k in ("load", "dropped", "balance", "z")}
 
     def stages(self) -> Stages:
@@ -371,6 +375,13 @@ class Model:
         if self.config.family == "gpt":
             return self.module.apply({"params": params}, tokens, targets, segments)
         return nnx.merge(self._graphdef, params)(tokens, targets, segments)
+
+
+def _nnx_class(config: ModelConfig) -> type[nnx.Module]:
+    """The NNX model class of a config: Llama, MoE Llama, or with latent attention DeepSeek."""
+    if config.family != "moe":
+        return Llama
+    return DeepseekLlama if config.kv_latent else MoeLlama
 
 
 def names() -> list[str]:

@@ -57,7 +57,8 @@ class MoeBlock(nnx.Module):
     ):
         x = constrain(x, RESIDUAL)
         x = constrain(x + self.attn(self.attn_norm(x), cos, sin, segments), RESIDUAL)
-        y, stats = self.moe(self.mlp_norm(x))
+        valid = None if segments is None else segments.ids != 0  # padding routes nowhere
+        y, stats = self.moe(self.mlp_norm(x), valid)
         return constrain(x + y, RESIDUAL), stats
 
 
@@ -79,22 +80,24 @@ class MoeLlama(Llama):
         tokens: jax.Array,
         targets: jax.Array | None = None,
         segments: Segments | None = None,
+        **options,
     ):
+        """``options``: keyword arguments of every block's call (a subclass's blocks')."""
         cfg = self.config
         x = constrain(self.embed(tokens).astype(cfg.compute_dtype), RESIDUAL)
         if segments is None:
-            cos, sin = rope_tables(tokens.shape[-1], cfg.head_dim)
+            cos, sin = rope_tables(tokens.shape[-1], cfg.rope_width)
         else:  # packed rows: RoPE at the positions within each document
-            cos, sin = rope_tables_at(segments.positions, cfg.head_dim)
+            cos, sin = rope_tables_at(segments.positions, cfg.rope_width)
         if cfg.scan:
             graphdef, state = nnx.split(self.layers)
-            run = self._block_fn(graphdef, cos, sin, segments)
+            run = self._block_fn(graphdef, cos, sin, segments, **options)
             x, stats = jax.lax.scan(lambda h, layer: run(layer, h), x, state)
         else:
             per_layer = []
             for layer in self.layers:
                 graphdef, state = nnx.split(layer)
-                x, s = self._block_fn(graphdef, cos, sin, segments)(state, x)
+                x, s = self._block_fn(graphdef, cos, sin, segments, **options)(state, x)
                 per_layer.append(s)
             stats = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
         x = self.norm(x)

@@ -9,6 +9,7 @@ engine (:mod:`shardkit.parallel`) all build on it.
 - :mod:`~shardkit.nn.rope`: rotary position embeddings;
 - :mod:`~shardkit.nn.segments`: packed rows' segment ids and positions, their mask;
 - :mod:`~shardkit.nn.loss`: cross-entropy, the chunked vocabulary head and its gradient;
+- :mod:`~shardkit.nn.mla`: multi-head latent attention (DeepSeek-V2), two TP layouts;
 - :mod:`~shardkit.nn.moe`: a mixture-of-experts MLP, its router and expert parallelism;
 - :mod:`~shardkit.nn.replicas`: one gradient all-reduce for a weight read twice;
 - :mod:`~shardkit.nn.tsp`, :mod:`~shardkit.nn.tsp_head`: TSP's weight-shard and
@@ -21,6 +22,6 @@ Example:
   1.3862943649291992
 """
 
-from shardkit.nn import attention, loss, moe, replicas, rope, segments, tsp, tsp_head
+from shardkit.nn import attention, loss, mla, moe, replicas, rope, segments, tsp, tsp_head
 
-__all__ = ["attention", "loss", "moe", "replicas", "rope", "segments", "tsp", "tsp_head"]
+__all__ = ["attention", "loss", "mla", "moe", "replicas", "rope", "segments", "tsp", "tsp_head"]

@@ -71,17 +71,27 @@ class ChunkError(errors.ShardingError):
     """A chunk count that does not split the tokens (or the devices' share of them)."""
 
 
-def _one_hot(targets: jax.Array, classes: int, dtype: Any) -> jax.Array:
+def _one_hot(
+    targets: jax.Array, classes: int, dtype: Any, iota: jax.Array | None = None
+) -> jax.Array:
     """``jax.nn.one_hot(targets, classes, dtype=dtype)`` written out, same ops.
 
     ``jax.nn.one_hot`` is a jitted function whose lowering is cached without its caller's
-    name stack, so its iota's ``op_name`` says ``jit(_one_hot)`` and not the loss's
-    scope; written here, the report books that buffer to the loss.
+    name stack, so its iota's ``op_name`` says ``jit(_one_hot)``, not the loss's scope;
+    written here, the report books that buffer to the loss. A loop's body takes its
+    ``iota`` from :func:`_classes` outside the loop: JAX hoists a loop-invariant iota out
+    of the body with no name stack at all.
     """
+    if iota is None:
+        iota = _classes(targets, classes)
+    return (targets[..., None] == iota).astype(dtype)
+
+
+def _classes(targets: jax.Array, classes: int) -> jax.Array:
+    """The class indices ``[1, ..., 1, classes]`` that :func:`_one_hot` compares with."""
     shape = (1,) * targets.ndim + (classes,)
     replicated = NamedSharding(jax.typeof(targets).sharding.mesh, PartitionSpec())
-    iota = jax.lax.broadcasted_iota(targets.dtype, shape, targets.ndim, out_sharding=replicated)
-    return (targets[..., None] == iota).astype(dtype)
+    return jax.lax.broadcasted_iota(targets.dtype, shape, targets.ndim, out_sharding=replicated)
 
 
 @block("loss")
@@ -471,14 +481,17 @@ def chunked_cross_entropy(
     split_vocab = _quantum(full_spec, k + 1) > 1
     policy = jax.checkpoint_policies.save_only_these_names(_LSE) if split_vocab else None
 
+    iota = _classes(targets, vocab)  # here, in the loss's scope: see _one_hot
+
     @functools.partial(jax.checkpoint, policy=policy)
     def chunk_loss(h: jax.Array, t: jax.Array) -> jax.Array:
         if full_spec is not None:
             h = _relayout(h, inner, inner_own)
         logits = _pin(logits_of(h).astype(jnp.float32), chunk_spec)
-        if not split_vocab:
-            return cross_entropy(logits, t)
-        target = jnp.sum(logits * _one_hot(t, logits.shape[-1], logits.dtype), -1)
+        if not split_vocab:  # cross_entropy's ops, with the iota from outside the loop
+            log_z = jax.nn.logsumexp(logits, axis=-1)
+            return log_z - jnp.sum(logits * _one_hot(t, logits.shape[-1], logits.dtype, iota), -1)
+        target = jnp.sum(logits * _one_hot(t, logits.shape[-1], logits.dtype, iota), -1)
         return _logsumexp(logits) - target
 
     def body(carry: None, xs: tuple[jax.Array, jax.Array]) -> tuple[None, jax.Array]:

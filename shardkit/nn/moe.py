@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec
 
 from shardkit import context
 from shardkit.annotate import axes, constrain
+from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.scopes import scope
 
@@ -161,12 +162,18 @@ class MoeSpec:
         return capacity(self, seq)
 
 
-def capacity(spec: MoeSpec, seq: int) -> int:
+def capacity(spec: MoeSpec | ModelDims, seq: int) -> int:
     """``min(S, ⌈cf · S · k / E⌉)`` slots per expert per sequence; ``S`` when dropless.
+
+    ``spec`` is the layer's :class:`MoeSpec` or a model's
+    :class:`~shardkit.dims.ModelDims` (the analytic model's count is this one).
 
     Example:
       >>> capacity(MoeSpec(8, 2, 16, capacity_factor=None), 16)
       16
+      >>> capacity(ModelDims(layers=1, d_model=8, n_heads=1, n_kv_heads=1, d_ff=8, vocab=8,
+      ...                    n_experts=8, top_k=2, expert_d_ff=8, capacity_factor=1.25), 256)
+      80
     """
     if spec.capacity_factor is None:
         return seq
@@ -201,8 +208,11 @@ def _top_k(probs: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     return jnp.stack(values, -1), jnp.stack(indices, -1)
 
 
-def route(logits: jax.Array, spec: MoeSpec, slots: int) -> Routing:
+def route(logits: jax.Array, spec: MoeSpec, slots: int, valid: jax.Array | None = None) -> Routing:
     """Top-k routing of ``logits`` ``[B, S, E]`` into ``slots`` slots per expert.
+
+    ``valid`` ``[B, S]`` (optional; packed rows: ``segment_ids != 0``) marks the real
+    tokens: padding takes no slot, counts in no load, and stays out of the losses' means.
 
     Example:
       >>> spec = MoeSpec(n_experts=2, top_k=1, d_ff=4, capacity_factor=0.5)
@@ -214,10 +224,11 @@ def route(logits: jax.Array, spec: MoeSpec, slots: int) -> Routing:
     logits = logits.astype(jnp.float32)
     b, s, e = logits.shape
     k = spec.top_k
+    real = jnp.ones((b, s), jnp.float32) if valid is None else valid.astype(jnp.float32)
     probs = jax.nn.softmax(logits, -1) if spec.router == "softmax" else jax.nn.sigmoid(logits)
     top, chosen = _top_k(probs, k)  # [B, S, k]
     gates = top / jnp.sum(top, -1, keepdims=True)
-    mask = jax.nn.one_hot(chosen, e, dtype=jnp.float32)  # [B, S, k, E]
+    mask = jax.nn.one_hot(chosen, e, dtype=jnp.float32) * real[:, :, None, None]  # [B,S,k,E]
     # Slot of each choice in its expert: choice-major order (all first choices first).
     order = jnp.swapaxes(mask, 1, 2).reshape(b, k * s, e)
     position = (jnp.cumsum(order, axis=1) - 1.0).reshape(b, k, s, e)
@@ -230,8 +241,9 @@ def route(logits: jax.Array, spec: MoeSpec, slots: int) -> Routing:
     dropped = jnp.sum(mask * (1.0 - keep)[..., None], (0, 1, 2))
     # Switch Transformer's balance loss: E · Σ_e (share of choices) · (mean score share).
     share = probs / jnp.sum(probs, -1, keepdims=True)
-    balance = e * jnp.sum(load / (b * s * k) * jnp.mean(share, (0, 1)))
-    z = jnp.mean(jax.nn.logsumexp(logits, -1) ** 2)
+    n = jnp.maximum(jnp.sum(real), 1.0)  # the real tokens
+    balance = e * jnp.sum(load / (n * k) * jnp.sum(share * real[..., None], (0, 1)) / n)
+    z = jnp.sum(jax.nn.logsumexp(logits, -1) ** 2 * real) / n
     aux = spec.aux_weight * balance + spec.z_weight * z
     return Routing(combine, dispatch, aux, load, dropped, balance, z)
 
@@ -334,9 +346,12 @@ def _experts_alltoall(x, routing, weights, layout):
 
 
 def moe_mlp(
-    x: jax.Array, weights: Mapping[str, jax.Array], spec: MoeSpec
+    x: jax.Array, weights: Mapping[str, jax.Array], spec: MoeSpec, valid: jax.Array | None = None
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The MoE MLP of ``x`` ``[B, S, d]``: ``(y, {"aux", "load", "dropped", "balance", "z"})``.
+
+    ``valid`` ``[B, S]``: the real tokens of packed rows (``segment_ids != 0``; see
+    :func:`route`); padding gets no expert's output (the shared experts' only).
 
     ``weights``: ``router [d, E]``, ``gate``/``up`` ``[E, d, f]``, ``down`` ``[E, f, d]``
     (and ``shared_gate``/``shared_up`` ``[d, n_shared·f]``, ``shared_down`` with
@@ -353,7 +368,7 @@ def moe_mlp(
     b, s, _ = x.shape
     x = constrain(x, _TOKENS)
     logits = jnp.einsum("bsd,de->bse", x, weights["router"].astype(x.dtype))
-    routing = route(logits, spec, capacity(spec, s))
+    routing = route(logits, spec, capacity(spec, s), valid)
     layout = dispatch_axis(spec, b, s)
     gate, up, down = (weights[k].astype(x.dtype) for k in ("gate", "up", "down"))
     if layout is None:
@@ -417,7 +432,9 @@ class LinenMoe(nn.Module):
     param_dtype: Any = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(
+        self, x: jax.Array, valid: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         init = nn.initializers.normal(INIT_STD)
         weights = {
             name: self.param(
@@ -426,7 +443,7 @@ class LinenMoe(nn.Module):
             for name, shape in _shapes(self.spec, x.shape[-1]).items()
         }
         dtype = self.dtype or context.compute_dtype()
-        return moe_mlp(x.astype(dtype), weights, self.spec)
+        return moe_mlp(x.astype(dtype), weights, self.spec, valid)
 
 
 @axes({rf"^{name}$": names for name, names in EXPERT_AXES.items()})
@@ -454,8 +471,10 @@ class NnxMoe(nnx.Module):
         for name, shape in _shapes(spec, d_model).items():
             setattr(self, name, nnx.Param(init(rngs.params(), shape, param_dtype)))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def __call__(
+        self, x: jax.Array, valid: jax.Array | None = None
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
         names = _shapes(self.spec, x.shape[-1])
         weights = {name: getattr(self, name)[...] for name in names}
         dtype = self.dtype or context.compute_dtype()
-        return moe_mlp(x.astype(dtype), weights, self.spec)
+        return moe_mlp(x.astype(dtype), weights, self.spec, valid)

@@ -19,6 +19,7 @@ from shardkit.parallel.schedules import (
     MicrobatchError,
     PipelineWarning,
     StageDivisibilityError,
+    UnitError,
     UnknownScheduleError,
     bubble_fraction,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "PipelinedGrad",
     "PipelinedStep",
     "StageDivisibilityError",
+    "UnitError",
     "UnknownScheduleError",
     "bubble_fraction",
     "from_interleaved",

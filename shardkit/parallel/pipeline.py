@@ -600,9 +600,17 @@ class _Body:
                 return 0
             return write_slot(t) if slot is None else slot
 
-        if vee:  # zbv: chunk 0 goes down the stages, chunk 1 comes back up
-            down = [(i, i + 1) for i in range(p - 1)]
-            up = [(i + 1, i) for i in range(p - 1)]
+        # zbv: chunk 0 goes down the stages, chunk 1 comes back up. A forward of chunk s
+        # runs at ticks of s's parity and one of chunk 2p - 1 - s at the others (a backward
+        # the reverse), so at each tick the stages of one parity send down and the others
+        # up: one permute per tick, neighbours swapping in pairs. The turn (the last stage's
+        # chunk p - 1 to its chunk p, and back) is that stage sending to itself.
+        swaps = [
+            [(i, i + 1) for i in range(p - 1) if i % 2 == par]
+            + [(i, i - 1) for i in range(1, p) if i % 2 != par]
+            + ([(p - 1, p - 1)] if (p - 1) % 2 == par else [])
+            for par in (0, 1)
+        ]
         fwd_perm = [(i, (i + 1) % p) for i in range(p if sched.virtual > 1 else p - 1)]
         bwd_perm = [(b, a) for a, b in fwd_perm]
         names = ["f_valid", "b_valid", "f_first", "f_last", "b_first", "b_last"]
@@ -616,6 +624,20 @@ class _Body:
                 with scope("pipeline.send"):
                     st[key] = jax.lax.ppermute(value, stage, perm)
 
+        def send_v(st, key, value, par):  # zbv: stages of parity ``par`` send down
+            if p == 1:
+                return
+            with scope("pipeline.send"):
+                if isinstance(par, int):
+                    st[key] = jax.lax.ppermute(value, stage, swaps[par % 2])
+                else:
+                    st[key] = jax.lax.cond(
+                        par % 2 == 0,
+                        lambda v: jax.lax.ppermute(v, stage, swaps[0]),
+                        lambda v: jax.lax.ppermute(v, stage, swaps[1]),
+                        value,
+                    )
+
         def tick(t, st, w_g, rolled, kind):
             has_f, has_b, f_first, f_last, b_first, b_last, *has_w = kind
             st = dict(st)
@@ -623,9 +645,6 @@ class _Body:
             if has_f:
                 i, k = at("f_mb", t), at("f_k", t)
                 x_in = st["recv_f"]
-                if vee:  # round 1: from the stage below, or this stage's own round 0 (the turn)
-                    turn = jnp.where(s == p - 1, st["prev_f"], st["recv_f_up"])
-                    x_in = jnp.where(k == 0, x_in, turn)
                 if f_first:
                     x_in = jax.lax.cond(
                         at("f_first", t),
@@ -643,18 +662,13 @@ class _Body:
                     st["loss"] = st["loss"] + val.astype(jnp.float32)
                     st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), dy_slot(t))
                 if vee:
-                    send(st, "recv_f", y, down)
-                    send(st, "recv_f_up", y, up)
-                    st["prev_f"] = y
+                    send_v(st, "recv_f", y, t)
                 else:
                     send(st, "recv_f", y, fwd_perm)
             if has_b:
                 j, k = at("b_mb", t), at("b_k", t)
                 slot = read_slot(t)
                 g_in = st["recv_b"]
-                if vee:  # round 0: from the stage below, or this stage's own round 1 (the turn)
-                    turn = jnp.where(s == p - 1, st["prev_b"], st["recv_b_up"])
-                    g_in = jnp.where(k == 1, g_in, turn)
                 if b_last:
                     g_in = jnp.where(at("b_last", t), _at(st["dys"], dy_slot(t, slot)), g_in)
                 if split:
@@ -678,9 +692,7 @@ class _Body:
                         at("b_first", t), pre_grad, lambda d: d, st["d_rest"]
                     )
                 if vee:
-                    send(st, "recv_b", d_x, down)
-                    send(st, "recv_b_up", d_x, up)
-                    st["prev_b"] = d_x
+                    send_v(st, "recv_b", d_x, t + 1)
                 else:
                     send(st, "recv_b", d_x, bwd_perm)
             if has_w and has_w[0]:
@@ -735,8 +747,6 @@ class _Body:
                     "rings": rolled.rings,
                     "w_rings": rolled.w_rings,
                 }
-                if vee:
-                    st.update(recv_f_up=zeros_x, prev_f=zeros_x, recv_b_up=zeros_x, prev_b=zeros_x)
             kind = run_kind[run[0]]
             if len(run) < 3:
                 for t in run:

@@ -1,15 +1,16 @@
 """Matplotlib timelines of pipeline schedules: which stage does what at each tick.
 
-Forward cells are dark, backward cells light and hatched (they differ in greyscale); a
+Forward cells are dark, backward cells light and hatched, and zb1 / zbv's weight-gradient
+cells ``W`` mid-grey green, cross-hatched (the three differ in greyscale); a
 figure of several schedules is a grid between 1:1 and 2:1, saved by ``path``'s suffix.
 
 Example:
   >>> import matplotlib
   >>> matplotlib.use("Agg")
   >>> from shardkit.parallel.schedules import make
-  >>> fig = plot_schedules([make("gpipe", 4, 8), make("1f1b", 4, 8)])
+  >>> fig = plot_schedules([make("gpipe", 4, 8), make("1f1b", 4, 8), make("zb1", 4, 8)])
   >>> len(fig.axes)
-  2
+  3
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ __all__ = ["plot_schedules"]
 
 def _plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> None:
     """Draw ``schedule`` on ``ax``: one row per stage, one column per tick; forward cells
-    dark blue, backward cells light orange and hatched (both halves of a tick when a
-    stage runs both), the micro-batch number inside; blank cells are the bubble."""
+    dark blue, backward cells light orange and hatched, weight-gradient cells (zb1, zbv)
+    green and cross-hatched (a tick split between what a stage runs), the micro-batch
+    number inside; blank cells are the bubble."""
     p = schedule.stages
     for t in range(schedule.ticks):
         for s in range(p):
             f, b = schedule.forward[t][s], schedule.backward[t][s]
             cells = [(f, _FORWARD), (b, _BACKWARD)]
+            if schedule.split:  # zb1 / zbv: B the input gradient, W the weights'
+                cells.append((schedule.weight[t][s], _WEIGHT))
             cells = [(item, c) for item, c in cells if item is not None]
             for n, (item, (color, hatch, ink)) in enumerate(cells):
                 w = 1.0 / len(cells)
@@ -74,6 +78,7 @@ def _held(schedule: Any) -> str:
 #: (fill, hatch, text colour): dark forward, light hatched backward.
 _FORWARD = ("#1f3f73", "", "white")
 _BACKWARD = ("#f3b27a", "///", "black")
+_WEIGHT = ("#5f9e6e", "xx", "black")
 
 
 def _rect(x: float, y: float, w: float, color: str, hatch: str = "") -> Any:

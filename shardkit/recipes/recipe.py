@@ -534,6 +534,68 @@ class Recipe:
             collectives=None,
         )
 
+    def with_latent(self, layout: Literal["heads", "split"]) -> Recipe:
+        """The same recipe with multi-head latent attention's latents laid out another way
+        (:mod:`shardkit.nn.mla`).
+
+        ``"split"``: the K/V latent ``kv_latent`` (and the query latent ``q_latent``) split
+        over the mesh axes ``heads`` is on, in the parameter, optimizer and activation
+        rules: each device keeps ``1/t`` of the latent; the recipe is named
+        ``<name>_latent``. The up-projections then contract the split latent: K and V are
+        reduce-scattered onto the heads (all-gathered in the backward pass), so the recipe
+        expects those collectives too. ``"heads"``: no latent rule (the heads split, the
+        latent replicated: every built-in recipe's layout).
+
+        Raises:
+          ShardingError: an unknown layout, or ``"split"`` on a recipe whose rules put
+            ``heads`` on no mesh axis.
+
+        Example:
+          >>> from shardkit import recipes
+          >>> tp_latent = recipes.get("tp").with_latent("split")
+          >>> tp_latent.name, tp_latent.rules.spec(("embed", "kv_latent"))
+          ('tp_latent', P(None, 'tensor'))
+          >>> tp_latent.with_latent("heads").rules == recipes.get("tp").rules
+          True
+        """
+        if layout not in ("heads", "split"):
+            raise ShardingError(
+                f"Recipe {self.name!r}: with_latent takes 'heads' or 'split', got {layout!r}.\n"
+                "Fix: with_latent('split') splits the latent over the heads' axis."
+            )
+        names = ("kv_latent", "q_latent")
+        heads = _axes_of(self.rules, "heads")
+        if layout == "split" and not heads:
+            raise ShardingError(
+                f"Recipe {self.name!r}: with_latent('split') splits the latent over the axes "
+                f"the heads are on, but its rules put 'heads' on none ({list(self.rules.pairs())}"
+                ").\nFix: start from a tensor-parallel recipe (tp, tp_sp, fsdp_tp, ep_tp)."
+            )
+        entry = heads[0] if len(heads) == 1 else tuple(heads)
+
+        def rewrite(rules: Rules | None) -> Rules | None:
+            if rules is None:
+                return None
+            kept = [(n, a) for n, a in rules if n not in names]
+            added = [(n, entry) for n in names] if layout == "split" else []
+            return Rules([*added, *kept], strict=rules.strict)
+
+        base = self.name.removesuffix("_latent")
+        had = any(n in names for n, _ in self.rules)
+        if layout == "split":  # k/v reduce-scattered onto the heads, gathered backward
+            collectives = self.collectives | {"reduce-scatter", "all-gather"}
+        else:
+            collectives = None if had else self.collectives
+        return dataclasses.replace(
+            self,
+            name=f"{base}_latent" if layout == "split" else base,
+            rules=rewrite(self.rules),
+            optimizer_rules=rewrite(self.optimizer_rules),
+            activation_rules=rewrite(self.activation_rules),
+            optional_names=self.optional_names | set(names),
+            collectives=collectives,
+        )
+
     def with_mesh(self, axes: Mapping[str, int]) -> Recipe:
         """The same recipe on other mesh sizes (new axes go last).
 

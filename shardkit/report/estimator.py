@@ -48,6 +48,7 @@ from shardkit import recipes
 from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.nn.loss import LOGITS, auto_chunks
+from shardkit.report import analytic_moe
 from shardkit.report.analytic import analytic_costs, workload_of
 from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
 from shardkit.report.pipeline_analytic import in_flight
@@ -157,6 +158,9 @@ def saved_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool 
       (``2·a·s``), and six MLP-width values (the input matmuls, the activation's
       intermediates, its output): ``6h + (q + 2k + 2q + 2as + 6f)/t``.
 
+    A mixture-of-experts MLP's values replace the MLP's
+    (:func:`shardkit.report.analytic_moe.mlp_values`).
+
     Example:
       >>> d = ModelDims(layers=1, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256, vocab=256)
       >>> saved_values(d, "full", seq=128), saved_values(d, "save_dots", seq=128)
@@ -172,9 +176,15 @@ def saved_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool 
     x = h / t if sp else h
     if remat == "full":
         return float(x)
+    # a mixture of experts: its MLP's values instead (analytic_moe.mlp_values)
+    moe = analytic_moe.mlp_values(dims, remat, seq=seq, t=t) if dims.n_experts else None
     if remat == "save_dots":
+        if moe is not None:
+            return float(2 * x + (q + 2 * k) / t + moe)
         return float(2 * x + (q + 2 * k + f_in) / t)
     scores = 2 * dims.n_heads * seq
+    if moe is not None:
+        return float(6 * x + (q + 2 * k + 2 * q + scores) / t + moe)
     return float(6 * x + (q + 2 * k + 2 * q + scores + 6 * dims.d_ff) / t)
 
 
@@ -186,12 +196,19 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
     return math.prod(mesh.get(n, 1) for n in names)
 
 
-def _uncovered(dims: ModelDims, par: Any, pipeline: Mapping[str, Any] | None) -> str | None:
+def _uncovered(
+    dims: ModelDims, par: Any, pipeline: Mapping[str, Any] | None, recipe: Any
+) -> str | None:
     """What of the step the estimator has no terms for (``None``: it covers it all)."""
-    if dims.n_experts:
+    if dims.kv_latent:
         return (
-            f"a mixture of experts ({dims.n_experts} experts; expert state and dispatch are "
-            "not among its terms)"
+            f"multi-head latent attention (kv_latent={dims.kv_latent}; its projections and "
+            "saved values are not grouped-query attention's terms)"
+        )
+    if dims.n_experts and (par.stage > 1 or recipe.attention != "dense" or par.tsp > 1):
+        return (
+            f"a mixture of experts ({dims.n_experts} experts) under a pipeline, ring or "
+            "TSP layout (its expert terms are judged on the expert-parallel recipes)"
         )
     if pipeline is not None and par.stage == 1:
         return f"pipeline={dict(pipeline)} on a mesh without a 'stage' axis"
@@ -291,7 +308,7 @@ def estimate(
     if not isinstance(batch, int) or not isinstance(seq, int) or batch < 1 or seq < 1:
         raise ShardingError(f"estimate(batch={batch!r}, seq={seq!r}): positive ints, please.")
     par = recipe.parallelism(sizes)
-    uncovered = _uncovered(dims, par, pipeline)
+    uncovered = _uncovered(dims, par, pipeline, recipe)
     if uncovered:
         raise ShardingError(
             f"estimate: the estimator does not cover {recipe.name} on {sizes}: {uncovered}.\n"
@@ -325,6 +342,19 @@ def estimate(
             f"({str(e).splitlines()[0]}).\nFix: compile it with `shardkit report` "
             "(sk.report.build_report) for its measured figures."
         ) from e
+    if dims.n_experts:  # the experts' state split over their axis, the dispatch's wire
+        base = analytic_moe.with_experts(
+            base,
+            dims,
+            recipe,
+            sizes,
+            batch=batch,
+            seq=seq,
+            remat=remat,
+            param_bytes=nb * psi,
+            optimizer_bytes=2 * nb * psi,
+            bytes_per_value=2 if precision == "bf16" else 4,
+        )
     mem = base.memory
     fit = {**FIT, **(fit or {})}
     act = fit["bf16_activation_bytes"] if precision == "bf16" else 4
@@ -392,12 +422,21 @@ def estimate(
     copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
     stack_shard = shard * dims.stack_params / dims.param_count
     layer_grad = dims.layer_params * nb / t
+    dense_layer = dims.layer_params
+    if dims.n_experts:  # the experts' share split as their rules split them
+        esplit = analytic_moe.expert_split(recipe, sizes)
+        dense_layer = dims.layer_params - dims.expert_params
+        experts = dims.expert_params * nb / esplit
+        stack_shard = dims.layers * (dense_layer * nb / (t * f) + experts)
+        layer_grad = dense_layer * nb / t + experts
+        if par.expert == 1:  # experts gathered with the rest (fsdp)
+            dense_layer = dims.layer_params
     rest = (dims.param_count - dims.stack_params) * nb / t
     table_grads = dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp))
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     gathered = 0.0
     if f > 1 or tsp > 1:
-        gathered = fit["gathered_weight_copies"] * dims.layer_params * nb / t
+        gathered = fit["gathered_weight_copies"] * dense_layer * nb / t
     notes.append(
         f"backward layer: {fit['backward_layer_fraction']:g} × {tokens:g} tokens × "
         f"{none_values:g} values; gradients: {fit['gradient_copies']:g} × the shard + one "

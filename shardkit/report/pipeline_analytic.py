@@ -110,8 +110,8 @@ def pipeline_costs(
     bubble = bubble_fraction(schedule, p, m, v)
     ticks = v * m + p - 1  # ticks with forward work; as many with backward work
     sends = 1
-    if schedule == "zbv":  # the V's forwards span 2m + 2p − 2 chunk ticks, each sent both ways
-        ticks, sends = 2 * m + 2 * p - 2, 2
+    if schedule == "zbv":  # the V's forwards span 2m + 2p − 2 chunk ticks
+        ticks = 2 * m + 2 * p - 2
     stage_bytes = stack_param_bytes / p
     units = 1 if unit is None else math.ceil(m / unit)
     f_share = (fsdp - 1) / fsdp

@@ -315,10 +315,21 @@ def read_compiled(
                 # the vocabulary tables among the parameters: 1 tied (GPT), 2 untied
                 **({"vocab_tables": dims.vocab_tables} if dims is not None else {}),
             )
+            if dims is not None and dims.n_experts:  # before the phases: their state
+                analytic = analytic_moe.with_experts(
+                    analytic,
+                    dims,
+                    recipe,
+                    mesh,
+                    batch=workload.batch,
+                    seq=workload.seq or 0,
+                    remat=workload.remat or "none",
+                    param_bytes=full["param"],
+                    optimizer_bytes=full["optimizer"],
+                    bytes_per_value=2 if workload.precision == "bf16" else 4,
+                )
             if dims is not None:  # a chunked head: the step's phases set the total
                 analytic = with_phases(analytic, dims, recipe, mesh, workload)
-            if dims is not None and dims.n_experts:
-                analytic = _with_experts(analytic, dims, recipe, mesh, workload, full)
         except ShardingError as e:  # a layout the analytic model does not cover
             notes.append(f"no analytic model: {' '.join(str(e).split())}")
     logical_names = {n for r in rows for n in r.logical if n}
@@ -381,64 +392,6 @@ def read_compiled(
         estimate=guess,
         logits=recipe.logits,
         wire_terms=tuple(wire),
-    )
-
-
-def _with_experts(analytic, dims, recipe, mesh, workload, full) -> AnalyticModel:
-    """``analytic`` with an MoE model's expert state split as the rules split the experts
-    and the expert dispatch's all-to-alls (:mod:`shardkit.report.analytic_moe`)."""
-    split = analytic_moe.state_split(dims, recipe, mesh)
-    per_device = split["expert"] + split["dense"]
-    per_param = {k: v / dims.param_count for k, v in full.items()}
-    memory = dataclasses.replace(
-        analytic.memory,
-        params=per_param["param"] * per_device,
-        grads=per_param["param"] * per_device,
-        optimizer=per_param["optimizer"] * per_device,
-    )
-    nb = 2 if workload.precision == "bf16" else 4
-    moved = analytic_moe.dispatch_bytes(
-        dims,
-        recipe,
-        mesh,
-        batch=workload.batch,
-        seq=workload.seq or 0,
-        bytes_per_value=nb,
-        remat=workload.remat or "none",
-    )
-    wire, terms = dict(analytic.wire_bytes_by_kind), dict(analytic.wire_terms)
-    par = recipe.parallelism(mesh)
-    if par.expert > 1:
-        # Experts split over an axis that splits the batch too are never gathered nor
-        # reduced over it (their tokens travel instead): the weight and gradient terms
-        # of the dense model apply to the dense share of the parameters only.
-        share = 1 - dims.layers * dims.expert_params / dims.param_count
-        for term, kind in (
-            ("weight all-gathers", "all-gather"),
-            ("gradient reductions", "reduce-scatter" if par.fsdp > 1 else "all-reduce"),
-        ):
-            if term in terms:
-                delta = terms[term] * (1 - share)
-                terms[term] -= delta
-                wire[kind] = max(0.0, wire.get(kind, 0.0) - delta)
-    notes = [
-        f"experts: {dims.layers}·{dims.expert_params:,} parameters split over "
-        f"{analytic_moe.expert_split(recipe, mesh)} devices, the dense "
-        f"{dims.param_count - dims.layers * dims.expert_params:,} as the dense model"
-    ]
-    if moved:
-        wire["all-to-all"] = wire.get("all-to-all", 0.0) + moved
-        terms["expert dispatch"] = moved
-        notes.append(
-            f"expert dispatch: {dims.layers} layers × 4 all-to-alls (6 under full remat) of "
-            f"E·b·C·d·{nb} bytes, C = {analytic_moe.capacity(dims, workload.seq or 0)}"
-        )
-    return dataclasses.replace(
-        analytic,
-        memory=memory,
-        wire_bytes_by_kind=wire,
-        wire_terms=terms,
-        notes=(*analytic.notes, *notes),
     )
 
 

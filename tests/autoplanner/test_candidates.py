@@ -84,3 +84,21 @@ def test_a_logits_layout_shows_in_the_label_and_survives_json():
     c = Candidate("fsdp", (("fsdp", 8),), "full", None, "f32", "vocab")
     assert Candidate.from_json(c.to_json()) == c
     assert c.label == "fsdp fsdp=8 remat=full logits=vocab f32"
+
+
+def test_the_expert_axis_takes_each_size_dividing_the_experts_and_a_dense_model_none():
+    # 64 devices, 8 experts: ep's expert axis 2, 4 or 8 (the rest data; 16, 32, 64 do
+    # not divide 8 experts); ep_tp's expert × tensor (× data) likewise.
+    cands = enumerate_candidates(64, 64, recipe_names=["ep", "ep_tp"], remats=["full"], n_experts=8)
+    for c in cands:
+        sizes = c.mesh_sizes
+        assert 8 % sizes["expert"] == 0 and math.prod(sizes.values()) == 64
+    assert {c.mesh_sizes["expert"] for c in cands if c.recipe == "ep"} == {2, 4, 8}
+    assert {(("data", 8), ("expert", 8))} <= {c.mesh for c in cands}
+    assert (("expert", 8), ("tensor", 8)) in {c.mesh for c in cands}
+    # the data axis splits the batch with the expert axis
+    ep = next(c for c in cands if c.mesh == (("data", 8), ("expert", 8)))
+    assert ep.recipe_object().activation_rules.spec(("batch",))[0] == ("data", "expert")
+    # a dense model: no expert candidates at all
+    dense = enumerate_candidates(64, 64, recipe_names=["dp", "ep", "ep_tp"], remats=["full"])
+    assert {c.recipe for c in dense} == {"dp"}

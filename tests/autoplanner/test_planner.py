@@ -266,3 +266,24 @@ def test_gpt_tiny_ranks_dp_first_and_no_step_beats_its_collectives_latencies(cac
             alpha += count * (3.6e-6 + steps * 0.47e-6) if n > 1 or steps == 1 else 0.0
         assert ranked.estimate.latency_s == pytest.approx(alpha)
         assert ranked.estimate.step_time_s >= alpha
+
+
+def test_an_moe_model_searches_the_expert_axis_and_can_choose_ep(cache):
+    # moe-tiny's whole state is 16 B × 279,872 parameters = 4.27 MiB: over a 4.25 MiB
+    # budget replicated (dp), while ep holds 1/e of the experts' 196,608. The planner
+    # tries every expert axis dividing the 8 experts (the rest of the devices data).
+    budget = 4.25 * MIB
+    result = plan("moe-tiny", cache, recipes=["dp", "ep"], memory_per_device=budget, max_compiles=1)
+    considered = [r.candidate for r in result.rejected] + [r.candidate for r in result.candidates]
+    meshes = {c.mesh for c in considered if c.recipe == "ep"}
+    assert meshes == {
+        (("expert", 8),),
+        (("data", 2), ("expert", 4)),
+        (("data", 4), ("expert", 2)),
+    }
+    dp = [r for r in result.rejected if r.candidate.recipe == "dp"]
+    assert dp and all("over the" in r.reason for r in dp)
+    best = result.best
+    assert best.candidate.recipe == "ep" and best.evidence.memory["total"] <= budget
+    split = best.candidate.mesh_sizes["expert"]
+    assert f"(1/{split} of " in best.reason and "all-to-all" in best.reason

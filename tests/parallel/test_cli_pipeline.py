@@ -151,3 +151,20 @@ def test_run_interleaved_trains_as_one_device_and_saves_in_layer_order(
     resumed = run(*pp, "--schedule", "1f1b", "--checkpoint-dir", ckpt, "--resume", steps=3)
     assert resumed["first_step"] == 2
     np.testing.assert_allclose(resumed["losses"], ref[2:], rtol=1e-5)
+
+
+def test_zero_bubble_flags_run_rolled_and_train_as_one_device(gpt_tiny_layers, capsys):
+    plan = sk.Plan("zeropp", devices=jax.devices()[:8])
+    opts = cli.for_plan(plan, cli.options(parse("--schedule", "zbv")))
+    assert (opts["rolled"], opts["virtual_stages"], opts["stack_order"]) == (True, 2, "layers")
+    assert cli.for_plan(plan, cli.options(parse("--schedule", "zb1")))["rolled"] is True
+    gpt_tiny_layers(4)  # zbv: 2 stages × 2 chunks
+
+    def run(*flags):
+        argv = ["run", "--model", "gpt-tiny", "--batch", "8", "--seq", "16", "--steps", "2"]
+        assert main([*argv, "--json", "--no-report", *flags]) == 0
+        return json.loads(capsys.readouterr().out)["losses"]
+
+    ref = run("--recipe", "dp", "--devices", "1")
+    got = run("--recipe", "zeropp", "--devices", "8", "--microbatches", "2", "--schedule", "zbv")
+    np.testing.assert_allclose(got, ref, rtol=1e-5)

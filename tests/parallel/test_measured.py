@@ -165,8 +165,8 @@ def test_zero_bubble_memory_against_one_f_one_b():
             {"stage": 4}, schedule, 16, rows=256 * 16, layers=16, rolled=True
         )
         temp[schedule] = compiled.memory_analysis().temp_size_in_bytes
-    # measured: 6.00, 6.63, 6.85 MiB. The 1.1x for zbv is not met: its W ring
-    # (5 slots x 2 layers x 64 KiB = 0.63 MiB) is most of the 0.85 MiB over 1f1b.
+    # measured: 6.00, 6.63, 6.66 MiB. The 1.1x for zbv is just missed (1.11x): its
+    # W ring (5 slots x 2 layers x 64 KiB = 0.63 MiB) is most of the 0.66 MiB over 1f1b.
     assert temp["zbv"] <= 1.2 * temp["1f1b"]
     assert temp["zb1"] <= 1.2 * temp["1f1b"]
     w_ring = 5 * 2 * 256 * 64 * 4  # zbv's w_ring x layers per chunk x one activation
