@@ -42,6 +42,7 @@ from shardkit.packing import (  # noqa: E402
     permute_rows,
     ring_blocks,
 )
+from shardkit.report.flops import compiled_flops  # noqa: E402
 
 N = 8
 
@@ -79,7 +80,7 @@ def main(argv=None) -> int:
     with jax.set_mesh(mesh), activation_rules(rules), use_attention("ring"):
         step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
         compiled = step.lower(q, k, v, ints, ints).compile()
-    flops = float(compiled.cost_analysis().get("flops", 0.0))
+    flops = compiled_flops(compiled).flops  # loops weighted by their trip counts
     rows = []
     for name, ids, pos in layouts(seq):
         blocks = ring_blocks(ids, pos, N)

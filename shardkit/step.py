@@ -31,7 +31,7 @@ PIPELINE_DEFAULTS = types.MappingProxyType(
         "virtual_stages": 1,
         "unit": None,
         "stack_order": "layers",
-        "rolled": False,
+        "rolled": True,
     }
 )
 

@@ -141,8 +141,8 @@ def train_step(
         pipelined step reads the layout from them.
       pipeline: ``{"microbatches", "schedule", "virtual_stages", "unit", "stack_order",
         "rolled"}`` (defaults, ``shardkit.step.PIPELINE_DEFAULTS``: one micro-batch per
-        stage, ``"1f1b"``, 1, one weight gather per step, ``"layers"``, ``False``: a
-        stage's layers unrolled). ``stack_order="interleaved"`` (``interleaved`` schedule): the
+        stage, ``"1f1b"``, 1, one weight gather per step, ``"layers"``, ``True``: a
+        stage's layers in rolled loops; ``False`` unrolls them). ``stack_order="interleaved"`` (``interleaved`` schedule): the
         state's layer stacks are stored in the schedule's order; the step's
         ``to_stored`` / ``to_layers`` convert the state once each way.
       return_grads: the metrics also hold the gradients (tests that compare layouts).

@@ -130,19 +130,20 @@ class Evidence:
 
     memory: dict[str, int]
     flops: float | None
-    collectives: tuple[tuple[str, float, tuple[int, ...]], ...]  # kind, wire bytes, group
+    # kind, wire bytes per step, first group, executions per step, devices per group
+    collectives: tuple[tuple[str, float, tuple[int, ...], int, int], ...]
     memory_terms: tuple[dict, ...] = ()
     explanations: tuple[dict, ...] = ()
 
     @property
     def wire_bytes(self) -> float:
-        return float(sum(w for _, w, _ in self.collectives))
+        return float(sum(c[1] for c in self.collectives))
 
     def to_json(self) -> dict:
         return {
             "memory": self.memory,
             "flops": self.flops,
-            "collectives": [list(c[:2]) + [list(c[2])] for c in self.collectives],
+            "collectives": [[c[0], c[1], list(c[2]), *c[3:]] for c in self.collectives],
             "memory_terms": list(self.memory_terms),
             "explanations": list(self.explanations),
         }
@@ -152,7 +153,9 @@ class Evidence:
         return cls(
             d["memory"],
             d["flops"],
-            tuple((k, w, tuple(g)) for k, w, g in d["collectives"]),
+            tuple(
+                (k, w, tuple(g), *(rest or (1, len(g) or 1))) for k, w, g, *rest in d["collectives"]
+            ),
             tuple(d.get("memory_terms", ())),
             tuple(d.get("explanations", ())),
         )
@@ -345,7 +348,10 @@ def compile_candidate(subject: Subject, candidate: Candidate, devices: list | No
     return Evidence(
         memory=report.memory.to_dict(),
         flops=report.flops,
-        collectives=tuple((c.kind, float(c.wire_bytes), c.group) for c in report.collectives),
+        collectives=tuple(
+            (c.kind, float(c.wire_bytes), c.group, c.count, c.group_size)
+            for c in report.collectives
+        ),
         memory_terms=tuple(t.to_json() for t in report.memory_terms),
         explanations=tuple(
             e.to_json() for e in report.explanations if e.term not in WIRE_TERMS

@@ -8,6 +8,11 @@ inside one node (NVLink, TPU ICI), ``inter_node`` for groups that span nodes
 (InfiniBand). Bandwidths are one direction per device: a ring collective sends
 ``wire_bytes`` each way, so its time is ``wire_bytes / bandwidth``.
 
+Latency (the α of an α–β model), NCCL's own model of a ring collective
+(``src/graph/tuning.cc``, low-latency protocol): a fixed ``collective_latency`` per
+collective plus a per-step latency for each of the ring's steps over the link it
+crosses (``intra_node_latency``: NVLink; ``inter_node_latency``: the network).
+
 The ``cpu`` entry is measured on this machine when first used (a matmul and a
 memory copy), since a CPU has no datasheet figure that means anything here.
 
@@ -56,6 +61,10 @@ class Hardware:
       devices_per_node: devices that share the fast links (mesh devices are numbered
         so that devices ``k·n .. k·n+n−1`` form node ``k``).
       sources: where each number comes from.
+      collective_latency: seconds every collective takes whatever its size (α's base).
+      intra_node_latency, inter_node_latency: seconds per ring step over the node's
+        fast links and across nodes (a ring all-reduce of ``n`` takes ``2(n − 1)``
+        steps, an all-gather or reduce-scatter ``n − 1``, a permute one).
     """
 
     name: str
@@ -66,6 +75,9 @@ class Hardware:
     inter_node_bandwidth: float
     devices_per_node: int
     sources: tuple[str, ...] = ()
+    collective_latency: float = 0.0
+    intra_node_latency: float = 0.0
+    inter_node_latency: float = 0.0
 
     def peak_flops(self, precision: str) -> float:
         """Dense matmul peak for ``precision`` (``"f32"`` or ``"bf16"``)."""
@@ -74,10 +86,28 @@ class Hardware:
     def bandwidth(self, crosses_nodes: bool) -> float:
         return self.inter_node_bandwidth if crosses_nodes else self.intra_node_bandwidth
 
+    def step_latency(self, crosses_nodes: bool) -> float:
+        """Seconds per ring step over the link (α per link kind)."""
+        return self.inter_node_latency if crosses_nodes else self.intra_node_latency
+
     def with_(self, **changes) -> Hardware:
         """A copy with some numbers changed (``get("h100").with_(inter_node_bandwidth=5e9)``)."""
         return dataclasses.replace(self, **changes)
 
+
+US = 1e-6
+# NCCL's tuning model, src/graph/tuning.cc (NVIDIA/nccl): baseLat of the Ring algorithm
+# with the LL protocol 3.6 µs; hwLat of a ring step, LL protocol: NVLink 0.47 µs, NET
+# (InfiniBand) 2.7 µs. A ring all-reduce over 8 GPUs of a node: 3.6 + 14 · 0.47 ≈ 10 µs.
+_NCCL_LATENCY = {
+    "collective_latency": 3.6 * US,
+    "intra_node_latency": 0.47 * US,
+    "inter_node_latency": 2.7 * US,
+}
+_NCCL_SOURCE = (
+    "NCCL's tuning model (src/graph/tuning.cc): a ring collective's latency is 3.6 µs "
+    "plus 0.47 µs per ring step over NVLink, 2.7 µs per step over the network (LL protocol)"
+)
 
 _NV_DGX_H100 = (
     "NVIDIA DGX H100 user guide: 8 GPUs per node, 8x ConnectX-7 400 Gb/s InfiniBand "
@@ -98,7 +128,9 @@ HARDWARE: dict[str, Hardware] = {
             "989 TFLOP/s with sparsity, half that dense; 80 GB HBM3",
             "same datasheet: NVLink 900 GB/s per GPU (both directions): 450 GB/s one way",
             _NV_DGX_H100,
+            _NCCL_SOURCE,
         ),
+        **_NCCL_LATENCY,
     ),
     "h200": Hardware(
         "h200",
@@ -113,7 +145,9 @@ HARDWARE: dict[str, Hardware] = {
             "989 TFLOP/s with sparsity, half that dense; 141 GB HBM3e",
             "same datasheet: NVLink 900 GB/s per GPU (both directions): 450 GB/s one way",
             "NVIDIA DGX H200 datasheet: 8 GPUs, 8x ConnectX-7 400 Gb/s: 50 GB/s one way",
+            _NCCL_SOURCE,
         ),
+        **_NCCL_LATENCY,
     ),
     "a100": Hardware(
         "a100",
@@ -128,7 +162,9 @@ HARDWARE: dict[str, Hardware] = {
             "156 TFLOP/s dense; 80 GB HBM2e",
             "same datasheet: NVLink 600 GB/s per GPU (both directions): 300 GB/s one way",
             "NVIDIA DGX A100 user guide: 8 GPUs, 8x ConnectX-6 200 Gb/s HDR: 25 GB/s one way",
+            _NCCL_SOURCE,
         ),
+        **_NCCL_LATENCY,
     ),
     "tpu-v5p": Hardware(
         "tpu-v5p",
@@ -145,6 +181,7 @@ HARDWARE: dict[str, Hardware] = {
             "same page: a slice of up to 8,960 chips is one ICI 3D torus (no slower tier "
             "inside a slice; DCN between slices is not modelled)",
             "f32 matmuls at JAX's default precision run as one bf16 pass on TPU",
+            "no published per-collective latency for ICI: latency left at 0 (bandwidth only)",
         ),
     ),
 }
@@ -176,6 +213,7 @@ def _measured_cpu() -> Hardware:
             f"measured: a 16 MiB memory copy ran at {copy / GB:.1f} GB/s (emulated devices "
             "share one host: every collective is a copy)",
             "16 GiB per emulated device is a nominal budget (pass --memory-gb)",
+            "latency not measured (emulated devices' collectives are copies in one process): 0",
         ),
     )
 

@@ -110,6 +110,8 @@ class Ranked:
             "compute_s": self.estimate.compute_s,
             "intra_node_comm_s": self.estimate.intra_node_s,
             "inter_node_comm_s": self.estimate.inter_node_s,
+            "collective_latency_s": self.estimate.latency_s,
+            "pipeline_ticks_s": self.estimate.ticks_s,
             "mfu": self.estimate.mfu,
             "reason": self.reason,
         }
@@ -315,11 +317,17 @@ def _explain(r: Ranked, best: Ranked, budget: float) -> str:
         what, extra = "inter-node communication", e.comm_s - b.step_time_s
     else:
         what, extra = "intra-node communication", e.comm_s - b.step_time_s
+    executions = sum(c[3] if len(c) > 3 else 1 for c in r.evidence.collectives)
+    latency = f"{_human_seconds(e.latency_s)} of it the latency of {executions} collectives"
     why = {
-        "compute": "recomputes the forward (remat)"
+        "compute": f"its pipeline's ticks wait on their neighbours ({_human_seconds(e.ticks_s)})"
+        if e.ticks_s >= 0.5 * e.compute_s
+        else "recomputes the forward (remat)"
         if r.candidate.remat == "full"
         else "more FLOPs per device (replicated work, a pipeline bubble or a slower precision)",
-        "intra-node communication": f"moves {human_bytes(r.evidence.wire_bytes)} per device "
+        "intra-node communication": latency
+        if e.latency_s >= 0.5 * e.comm_s
+        else f"moves {human_bytes(r.evidence.wire_bytes)} per device "
         f"vs {human_bytes(best.evidence.wire_bytes)}",
         "inter-node communication": "sends more of its traffic over the slower inter-node link",
     }[what]
@@ -538,6 +546,7 @@ def _compile_all(subject, name, model, chosen, devices, cache, progress, timeout
         "batch": subject.batch,
         "seq": subject.seq,
         "devices": devices,
+        "evidence": 2,  # collectives with their counts and group sizes; loop-weighted FLOPs
         **versions(),
     }
     out: dict[Candidate, Evidence | Pruned] = {}

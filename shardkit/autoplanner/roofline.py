@@ -1,24 +1,36 @@
 """Step time from a compiled program: a roofline with overlapped communication.
 
-``time = max(compute, Σ_collectives wire_bytes / bandwidth(link))``, where
+``time = max(compute + ticks · tick, Σ_collectives (α + wire_bytes / bandwidth(link)))``,
+where
 
 - ``compute = max(flops, useful · r / (1 − bubble)) / peak``: the model's useful
   FLOPs per device (below), times ``r = 4/3`` under full remat (one more forward,
   ``2Ψ`` of ``6Ψ``), stretched by the pipeline bubble ``(p−1)/(m+p−1)`` (GPipe and
-  1F1B), at the precision's dense peak. XLA's own FLOPs (``flops``) are a floor, not
-  the estimate: its cost analysis counts a while loop's body once, so a scanned layer
-  stack is under-counted (measured: gpt-tiny's scanned 2- and 4-layer stacks report
-  the same FLOPs; unrolled, they match the formula below within 0.1 %);
+  1F1B), at the precision's dense peak. The compiled program's FLOPs (``flops``, XLA's
+  cost analysis with each while loop weighted by its trip count,
+  :mod:`shardkit.report.flops`) are a floor: they hold the useful work plus elementwise
+  work the formula leaves out (measured: gpt-tiny's 4 scanned layers, 1.10x the formula
+  below);
 - each collective's link is the node's fast link when its first replica group sits in
-  one node (devices ``k·n .. k·n+n−1``), the inter-node link otherwise.
+  one node (devices ``k·n .. k·n+n−1``), the inter-node link otherwise;
+- ``α`` is each execution's latency, NCCL's ring model (:mod:`shardkit.autoplanner.hardware`):
+  ``collective_latency + steps · step_latency(link)``, with ``2(n − 1)`` steps for an
+  all-reduce over ``n`` devices, ``n − 1`` for an all-gather, reduce-scatter or
+  all-to-all, one for a collective-permute;
+- a pipeline runs its schedule's ticks in lock-step, and a tick cannot start before its
+  neighbour's activations arrive: each tick adds one point-to-point latency
+  (``collective_latency + step_latency`` of the stage link) to the critical path, not
+  hidden behind compute (``tick``, ``ticks`` the 1F1B schedule's ``m + 2p − 2``).
 
 Overlap assumption, stated once: full. XLA's GPU and TPU schedulers run collectives
 asynchronously beside independent compute, and the estimate assumes all of it
 hides; it is a lower bound (a tensor-parallel all-reduce that the next matmul waits
 for does not really hide). ``no_overlap_s`` (compute plus communication) is the
 upper bound; both are in the JSON. The same assumption holds for every candidate,
-so the ranking compares layouts by their larger side: FLOPs (with remat and the
-pipeline bubble) or bytes on the slowest link they use.
+so the ranking compares layouts by their larger side: FLOPs (with remat, the pipeline
+bubble and ticks) or bytes and latencies on the links they use. Latency is what ranks a
+small model: gpt-tiny's step is microseconds of FLOPs, and a layout's collectives and
+ticks, not its bytes, decide it.
 
 MFU is the model's useful FLOPs (PaLM's ``6Ψ + 12·L·d·s`` per token, Chowdhery et al.
 2022, appendix B; ``6Ψ`` per token for a model without known dimensions) per device,
@@ -38,7 +50,15 @@ import dataclasses
 from shardkit.autoplanner.hardware import Hardware
 from shardkit.parallel.schedules import bubble_fraction
 
-__all__ = ["Estimate", "estimate", "crosses_nodes", "model_flops", "bubble"]
+__all__ = [
+    "Estimate",
+    "estimate",
+    "crosses_nodes",
+    "model_flops",
+    "bubble",
+    "latency",
+    "ring_steps",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +70,8 @@ class Estimate:
     intra_node_s: float
     inter_node_s: float
     mfu: float
+    latency_s: float = 0.0  # the collectives' α, included in intra_node_s + inter_node_s
+    ticks_s: float = 0.0  # the pipeline ticks' latency, included in compute_s
 
     @property
     def no_overlap_s(self) -> float:
@@ -68,6 +90,27 @@ def crosses_nodes(group: tuple[int, ...], devices_per_node: int) -> bool:
 def bubble(stages: int, microbatches: int) -> float:
     """Idle fraction of a 1F1B pipeline (the schedule the planner runs)."""
     return bubble_fraction("1f1b", stages, microbatches) if stages > 1 else 0.0
+
+
+def ring_steps(kind: str, group_size: int) -> int:
+    """Steps of a ring collective over ``group_size`` devices (NCCL's ring algorithm).
+
+    Example:
+      >>> ring_steps("all-reduce", 8), ring_steps("all-gather", 8), ring_steps("collective-permute", 8)
+      (14, 7, 1)
+    """
+    if kind == "collective-permute":
+        return 1
+    n = max(group_size, 1)
+    return 2 * (n - 1) if kind == "all-reduce" else n - 1
+
+
+def latency(kind: str, group_size: int, crosses: bool, hardware: Hardware) -> float:
+    """Seconds one execution of a collective takes whatever its bytes (α)."""
+    if group_size <= 1 and kind != "collective-permute":
+        return 0.0
+    steps = ring_steps(kind, group_size)
+    return hardware.collective_latency + steps * hardware.step_latency(crosses)
 
 
 def model_flops(
@@ -98,8 +141,10 @@ def estimate(
     """The roofline :class:`Estimate` of one device's step.
 
     Args:
-      flops: XLA's FLOPs per device for the step.
-      collectives: ``(kind, wire_bytes, first_group)`` triples.
+      flops: the compiled step's FLOPs per device, loops weighted by their trip counts.
+      collectives: ``(kind, wire_bytes, first_group[, count, group_size])``: wire bytes
+        per step, executions per step (default 1) and devices per group (default: the
+        first group's, else every device).
       hardware: the accelerator and its links.
       precision: ``"f32"`` or ``"bf16"`` (picks the peak).
       useful_flops: the model's useful FLOPs per device.
@@ -111,12 +156,26 @@ def estimate(
     idle = bubble(stages, microbatches or 1)
     recompute = 4 / 3 if remat == "full" else 1.0
     compute = max(flops, useful_flops * recompute / (1 - idle)) / peak
-    intra = inter = 0.0
+    intra = inter = alpha = 0.0
+    stage_crosses = False
     everything = tuple(range(devices))
-    for _, wire, group in collectives:
-        if crosses_nodes(group or everything, hardware.devices_per_node):
-            inter += wire / hardware.inter_node_bandwidth
+    for kind, wire, group, *rest in collectives:
+        count = rest[0] if rest else 1
+        size = rest[1] if len(rest) > 1 else len(group or everything)
+        crosses = crosses_nodes(group or everything, hardware.devices_per_node)
+        a = count * latency(kind, size, crosses, hardware)
+        alpha += a
+        if kind == "collective-permute":
+            stage_crosses = stage_crosses or crosses
+        if crosses:
+            inter += wire / hardware.inter_node_bandwidth + a
         else:
-            intra += wire / hardware.intra_node_bandwidth
+            intra += wire / hardware.intra_node_bandwidth + a
+    ticks = 0.0
+    if stages > 1:
+        n_ticks = (microbatches or stages) + 2 * stages - 2  # 1F1B's ticks
+        ticks = n_ticks * latency("collective-permute", 2, stage_crosses, hardware)
+    compute += ticks
     total = max(compute, intra + inter)
-    return Estimate(total, compute, intra, inter, useful_flops / (total * peak) if total else 0.0)
+    mfu = useful_flops / (total * peak) if total else 0.0
+    return Estimate(total, compute, intra, inter, mfu, alpha, ticks)

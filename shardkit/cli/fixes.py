@@ -59,7 +59,14 @@ __all__ = [
 Edit = Mapping[str, "str | None"]
 
 #: The pipeline flags (``shardkit.parallel.cli``), dropped together.
-PIPELINE_FLAGS = ("--microbatches", "--schedule", "--virtual-stages", "--unit", "--rolled")
+PIPELINE_FLAGS = (
+    "--microbatches",
+    "--schedule",
+    "--virtual-stages",
+    "--unit",
+    "--rolled",
+    "--unrolled",
+)
 
 #: At most this many command lines are checked for one error (each may lay out a model).
 _MAX_TRIES = 32

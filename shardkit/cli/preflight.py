@@ -98,6 +98,14 @@ def _check_attention(args: argparse.Namespace, plan: Any) -> None:
         )
 
 
+def _flag_given(args: argparse.Namespace, flag: str) -> bool:
+    """Whether a pipeline flag is on the command line (``--rolled`` / ``--unrolled`` set
+    one value, ``rolled``, each way)."""
+    if flag in ("--rolled", "--unrolled"):
+        return getattr(args, "rolled", None) is (flag == "--rolled")
+    return bool(getattr(args, flag[2:].replace("-", "_"), None))
+
+
 def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) -> None:
     """What the pipelined step checks while it is traced, checked before (as it does)."""
     from shardkit.errors import NotPipelinableError
@@ -111,7 +119,7 @@ def _check_pipeline(args: argparse.Namespace, name: str, model: Any, plan: Any) 
     if stages is None:
         if opts is not None:
             raise NotPipelinableError(
-                f"{' '.join(f for f in PIPELINE_FLAGS if getattr(args, f[2:].replace('-', '_')))}"
+                f"{' '.join(f for f in PIPELINE_FLAGS if _flag_given(args, f))}"
                 f": recipe {name!r} has no 'stage' axis to pipeline over (mesh {mesh})."
             )
         return

@@ -32,7 +32,8 @@ __all__ = ["add_arguments", "for_plan", "options"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """Add ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--unit``, ``--rolled``."""
+    """Add ``--microbatches``, ``--schedule``, ``--virtual-stages``, ``--unit``,
+    ``--rolled`` / ``--unrolled``."""
     g = p.add_argument_group(
         "pipeline (recipes with a 'stage' axis: pp, dp_pp, zeropp, dp_tp_sp_pp)"
     )
@@ -65,8 +66,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rolled",
         action="store_true",
         default=None,
-        help="a stage's layers (and runs of like ticks) in rolled loops: compile time flat "
-        "in depth and micro-batches, one layer rematerialised at a time",
+        help="a stage's layers (and runs of like ticks) in rolled loops (the default): "
+        "compile time flat in depth and micro-batches, one layer rematerialised at a time",
+    )
+    g.add_argument(
+        "--unrolled",
+        dest="rolled",
+        action="store_false",
+        help="a stage's layers and the schedule's ticks unrolled (the engine before rolled "
+        "loops: compile time grows with (m + p)·L/p)",
     )
 
 
@@ -83,8 +91,8 @@ def options(args: argparse.Namespace) -> dict[str, Any] | None:
         "virtual_stages": args.virtual_stages or default_v,
         "unit": args.unit,
     }
-    if getattr(args, "rolled", None):
-        out["rolled"] = True
+    if getattr(args, "rolled", None) is not None:
+        out["rolled"] = args.rolled
     return out
 
 

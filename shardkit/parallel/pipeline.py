@@ -268,7 +268,7 @@ def mesh_value_and_grad(
     stack_order: str = "layers",
     stage_axis: str = STAGE,
     post_grad: Callable[..., tuple[jax.Array, Any, jax.Array]] | None = None,
-    rolled: bool = False,
+    rolled: bool = True,
 ) -> PipelinedGrad:
     """``f(stack, rest, batch) -> (loss, (d_stack, d_rest))``, run as a pipeline.
 
@@ -311,10 +311,11 @@ def mesh_value_and_grad(
         the head's gradient twice, the sum and the new term. Not used with ``auto_axes``
         (a vocabulary split over an axis left to XLA would be resliced per chunk).
       rolled: run a stage's layers in a rolled loop (``lax.scan``, one layer's vjp per
-        iteration) forward and backward, instead of unrolled: the program does not grow
-        with the layers per stage, a backward rematerialises one layer at a time, and each
-        residual is one array ``[ring, L/(p·v), ...]`` per leaf, written in place. XLA's
-        cost analysis counts a loop's body once, so its FLOPs are the layers' ``1/(L/(p·v))``.
+        iteration) forward and backward (the default; ``False``: unrolled): the program
+        does not grow with the layers per stage, a backward rematerialises one layer at
+        a time, and each residual is one array ``[ring, L/(p·v), ...]`` per leaf, written
+        in place. XLA's ``cost_analysis()`` counts a loop's body once;
+        :func:`shardkit.report.flops.compiled_flops` weights it by its trip count.
 
     Returns:
       the loss (the mean over the whole batch) and the gradients of ``stack`` and ``rest``,

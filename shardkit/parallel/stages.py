@@ -57,7 +57,7 @@ def pipeline_value_and_grad(
     virtual_stages: int = 1,
     unit: int | None = None,
     stack_order: str = "layers",
-    rolled: bool = False,
+    rolled: bool = True,
 ) -> pipeline.PipelinedGrad:
     """``fn(params, batch) -> (loss, grads)`` of ``stages.loss``, run as a pipeline under ``plan``.
 

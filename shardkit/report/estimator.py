@@ -212,8 +212,11 @@ def _uncovered(
         )
     if pipeline is not None and par.stage == 1:
         return f"pipeline={dict(pipeline)} on a mesh without a 'stage' axis"
-    if pipeline is not None and pipeline.get("rolled"):
-        return "the rolled pipeline engine (its terms are the unrolled engine's)"
+    if par.stage > 1 and {**PIPELINE_DEFAULTS, **(pipeline or {})}["rolled"]:
+        return (
+            "the rolled pipeline engine, the default (its terms are the unrolled engine's: "
+            "pass pipeline={'rolled': False} for those)"
+        )
     return None
 
 

@@ -2,7 +2,8 @@
 
 Compile only (abstract state and batch): memory per device from ``memory_analysis()``
 (arguments + output + temp − alias), wire bytes by kind from
-:func:`shardkit.report.hlo.parse_collectives`, FLOPs from XLA's cost analysis, next to the
+:func:`shardkit.report.hlo.parse_collectives`, FLOPs from XLA's cost analysis with each
+loop weighted by its trip count (:func:`shardkit.report.flops.compiled_flops`), next to the
 analytic bubble, collective-permute and ZeroPP bytes.
 """
 
@@ -15,6 +16,7 @@ import jax
 import numpy as np
 
 from shardkit import train
+from shardkit.report.flops import compiled_flops
 from shardkit.report.hlo import parse_collectives, wire_bytes_by_kind
 from shardkit.report.pipeline_analytic import PipelineCosts, pipeline_costs
 
@@ -54,7 +56,7 @@ def measure(
     virtual_stages: int = 1,
     unit: int | None = None,
     stack_order: str = "layers",
-    rolled: bool = False,
+    rolled: bool = True,
 ) -> PipelineMeasurement:
     """Compile the pipelined step of ``model`` under ``plan`` and read its costs
     (``stack_order="interleaved"``: the abstract state taken as stored in that order)."""
@@ -80,13 +82,12 @@ def measure(
         "alias": ma.alias_size_in_bytes,
     }
     memory["total"] = memory["arguments"] + memory["output"] + memory["temp"] - memory["alias"]
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    flops = compiled_flops(compiled)
     wire = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
     return PipelineMeasurement(
         memory,
         wire,
-        float(cost.get("flops", 0.0)),
+        flops.flops if flops is not None else float("nan"),
         _analytic_for(
             plan,
             model,

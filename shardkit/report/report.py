@@ -2,7 +2,8 @@
 
 Built from a compiled step (:func:`shardkit.report.build_report`): the per-leaf
 table from the plan, memory from ``compiled.memory_analysis()``, collectives from
-the optimized HLO, FLOPs from ``cost_analysis()``, the analytic model of the recipe
+the optimized HLO, FLOPs from XLA's cost analysis with loops weighted by their trip
+counts (:mod:`shardkit.report.flops`), the analytic model of the recipe
 for the step's :class:`~shardkit.workload.Workload`, and lint warnings. A ``Report``
 is data; it renders itself (``print(report)``, rich's ``console.print(report)``,
 ``report.to_json()``) through :mod:`shardkit.report.render`.
@@ -30,6 +31,7 @@ from shardkit.report import analytic_mla, analytic_moe, lint, memory_terms, wire
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.estimator import Estimate, against, estimate
+from shardkit.report.flops import compiled_flops
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
 from shardkit.report.records import (
@@ -241,14 +243,10 @@ def _mesh_axes(spec: Any, ndim: int) -> tuple[tuple[str, ...], ...]:
 
 
 def _compiled_flops(compiled: Any) -> float | None:
-    try:
-        cost = compiled.cost_analysis()
-    except Exception:  # backends without a cost model
-        return None
-    if isinstance(cost, (list, tuple)):
-        cost = cost[0] if cost else {}
-    flops = (cost or {}).get("flops")
-    return float(flops) if flops is not None and flops >= 0 else None
+    """FLOPs per device with each while loop weighted by its trip count
+    (:func:`shardkit.report.flops.compiled_flops`; ``cost_analysis()`` counts a body once)."""
+    got = compiled_flops(compiled)
+    return got.flops if got is not None and got.flops >= 0 else None
 
 
 def read_compiled(

@@ -35,10 +35,11 @@ def plan(model, cache, **kw):
 
 
 def test_a_small_model_on_8_devices_picks_pure_data_parallelism(cache):
-    # Every layout does the same useful FLOPs; with 16k tokens the step is compute-bound
-    # under DP, whose gradient all-reduce (2Ψ) is the least traffic. ZeRO-1 moves as much
-    # (it can only tie, and DP is the simpler layout); FSDP moves 3Ψ; a pipeline idles
-    # for its bubble.
+    # Every layout does the same useful FLOPs; DP's gradient all-reduce (2Ψ) is the least
+    # traffic and the fewest collectives. ZeRO-1 moves as much in more collectives; FSDP
+    # moves 3Ψ; a pipeline idles for its bubble and waits on its ticks. With 16k tokens
+    # the step's FLOPs take 3.9 µs on an H100: DP's three all-reduces' latency (31 µs)
+    # bounds it.
     r = plan(
         "gpt-tiny",
         cache,
@@ -48,7 +49,8 @@ def test_a_small_model_on_8_devices_picks_pure_data_parallelism(cache):
         max_compiles=4,
     )
     assert r.best.candidate.recipe == "dp"
-    assert r.best.estimate.compute_s >= r.best.estimate.comm_s
+    assert r.best.estimate.comm_s >= r.best.estimate.compute_s
+    assert r.best.estimate.latency_s >= 0.5 * r.best.estimate.comm_s
     assert r.best.reason.startswith("fastest")
     assert all(c.reason for c in r.candidates)
 
@@ -105,12 +107,12 @@ def test_a_slow_cross_node_link_keeps_the_heavy_traffic_inside_a_node(cache):
     r = plan("gpt-tiny", cache, hardware=hw, recipes=["dp", "fsdp", "dp_fsdp"])
     best = r.best
     assert best.candidate.mesh_sizes == {"data": 4, "fsdp": 2}
-    inter = sum(w for _, w, g in best.evidence.collectives if crosses_nodes(g, 2))
-    intra = sum(w for _, w, g in best.evidence.collectives if not crosses_nodes(g, 2))
+    inter = sum(w for _, w, g, *_ in best.evidence.collectives if crosses_nodes(g, 2))
+    intra = sum(w for _, w, g, *_ in best.evidence.collectives if not crosses_nodes(g, 2))
     assert intra > inter > 0
     for other in r.candidates[1:]:
         assert (
-            sum(w for _, w, g in other.evidence.collectives if crosses_nodes(g or range(8), 2))
+            sum(w for _, w, g, *_ in other.evidence.collectives if crosses_nodes(g or range(8), 2))
             > inter
         )
 
@@ -240,6 +242,30 @@ def test_candidates_are_ranked_by_the_estimate_and_each_compiled_says_how_far_it
         assert f"{off:+.0%} off the compiled" in c.reason
         assert c.to_json()["estimated_memory_per_device_bytes"] == e.total
     assert any(x.stage == "not compiled" for x in r.rejected)
+
+
+def test_gpt_tiny_ranks_dp_first_and_no_step_beats_its_collectives_latencies(cache):
+    # gpt-tiny's step is microseconds of FLOPs on an H100: latency decides. dp_pp (stage 2
+    # × data 4, m = 2) ranked first at 1.34 µs by bandwidth alone; its four 1F1B ticks each
+    # wait on a neighbour and it runs more collectives than dp's gradient all-reduces.
+    r = plan(
+        "gpt-tiny",
+        cache,
+        memory_per_device=16 * 2**30,
+        recipes=["dp", "dp_pp", "zero1", "fsdp"],
+        max_compiles=4,
+    )
+    assert r.best.candidate.recipe == "dp"
+    assert any(c.candidate.recipe == "dp_pp" for c in r.candidates)
+    for ranked in r.candidates:
+        # NCCL's ring model by hand (3.6 µs + 0.47 µs per NVLink step; one node of 8):
+        # 2(n - 1) steps for an all-reduce, n - 1 for a gather or scatter, 1 for a permute.
+        alpha = 0.0
+        for kind, _, _, count, n in ranked.evidence.collectives:
+            steps = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
+            alpha += count * (3.6e-6 + steps * 0.47e-6) if n > 1 or steps == 1 else 0.0
+        assert ranked.estimate.latency_s == pytest.approx(alpha)
+        assert ranked.estimate.step_time_s >= alpha
 
 
 def test_an_moe_model_searches_the_expert_axis_and_can_choose_ep(cache):

@@ -75,3 +75,59 @@ def test_every_hardware_number_has_a_source():
 def test_unknown_hardware_names_the_known_ones():
     with pytest.raises(ShardingError, match="h100.*tpu-v5p"):
         get("h1000")
+
+
+LAT = HW.with_(collective_latency=3.0, intra_node_latency=0.5, inter_node_latency=2.0)
+
+
+def test_each_collective_pays_its_ring_latency_by_hand():
+    collectives = [
+        ("all-reduce", 20.0, (0, 1, 2, 3), 5, 4),  # 5 runs of 2·3 steps in a node
+        ("all-gather", 4.0, (0, 4), 2, 2),  # 2 runs of 1 step across nodes
+        ("collective-permute", 1.0, (0, 1), 3, 2),  # 3 runs of 1 step in a node
+    ]
+    e = estimate(
+        flops=0.0,
+        collectives=collectives,
+        hardware=LAT,
+        precision="f32",
+        useful_flops=0.0,
+        devices=8,
+    )
+    intra_alpha = 5 * (3.0 + 6 * 0.5) + 3 * (3.0 + 1 * 0.5)
+    inter_alpha = 2 * (3.0 + 1 * 2.0)
+    assert e.latency_s == pytest.approx(intra_alpha + inter_alpha)
+    assert e.intra_node_s == pytest.approx(21.0 / 10.0 + intra_alpha)
+    assert e.inter_node_s == pytest.approx(4.0 / 1.0 + inter_alpha)
+    assert e.step_time_s >= e.latency_s
+
+
+def test_a_pipeline_tick_waits_for_its_neighbour_by_hand():
+    # 1F1B on p = 2, m = 4: m + 2p - 2 = 6 ticks, each a one-step exchange in a node.
+    e = estimate(
+        flops=0.0,
+        collectives=[("collective-permute", 0.0, (0, 1), 6, 2)],
+        hardware=LAT,
+        precision="f32",
+        useful_flops=0.0,
+        devices=4,
+        stages=2,
+        microbatches=4,
+    )
+    assert e.ticks_s == pytest.approx(6 * (3.0 + 0.5))
+    assert e.compute_s == pytest.approx(e.ticks_s)  # no FLOPs: only the ticks
+    assert e.step_time_s == pytest.approx(6 * 3.5)  # the permutes' α hide behind them
+
+
+def test_nccl_latency_on_a_gpu_node():
+    # NCCL's ring model, 8 GPUs of an H100 node: 3.6 µs + 14 steps · 0.47 µs ≈ 10.2 µs
+    # per all-reduce.
+    e = estimate(
+        flops=0.0,
+        collectives=[("all-reduce", 0.0, tuple(range(8)), 1, 8)],
+        hardware=get("h100"),
+        precision="bf16",
+        useful_flops=0.0,
+        devices=8,
+    )
+    assert e.step_time_s == pytest.approx(10.18e-6)

@@ -39,7 +39,8 @@ def test_a_model_without_dims_is_told_what_to_declare(capsys):
 
 
 def test_pipeline_flags_reach_the_estimate(capsys):
-    argv = ["estimate", "--recipe", "dp_pp", "--seq", "64", "--json"]
+    # The estimator's terms are the unrolled engine's; the rolled default it refuses.
+    argv = ["estimate", "--recipe", "dp_pp", "--seq", "64", "--json", "--unrolled"]
     assert main([*argv, "--microbatches", "2"]) == 0
     two = json.loads(capsys.readouterr().out)
     assert main([*argv, "--microbatches", "8"]) == 0
@@ -48,3 +49,6 @@ def test_pipeline_flags_reach_the_estimate(capsys):
     # 1F1B on 2 stages holds min(m, 3) micro-batches of 8/(4·m) rows: 2 × 1 against 3 × 1/4.
     saved = "saved activations"
     assert two["terms"][saved] / eight["terms"][saved] == 2 / 0.75
+    assert main(argv[:-1]) != 0
+    err = capsys.readouterr().err
+    assert "rolled pipeline engine, the default" in err and "'rolled': False" in err

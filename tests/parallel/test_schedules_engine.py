@@ -204,7 +204,9 @@ def test_zero_bubble_bad_input_names_numbers_and_fix():
     with pytest.raises(schedules.UnitError, match=r"unit=3(.|\n)*Fix: unit=2 .*\[1, 2, 4, 8\]"):
         pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=8, unit=3)
     with pytest.raises(schedules.PipelineError, match=r"rolled=False(.|\n)*Fix: rolled=True"):
-        pipeline.mesh_value_and_grad(layer, pre, post, mesh=mesh, microbatches=4, schedule="zb1")
+        pipeline.mesh_value_and_grad(
+            layer, pre, post, mesh=mesh, microbatches=4, schedule="zb1", rolled=False
+        )
     with pytest.raises(schedules.PipelineError, match="zbv.*stack_order='interleaved'"):
         pipeline.mesh_value_and_grad(
             layer, pre, post, mesh=mesh, microbatches=4, schedule="zbv",

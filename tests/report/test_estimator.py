@@ -79,8 +79,11 @@ def test_ulysses_keeps_no_other_ranks_kv_and_usp_only_its_rings(tiny):
 
 def test_a_pipeline_stage_holds_its_items_in_flight(tiny):
     kw = dict(mesh={"stage": 2, "data": 4}, batch=16, seq=64, remat="full")
-    one = estimate("dp_pp", tiny, pipeline={"microbatches": 2, "schedule": "1f1b"}, **kw)
-    gpipe = estimate("dp_pp", tiny, pipeline={"microbatches": 4, "schedule": "gpipe"}, **kw)
+    # The estimator's terms are the unrolled engine's (rolled=False).
+    one = estimate("dp_pp", tiny, pipeline={"microbatches": 2, "rolled": False}, **kw)
+    gpipe = estimate(
+        "dp_pp", tiny, pipeline={"microbatches": 4, "schedule": "gpipe", "rolled": False}, **kw
+    )
     # 1F1B on 2 stages with 2 micro-batches of 2 rows: 2 in flight × 1 layer × 2·64·64·4;
     # gpipe with 4 of 1 row holds all 4: the same bytes.
     assert one.terms["saved activations"] == 2 * 1 * 2 * 64 * 64 * 4
@@ -111,7 +114,8 @@ def test_terms_add_up_and_name_the_reports_terms(tiny):
     from shardkit.report.memory_terms import TERMS
 
     for recipe in ("dp", "fsdp", "tp_sp", "tsp", "dp_pp"):
-        e = estimate(recipe, tiny, devices=8, batch=8, seq=64, remat="full")
+        pipeline = {"rolled": False} if recipe == "dp_pp" else None  # the unrolled engine's
+        e = estimate(recipe, tiny, devices=8, batch=8, seq=64, remat="full", pipeline=pipeline)
         assert set(e.terms) <= set(TERMS)
         assert sum(e.terms.values()) == pytest.approx(e.temp)
         assert e.total == e.arguments + e.temp
@@ -169,8 +173,9 @@ def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
     # recipe; these are a dense layout each way of remat and a pipeline.
     model = models.get("gpt-tiny", remat=remat)
     plan = sk.Plan(recipe)
-    compiled = sk.report.build_report(plan, model=model, batch=8, seq=64).memory
-    e = estimate(plan, model, batch=8, seq=64)
+    pipeline = {"rolled": False} if recipe == "dp_pp" else None  # the engine it models
+    compiled = sk.report.build_report(plan, model=model, batch=8, seq=64, pipeline=pipeline).memory
+    e = estimate(plan, model, batch=8, seq=64, pipeline=pipeline)
     assert e.total / compiled.total == pytest.approx(1, abs=tolerance)
     assert e.arguments / compiled.arguments == pytest.approx(1, abs=0.06)
 
@@ -204,6 +209,8 @@ def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
     gpt = models.get("gpt-tiny")
     with pytest.raises(sk.ShardingError, match="rolled pipeline engine"):
         estimate("pp", gpt, devices=2, batch=8, seq=32, pipeline={"rolled": True})
+    with pytest.raises(sk.ShardingError, match="rolled pipeline engine, the default"):
+        estimate("pp", gpt, devices=2, batch=8, seq=32)
     with pytest.raises(sk.ShardingError, match="without a 'stage' axis"):
         estimate("fsdp", gpt, devices=8, batch=8, seq=32, pipeline={"microbatches": 2})
     with pytest.raises(sk.ShardingError, match="give one of them"):
