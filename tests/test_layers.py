@@ -1,5 +1,6 @@
 """The import direction is a test: the layers contract in pyproject.toml, and no import
-inside a function outside the command line (ruff's PLC0415, configured in pyproject.toml)."""
+inside a function outside the command line (ruff's PLC0415, configured in pyproject.toml),
+and the tree as `ruff format` writes it."""
 
 import shutil
 import subprocess
@@ -34,3 +35,15 @@ def test_no_function_level_imports_outside_the_command_line():
         text=True,
     )
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_the_tree_is_formatted():
+    # ruff is pinned to a minor version in pyproject.toml: its style changes between them.
+    paths = ["shardkit", "tests", "benchmarks", "examples", "recipes", "docs", "notebooks"]
+    done = subprocess.run(
+        [_tool("ruff"), "format", "--check", *paths, "conftest.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + "\nFix: ruff format " + " ".join(paths)
