@@ -839,8 +839,12 @@ class _Body:
             one's weights gathered once; returns the gathered weights and a zero sum."""
             if d_acc is not None:
                 flush(d_acc)
-            # Each unit's shards as a distinct value (+ 0 that XLA cannot prove is 0): see
-            # the unrolled loop below.
+            # Each unit's shards as a distinct value (+ 0 that XLA cannot prove is 0): XLA
+            # would otherwise merge the units' identical all-gathers into one (an
+            # optimization barrier does not survive the CPU pipeline) and keep the stage's
+            # weights gathered for the whole step. The 0 reads the gradient the previous
+            # unit just reduce-scattered, so this unit's gather waits for it: left free,
+            # XLA gathers every unit's weights at the start of the step.
             zero = None
             if t:
                 g0 = d_stack_sharded[0].reshape(-1)[0]
@@ -855,23 +859,7 @@ class _Body:
             )
         for t in range(0 if self.rolled else sched.ticks):
             if t in windows:  # a new scheduling unit: gather its weights once
-                if d_acc is not None:
-                    flush(d_acc)
-                # Each unit's shards as a distinct value (+ 0 that XLA cannot prove is 0): XLA
-                # would otherwise merge the units' identical all-gathers into one (an
-                # optimization barrier does not survive the CPU pipeline) and keep the
-                # stage's weights gathered for the whole step. The 0 reads the gradient the
-                # previous unit just reduce-scattered, so this unit's gather waits for it:
-                # left free, XLA gathers every unit's weights at the start of the step.
-                zero = None
-                if t:
-                    g0 = d_stack_sharded[0].reshape(-1)[0]
-                    zero = ((s == -1 - t) & (g0 == g0)).astype(s_flat[0].dtype)
-                shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
-                w_g = [
-                    chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec, strict=True)
-                ]
-                d_acc = [jnp.zeros_like(x) for x in w_g]
+                w_g, d_acc = start_unit(t, d_acc)
             has_f = bool(np_tables["f_valid"][t].any())
             has_b = bool(np_tables["b_valid"][t].any())
             if has_f:
