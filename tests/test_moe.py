@@ -221,15 +221,17 @@ def test_padding_of_packed_rows_takes_no_slot_and_counts_nowhere():
     assert float(got.load.sum()) == 2 * 4  # k choices of each real token
 
 
-def test_router_stats_of_a_packed_batch_count_its_documents_tokens_only():
-    model = get("moe-tiny", n_layers=1)
+@pytest.mark.parametrize("name", ["moe-tiny", "deepseek-tiny"])
+def test_router_stats_of_a_packed_batch_count_its_documents_tokens_only(name):
+    model = get(name, n_layers=1)
+    k = model.config.top_k
     params = sk.unbox(model.init(jax.random.key(0)))
     tokens = jnp.arange(2 * 16, dtype=jnp.int32).reshape(2, 16) % 256
     ids = jnp.array([[1] * 10 + [0] * 6, [1] * 5 + [2] * 7 + [0] * 4], jnp.int32)
     positions = jnp.where(ids > 0, jnp.arange(16) - jnp.where(ids == 2, 5, 0), 0)
     batch = {"inputs": tokens, "targets": tokens, "segment_ids": ids, "positions": positions}
     stats = model.router_stats(params, batch)
-    # 22 real tokens × top-2; the 10 padding tokens route nowhere
-    assert float(stats["load"].sum()) == 2 * 22
+    # 22 real tokens × top-k; the 10 padding tokens route nowhere
+    assert float(stats["load"].sum()) == k * 22
     plain = model.router_stats(params, {"inputs": tokens, "targets": tokens})
-    assert float(plain["load"].sum()) == 2 * 32
+    assert float(plain["load"].sum()) == k * 32

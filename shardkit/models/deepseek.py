@@ -61,7 +61,8 @@ class DeepseekBlock(nnx.Module):
         x = constrain(x, RESIDUAL)
         y, latent = self.attn(self.attn_norm(x), cos, sin, segments)
         x = constrain(x + y, RESIDUAL)
-        y, stats = self.moe(self.mlp_norm(x))
+        valid = None if segments is None else segments.ids != 0  # padding routes nowhere
+        y, stats = self.moe(self.mlp_norm(x), valid)
         if latents:
             stats = {**stats, "latent": latent}
         return constrain(x + y, RESIDUAL), stats
