@@ -390,7 +390,8 @@ def make(name: str, stages: int, microbatches: int, virtual: int = 1) -> Schedul
       UnknownScheduleError: ``name`` is not one of :data:`SCHEDULES`.
       MicrobatchError: ``interleaved`` with micro-batches not a multiple of the stages;
         ``zb1`` / ``zbv`` with fewer micro-batches than stages.
-      StageDivisibilityError: ``zbv`` with ``virtual`` other than 2 (its V is two chunks).
+      StageDivisibilityError: ``zbv`` with ``virtual`` other than 2 (its V is two chunks;
+        1, the default, is taken as 2).
 
     Warns:
       PipelineWarning: fewer micro-batches than stages (the bubble fraction is stated).

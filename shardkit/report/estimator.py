@@ -48,6 +48,7 @@ from shardkit import recipes
 from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.nn.loss import LOGITS, auto_chunks
+from shardkit.parallel.schedules import SPLIT
 from shardkit.report import analytic_moe
 from shardkit.report.analytic import analytic_costs, workload_of
 from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
@@ -212,7 +213,13 @@ def _uncovered(
         )
     if pipeline is not None and par.stage == 1:
         return f"pipeline={dict(pipeline)} on a mesh without a 'stage' axis"
-    if par.stage > 1 and {**PIPELINE_DEFAULTS, **(pipeline or {})}["rolled"]:
+    options = {**PIPELINE_DEFAULTS, **(pipeline or {})}
+    if par.stage > 1 and options["schedule"] in SPLIT:
+        return (
+            f"the zero-bubble schedule {options['schedule']!r} (the rolled engine only, and "
+            "the ring of its weight gradients' inputs has no term)"
+        )
+    if par.stage > 1 and options["rolled"]:
         return (
             "the rolled pipeline engine, the default (its terms are the unrolled engine's: "
             "pass pipeline={'rolled': False} for those)"

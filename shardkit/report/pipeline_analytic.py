@@ -109,7 +109,6 @@ def pipeline_costs(
     v = virtual if schedule == "interleaved" else 2 if schedule == "zbv" else 1
     bubble = bubble_fraction(schedule, p, m, v)
     ticks = v * m + p - 1  # ticks with forward work; as many with backward work
-    sends = 1
     if schedule == "zbv":  # the V's forwards span 2m + 2p − 2 chunk ticks
         ticks = 2 * m + 2 * p - 2
     stage_bytes = stack_param_bytes / p
@@ -117,7 +116,7 @@ def pipeline_costs(
     f_share = (fsdp - 1) / fsdp
     wire: dict[str, float] = {}
     if p > 1:
-        wire["collective-permute"] = 2.0 * sends * (ticks - 1) * activation_bytes
+        wire["collective-permute"] = 2.0 * (ticks - 1) * activation_bytes
     if fsdp > 1:
         gather = units * stage_bytes * f_share + rest_param_bytes * f_share
         wire["all-gather"] = gather
@@ -135,7 +134,7 @@ def pipeline_costs(
         f"{schedule}: p={p}, m={m}, v={v}, bubble "
         + ("2(p-1)/(3m+2(p-1))" if schedule in SPLIT else f"(p-1)/({v}m+p-1)")
         + f" = {bubble:.4f}",
-        f"collective-permute: 2·{sends}·({ticks} - 1) ticks × {activation_bytes:,.0f} B",
+        f"collective-permute: 2·({ticks} - 1) ticks × {activation_bytes:,.0f} B",
         f"ZeroPP units: ceil({m}/{unit}) = {units}" if fsdp > 1 else "no fsdp axis",
     )
     return PipelineCosts(schedule, p, m, v, unit, bubble, 1.0 / (1.0 - bubble), wire, state, notes)

@@ -211,6 +211,10 @@ def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
         estimate("pp", gpt, devices=2, batch=8, seq=32, pipeline={"rolled": True})
     with pytest.raises(sk.ShardingError, match="rolled pipeline engine, the default"):
         estimate("pp", gpt, devices=2, batch=8, seq=32)
+    for schedule in ("zb1", "zbv"):  # zero-bubble: the rolled engine only, W's ring unmodelled
+        with pytest.raises(sk.ShardingError, match=f"zero-bubble schedule '{schedule}'"):
+            opts = {"schedule": schedule, "rolled": False, "microbatches": 2}
+            estimate("pp", gpt, devices=2, batch=8, seq=32, pipeline=opts)
     with pytest.raises(sk.ShardingError, match="without a 'stage' axis"):
         estimate("fsdp", gpt, devices=8, batch=8, seq=32, pipeline={"microbatches": 2})
     with pytest.raises(sk.ShardingError, match="give one of them"):
