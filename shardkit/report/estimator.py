@@ -436,14 +436,12 @@ def estimate(
     stack_shard = shard * dims.stack_params / dims.param_count
     layer_grad = dims.layer_params * nb / t
     dense_layer = dims.layer_params
-    if dims.n_experts:  # the experts' share split as their rules split them
+    if dims.n_experts and par.expert > 1:  # the experts split over their own axis
         esplit = analytic_moe.expert_split(recipe, sizes)
         dense_layer = dims.layer_params - dims.expert_params
         experts = dims.expert_params * nb / esplit
         stack_shard = dims.layers * (dense_layer * nb / (t * f) + experts)
         layer_grad = dense_layer * nb / t + experts
-        if par.expert == 1:  # experts gathered with the rest (fsdp)
-            dense_layer = dims.layer_params
     rest = (dims.param_count - dims.stack_params) * nb / t
     table_grads = dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp))
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads

@@ -223,6 +223,16 @@ def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
         estimate(sk.Plan("fsdp", sk.make_mesh({"fsdp": 8})), gpt, devices=8, batch=8, seq=32)
 
 
+def test_experts_without_an_expert_axis_are_state_like_any_other():
+    # zero1 on moe-tiny, 8 devices, no remat: the stored gradient shard is Ψ/8 (the stack's
+    # share twice, the scan's two copies), the differentiated layer whole, tables unsplit.
+    d = models.get("moe-tiny").dims
+    e = estimate("zero1", d, devices=8, batch=8, seq=32, remat="none")
+    stack, shard = d.stack_params * 4 / 8, d.param_count * 4 / 8
+    want = 2 * stack + (shard - stack) + d.layer_params * 4
+    assert e.terms["gradients"] == pytest.approx(want)
+
+
 # moe-tiny by hand: 2 layers of 8 experts, each 3 · 64 · 64 (SwiGLU), split over the
 # expert axis; the dense part (tables 2·256·64, attention, a shared expert, the router,
 # the norms) as the recipe lays it out.
