@@ -292,6 +292,16 @@ def with_experts(
                     delta = terms[term] - gather_bytes(dims, recipe, mesh, bytes_per_value=nb)
                 terms[term] -= delta
                 wire[kind] = max(0.0, wire.get(kind, 0.0) - delta)
+        # ...but batch axes the experts are not split over (a `data` axis beside
+        # `expert`) hold replicas of them: their gradients are all-reduced over those.
+        kernel_axes = {a for e in recipe.rules.spec(_KERNEL) for a in _axes(e)}
+        batch_axes = _axes(recipe.activation_rules.spec(("batch",))[0])
+        replicas = math.prod(int(mesh.get(a, 1)) for a in batch_axes if a not in kernel_axes)
+        if replicas > 1:
+            expert_grads = dims.layers * dims.expert_params * nb / expert_split(recipe, mesh)
+            back = 2 * (replicas - 1) / replicas * expert_grads
+            terms["gradient reductions"] = terms.get("gradient reductions", 0.0) + back
+            wire["all-reduce"] = wire.get("all-reduce", 0.0) + back
     notes = [
         f"experts: {dims.layers}·{dims.expert_params:,} parameters split over "
         f"{expert_split(recipe, mesh)} devices, the dense "
