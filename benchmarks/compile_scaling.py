@@ -7,7 +7,7 @@ fastest of three compiles) and with unrolled layers (one), and the time shardkit
 
 A second table (``compile_scaling_pipeline.json``): the pipelined train step of gpt-small
 (``pp``, 4 stages, 1f1b, seq 256, compile only) with 12 and 24 layers and with 16 and 32
-micro-batches, the stage's layers unrolled (the default) and rolled (``rolled=True``),
+micro-batches, the stage's layers unrolled (``rolled=False``) and rolled (the default),
 compiled alternately in one process; the ratios are what the issue asks (24 ÷ 12 layers,
 m = 32 ÷ m = 16).
 

@@ -165,7 +165,7 @@ def with_data_axis(recipe: recipes.Recipe) -> recipes.Recipe:
     )
 
 
-def _expert_sizes(recipe: recipes.Recipe, mesh: tuple[tuple[str, int], ...], experts: int) -> bool:
+def _expert_sizes(mesh: tuple[tuple[str, int], ...], experts: int) -> bool:
     return dict(mesh).get("expert", 1) >= 2 and experts % dict(mesh)["expert"] == 0
 
 
@@ -228,7 +228,7 @@ def enumerate_candidates(
                 tuple(zip(waxes, s, strict=True)) for s in factorisations(devices, len(waxes))
             ]
         if experts:
-            meshes = [m for m in meshes if _expert_sizes(recipe, m, n_experts)]
+            meshes = [m for m in meshes if _expert_sizes(m, n_experts)]
             meshes = [tuple(sorted(m, key=lambda a: a[0] != "data")) for m in meshes]
         for mesh in meshes:
             sizes = tuple(s for _, s in mesh)
