@@ -167,7 +167,7 @@ def test_get_and_names():
     assert models.names() == list(models.CONFIGS)
     assert set(models.names()) == {
         f"{f}-{s}" for f in ("gpt", "llama") for s in ("tiny", "small", "1b", "7b")
-    } | {"moe-tiny", "moe-small", "moe-47b"}
+    } | {"moe-tiny", "moe-small", "moe-47b", "deepseek-tiny", "deepseek-small"}
     model = models.get("gpt-tiny", remat="full", n_layers=4)
     assert (model.config.remat, model.config.n_layers, model.name) == ("full", 4, "gpt-tiny")
     with pytest.raises(sk.ShardingError, match="gpt-tiny"):
