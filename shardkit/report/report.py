@@ -32,6 +32,7 @@ from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
 from shardkit.report.estimator import Estimate, against, estimate
 from shardkit.report.flops import compiled_flops
+from shardkit.report.formulas import activation_bytes
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
 from shardkit.report.memory import MemoryStats, memory_per_device
 from shardkit.report.records import (
@@ -384,7 +385,7 @@ def read_compiled(
             mesh,
             batch=workload.batch,
             seq=workload.seq,
-            itemsize=2 if workload.precision == "bf16" else 4,
+            itemsize=activation_bytes(workload.precision),
         )
     terms: list[MemoryTerm] = []
     phase = None
