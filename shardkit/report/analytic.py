@@ -266,7 +266,9 @@ def analytic_costs(
         activations=w.has_dims,
         terms=terms,
         in_projections=w.in_projections,
-        positions=recipe.balance == "zigzag",
+        # the batch's segment ids and positions travel where attention reads them: not
+        # the ring's, whose zigzag-placed one-document rows have static masks
+        positions=recipe.balance == "zigzag" and attention != "ring",
         ulysses=_ulysses_size(recipe, mesh),
     )
     if w.has_dims:

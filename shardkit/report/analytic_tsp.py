@@ -144,7 +144,9 @@ def tsp_wire_bytes(
         n=d // u,
         nbytes=nbytes,
         recompute=recompute,
-        positions=not zigzag,
+        # the batch's segment ids and positions travel where attention reads them: not
+        # the ring's, whose zigzag-placed one-document rows have static masks
+        positions=not zigzag and attention != "ring",
         ulysses=u,
     ):
         add(kind, value, note, kv)
@@ -211,8 +213,10 @@ def context_kv_bytes(
     f = (N − 1)/N, passes P = 2 (forward, backward) or 3 under full remat, per layer:
 
     - ``ring``: K and V blocks around the ring, P·f·2·b·S·h_kv·B (dK/dV travel back in
-      the backward); with ``positions`` the blocks' positions travel with them in the
-      forward passes with their segment ids, (P − 1)·f·2·b·S·4 (int32);
+      the backward); with ``positions`` (packed rows, masked at run time) the blocks'
+      positions travel with them in the forward passes with their segment ids,
+      (P − 1)·f·2·b·S·4 (int32). The zigzag-placed one-document rows a balancing
+      recipe's batch holds send none: their masks are static;
     - ``allgather``: K and V all-gathered each forward pass, (P − 1)·f·2·b·S·h_kv·B, and
       dK/dV reduce-scattered, f·2·b·S·h_kv·B; with ``positions`` the segment ids and
       positions gathered, (P − 1)·f·2·b·S·4;
