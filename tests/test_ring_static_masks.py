@@ -24,10 +24,14 @@ from shardkit.nn.attention import Segments, causal_attention, use_attention
 from shardkit.report.flops import compiled_flops
 
 N, ROWS, HEADS, HEAD_DIM = 8, 1, 2, 128
-SEQ = 16 * N  # chunks of c = 8 tokens
-C = SEQ // (2 * N)
-#: dot FLOPs of one (query chunk, key chunk) pair: scores and probabilities × V
-PAIR = 2 * (2 * C * C * HEAD_DIM) * HEADS * ROWS
+SEQ = 16 * N  # 128 tokens
+
+
+def _pair(n: int, heads: int) -> int:
+    """Dot FLOPs of one (query chunk, key chunk) pair of a ring over ``n`` ranks (chunks
+    of SEQ/(2n) tokens) for ``heads`` heads per device: scores and probabilities × V."""
+    c = SEQ // (2 * n)
+    return 2 * (2 * c * c * HEAD_DIM) * heads * ROWS
 
 
 def _qkv():
@@ -35,18 +39,27 @@ def _qkv():
     return [jax.random.normal(x, (ROWS, SEQ, HEADS, HEAD_DIM)) for x in keys]
 
 
+#: (mesh, the length's axes, attention's axis, the ring's ranks n) per strategy: USP's
+#: ring is 4 ranks of 'sequence', Ulysses over 'ulysses' = 2 of the 2 heads.
+MESHES = {
+    "ring": ({"sequence": 8}, "sequence", "sequence", 8),
+    "usp": ({"sequence": 4, "ulysses": 2}, ("sequence", "ulysses"), ("ulysses", "sequence"), 4),
+}
+
+
 @functools.cache
-def _ring(order: tuple[int, ...], ranks: int):
-    """The forward's compiled FLOPs (loop-weighted) and output, the rows in ``order``,
-    under ``zigzag_ranks=ranks``."""
-    mesh = sk.make_mesh({"sequence": N}, devices=jax.devices()[:N])
-    sharded = NamedSharding(mesh, P(None, "sequence"))
+def _ring(order: tuple[int, ...], ranks: int, strategy: str = "ring"):
+    """The forward's compiled FLOPs (loop-weighted), output and HLO text, the rows in
+    ``order``, under ``zigzag_ranks=ranks``."""
+    sizes, length, axis, _ = MESHES[strategy]
+    mesh = sk.make_mesh(sizes, devices=jax.devices()[:N])
+    sharded = NamedSharding(mesh, P(None, length))
     order = np.asarray(order)
     q, k, v = (jax.device_put(x[:, order], sharded) for x in _qkv())
     pos = np.broadcast_to(order.astype(np.int32), (ROWS, SEQ))
     seg = Segments(*(jax.device_put(x, sharded) for x in (np.ones_like(pos), pos)))
-    rules = sk.Rules([("length", "sequence")])
-    with jax.set_mesh(mesh), activation_rules(rules), use_attention("ring"):
+    rules = sk.Rules([("length", length)])
+    with jax.set_mesh(mesh), activation_rules(rules), use_attention(strategy, axis=axis):
         with context.using(zigzag_ranks=ranks):
             attend = jax.jit(lambda q, k, v, s: causal_attention(q, k, v, segments=s))
             compiled = attend.lower(q, k, v, seg).compile()
@@ -54,23 +67,28 @@ def _ring(order: tuple[int, ...], ranks: int):
     return compiled_flops(compiled).flops, out, compiled.as_text()
 
 
-def test_zigzag_rows_compile_only_the_unmasked_half_blocks():
-    zigzag = tuple(zigzag_order(SEQ, N).tolist())
-    static, out, hlo = _ring(zigzag, N)
-    runtime, out_runtime, _ = _ring(zigzag, 0)
+@pytest.mark.parametrize("strategy", list(MESHES))
+def test_zigzag_rows_compile_only_the_unmasked_half_blocks(strategy):
+    n = MESHES[strategy][3]
+    zigzag = tuple(zigzag_order(SEQ, n).tolist())
+    static, out, hlo = _ring(zigzag, n, strategy)
+    runtime, out_runtime, _ = _ring(zigzag, 0, strategy)
     want = causal_attention(*_qkv())  # one device, no mesh: dense
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(out_runtime, want, rtol=1e-5, atol=1e-6)
-    # Hand count: 3 + 2·7 = 17 pairs against 4·8 = 32, 17/32 = 0.531; the softmax's
+    # Hand count: 3 + 2(n − 1) chunk pairs against 4n (ring: 17/32 = 0.531; USP's ring
+    # of 4: 9/16 = 0.5625, Ulysses's all-to-alls compute nothing); the softmax's
     # elementwise work scales with the pairs too, so the ratio holds within 5 %.
-    hand = (3 + 2 * (N - 1)) / (4 * N)
+    hand = (3 + 2 * (n - 1)) / (4 * n)
     assert static / runtime == pytest.approx(hand, rel=0.05), (static, runtime)
     # The dot FLOPs of the pairs computed bound each count from below; the rest is the
-    # softmax's elementwise work (measured 7 % and 8 % at head_dim 128).
-    assert 17 * PAIR <= static <= 1.15 * 17 * PAIR
-    assert 32 * PAIR <= runtime <= 1.15 * 32 * PAIR
+    # softmax's elementwise work (measured 7 % and 8 % for the ring over 8).
+    pair = _pair(n, HEADS // (N // n))  # USP: the heads split over Ulysses's N/n
+    assert (3 + 2 * (n - 1)) * pair <= static <= 1.15 * (3 + 2 * (n - 1)) * pair
+    assert 4 * n * pair <= runtime <= 1.15 * 4 * n * pair
     # the batch's order is the ring's: no reorder, and no segment ids or positions travel
     assert hlo.count("collective-permute(") == 1
+    assert ("all-gather(" in hlo) is False
 
 
 def test_contiguous_rows_can_only_skip_at_run_time():

@@ -43,7 +43,7 @@ of q, k, v and the output), i.e. 4/(2(N−1)) of the ring's own traffic, paid on
 every call. Rows placed in the zigzag order already, one causal document each
 (``Plan.shard_batch``'s placement: segments, and ``zigzag_ranks`` = N in the
 context, which ``Model.loss`` sets from ``batch["zigzag"]``), run the same static
-ring without the reorder.
+ring without the reorder (alone, or USP's over its ring axis).
 
 Packed rows (segments without that promise: real documents, or any order) take the
 packed ring instead: each K/V block travels with its segment ids and positions and
@@ -443,13 +443,17 @@ def _ulysses_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
     return ulysses_attention(q, k, v, tuple(seg), axis=axis, n=n, attend=attend)
 
 
-def _usp_plain(q, k, v, *, axis: tuple[str, str], n: tuple[int, int]) -> jax.Array:
+def _usp_plain(
+    q, k, v, *, axis: tuple[str, str], n: tuple[int, int], placed: bool = False
+) -> jax.Array:
     """USP over tokens in order: Ulysses over ``axis[0]`` around the zigzag ring over
-    ``axis[1]`` (the all-to-all gives each device its ring rank's contiguous block)."""
+    ``axis[1]`` (the all-to-all gives each device its ring rank's contiguous block).
+    ``placed``: the rows are in the zigzag order over the ring's ranks already, one
+    document each (the all-to-all gives each device its ring rank's zigzag block)."""
     (ulysses, ring), (u, r) = axis, n
 
     def attend(q, k, v, _):
-        return _ring(q, k, v, axis=ring, n=r)
+        return _ring(q, k, v, axis=ring, n=r, placed=placed)
 
     return ulysses_attention(q, k, v, axis=ulysses, n=u, attend=attend)
 
@@ -573,7 +577,7 @@ def causal_attention(
         "ring": functools.partial(_ring, placed=placed),
         "allgather": _allgather,
         "ulysses": _ulysses_plain,
-        "usp": _usp_plain,
+        "usp": functools.partial(_usp_plain, placed=placed),
     }
     return jax.shard_map(
         lambda q, k, v: body[strategy](q, k, v, axis=axis, n=n),
@@ -584,16 +588,17 @@ def causal_attention(
 
 
 def _zigzag_placed(strategy: str, axis: Any, n: Any) -> bool:
-    """Whether the ring runs its static half blocks on rows given with segments: the
-    context promises one causal document per row in the zigzag order over the ring's
-    ``n`` ranks (``zigzag_ranks``, set by ``Model.loss`` from ``batch["zigzag"]``)."""
+    """Whether the ring (alone or USP's) runs its static half blocks on rows given with
+    segments: the context promises one causal document per row in the zigzag order over
+    the ring's ranks (``zigzag_ranks``, set by ``Model.loss`` from ``batch["zigzag"]``)."""
     ranks = context.current().zigzag_ranks
-    if not ranks or strategy != "ring":
+    if not ranks or strategy not in ("ring", "usp"):
         return False
-    if ranks != n:
+    ring, size = (axis[1], n[1]) if strategy == "usp" else (axis, n)
+    if ranks != size:
         raise ShardingError(
             f"The rows were placed in the zigzag order over {ranks} ranks (batch['zigzag'] "
-            f"or zigzag_ranks={ranks}), but the ring runs over {axis!r} of size {n}.\nFix: "
+            f"or zigzag_ranks={ranks}), but the ring runs over {ring!r} of size {size}.\nFix: "
             "place the batch with the plan that runs the step (plan.shard_batch), or drop "
             "batch['zigzag'] (zigzag_ranks=0) to read the masks at run time."
         )

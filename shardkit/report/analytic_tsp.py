@@ -145,8 +145,9 @@ def tsp_wire_bytes(
         nbytes=nbytes,
         recompute=recompute,
         # the batch's segment ids and positions travel where attention reads them: not
-        # the ring's, whose zigzag-placed one-document rows have static masks
-        positions=not zigzag and attention != "ring",
+        # the ring's (alone or USP's), whose zigzag-placed one-document rows have static
+        # masks
+        positions=not zigzag and attention not in ("ring", "usp"),
         ulysses=u,
     ):
         add(kind, value, note, kv)
@@ -229,7 +230,8 @@ def context_kv_bytes(
       P·f_U·b·(S/(U·R))·(2h + 2h_kv)·B, and the ring over R of h_kv/U heads,
       P·f·2·b·S·(h_kv/U)·B; with ``positions`` the segment ids and positions
       all-gathered over U once a step, f_U·2·b·(S/R)·4 (the recompute's gather of the
-      same integers is the forward's), and travelling the ring, (P − 1)·f·2·b·S·4.
+      same integers is the forward's), and travelling the ring, (P − 1)·f·2·b·S·4;
+      none for the zigzag-placed one-document rows of a balancing recipe (static masks).
 
     ``b``: the sequences one context group holds; ``S`` the whole sequence.
 
