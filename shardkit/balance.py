@@ -14,6 +14,15 @@ position table, Llama's rotary angles) and attention masks by them
 
 Any other permutation works the same way (:func:`balance_batch` takes one).
 
+The masks of such rows are known before they arrive: each rank's two chunks see every
+other rank's block half masked. :meth:`shardkit.Plan.balance_batch` marks the rows it
+placed so (one document per row, in the zigzag order it made) with a
+``batch["zigzag"]`` entry (:func:`zigzag_marker`: an empty array whose shape records
+the ranks, so placing it costs nothing), and the ring reads that to compute only the
+unmasked half of every block, statically (:func:`zigzag_ranks`;
+:mod:`shardkit.nn.attention`). Packed rows carry no marker: their masks are read at
+run time.
+
 Example:
   >>> import numpy as np
   >>> zigzag_order(8, 2).tolist()   # device 0: chunks 0 and 3, device 1: chunks 1 and 2
@@ -33,12 +42,57 @@ import numpy as np
 
 from shardkit.errors import ShardingError
 
-__all__ = ["POSITIONS", "SEGMENT_IDS", "balance_batch", "zigzag_order"]
+__all__ = [
+    "POSITIONS",
+    "SEGMENT_IDS",
+    "ZIGZAG",
+    "balance_batch",
+    "zigzag_marker",
+    "zigzag_order",
+    "zigzag_ranks",
+]
 
 #: The batch entry holding each token's position, ``int32[rows, seq]``.
 POSITIONS = "positions"
 #: The batch entry holding each token's document (1, 2, ...; 0: padding).
 SEGMENT_IDS = "segment_ids"
+#: The batch entry marking rows of one causal document each in the zigzag order
+#: (:func:`zigzag_marker`); absent from packed rows.
+ZIGZAG = "zigzag"
+
+
+def zigzag_marker(n: int) -> np.ndarray:
+    """The ``batch["zigzag"]`` entry of rows placed in :func:`zigzag_order` over ``n``
+    ranks, one causal document per row: an empty ``int32[0, 0, n]`` (batch and length
+    empty, so any batch sharding divides it). It holds no data; its static shape tells a
+    compiled step (``Model.loss``) the layout, so the ring leaves out the masked half
+    blocks at compile time, not at run time.
+
+    Example:
+      >>> zigzag_ranks({"zigzag": zigzag_marker(8)}), zigzag_ranks({"inputs": None})
+      (8, 0)
+    """
+    return np.zeros((0, 0, n), np.int32)
+
+
+def zigzag_ranks(batch: Any) -> int:
+    """The ranks of the zigzag order ``batch`` is marked as placed in
+    (:func:`zigzag_marker`), or 0 for a batch without the mark (rows in any order,
+    packed or not).
+
+    Raises:
+      ShardingError: a ``"zigzag"`` entry that is not an empty ``[0, 0, n]`` array.
+    """
+    if not isinstance(batch, Mapping) or ZIGZAG not in batch:
+        return 0
+    shape = tuple(np.shape(batch[ZIGZAG]))
+    if len(shape) != 3 or shape[:2] != (0, 0) or shape[2] < 1:
+        raise ShardingError(
+            f"batch['zigzag'] has shape {shape}; it marks rows placed in the zigzag order "
+            "over n ranks with an empty [0, 0, n] array.\nFix: "
+            "batch['zigzag'] = shardkit.balance.zigzag_marker(n), or drop the entry."
+        )
+    return shape[2]
 
 
 def zigzag_order(seq: int, n: int) -> np.ndarray:

@@ -97,6 +97,12 @@ class ShardingContext:
       precision: ``"f32"`` or ``"bf16"`` (see :func:`compute_dtype`).
       expert_dispatch: how MoE layers reach their experts (``"alltoall"``: all-to-alls
         over the expert axis, see ``shardkit.nn.moe``).
+      zigzag_ranks: ``0``: the rows ``causal_attention`` is given with segment ids may be
+        packed and in any order, so the ring reads their masks at run time. ``n > 0``: a
+        static promise that every such row is one causal document placed in the zigzag
+        order over ``n`` ranks (:mod:`shardkit.balance`, ``Plan.shard_batch``'s
+        placement), so the ring computes only the unmasked half blocks, statically.
+        ``Model.loss`` sets it from the batch's ``"zigzag"`` entry.
     """
 
     param_rules: Rules | None = None
@@ -106,9 +112,17 @@ class ShardingContext:
     layer_schedule: LayerSchedule = "gspmd"
     precision: Precision = "f32"
     expert_dispatch: ExpertDispatch = "gspmd"
+    zigzag_ranks: int = 0
 
     def __post_init__(self):
         check_precision(self.precision)
+        z = self.zigzag_ranks
+        if isinstance(z, bool) or not isinstance(z, int) or z < 0:
+            raise ShardingError(
+                f"zigzag_ranks={self.zigzag_ranks!r}: the number of context ranks the rows "
+                "were placed in zigzag order over, or 0 for rows in any order.\nFix: "
+                "zigzag_ranks=mesh.shape['sequence'], or 0."
+            )
         if self.expert_dispatch not in get_args(ExpertDispatch):
             raise ShardingError(
                 f"Unknown expert dispatch {self.expert_dispatch!r}.\nFix: use one of "

@@ -43,7 +43,7 @@ from shardkit.annotate.logical import LeafInfo, describe_leaves
 from shardkit.annotate.path_axes import PathAxes
 from shardkit.annotate.patterns import PatternAxes
 from shardkit.annotate.unbox import unbox
-from shardkit.balance import balance_batch, zigzag_order
+from shardkit.balance import POSITIONS, ZIGZAG, balance_batch, zigzag_marker, zigzag_order
 from shardkit.collectives import KINDS
 from shardkit.dtypes import is_key, itemsize
 from shardkit.errors import ArgumentTypeError, RuleError, ShardingError, ShardingWarning
@@ -397,12 +397,19 @@ class Plan:
         ``"segment_ids"`` (:func:`shardkit.balance.balance_batch`); unchanged where the
         recipe does not balance, the batch is not a ``{"inputs": [rows, seq], ...}``
         dict, or it is packed already (``"segment_ids"``: its packer placed it,
-        :func:`shardkit.packing.balance_permutation`)."""
+        :func:`shardkit.packing.balance_permutation`). Rows it placed itself, one
+        document each, are marked ``"zigzag"`` (:func:`shardkit.balance.zigzag_marker`):
+        the ring then computes only their unmasked half blocks, statically."""
         inputs = host_batch.get("inputs") if isinstance(host_batch, Mapping) else None
         if inputs is None or np.ndim(inputs) != 2 or "segment_ids" in host_batch:
             return host_batch
         order = self.balance_order(np.shape(inputs)[1])
-        return host_batch if order is None else balance_batch(host_batch, order)
+        if order is None:
+            return host_batch
+        placed = balance_batch(host_batch, order)
+        if POSITIONS not in host_batch:  # the positions are the zigzag order it made
+            placed[ZIGZAG] = zigzag_marker(self.mesh.shape[self.recipe.balance_axis])
+        return placed
 
     def shard_batch(self, host_batch: Any) -> Any:
         """Global batch arrays from host arrays.

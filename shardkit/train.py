@@ -26,6 +26,7 @@ import numpy as np
 import optax
 
 from shardkit.annotate.unbox import unbox
+from shardkit.balance import ZIGZAG, zigzag_marker
 from shardkit.errors import NotPipelinableError, ShardingError
 from shardkit.parallel.stages import order_converters, pipeline_value_and_grad
 from shardkit.protocol import Stages
@@ -103,7 +104,8 @@ def token_batch(batch: int, seq: int, plan: Any = None) -> dict[str, jax.ShapeDt
     """An abstract ``{"inputs", "targets"}`` batch of ``int32[batch, seq]`` tokens, what
     :func:`train_step`'s step takes (to compile it without data); with ``"positions"``
     and ``"segment_ids"`` too where ``plan`` places its batches in a balanced order
-    (``plan.balance_order``: the context-parallel recipes' zigzag, :mod:`shardkit.balance`).
+    (``plan.balance_order``: the context-parallel recipes' zigzag, :mod:`shardkit.balance`),
+    and the ``"zigzag"`` mark of its one-document rows (the ring's static half blocks).
 
     Example:
       >>> token_batch(8, 32)["inputs"]
@@ -113,6 +115,8 @@ def token_batch(batch: int, seq: int, plan: Any = None) -> dict[str, jax.ShapeDt
     out = {"inputs": tokens, "targets": tokens}
     if plan is not None and plan.balance_order(seq) is not None:
         out["positions"] = out["segment_ids"] = tokens
+        ranks = plan.mesh.shape[plan.recipe.balance_axis]
+        out[ZIGZAG] = jax.ShapeDtypeStruct(zigzag_marker(ranks).shape, np.int32)
     return out
 
 

@@ -30,8 +30,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from shardkit import errors, explicit
+from shardkit import context, errors, explicit
 from shardkit.annotate import activation_rules
+from shardkit.balance import zigzag_ranks
 from shardkit.dims import ModelDims
 from shardkit.errors import NotPipelinableError
 from shardkit.models.config import CONFIGS, ModelConfig
@@ -192,6 +193,9 @@ class Model:
         padding) and ``"positions"`` (restarting per document): attention stays inside
         each document, positions restart, and the mean is over the documents' tokens
         (:func:`shardkit.nn.loss.masked_mean`). A batch without them is as before.
+        A batch marked ``"zigzag"`` (:meth:`shardkit.Plan.shard_batch`'s one-document rows
+        in the zigzag order, :func:`shardkit.balance.zigzag_marker`) runs the ring's
+        static half blocks; unmarked rows are masked at run time.
 
         The head and the loss run a chunk of tokens at a time (``sk.chunked_cross_entropy``,
         ``config.loss_chunks`` chunks), so the whole logits are never held. Under an
@@ -214,7 +218,10 @@ class Model:
         def packed(p: Any, i: jax.Array, t: jax.Array, ids: jax.Array, pos: jax.Array):
             return self._mean(self._forward(p, i, t, Segments(ids, pos)), ids)
 
-        return explicit.auto(packed, (), ())(params, batch["inputs"], batch["targets"], *seg)
+        # Rows Plan.shard_batch placed in the zigzag order, one document each: the ring
+        # knows their masks statically (shardkit.balance.zigzag_marker).
+        with context.using(zigzag_ranks=zigzag_ranks(batch)):
+            return explicit.auto(packed, (), ())(params, batch["inputs"], batch["targets"], *seg)
 
     def _packed(self, batch: Any, tokens: jax.Array) -> Segments | None:
         """The batch's ``Segments`` (checked), or ``None`` for one document per row."""

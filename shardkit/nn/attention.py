@@ -33,11 +33,22 @@ three strategies, chosen with ``use_attention`` (a recipe's ``attention`` names 
 Ring load balancing (zigzag): the sequence is cut into 2N chunks and device i
 attends for chunks i and 2N−1−i, so under causal masking every device does the
 same work, and each off-diagonal step computes only the unmasked half of a block
-(selected with ``lax.cond``). Callers pass the ordinary contiguous layout:
-``causal_attention`` moves q, k, v into zigzag order inside the ``shard_map`` and
-the output back, with 4 partial collective-permutes each way that send at most
-one local block per device (b·(s/N)·h·d·bytes for each of q, k, v and the
-output), i.e. 4/(2(N−1)) of the ring's own traffic, paid on every call.
+(selected with ``lax.cond``; both branches are half a block), the own block its 3
+unmasked chunk pairs of 4: 3 + 2(N−1) chunk pairs against a full ring's 4N, in the
+compiled program (its static FLOPs fall by the masked blocks). Callers pass the
+ordinary contiguous layout: ``causal_attention`` moves q, k, v into zigzag order
+inside the ``shard_map`` and the output back, with 4 partial collective-permutes
+each way that send at most one local block per device (b·(s/N)·h·d·bytes for each
+of q, k, v and the output), i.e. 4/(2(N−1)) of the ring's own traffic, paid on
+every call. Rows placed in the zigzag order already, one causal document each
+(``Plan.shard_batch``'s placement: segments, and ``zigzag_ranks`` = N in the
+context, which ``Model.loss`` sets from ``batch["zigzag"]``), run the same static
+ring without the reorder (alone, or USP's over its ring axis).
+
+Packed rows (segments without that promise: real documents, or any order) take the
+packed ring instead: each K/V block travels with its segment ids and positions and
+each fully masked chunk pair is skipped at run time (``lax.cond``). The time falls;
+the compiled FLOPs (a conditional counts as its costliest branch) count every pair.
 
 Memory of the backward pass: the ring's gradient is JAX's autodiff of the
 forward. Each step is rematerialized (``jax.checkpoint``), so no score block is
@@ -251,18 +262,37 @@ def _zigzag(x: jax.Array, axis: str, n: int, *, inverse: bool = False) -> jax.Ar
 
 
 @block("attention.ring")
-def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax.Array:
-    """Per-device body of zigzag load-balanced ring attention (contiguous layout in/out)."""
-    if q.shape == k.shape:
+def _ring(
+    q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int, placed: bool = False
+) -> jax.Array:
+    """Per-device body of zigzag load-balanced ring attention.
+
+    ``placed``: q/k/v arrive in the zigzag order already (the batch was placed so,
+    :mod:`shardkit.balance`) and the output leaves in it; else they arrive contiguous
+    and are moved into the zigzag order and back here (:func:`_zigzag`).
+
+    The masks are static: of the own block the 3 unmasked (query chunk, key chunk)
+    pairs run (the first chunk's rows never see the second chunk's keys), and of every
+    other rank's block the 2 unmasked ones (``lower``/``upper``), so a device computes
+    3 + 2·(n − 1) chunk pairs against the 4·n of a ring computing every block.
+    """
+    if not placed and q.shape == k.shape:
         q, k, v = _zigzag(jnp.stack([q, k, v]), axis, n)
-    else:  # GQA: K/V travel with their own (fewer) heads
+    elif not placed:  # GQA: K/V travel with their own (fewer) heads
         q, (k, v) = _zigzag(q[None], axis, n)[0], _zigzag(jnp.stack([k, v]), axis, n)
     b, s, h, d = q.shape
     c = s // 2
     r = jax.lax.axis_index(axis)
     pos = jnp.concatenate([r * c + jnp.arange(c), (2 * n - 1 - r) * c + jnp.arange(c)])
-    init = (jnp.full((b, h, s), _NEG), jnp.zeros((b, h, s)), jnp.zeros((b, h, s, d)))
-    carry = _online(init, q, k, v, pos[:, None] >= pos[None, :])  # own block: causal mask
+    causal = pos[:, None] >= pos[None, :]
+
+    def init(rows: int) -> tuple:
+        return jnp.full((b, h, rows), _NEG), jnp.zeros((b, h, rows)), jnp.zeros((b, h, rows, d))
+
+    # own block: chunk i's rows see chunk i's keys (causal); chunk 2n−1−i's rows all keys
+    lo = _online(init(c), q[:, :c], k[:, :c], v[:, :c], causal[:c, :c])
+    hi = _online(init(c), q[:, c:], k, v, causal[c:])
+    carry = tuple(jnp.concatenate(xy, axis=2) for xy in zip(lo, hi, strict=True))
 
     def lower(carry: tuple, kv: jax.Array) -> tuple:  # source r' < r: all rows, first chunk
         return _online(carry, q, kv[0, :, :c], kv[1, :, :c])
@@ -284,7 +314,7 @@ def _ring(q: jax.Array, k: jax.Array, v: jax.Array, *, axis: str, n: int) -> jax
 
     _, (_, denom, acc) = jax.lax.fori_loop(1, n, step, (jnp.stack([k, v]), carry))
     out = (acc / denom[..., None]).transpose(0, 2, 1, 3).astype(q.dtype)
-    return _zigzag(out[None], axis, n, inverse=True)[0]
+    return out if placed else _zigzag(out[None], axis, n, inverse=True)[0]
 
 
 @block("attention.all_gather_kv")
@@ -338,10 +368,13 @@ def _ring_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
     Each K/V block travels with its segment ids and positions. Every local block is cut
     in two chunks, and each pair of a query chunk and a K/V chunk in which no query may
     attend any key (other documents, or only later positions) is skipped (``lax.cond``):
-    nothing of it is computed. The batch's placement decides the balance: under the
-    zigzag order (:mod:`shardkit.balance`) 2 of the 4 pairs of every other rank's block
-    run, and 3 of the own block's, the static zigzag ring's work; packed rows balanced by
-    :func:`shardkit.packing.balance_permutation`, or contiguous.
+    nothing of it is computed at run time, but the compiled program holds every pair
+    (its static FLOPs count them all). The batch's placement decides the balance: under
+    the zigzag order (:mod:`shardkit.balance`) 2 of the 4 pairs of every other rank's
+    block run, and 3 of the own block's, the static zigzag ring's work; packed rows
+    balanced by :func:`shardkit.packing.balance_permutation`, or contiguous. Rows marked
+    as one document each in the zigzag order (``zigzag_ranks``) run :func:`_ring`
+    instead, whose compiled program holds only those pairs.
     """
     b, s, h, d = q.shape
     c = s // 2
@@ -410,13 +443,17 @@ def _ulysses_packed(q, k, v, seg: Segments, *, axis: str, n: int) -> jax.Array:
     return ulysses_attention(q, k, v, tuple(seg), axis=axis, n=n, attend=attend)
 
 
-def _usp_plain(q, k, v, *, axis: tuple[str, str], n: tuple[int, int]) -> jax.Array:
+def _usp_plain(
+    q, k, v, *, axis: tuple[str, str], n: tuple[int, int], placed: bool = False
+) -> jax.Array:
     """USP over tokens in order: Ulysses over ``axis[0]`` around the zigzag ring over
-    ``axis[1]`` (the all-to-all gives each device its ring rank's contiguous block)."""
+    ``axis[1]`` (the all-to-all gives each device its ring rank's contiguous block).
+    ``placed``: the rows are in the zigzag order over the ring's ranks already, one
+    document each (the all-to-all gives each device its ring rank's zigzag block)."""
     (ulysses, ring), (u, r) = axis, n
 
     def attend(q, k, v, _):
-        return _ring(q, k, v, axis=ring, n=r)
+        return _ring(q, k, v, axis=ring, n=r, placed=placed)
 
     return ulysses_attention(q, k, v, axis=ulysses, n=u, attend=attend)
 
@@ -464,7 +501,11 @@ def causal_attention(
         (:mod:`shardkit.nn.segments`): each token attends the earlier tokens of its own
         document only (the block-diagonal causal mask). Every strategy honours it; the
         ring then runs in the layout the batch was placed in (no zigzag reorder) and
-        skips the blocks with no unmasked pair. ``None``: one causal document per row.
+        skips the blocks with no unmasked pair at run time. Under ``zigzag_ranks`` = N
+        in the context (rows of one causal document each in the zigzag order over the
+        ring's N ranks, ``Plan.shard_batch``'s placement) the ring instead computes only
+        the unmasked half blocks, statically, and reads no segments. ``None``: one causal
+        document per row, in order.
 
     Returns:
       ``[batch, seq, heads, head_dim]`` in ``q.dtype``; scores scaled by
@@ -472,7 +513,8 @@ def causal_attention(
 
     Raises:
       ShardingError: mismatched shapes, or a sequence the strategy cannot split
-        (ring needs a multiple of 2N, allgather of N, N = size of the axis).
+        (ring needs a multiple of 2N, allgather of N, N = size of the axis), or a ring
+        over N ranks under ``zigzag_ranks`` of another count.
     """
     grouped = (
         q.ndim == 4
@@ -528,15 +570,39 @@ def causal_attention(
     if is_explicit(mesh):
         q = jax.sharding.reshard(q, spec)
         k, v = (jax.sharding.reshard(x, kv_spec) for x in (k, v))
-    if segments is not None:
+    placed = segments is not None and _zigzag_placed(strategy, axis, n)
+    if segments is not None and not placed:
         return _packed_shard_map(q, k, v, segments, strategy, mesh, axis, n, spec, kv_spec)
-    body = {"ring": _ring, "allgather": _allgather, "ulysses": _ulysses_plain, "usp": _usp_plain}
+    body = {
+        "ring": functools.partial(_ring, placed=placed),
+        "allgather": _allgather,
+        "ulysses": _ulysses_plain,
+        "usp": functools.partial(_usp_plain, placed=placed),
+    }
     return jax.shard_map(
         lambda q, k, v: body[strategy](q, k, v, axis=axis, n=n),
         mesh=mesh,
         in_specs=(spec, kv_spec, kv_spec),
         out_specs=spec,
     )(q, k, v)
+
+
+def _zigzag_placed(strategy: str, axis: Any, n: Any) -> bool:
+    """Whether the ring (alone or USP's) runs its static half blocks on rows given with
+    segments: the context promises one causal document per row in the zigzag order over
+    the ring's ranks (``zigzag_ranks``, set by ``Model.loss`` from ``batch["zigzag"]``)."""
+    ranks = context.current().zigzag_ranks
+    if not ranks or strategy not in ("ring", "usp"):
+        return False
+    ring, size = (axis[1], n[1]) if strategy == "usp" else (axis, n)
+    if ranks != size:
+        raise ShardingError(
+            f"The rows were placed in the zigzag order over {ranks} ranks (batch['zigzag'] "
+            f"or zigzag_ranks={ranks}), but the ring runs over {ring!r} of size {size}.\nFix: "
+            "place the batch with the plan that runs the step (plan.shard_batch), or drop "
+            "batch['zigzag'] (zigzag_ranks=0) to read the masks at run time."
+        )
+    return True
 
 
 def _effective(strategy: str, axis: Any, mesh: Any) -> tuple[str, Any]:

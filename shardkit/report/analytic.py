@@ -266,7 +266,10 @@ def analytic_costs(
         activations=w.has_dims,
         terms=terms,
         in_projections=w.in_projections,
-        positions=recipe.balance == "zigzag",
+        # the batch's segment ids and positions travel where attention reads them: not
+        # the ring's (alone or USP's), whose zigzag-placed one-document rows have static
+        # masks
+        positions=recipe.balance == "zigzag" and attention not in ("ring", "usp"),
         ulysses=_ulysses_size(recipe, mesh),
     )
     if w.has_dims:

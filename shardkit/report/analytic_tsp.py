@@ -144,7 +144,10 @@ def tsp_wire_bytes(
         n=d // u,
         nbytes=nbytes,
         recompute=recompute,
-        positions=not zigzag,
+        # the batch's segment ids and positions travel where attention reads them: not
+        # the ring's (alone or USP's), whose zigzag-placed one-document rows have static
+        # masks
+        positions=not zigzag and attention not in ("ring", "usp"),
         ulysses=u,
     ):
         add(kind, value, note, kv)
@@ -211,8 +214,10 @@ def context_kv_bytes(
     f = (N − 1)/N, passes P = 2 (forward, backward) or 3 under full remat, per layer:
 
     - ``ring``: K and V blocks around the ring, P·f·2·b·S·h_kv·B (dK/dV travel back in
-      the backward); with ``positions`` the blocks' positions travel with them in the
-      forward passes with their segment ids, (P − 1)·f·2·b·S·4 (int32);
+      the backward); with ``positions`` (packed rows, masked at run time) the blocks'
+      positions travel with them in the forward passes with their segment ids,
+      (P − 1)·f·2·b·S·4 (int32). The zigzag-placed one-document rows a balancing
+      recipe's batch holds send none: their masks are static;
     - ``allgather``: K and V all-gathered each forward pass, (P − 1)·f·2·b·S·h_kv·B, and
       dK/dV reduce-scattered, f·2·b·S·h_kv·B; with ``positions`` the segment ids and
       positions gathered, (P − 1)·f·2·b·S·4;
@@ -225,7 +230,8 @@ def context_kv_bytes(
       P·f_U·b·(S/(U·R))·(2h + 2h_kv)·B, and the ring over R of h_kv/U heads,
       P·f·2·b·S·(h_kv/U)·B; with ``positions`` the segment ids and positions
       all-gathered over U once a step, f_U·2·b·(S/R)·4 (the recompute's gather of the
-      same integers is the forward's), and travelling the ring, (P − 1)·f·2·b·S·4.
+      same integers is the forward's), and travelling the ring, (P − 1)·f·2·b·S·4;
+      none for the zigzag-placed one-document rows of a balancing recipe (static masks).
 
     ``b``: the sequences one context group holds; ``S`` the whole sequence.
 
