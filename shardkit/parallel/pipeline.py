@@ -662,22 +662,44 @@ class _Body:
         # forwards write) are fewer than the ring's (gpipe: m + 1 against m + 2p − 1), a
         # forward writes its item's slot and a backward reads it: nothing is stored for
         # the bubble's ticks.
-        own = sched.slots + 1 < sched.ring and not split
+        # zb1 / zbv likewise, where each stage's own slots (freed by the W) are fewer than
+        # the ring's (zbv: 11 against 4p - 1), and for what a B leaves its W (zbv: 4
+        # against p + 1): a ring indexed by the tick is sized to the longest wait, the
+        # stages' own slots to what a stage holds at once.
+        own = sched.slots + 1 < sched.ring
         ring = sched.slots + 1 if own else sched.ring
+        w_ring = sched.w_ring
         if split:
-            w_reads = jnp.asarray(sched.read_slots("w", "f"))
-            w_from_b = jnp.asarray(sched.read_slots("w", "b"))
+            res, _ = sched.own_slots("f", "w")
+            if own:
+                f_slots, b_slots, w_reads = (jnp.asarray(res[k]) for k in "fbw")
+            else:
+                w_reads = jnp.asarray(sched.read_slots("w", "f"))
+            front, size = sched.own_slots("b", "w")
+            own_w = size < w_ring
+            if own_w:
+                w_ring, w_writes, w_from_b = size, jnp.asarray(front["b"]), jnp.asarray(front["w"])
+            else:
+                w_from_b = jnp.asarray(sched.read_slots("w", "b"))
 
         def write_slot(t):
-            return at("f_slot", t) if own else t % ring
+            if not own:
+                return t % ring
+            return f_slots[t][s] if split else at("f_slot", t)
 
         def read_slot(t):
-            return at("b_slot", t) if own else read_slots[t][s]
+            if not own:
+                return read_slots[t][s]
+            return b_slots[t][s] if split else at("b_slot", t)
 
-        # d loss / d y of the last chunk, kept until its backward: zb1 and zbv run that
-        # backward in the tick of the forward, so one slot (the others keep ``ring``).
+        def w_write_slot(t):  # where a B leaves what its W needs
+            return w_writes[t][s] if own_w else t % w_ring
+
+        # d loss / d y of the last chunk, kept until its backward: 1f1b, zb1 and zbv run
+        # that backward in the tick of the forward, so one slot (gpipe and interleaved
+        # keep ``ring``).
         last = [a for (t, q), a in sched.ages("f", "b").items() if np_tables["b_last"][t][q]]
-        dy_ring = 1 if split and max(last) == 0 else ring
+        dy_ring = 1 if max(last) == 0 else ring
 
         def dy_slot(t, slot=None):
             if dy_ring == 1:
@@ -758,7 +780,7 @@ class _Body:
                 if split:
                     g_in = g_in + st["after_w"].astype(g_in.dtype)
                     d_x = rolled.backward_input(
-                        w_g, k, g_in, slot, t % sched.w_ring, at("b_valid", t)
+                        w_g, k, g_in, slot, w_write_slot(t), at("b_valid", t)
                     )
                 else:
                     st["d_acc"], d_x = rolled.backward(
@@ -816,9 +838,7 @@ class _Body:
                 if st is not None:
                     st["d_acc"] = d_acc
             if rolled is None:
-                rolled = _Rolled(
-                    self.layer_fn, s_def, w_g, zeros_x, ring, sched.w_ring if split else 0
-                )
+                rolled = _Rolled(self.layer_fn, s_def, w_g, zeros_x, ring, w_ring if split else 0)
                 st = {
                     "recv_f": zeros_x,
                     "recv_b": zeros_x,
