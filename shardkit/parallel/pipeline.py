@@ -93,6 +93,7 @@ __all__ = [
     "PipelinedGrad",
     "mesh_value_and_grad",
     "interleaved_order",
+    "read_dtypes",
     "v_order",
     "spec_axes",
     "STAGE",
@@ -183,6 +184,80 @@ def _scatter(g: jax.Array, spec: PartitionSpec, skip: frozenset[str]) -> jax.Arr
         if axes:
             g = jax.lax.psum_scatter(g, axes, scatter_dimension=d, tiled=True)
     return g
+
+
+#: Call primitives whose body reads its operands 1:1 (followed into by :func:`read_dtypes`).
+_CALLS = {
+    "pjit",
+    "jit",
+    "closed_call",
+    "core_call",
+    "checkpoint",
+    "remat",
+    "remat2",
+    "custom_jvp_call",
+    "custom_vjp_call",
+}
+
+
+def _cast_uses(jaxpr: Any, var: Any) -> set | None:
+    """The dtypes ``var`` is cast to where ``jaxpr`` reads it; ``None`` if any read is not
+    a cast (nor a call whose body only casts it)."""
+    if any(o is var for o in jaxpr.outvars):
+        return None
+    found: set = set()
+    for eqn in jaxpr.eqns:
+        for n, a in enumerate(eqn.invars):
+            if a is not var:
+                continue
+            name = eqn.primitive.name
+            sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if name == "convert_element_type" and not eqn.params.get("weak_type"):
+                found.add(np.dtype(eqn.params["new_dtype"]))
+            elif name in _CALLS and sub is not None:
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's program
+                if len(sub.invars) != len(eqn.invars):
+                    return None
+                inner = _cast_uses(sub, sub.invars[n])
+                if inner is None:
+                    return None
+                found |= inner
+            else:
+                return None
+    return found
+
+
+def read_dtypes(fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """Per flat leaf of ``args``: the narrower float dtype ``fn`` reads it in, where every
+    read of it is a cast to that one dtype (else ``None``).
+
+    Under ``precision="bf16"`` a model reads its float32 weights through a cast to
+    bfloat16 (``nn.Dense(dtype=...)``); a norm's scale, read in float32, stays ``None``.
+    Gathering such a weight already cast (ZeroPP's unit) moves half the bytes and computes
+    the same values: a gather only moves them, and the cast's transpose (bfloat16
+    gradient to float32) is where the engine adds it into its float32 sum.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> f = lambda w, x: jnp.tanh(x @ w["k"].astype(jnp.bfloat16)) * w["s"]
+      >>> w = {"k": jnp.ones((4, 4)), "s": jnp.ones(4)}
+      >>> read_dtypes(f, w, jnp.ones((2, 4), jnp.bfloat16))
+      [dtype(bfloat16), None, None]
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    out = []
+    for var in closed.jaxpr.invars:
+        uses = _cast_uses(closed.jaxpr, var)
+        dtype = np.dtype(var.aval.dtype)
+        narrower = (
+            uses is not None
+            and len(uses) == 1
+            and jnp.issubdtype(dtype, jnp.floating)
+            and jnp.issubdtype(next(iter(uses)), jnp.floating)
+            and next(iter(uses)).itemsize < dtype.itemsize
+        )
+        out.append(next(iter(uses)) if narrower else None)
+    return out
 
 
 def _only(spec: PartitionSpec, keep: frozenset[str]) -> PartitionSpec:
@@ -529,6 +604,15 @@ class _Body:
         self.b_axes, self.n_shards, self.unit = b_axes, n_shards, unit
 
     # -- helpers ---------------------------------------------------------------------
+    def _gathered_shape(self, shape: tuple[int, ...], spec: PartitionSpec) -> tuple[int, ...]:
+        """A local shard's shape once :func:`_gather` has gathered it."""
+        out = list(shape)
+        for d, entry in enumerate(_full_spec(spec, len(shape))):
+            for a in spec_axes(entry):
+                if a not in self.skip:
+                    out[d] *= int(self.mesh.shape[a])
+        return tuple(out)
+
     def _stage_fn(self, w: Any, x: jax.Array) -> jax.Array:
         def one(h, layer):
             return self.layer_fn(layer, h), None
@@ -578,22 +662,44 @@ class _Body:
         # forwards write) are fewer than the ring's (gpipe: m + 1 against m + 2p − 1), a
         # forward writes its item's slot and a backward reads it: nothing is stored for
         # the bubble's ticks.
-        own = sched.slots + 1 < sched.ring and not split
+        # zb1 / zbv likewise, where each stage's own slots (freed by the W) are fewer than
+        # the ring's (zbv: 11 against 4p - 1), and for what a B leaves its W (zbv: 4
+        # against p + 1): a ring indexed by the tick is sized to the longest wait, the
+        # stages' own slots to what a stage holds at once.
+        own = sched.slots + 1 < sched.ring
         ring = sched.slots + 1 if own else sched.ring
+        w_ring = sched.w_ring
         if split:
-            w_reads = jnp.asarray(sched.read_slots("w", "f"))
-            w_from_b = jnp.asarray(sched.read_slots("w", "b"))
+            res, _ = sched.own_slots("f", "w")
+            if own:
+                f_slots, b_slots, w_reads = (jnp.asarray(res[k]) for k in "fbw")
+            else:
+                w_reads = jnp.asarray(sched.read_slots("w", "f"))
+            front, size = sched.own_slots("b", "w")
+            own_w = size < w_ring
+            if own_w:
+                w_ring, w_writes, w_from_b = size, jnp.asarray(front["b"]), jnp.asarray(front["w"])
+            else:
+                w_from_b = jnp.asarray(sched.read_slots("w", "b"))
 
         def write_slot(t):
-            return at("f_slot", t) if own else t % ring
+            if not own:
+                return t % ring
+            return f_slots[t][s] if split else at("f_slot", t)
 
         def read_slot(t):
-            return at("b_slot", t) if own else read_slots[t][s]
+            if not own:
+                return read_slots[t][s]
+            return b_slots[t][s] if split else at("b_slot", t)
 
-        # d loss / d y of the last chunk, kept until its backward: zb1 and zbv run that
-        # backward in the tick of the forward, so one slot (the others keep ``ring``).
+        def w_write_slot(t):  # where a B leaves what its W needs
+            return w_writes[t][s] if own_w else t % w_ring
+
+        # d loss / d y of the last chunk, kept until its backward: 1f1b, zb1 and zbv run
+        # that backward in the tick of the forward, so one slot (gpipe and interleaved
+        # keep ``ring``).
         last = [a for (t, q), a in sched.ages("f", "b").items() if np_tables["b_last"][t][q]]
-        dy_ring = 1 if split and max(last) == 0 else ring
+        dy_ring = 1 if max(last) == 0 else ring
 
         def dy_slot(t, slot=None):
             if dy_ring == 1:
@@ -674,7 +780,7 @@ class _Body:
                 if split:
                     g_in = g_in + st["after_w"].astype(g_in.dtype)
                     d_x = rolled.backward_input(
-                        w_g, k, g_in, slot, t % sched.w_ring, at("b_valid", t)
+                        w_g, k, g_in, slot, w_write_slot(t), at("b_valid", t)
                     )
                 else:
                     st["d_acc"], d_x = rolled.backward(
@@ -732,9 +838,7 @@ class _Body:
                 if st is not None:
                     st["d_acc"] = d_acc
             if rolled is None:
-                rolled = _Rolled(
-                    self.layer_fn, s_def, w_g, zeros_x, ring, sched.w_ring if split else 0
-                )
+                rolled = _Rolled(self.layer_fn, s_def, w_g, zeros_x, ring, w_ring if split else 0)
                 st = {
                     "recv_f": zeros_x,
                     "recv_b": zeros_x,
@@ -850,8 +954,30 @@ class _Body:
                 g0 = d_stack_sharded[0].reshape(-1)[0]
                 zero = ((s == -1 - t) & (g0 == g0)).astype(s_flat[0].dtype)
             shards = s_flat if zero is None else [x + zero.astype(x.dtype) for x in s_flat]
-            w_g = [chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec, strict=True)]
-            return w_g, [jnp.zeros_like(x) for x in w_g]
+            # A weight the layer reads only through a cast (bf16's matmul weights) is cast
+            # before its gather: half the bytes gathered and held, the same values. The
+            # sum of its gradients stays in the shard's float32 (the cast's transpose).
+            shards = [
+                x if dt is None else x.astype(dt) for x, dt in zip(shards, read_as(), strict=True)
+            ]
+            with scope("pipeline.unit"):
+                w_g = [
+                    chunked(_gather(x, sp, self.skip)) for x, sp in zip(shards, s_spec, strict=True)
+                ]
+            return w_g, [jnp.zeros(w.shape, x.dtype) for w, x in zip(w_g, s_flat, strict=True)]
+
+        cast_to: list[Any] = []
+
+        def read_as():
+            """The dtype the layer reads each stack leaf in, if a narrower cast (else None)."""
+            if not cast_to:
+                one = [
+                    jax.ShapeDtypeStruct(self._gathered_shape(x.shape, sp)[1:], x.dtype)
+                    for x, sp in zip(s_flat, s_spec, strict=True)
+                ]
+                fn = lambda w, x: self.layer_fn(jax.tree.unflatten(s_def, w), x)  # noqa: E731
+                cast_to.extend(read_dtypes(fn, one, zeros_x)[: len(one)])
+            return cast_to
 
         if self.rolled:
             loss, d_rest = self._rolled_ticks(

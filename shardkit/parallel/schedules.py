@@ -199,6 +199,42 @@ class Schedule:
             out[t, s] = (t - age) % size
         return out
 
+    def own_slots(self, write: str, free: str) -> tuple[dict[str, np.ndarray], int]:
+        """Each stage's own buffer slots for what a ``write`` item (``"f"``, ``"b"``)
+        leaves until its ``free`` item (``"b"``, ``"w"``) reads it last: a ``write`` item
+        takes the stage's lowest free slot (freed after its ``free`` item's tick), and idle
+        ticks use one more, a trash slot. Sized to what a stage holds at once, not to the
+        longest wait as :meth:`read_slots`' ``tick mod ring`` is (zbv, p = 4: 10 of 15
+        residual slots, 3 of 5 for what ``W`` needs).
+
+        Returns:
+          ``{kind: int32[ticks, stages]}``, the slot each item of ``write``, ``free`` and
+          (zb1 / zbv, for the residuals) ``"b"`` writes or reads (the trash slot when
+          idle), and the number of slots, the trash one included.
+
+        Example:
+          >>> tables, size = make("zbv", 4, 16).own_slots("b", "w")
+          >>> size, make("zbv", 4, 16).w_ring
+          (4, 5)
+        """
+        rows = {"f": self.forward, "b": self.backward, "w": self.weight}
+        slot_w, _, most = _allocate(self.stages, rows[write], rows[free])
+        slot_of = {
+            (item, st): int(slot_w[t, st])
+            for t, row in enumerate(rows[write])
+            for st, item in enumerate(row)
+            if item is not None
+        }
+        out = {}
+        for kind in {write, free, "b"} if self.split else {write, free}:
+            table = np.full((self.ticks, self.stages), most, np.int32)
+            for t, row in enumerate(rows[kind]):
+                for st, item in enumerate(row):
+                    if item is not None:
+                        table[t, st] = slot_of[item, st]
+            out[kind] = table
+        return out, most + 1
+
     @property
     def ticks(self) -> int:
         return len(self.forward)

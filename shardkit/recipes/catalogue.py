@@ -584,7 +584,9 @@ def zeropp() -> Recipe:
     ``recipe.with_mesh({"data": 2})``). A stage's weights are all-gathered once per
     scheduling unit of ``U`` micro-batches and their gradients reduce-scattered once:
     2·(Ψ/p)·4·(F − 1)/F·⌈m/U⌉ bytes per device per step
-    (:mod:`shardkit.report.pipeline_analytic`). Stage 2 × fsdp 4 on 8 devices.
+    (:mod:`shardkit.report.pipeline_analytic`); under ``precision="bf16"`` the gathers
+    move the weights already cast to bfloat16, 2 bytes a value. Stage 2 × fsdp 4 on 8
+    devices.
     """
     return Recipe(
         name="zeropp",

@@ -19,6 +19,8 @@ Per device and step, for the engine in :mod:`shardkit.parallel.pipeline` (ring m
   unit, forward and backward, for ``3·(Ψ/p)·(F − 1)/F·(m/U)``: here one gathered copy
   serves the unit's forwards and backwards, so the unit's weights stay resident.) The
   non-layer parameters (``Ψ_rest``) are gathered and reduce-scattered once per step.
+  Under ``precision="bf16"`` a unit's weights are gathered in bfloat16 (the engine casts
+  the float32 shards first), half the bytes; the gradients' reduce-scatter stays float32.
 - **all-reduce**: a stage's gradient shard over ``data``: ``2·(Ψ_stack/(p·F))·B·(D − 1)/D``;
   the non-layer gradient over ``data × stage`` (it lives on every stage, and only the
   first and last compute it): ``2·(Ψ_rest/F)·B·(n − 1)/n``, ``n = D·p``.
@@ -53,6 +55,9 @@ from shardkit.report.formulas import (
     hybrid_wire,
     logits_bytes,
     megatron_activations_per_layer,
+)
+from shardkit.report.formulas import (
+    activation_bytes as value_bytes,
 )
 
 __all__ = [
@@ -93,6 +98,7 @@ def pipeline_costs(
     fsdp: int = 1,
     data: int = 1,
     optimizer_factor: float = 2.0,
+    unit_gather_fraction: float = 1.0,
 ) -> PipelineCosts:
     """Analytic bubble, wire bytes and state per device of a pipelined step.
 
@@ -104,6 +110,8 @@ def pipeline_costs(
       activation_bytes: one micro-batch's stage output on one device, ``b·s·h·B``.
       fsdp, data: sizes of the ZeRO-3 axis and of the replica axis.
       optimizer_factor: optimizer state per parameter byte (2 for Adam's two moments).
+      unit_gather_fraction: the bytes a unit's all-gather moves per byte of the stored
+        stack: 0.5 under bf16 (gathered in bfloat16 from float32 shards), else 1.
     """
     p, m = stages, microbatches
     v = virtual if schedule == "interleaved" else 2 if schedule == "zbv" else 1
@@ -118,9 +126,10 @@ def pipeline_costs(
     if p > 1:
         wire["collective-permute"] = 2.0 * (ticks - 1) * activation_bytes
     if fsdp > 1:
-        gather = units * stage_bytes * f_share + rest_param_bytes * f_share
-        wire["all-gather"] = gather
-        wire["reduce-scatter"] = gather
+        unit_bytes = units * stage_bytes * f_share
+        rest = rest_param_bytes * f_share
+        wire["all-gather"] = unit_bytes * unit_gather_fraction + rest
+        wire["reduce-scatter"] = unit_bytes + rest
     all_reduce = 0.0
     if data > 1:
         all_reduce += 2.0 * stage_bytes / fsdp * (data - 1) / data
@@ -135,7 +144,10 @@ def pipeline_costs(
         + ("2(p-1)/(3m+2(p-1))" if schedule in SPLIT else f"(p-1)/({v}m+p-1)")
         + f" = {bubble:.4f}",
         f"collective-permute: 2·({ticks} - 1) ticks × {activation_bytes:,.0f} B",
-        f"ZeroPP units: ceil({m}/{unit}) = {units}" if fsdp > 1 else "no fsdp axis",
+        f"ZeroPP units: ceil({m}/{unit}) = {units}, gathered at {unit_gather_fraction:g}× "
+        "the stored bytes"
+        if fsdp > 1
+        else "no fsdp axis",
     )
     return PipelineCosts(schedule, p, m, v, unit, bubble, 1.0 / (1.0 - bubble), wire, state, notes)
 
@@ -260,6 +272,8 @@ def pipeline_model(
     )
     unit = pipeline.get("unit")
     nb = bytes_per_value
+    # bf16: a unit's weights gathered in the compute dtype, 2 bytes of the stored 4.
+    gather_fraction = value_bytes(getattr(workload, "precision", "f32")) / 4
     rest_p, rest_o = param_bytes - stack_param_bytes, optimizer_bytes - stack_optimizer_bytes
     # Per device before fsdp: the stack and the rest's tensor-split part (the vocab-parallel
     # tables) over t; the rest's other part (norms, a position table) whole.
@@ -315,6 +329,7 @@ def pipeline_model(
         stack_param_bytes=stack_param_bytes / t,
         rest_param_bytes=rest_dev_p,
         activation_bytes=act_bytes,
+        unit_gather_fraction=gather_fraction,
     )
     memory = AnalyticMemory(
         params=state,

@@ -157,20 +157,21 @@ def test_rolled_program_grows_with_neither_depth_nor_microbatches():
 
 def test_zero_bubble_memory_against_one_f_one_b():
     # Rolled engine, p = 4, m = 16, 16 layers (2 per zbv chunk). zb1 keeps 1f1b's residual
-    # ring (2p - 1) and zbv 4p - 1 chunk slots (half a stage each: 1.07x); both add what
-    # each W needs until it runs (here each layer's tanh-input cotangent, w_ring slots).
+    # ring (2p - 1) and adds what each W needs until it runs (here each layer's tanh-input
+    # cotangent, w_ring = p slots). zbv keeps each stage's own slots from F to W (11
+    # chunk slots, half a stage each, of the tick-indexed ring's 4p - 1 = 15) and from B
+    # to W (4 of p + 1). 1f1b, zb1 and zbv keep one slot of d loss / d y: the last stage
+    # runs a micro-batch's backward in the tick of its forward.
     temp = {}
     for schedule in ("1f1b", "zb1", "zbv"):
         compiled, _ = compile_pipeline(
             {"stage": 4}, schedule, 16, rows=256 * 16, layers=16, rolled=True
         )
         temp[schedule] = compiled.memory_analysis().temp_size_in_bytes
-    # measured: 6.00, 6.63, 6.66 MiB. The issue's 1.1x for zbv is just missed (1.11x): its
-    # W ring (5 slots x 2 layers x 64 KiB = 0.63 MiB) is most of the 0.66 MiB over 1f1b.
-    assert temp["zbv"] <= 1.2 * temp["1f1b"]
-    assert temp["zb1"] <= 1.2 * temp["1f1b"]
-    w_ring = 5 * 2 * 256 * 64 * 4  # zbv's w_ring x layers per chunk x one activation
-    assert temp["zbv"] - w_ring <= 1.1 * temp["1f1b"]
+    # measured: 5.57, 6.60, 5.04 MiB (before the stages' own slots and 1f1b's one d y
+    # slot: 6.00, 6.60, 6.66, zbv 1.11x).
+    assert temp["zbv"] <= 1.1 * temp["1f1b"]  # the issue's criterion; measured 0.91x
+    assert temp["zb1"] <= 1.2 * temp["1f1b"]  # measured 1.19x
 
 
 def permute_pairs(text):

@@ -182,10 +182,49 @@ def test_zero_bubble_tables_by_hand():
         "7      W1.1            B1.0 W1.1",
         "8      B1.0 W1.0       W1.0",
     ]
+    # Each stage's own slots, counted on this timeline: at most 4 items between their F
+    # and W (stage 0 at tick 5: 0.0, 1.0, 0.1, 1.1) and 2 between B and W (tick 6: 1.1,
+    # 0.0), each plus a trash slot for idle ticks; the tick-indexed rings: 4p - 1, p + 1.
+    v22 = schedules.make("zbv", 2, 2)
+    assert (v22.own_slots("f", "w")[1], v22.ring) == (5, 7)
+    assert (v22.own_slots("b", "w")[1], v22.w_ring) == (3, 3)
     zbv = schedules.make("zbv", 4, 8)
     assert zbv.ring == 4 * 4 - 1  # chunk slots, half a stage each: 1f1b holds 2p - 1 stages
     assert zbv.chunk(0, 1) == 7 and zbv.chunk(3, 1) == 4  # the loss on stage 0
     assert pipeline.v_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("name,p,m", [("zbv", 4, 16), ("zbv", 2, 4), ("zb1", 4, 8)])
+def test_own_slots_hold_each_item_until_its_weight_gradient(name, p, m):
+    # The engine's per-stage slots for zb1 / zbv (residuals from F to W, what B leaves W):
+    # every reader finds its item's slot, no slot holds two items alive in one tick (a
+    # tick's F and B run before its W), and there are as many as a stage holds at once,
+    # counted here from the tables, plus the trash slot.
+    sched = schedules.make(name, p, m)
+    rows = {"f": sched.forward, "b": sched.backward, "w": sched.weight}
+    for write in ("f", "b"):
+        tables, size = sched.own_slots(write, "w")
+        span = {}  # (item, stage) -> (slot, first tick, last tick)
+        for kind, table in tables.items():
+            for t, row in enumerate(rows[kind]):
+                for s, item in enumerate(row):
+                    if item is not None:
+                        slot, a, b = span.get((item, s), (table[t, s], t, t))
+                        assert table[t, s] == slot
+                        span[item, s] = (slot, min(a, t), max(b, t))
+        for (i, s), (slot, a, b) in span.items():
+            for (j, q), (slot2, a2, b2) in span.items():
+                if (i, s) != (j, q) and s == q and slot == slot2:
+                    assert b < a2 or b2 < a
+        held = max(
+            sum(a <= t <= b for (_, q), (_, a, b) in span.items() if q == s)
+            for s in range(p)
+            for t in range(sched.ticks)
+        )
+        assert size == held + 1
+    if name == "zbv":  # fewer than the tick-indexed rings (p = 4: 11 of 15, 4 of 5)
+        assert sched.own_slots("f", "w")[1] < sched.ring
+        assert sched.own_slots("b", "w")[1] <= sched.w_ring
 
 
 def test_zero_bubble_bad_input_names_numbers_and_fix():

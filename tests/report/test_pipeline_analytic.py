@@ -46,6 +46,25 @@ def test_state_per_device_is_the_stage_share(recipe, mesh, params, optimizer):
     assert model.memory.optimizer == pytest.approx(optimizer)
 
 
+def test_bf16_zeropp_gathers_each_unit_at_the_compute_dtypes_bytes():
+    # Hand count: ceil(m/U) = 2 units each gather the stage's 800/2 B over fsdp 4 ((F-1)/F
+    # of it), the rest's 200 B once; under bf16 the units' gathers at 2 bytes of 4, the
+    # rest and every reduce-scatter as under f32.
+    def wire(precision):
+        return analytic_costs(
+            "zeropp",
+            {"stage": 2, "fsdp": 4},
+            workload=Workload(batch=16, precision=precision),
+            pipeline={"microbatches": 4, "schedule": "1f1b", "unit": 2},
+            **STATE,
+        ).wire_bytes_by_kind
+
+    f32, bf16 = wire("f32"), wire("bf16")
+    assert f32["all-gather"] == pytest.approx((2 * 400 + 200) * 3 / 4)
+    assert bf16["all-gather"] == pytest.approx((2 * 400 / 2 + 200) * 3 / 4)
+    assert bf16["reduce-scatter"] == f32["reduce-scatter"] == pytest.approx((2 * 400 + 200) * 3 / 4)
+
+
 def test_a_pipeline_recipe_without_the_pipeline_options_names_the_fix():
     with pytest.raises(ShardingError, match=r"pipeline=\{'microbatches'"):
         analytic_costs(
