@@ -41,7 +41,8 @@ def measure(name: str, recipe: str, seq: int, batch: int = 8):
     raise error
 
 
-TINY_RECIPES = ("dp", "zero1", "fsdp", "tp_sp", "cp", "tsp_gspmd", "dp_pp")
+#: --tiny: a smoke run over one recipe of each family (ZeRO, context, TSP, pipeline)
+TINY_RECIPES = ("fsdp", "cp", "tsp_gspmd", "dp_pp")
 
 
 def main() -> None:
@@ -49,7 +50,6 @@ def main() -> None:
     names, seq = (("gpt-tiny",), 32) if args.tiny else (("gpt-small", "llama-small"), 512)
     rows, details = [], {}
     for name in names:
-        # --tiny: a smoke run over one recipe of each family
         for recipe in TINY_RECIPES if args.tiny else recipes.names():
             try:
                 devices, r = measure(name, recipe, seq)

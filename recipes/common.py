@@ -2,8 +2,9 @@
 one recipe, then print the compile-time report of that layout.
 
 This is the code to copy into your own project: a model with logical axes, a
-``sk.Plan``, ``plan.init`` (state born sharded), ``plan.jit`` (an ordinary step) and
-``plan.shard_batch``.
+``sk.Plan``, ``plan.init`` (state born sharded), ``plan.jit`` (an ordinary step),
+``plan.shard_batch``, and the report of the very program that trained (one compile
+serves both).
 """
 
 from __future__ import annotations
@@ -25,24 +26,18 @@ def train_and_report(
 
     sk.emulate_devices(8)  # before anything touches JAX; on GPUs/TPUs drop this line
     import jax
-    from rich.console import Console
 
     from shardkit import train
-    from shardkit.data import MarkovSource
     from shardkit.models import get
+    from shardkit.workload import Workload
 
     net, tx = get(model, **overrides), train.adamw(1e-2)
     plan = sk.Plan(recipe, devices=jax.devices()[:devices])
-    state = plan.init(train.init_fn(net, tx), jax.random.key(0))
-    step = plan.jit(train.train_step(net, tx))
-    source = MarkovSource(vocab=net.config.vocab)
-    console = Console()
-    for i in range(args.steps):
-        state, metrics = step(state, plan.shard_batch(source.batch(args.batch, args.seq, i)))
-        if i % 5 == 0 or i == args.steps - 1:
-            console.print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
-    console.print(f"entropy bound {source.entropy_rate():.4f} nats/token\n")
-    console.print(sk.report.build_report(plan, model=net, tx=tx, batch=args.batch, seq=args.seq))
+    abstract = plan.abstract_init(train.init_fn(net, tx), jax.random.key(0))
+    compiled, console = _train(plan, train.train_step(net, tx), abstract, net, args)
+    workload = Workload.of_model(net, batch=args.batch, seq=args.seq, precision=plan.precision)
+    report = sk.report.build_report(plan, compiled, abstract, workload=workload, dims=net.dims)
+    console.print(report)
 
 
 def train_pipelined_and_report(
@@ -62,16 +57,14 @@ def train_pipelined_and_report(
 
     sk.emulate_devices(8)  # before anything touches JAX; on GPUs/TPUs drop this line
     import jax
-    from rich.console import Console
 
     from shardkit import train
-    from shardkit.data import MarkovSource
     from shardkit.models import get
+    from shardkit.workload import Workload
 
     net, tx = get(model, **overrides), train.adamw(1e-2)
     plan = sk.Plan(recipe, devices=jax.devices()[:devices])
     abstract = plan.abstract_init(train.init_fn(net, tx), jax.random.key(0))
-    state = plan.init(abstract)
     options = {
         "microbatches": args.microbatches,
         "schedule": args.schedule,
@@ -79,14 +72,33 @@ def train_pipelined_and_report(
         "unit": args.unit,
     }
     pipelined = train.train_step(net, tx, plan=plan, abstract=abstract, pipeline=options)
-    step = plan.jit(pipelined, state=abstract)
+    compiled, console = _train(plan, pipelined, abstract, net, args, pipelined.schedule)
+    workload = Workload.of_model(net, batch=args.batch, seq=args.seq, precision=plan.precision)
+    report = sk.report.build_report(
+        plan, compiled, abstract, workload=workload, pipeline=pipelined.options
+    )
+    console.print(report)
+
+
+def _train(plan, step_fn, abstract, net, args, schedule=None):
+    """``args.steps`` steps of ``step_fn`` on the synthetic source; returns the compiled
+    step (for the report) and the console it printed to."""
+    from rich.console import Console
+
+    from shardkit.data import MarkovSource
+
     source = MarkovSource(vocab=net.config.vocab)
+    state = plan.init(abstract)  # born sharded, laid out as the abstract state says
+    batch = plan.shard_batch(source.batch(args.batch, args.seq, 0))
+    compiled = plan.jit(step_fn, state=abstract).lower(abstract, batch).compile()
     console = Console()
-    console.print(pipelined.schedule.timeline())
+    if schedule is not None:
+        console.print(schedule.timeline())
     for i in range(args.steps):
-        batch = plan.shard_batch(source.batch(args.batch, args.seq, i))
-        state, metrics = step(state, batch)
+        if i:
+            batch = plan.shard_batch(source.batch(args.batch, args.seq, i))
+        state, metrics = compiled(state, batch)
         if i % 5 == 0 or i == args.steps - 1:
             console.print(f"step {i:3d}  loss {float(metrics['loss']):.4f}")
     console.print(f"entropy bound {source.entropy_rate():.4f} nats/token\n")
-    console.print(sk.report.build_report(plan, pipelined, abstract, batch))
+    return compiled, console

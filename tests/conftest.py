@@ -3,8 +3,8 @@
 The suite compiles at LLVM optimisation level 0 (``shardkit.devices.compile_only_env``,
 here and in every process a test starts): what the compile-only tests read (the HLO,
 XLA's buffer assignment and memory, the collectives) comes before LLVM and does not
-change (tests/test_suite_setup.py), while CPU compiles take about 40 % less time. Steps
-still run, a little slower.
+change (tests/test_devices.py compares both levels), while CPU compiles take about 40 %
+less time. Steps still run, a little slower.
 """
 
 import os
