@@ -16,7 +16,7 @@ Compile only (nothing runs), AdamW. Two grids of points, every recipe × both fa
   / dp_tp_sp_pp × gpipe / 1f1b / interleaved / zb1 / zbv × remat full / none; training
   on 8 devices at d_model 128, held-out on 16 at d_model 256 and a wider model with a
   larger vocabulary (sizes, sequence, batch, device count and micro-batches the fit
-  never saw).
+  never saw), and gpt-tiny / llama-tiny on 8 (one layer per stage).
 
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
@@ -147,6 +147,8 @@ _T_LLAMA = dict(vocab=1024, d_model=128, n_layers=8, n_heads=8, n_kv_heads=8, d_
 _H_GPT = dict(vocab=2048, d_model=256, n_layers=4, n_heads=16, n_kv_heads=16, d_ff=1024)
 _H_LLAMA = dict(vocab=2048, d_model=256, n_layers=4, n_heads=16, n_kv_heads=4, d_ff=768)
 _H_WIDE = dict(vocab=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=2048)
+_GPT_TINY = dict(vocab=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=256)
+_LLAMA_TINY = dict(vocab=256, d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, d_ff=256)
 _S2F4, _S2F8 = {"data": 1, "stage": 2, "fsdp": 4}, {"data": 1, "stage": 2, "fsdp": 8}
 _3D8, _3D16 = {"data": 2, "stage": 2, "tensor": 2}, {"data": 4, "stage": 2, "tensor": 2}
 
@@ -222,6 +224,10 @@ PIPELINE_GRIDS = {
         ("gpt", _H_WIDE, "dp_pp", {"stage": 2, "data": 8}, 32, 128, "none", _sch("zb1", 2)),
         ("llama", _H_LLAMA, "zeropp", _S2F8, 32, 128, "full", _sch("zbv", 4)),
         ("gpt", _H_GPT, "dp_pp", {"stage": 2, "data": 8}, 32, 128, "full", _ilv(4)),
+        # gpt-tiny / llama-tiny (8 devices): one layer per stage, every tick unrolled
+        ("llama", _LLAMA_TINY, "zeropp", _S2F4, 16, 64, "none", _sch("1f1b", 4)),
+        ("gpt", _GPT_TINY, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "full", _sch("zb1", 2)),
+        ("gpt", _GPT_TINY, "dp_pp", {"stage": 2, "data": 4}, 8, 64, "full", _sch("1f1b", 2)),
     ],
 }
 
@@ -312,6 +318,15 @@ def model_of(p: dict):
     return models.get(base, remat=p["remat"], **p["config"])
 
 
+def pipeline_of(p: dict) -> dict | None:
+    """The pipeline options a point compiles with: the rolled grids' own; the other
+    grids' pipelined recipes the unrolled engine (their points compiled before the
+    rolled engine was the default, and ``--collect`` keeps them comparable)."""
+    if p.get("pipeline"):
+        return p["pipeline"]
+    return {"rolled": False} if family_of(p["recipe"]) == "pipeline" else None
+
+
 def compile_point(p: dict) -> dict:
     """The compiled figures of one point (or why it does not compile)."""
     import jax
@@ -328,7 +343,7 @@ def compile_point(p: dict) -> dict:
             model=model_of(p),
             batch=p["batch"],
             seq=p["seq"],
-            pipeline=p.get("pipeline"),
+            pipeline=pipeline_of(p),
             itemise=True,
         )
     except ShardingError as e:
@@ -401,7 +416,7 @@ def estimates(rows, fit=None) -> list:
             seq=p["seq"],
             remat=p["remat"],
             precision=p["precision"],
-            pipeline=p.get("pipeline"),
+            pipeline=pipeline_of(p),
             fit=fit,
         )
         for p, c in rows

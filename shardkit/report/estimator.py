@@ -87,10 +87,10 @@ FIT: dict[str, float] = {
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.439,
+    "rolled_head_overlap": 0.591,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 1.031,
+    "rolled_backward_fraction": 0.888,
 }
 
 _REMATS = ("none", "full", "save_dots")
@@ -707,12 +707,13 @@ def _rolled_terms(
     work = frac * tokens * none_values * act
     # A chunk of one layer: XLA unrolls its one-trip layer loop, and in a stretch of
     # unrolled ticks (short runs, between loops) it recomputes every backward's layer
-    # ahead (the recomputation does not wait for the incoming gradient): the stretch's
-    # other backwards' recomputed layers are live besides (measured: interleaved on 2
-    # stages, m = 4, one layer per chunk, nine backwards in one stretch, 3.3x the temp).
+    # ahead (the recomputation does not wait for the incoming gradient): all but two of
+    # the stretch's backwards' recomputed layers are live besides the one running
+    # (measured: interleaved on 2 stages, m = 4, one layer per chunk, nine backwards in
+    # one stretch, 3.3x the temp of 1f1b's; stretches of two backwards hoist none).
     hoisted = 0.0
-    if chunk == 1 and remat != "none" and unrolled > 1:
-        hoisted = (unrolled - 1) * tokens * none_values * act
+    if chunk == 1 and remat != "none" and unrolled > 2:
+        hoisted = (unrolled - 2) * tokens * none_values * act
     notes.append(
         f"rolled {sched}: {ring} residual slot(s) × {chunk:g} layer(s), {dy} d loss/d y "
         f"slot(s), {w_ring} W-input slot(s); the stage's {stage_bytes:,.0f} B gathered "
