@@ -14,7 +14,8 @@ terms (:data:`shardkit.report.memory_terms.TERMS`), from the structure of the st
 - ``saved activations``: what the scanned layer keeps for its backward pass, per
   remat policy (:func:`saved_values`: the layer input under ``full``; the matmul
   outputs too under ``save_dots``; every intermediate under ``none``), for every layer
-  (times the work items a pipeline stage holds in flight, :func:`in_flight`);
+  (times the work items a pipeline stage holds in flight, :func:`in_flight`; the rolled
+  pipeline engine, the default, by its own buffers: :func:`_rolled_terms`);
 - ``recomputation`` and ``attention scores``: the one layer whose backward runs,
   recomputed (``full``, ``save_dots``) and its gradients' working set;
 - ``gathered weights``: a layer's weights gathered, and their unreduced gradient,
@@ -507,7 +508,6 @@ def estimate(
             vocab_split=_split(spec, sizes, (2,)),
             bytes_per_value=act,
         )
-    if p > 1 and pipeline.get("rolled", True):
         phases_terms = _rolled_terms(
             dims,
             par,
@@ -568,10 +568,10 @@ def _rolled_values(
     The vjp's residuals, counted from the engine's rings (gpt-tiny and llama-tiny):
     ``full``: the layer input ``h``; ``save_dots``: :func:`saved_values`'; ``none``:
     eight width-``h`` values, four of the attention's width ``q`` (q, k and v, GQA's k and
-    v repeated to the query heads, and the context), the scores three times in f32 and
-    once as a mask (a byte, ¼), two per head (the softmax's max and sum), six of the
-    MLP's width and the norms' statistics (two per norm, four under LayerNorm); of the
-    three f32 score leaves the vjp keeps, XLA stores two rings (two are one value).
+    v repeated to the query heads, and the context), the scores (three f32 leaves, which
+    XLA stores as two rings: two are one value) and their mask (a byte, ¼), two per
+    head (the softmax's max and sum), six of the MLP's width and the norms' statistics
+    (two per norm, four under LayerNorm).
 
     W's inputs (``shardkit.parallel.wgrad``'s frontier): the output cotangent of each
     weight matmul (q, k, v, the MLP's inputs) and width-``h`` ones for the attention's
@@ -659,22 +659,21 @@ def _rolled_terms(
     """The rolled pipeline engine's temp, counted from its structure.
 
     A stage runs its ticks in loops; everything below is live across them, so the peak
-    is these buffers plus the larger of one layer's backward and the head's:
+    is these buffers plus one layer's backward or the head's, the larger:
 
     - ``saved activations``: the residual rings, ``[slots, L/(p·v), ...]`` per leaf, each
       slot one micro-batch's residuals of one chunk's layers (:func:`_rolled_slots`),
-      what a layer's vjp keeps per remat policy (:func:`saved_values`); the last
-      chunk's d loss / d y (width-h) slots; zb1 / zbv the ring of W's inputs, the
-      weight matmuls' output cotangents (``w_ring`` slots × the layers × q + k + v +
-      attention output + MLP widths), the values B recomputed besides under remat;
-    - ``gathered weights``: the stage's layers gathered once per scheduling unit (zeropp,
-      the non-stage axes the stack is sharded on; ÷ tensor);
-    - ``gradients``: the unit's f32 accumulator of the stage's gathered weights, the
-      stored stage shard it is reduce-scattered into, the embedding and head's gathered
-      gradient (f32);
-    - ``recomputation`` / ``logits / loss``: one layer's backward working set
-      (``backward_layer_fraction`` of its remat-none values; one layer at a time in the
-      backward scan), or the head's (the larger).
+      what a layer's vjp keeps per remat policy (:func:`_rolled_values`); the last
+      chunk's d loss / d y (width-h) slots; zb1 / zbv the ring of W's inputs
+      (``w_ring`` slots × the chunk's layers × :func:`_rolled_values`' second count);
+    - ``gathered weights``: zeropp's stage and its embedding and head, gathered over
+      fsdp once per scheduling unit, and the layer the loop slices out of the stack;
+    - ``gradients``: the unit's f32 accumulator of the stage's weights and the
+      embedding and head's (with more units, a second accumulator and the shard);
+    - ``recomputation`` / ``logits / loss``: one layer's backward working set (one at a
+      time in the backward scan), with the share of the head's live beside it where a
+      tick runs both (``rolled_head_overlap``), or the head's; and where a chunk is one
+      layer, the layers XLA recomputes ahead in a stretch of unrolled ticks.
     """
     p, m, t, f = par.stage, int(pipeline["microbatches"]), par.tensor, par.fsdp
     sched = pipeline.get("schedule", "1f1b")
