@@ -40,6 +40,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 import warnings
@@ -598,6 +599,7 @@ def _rolled_values(
     return float(res), float(w_in)
 
 
+@functools.lru_cache(maxsize=512)  # the planner asks for the same schedules again
 def _rolled_slots(
     schedule: str, p: int, m: int, v: int, units: int = 1
 ) -> tuple[int, int, int, int]:
