@@ -401,7 +401,7 @@ def estimate(
 
     # Saved activations: every layer's (× the items a pipeline stage holds in flight).
     items = 1.0
-    if p > 1:
+    if p > 1 and not pipeline.get("rolled", True):  # the rolled engine's: _rolled_terms
         sched = pipeline.get("schedule", "1f1b")
         v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
         v = 2 if sched == "zbv" else v
