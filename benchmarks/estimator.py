@@ -11,6 +11,12 @@ Compile only (nothing runs), AdamW. Two grids of points, every recipe × both fa
   (remat, precision) pair per recipe × family (the six pairs rotate over the recipes);
 - *moe_tiny*, *moe_small*: mixture-of-experts points (:data:`MOE_GRIDS`), the four
   expert-parallel recipes on 8 devices, f32; never in the fit.
+- *rolled_training*, *rolled_held_out*: the rolled pipeline engine (the default), each
+  point with its mesh and pipeline options (:data:`PIPELINE_GRIDS`): pp / dp_pp / zeropp
+  / dp_tp_sp_pp × gpipe / 1f1b / interleaved / zb1 / zbv × remat full / none; training
+  on 8 devices at d_model 128, held-out on 16 at d_model 256 and a wider model with a
+  larger vocabulary (sizes, sequence, batch, device count and micro-batches the fit
+  never saw), and gpt-tiny / llama-tiny on 8 (one layer per stage).
 
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
@@ -30,9 +36,15 @@ import sys
 import shardkit as sk
 
 if "--collect" in sys.argv or "--tiny" in sys.argv:
+    import os
+
+    from shardkit.devices import compile_only_env
+
+    os.environ.update(compile_only_env(os.environ))  # the buffers as at -O2, compiled faster
     sk.emulate_devices(16)
 
 import json  # noqa: E402
+import math  # noqa: E402
 import time  # noqa: E402
 
 from bench_util import OUT, emit, parser  # noqa: E402
@@ -114,6 +126,117 @@ MOE_GRIDS = {
 }
 
 
+def _pp(family, config, recipe, mesh, batch, seq, remat, pipeline, grid):
+    return dict(
+        grid=grid,
+        family=family,
+        config={**config, "max_seq": seq},
+        recipe=recipe,
+        devices=math.prod(mesh.values()),
+        mesh=mesh,
+        batch=batch,
+        seq=seq,
+        remat=remat,
+        precision="f32",
+        pipeline=pipeline,
+    )
+
+
+_T_GPT = dict(vocab=1024, d_model=128, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=512)
+_T_LLAMA = dict(vocab=1024, d_model=128, n_layers=8, n_heads=8, n_kv_heads=8, d_ff=384)
+_H_GPT = dict(vocab=2048, d_model=256, n_layers=4, n_heads=16, n_kv_heads=16, d_ff=1024)
+_H_LLAMA = dict(vocab=2048, d_model=256, n_layers=4, n_heads=16, n_kv_heads=4, d_ff=768)
+_H_WIDE = dict(vocab=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, d_ff=2048)
+_GPT_TINY = dict(vocab=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=256)
+_LLAMA_TINY = dict(vocab=256, d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, d_ff=256)
+_S2F4, _S2F8 = {"data": 1, "stage": 2, "fsdp": 4}, {"data": 1, "stage": 2, "fsdp": 8}
+_3D8, _3D16 = {"data": 2, "stage": 2, "tensor": 2}, {"data": 4, "stage": 2, "tensor": 2}
+
+
+def _sch(name, m, **kw):
+    return {"schedule": name, "microbatches": m, **kw}
+
+
+def _ilv(m):
+    return _sch("interleaved", m, virtual_stages=2)
+
+
+_T_GPT4 = {**_T_GPT, "n_layers": 4}  # one layer per chunk under interleaved on 2 stages
+
+
+#: The rolled pipeline engine's points: (family, config, recipe, mesh, batch, seq, remat,
+#: pipeline options) per grid; the training grid on 8 devices, the held-out one on 16.
+PIPELINE_GRIDS = {
+    "rolled_training": [
+        ("gpt", _T_GPT, "pp", {"stage": 8}, 16, 64, "full", _sch("1f1b", 8)),
+        ("llama", _T_LLAMA, "pp", {"stage": 8}, 16, 64, "none", _sch("gpipe", 8)),
+        ("gpt", _T_GPT, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "none", _sch("1f1b", 4)),
+        ("llama", _T_LLAMA, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "full", _sch("gpipe", 2)),
+        ("gpt", _T_GPT, "zeropp", _S2F4, 16, 64, "full", _sch("1f1b", 4)),
+        ("llama", _T_LLAMA, "zeropp", _S2F4, 16, 64, "none", _sch("1f1b", 4, unit=2)),
+        ("gpt", _T_GPT, "dp_tp_sp_pp", _3D8, 16, 64, "full", _sch("1f1b", 4)),
+        (
+            "llama",
+            _T_LLAMA,
+            "dp_tp_sp_pp",
+            _3D8,
+            16,
+            64,
+            "none",
+            _sch("interleaved", 4, virtual_stages=2),
+        ),
+        (
+            "gpt",
+            _T_GPT,
+            "dp_pp",
+            {"stage": 2, "data": 4},
+            16,
+            64,
+            "full",
+            _sch("interleaved", 4, virtual_stages=2),
+        ),
+        ("gpt", _T_GPT, "zeropp", _S2F4, 16, 64, "none", _sch("gpipe", 4)),
+        ("llama", _T_LLAMA, "pp", {"stage": 8}, 16, 64, "full", _sch("1f1b", 16)),
+        ("gpt", _T_GPT, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "full", _sch("zb1", 4)),
+        ("llama", _T_LLAMA, "zeropp", _S2F4, 16, 64, "none", _sch("zbv", 4)),
+        ("gpt", _T_GPT, "pp", {"stage": 8}, 16, 64, "none", _sch("zb1", 8)),
+        ("llama", _T_LLAMA, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "full", _ilv(4)),
+        ("gpt", _T_GPT4, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "full", _ilv(4)),
+    ],
+    "rolled_held_out": [
+        ("gpt", _H_GPT, "zeropp", _S2F8, 32, 128, "full", _sch("1f1b", 4)),
+        ("llama", _H_LLAMA, "zeropp", _S2F8, 32, 128, "none", _sch("gpipe", 2)),
+        ("gpt", _H_GPT, "dp_pp", {"stage": 2, "data": 8}, 32, 128, "none", _sch("1f1b", 2)),
+        ("llama", _H_LLAMA, "dp_tp_sp_pp", _3D16, 32, 128, "full", _sch("1f1b", 4)),
+        ("gpt", _H_GPT, "dp_tp_sp_pp", _3D16, 32, 128, "none", _sch("gpipe", 4)),
+        (
+            "llama",
+            _H_LLAMA,
+            "dp_pp",
+            {"stage": 2, "data": 8},
+            32,
+            128,
+            "full",
+            _sch("interleaved", 4, virtual_stages=2),
+        ),
+        ("gpt", _H_GPT, "pp", {"stage": 4}, 8, 128, "full", _sch("1f1b", 8)),
+        ("gpt", _H_WIDE, "zeropp", _S2F8, 32, 128, "full", _sch("1f1b", 4, unit=2)),
+        ("gpt", _H_WIDE, "dp_pp", {"stage": 2, "data": 8}, 32, 128, "none", _sch("zb1", 2)),
+        ("llama", _H_LLAMA, "zeropp", _S2F8, 32, 128, "full", _sch("zbv", 4)),
+        ("gpt", _H_GPT, "dp_pp", {"stage": 2, "data": 8}, 32, 128, "full", _ilv(4)),
+        # gpt-tiny / llama-tiny (8 devices): one layer per stage, every tick unrolled
+        ("llama", _LLAMA_TINY, "zeropp", _S2F4, 16, 64, "none", _sch("1f1b", 4)),
+        ("gpt", _GPT_TINY, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "full", _sch("zb1", 2)),
+        ("gpt", _GPT_TINY, "dp_pp", {"stage": 2, "data": 4}, 8, 64, "full", _sch("1f1b", 2)),
+    ],
+}
+
+
+def pipeline_points(grid: str) -> list[dict]:
+    """A rolled pipeline grid's points (:data:`PIPELINE_GRIDS`)."""
+    return [_pp(*row, grid) for row in PIPELINE_GRIDS[grid]]
+
+
 def moe_points(grid: str) -> list[dict]:
     """A MoE grid's points: every expert-parallel recipe × its remat policies, f32."""
     g = MOE_GRIDS[grid]
@@ -138,6 +261,8 @@ def points(grid: str) -> list[dict]:
     """The grid's points: every recipe × family × ``PER_CELL`` (remat, precision) pairs."""
     if grid in MOE_GRIDS:
         return moe_points(grid)
+    if grid in PIPELINE_GRIDS:
+        return pipeline_points(grid)
     g = GRIDS[grid]
     combos = [(r, p) for r in REMATS for p in PRECISIONS]
     out = []
@@ -167,15 +292,20 @@ def key(p: dict) -> str:
     size = "-".join(str(c[k]) for k in ("vocab", "d_model", "n_layers", "n_heads", "n_kv_heads"))
     if c.get("n_experts"):
         size += f"-e{c['n_experts']}k{c['top_k']}s{c.get('n_shared_experts', 0)}"
-    return (
+    out = (
         f"{p['family']}-{size}-{c['d_ff']}/{p['recipe']}/{p['devices']}/"
         f"b{p['batch']}s{p['seq']}/{p['remat']}/{p['precision']}"
     )
+    if p.get("pipeline"):  # the rolled engine's points: their mesh and schedule
+        mesh = "x".join(f"{a}{n}" for a, n in p["mesh"].items())
+        opts = ",".join(f"{k}={v}" for k, v in sorted(p["pipeline"].items()))
+        out += f"/{mesh}/rolled:{opts}"
+    return out
 
 
 def load_cache() -> dict:
     out: dict = {}
-    grids = (*GRIDS, *MOE_GRIDS)
+    grids = (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS)
     for path in (CACHE, *(cache_file(g + r) for g in grids for r in ("", "_reversed"))):
         out.update(json.loads(path.read_text()) if path.exists() else {})
     return out
@@ -188,15 +318,33 @@ def model_of(p: dict):
     return models.get(base, remat=p["remat"], **p["config"])
 
 
+def pipeline_of(p: dict) -> dict | None:
+    """The pipeline options a point compiles with: the rolled grids' own; the other
+    grids' pipelined recipes the unrolled engine (their points compiled before the
+    rolled engine was the default, and ``--collect`` keeps them comparable)."""
+    if p.get("pipeline"):
+        return p["pipeline"]
+    return {"rolled": False} if family_of(p["recipe"]) == "pipeline" else None
+
+
 def compile_point(p: dict) -> dict:
     """The compiled figures of one point (or why it does not compile)."""
     import jax
 
     start = time.perf_counter()
     try:
-        plan = sk.Plan(p["recipe"], devices=jax.devices()[: p["devices"]], precision=p["precision"])
+        devices = jax.devices()[: p["devices"]]
+        where = {"devices": devices}
+        if p.get("mesh"):
+            where = {"mesh": sk.make_mesh(p["mesh"], devices=devices)}
+        plan = sk.Plan(p["recipe"], **where, precision=p["precision"])
         r = sk.report.build_report(
-            plan, model=model_of(p), batch=p["batch"], seq=p["seq"], itemise=True
+            plan,
+            model=model_of(p),
+            batch=p["batch"],
+            seq=p["seq"],
+            pipeline=pipeline_of(p),
+            itemise=True,
         )
     except ShardingError as e:
         return {"skipped": str(e).splitlines()[0]}
@@ -268,6 +416,7 @@ def estimates(rows, fit=None) -> list:
             seq=p["seq"],
             remat=p["remat"],
             precision=p["precision"],
+            pipeline=pipeline_of(p),
             fit=fit,
         )
         for p, c in rows
@@ -306,6 +455,35 @@ def fit_constants(rows) -> dict[str, float]:
     return {**FIT, **{n: round(float(v), 3) for n, v in zip(names, res.x, strict=True)}}
 
 
+#: The rolled pipeline engine's constants, fitted on the rolled training grid alone
+#: (the dense constants held at their fit): the share of the head's working set a
+#: tick's backward overlaps, one layer's backward working set without remat.
+ROLLED_FITTED = {
+    "rolled_head_overlap": (0.0, 1.0),
+    "rolled_backward_fraction": (0.0, 1.5),
+}
+
+
+def fit_rolled(rows, fit: dict) -> dict[str, float]:
+    """:data:`ROLLED_FITTED` minimising the squared log error of the totals on ``rows``
+    (the rolled training grid), the other constants ``fit``'s."""
+    import numpy as np
+    from scipy.optimize import minimize
+
+    names = list(ROLLED_FITTED)
+    actual = np.array([c["memory"]["total"] for _, c in rows])
+
+    def loss(x):
+        est = np.array(
+            [e.total for e in estimates(rows, {**fit, **dict(zip(names, x, strict=True))})]
+        )
+        return float(np.mean(np.log(est / actual) ** 2))
+
+    x0 = np.array([fit[n] for n in names])
+    res = minimize(loss, x0, method="Powell", bounds=list(ROLLED_FITTED.values()))
+    return {**fit, **{n: round(float(v), 3) for n, v in zip(names, res.x, strict=True)}}
+
+
 def errors(rows, ests) -> dict:
     """Per family and overall: points, fraction within ±10 %, the worst error."""
     out: dict[str, dict] = {}
@@ -334,7 +512,7 @@ def errors(rows, ests) -> dict:
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--collect", choices=(*GRIDS, *MOE_GRIDS))
+    p.add_argument("--collect", choices=(*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS))
     p.add_argument("--reverse", action="store_true", help="collect the grid's last points first")
     p.add_argument("--fit", action="store_true", help="refit the constants (training grid)")
     args = p.parse_args()
@@ -347,12 +525,14 @@ def main() -> None:
     if args.tiny:  # a smoke run: two points compiled here, nothing cached
         train, held = [(p, compile_point(p)) for p in points("training")[:2]], []
     fit = fit_constants(train) if args.fit else dict(FIT)
+    if args.fit:
+        fit = fit_rolled(compiled("rolled_training"), fit)
     result = {"constants": fit, "fitted": bool(args.fit), "left_out": list(STALE)}
-    for grid in (*GRIDS, *MOE_GRIDS):
+    for grid in (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS):
         result[f"{grid}_points_planned"] = len(points(grid))
     table = []
     grids = [("training", train), ("held_out", held)]
-    grids += [(g, compiled(g)) for g in MOE_GRIDS if not args.tiny]
+    grids += [(g, compiled(g)) for g in (*MOE_GRIDS, *PIPELINE_GRIDS) if not args.tiny]
     for grid, rows in grids:
         ests = estimates(rows, fit)
         err = errors(rows, ests)

@@ -36,6 +36,7 @@ from shardkit.errors import NotPipelinableError, ShardingError
 from shardkit.parallel.cli import for_plan
 from shardkit.protocol import Model
 from shardkit.report.buffers import compile_with_buffers
+from shardkit.report.estimator import estimate
 from shardkit.report.report import Report, read_compiled
 from shardkit.step import PipelinedStep
 from shardkit.workload import Workload, dims_sizes
@@ -159,7 +160,7 @@ def build_report(
                 workload = dataclasses.replace(workload, **dims_sizes(dims))
         if pipeline is None and isinstance(step, PipelinedStep):
             pipeline = step.options  # what the pipeline's analytic model counts
-    return read_compiled(
+    report = read_compiled(
         plan,
         compiled,
         state,
@@ -170,6 +171,33 @@ def build_report(
         replicated_threshold_bytes=replicated_threshold_bytes,
         replicated_threshold_share=replicated_threshold_share,
     )
+    if model is not None and isinstance(step, PipelinedStep):
+        report = _with_pipeline_estimate(report, plan, model, workload, pipeline)
+    return report
+
+
+def _with_pipeline_estimate(report: Report, plan, model, workload, pipeline) -> Report:
+    """A pipelined model's report with the pre-compile estimate of its layout next to
+    the compiled memory (the rolled and the unrolled engine, every schedule), or the
+    estimator's refusal among the warnings; the rest of the report is as it was (the
+    model's dims are not passed on to its analytic model)."""
+    model_dims = getattr(model, "dims", None)
+    if not isinstance(model_dims, ModelDims) or workload is None or not workload.seq:
+        return report
+    try:
+        guess = estimate(
+            plan.recipe,
+            model_dims,
+            mesh=dict(plan.mesh.shape),
+            batch=workload.batch,
+            seq=workload.seq,
+            remat=workload.remat or "none",
+            precision=workload.precision,
+            pipeline=pipeline,
+        )
+    except ShardingError as e:  # a layout the estimator does not cover: it says so
+        return dataclasses.replace(report, warnings=(*report.warnings, " ".join(str(e).split())))
+    return dataclasses.replace(report, estimate=guess)
 
 
 def _model_step(plan, model, step, state, batch, extra, seq, tx, seed, pipeline, workload, dims):

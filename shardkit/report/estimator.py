@@ -14,7 +14,8 @@ terms (:data:`shardkit.report.memory_terms.TERMS`), from the structure of the st
 - ``saved activations``: what the scanned layer keeps for its backward pass, per
   remat policy (:func:`saved_values`: the layer input under ``full``; the matmul
   outputs too under ``save_dots``; every intermediate under ``none``), for every layer
-  (times the work items a pipeline stage holds in flight, :func:`in_flight`);
+  (times the work items a pipeline stage holds in flight, :func:`in_flight`; the rolled
+  pipeline engine, the default, by its own buffers: :func:`_rolled_terms`);
 - ``recomputation`` and ``attention scores``: the one layer whose backward runs,
   recomputed (``full``, ``save_dots``) and its gradients' working set;
 - ``gathered weights``: a layer's weights gathered, and their unreduced gradient,
@@ -39,8 +40,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,7 +51,7 @@ from shardkit import recipes
 from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.nn.loss import LOGITS, auto_chunks
-from shardkit.parallel.schedules import SPLIT
+from shardkit.parallel.schedules import SPLIT, make
 from shardkit.report import analytic_moe
 from shardkit.report.analytic import analytic_costs, workload_of
 from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
@@ -60,7 +63,9 @@ __all__ = ["FIT", "Estimate", "against", "estimate", "saved_values"]
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
 #: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits four of them (its
 #: ``FITTED``, within bounds) on its training grid: backward_layer_fraction,
-#: gathered_weight_copies, head_copies, heap_fragmentation; the other two are counted.
+#: gathered_weight_copies, head_copies, heap_fragmentation; and two of the rolled
+#: pipeline engine's (``ROLLED_FITTED``) on its rolled training grid alone, the others
+#: held: rolled_head_overlap, rolled_backward_fraction; the other two are counted.
 FIT: dict[str, float] = {
     # Copies of the layer stack's stored gradient shard live at the layers' peak, per
     # scan buffer holding it (the backward's accumulator; without remat also the
@@ -81,6 +86,13 @@ FIT: dict[str, float] = {
     "bf16_activation_bytes": 4.0,
     # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes.
     "heap_fragmentation": 0.0,
+    # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
+    # zb1, zbv): the share of the head's working set live next to the layer's backward
+    # (XLA interleaves the two, which do not wait for each other).
+    "rolled_head_overlap": 0.591,
+    # The rolled engine without remat: one layer's backward working set (its gradients,
+    # the residuals read from the ring) in units of its remat-"none" values.
+    "rolled_backward_fraction": 0.888,
 }
 
 _REMATS = ("none", "full", "save_dots")
@@ -214,15 +226,10 @@ def _uncovered(
     if pipeline is not None and par.stage == 1:
         return f"pipeline={dict(pipeline)} on a mesh without a 'stage' axis"
     options = {**PIPELINE_DEFAULTS, **(pipeline or {})}
-    if par.stage > 1 and options["schedule"] in SPLIT:
+    if par.stage > 1 and options["schedule"] in SPLIT and not options["rolled"]:
         return (
-            f"the zero-bubble schedule {options['schedule']!r} (the rolled engine only, and "
-            "the ring of its weight gradients' inputs has no term)"
-        )
-    if par.stage > 1 and options["rolled"]:
-        return (
-            "the rolled pipeline engine, the default (its terms are the unrolled engine's: "
-            "pass pipeline={'rolled': False} for those)"
+            f"the zero-bubble schedule {options['schedule']!r} unrolled (rolled=False): the "
+            "engine runs it rolled only; drop rolled=False (--unrolled)"
         )
     return None
 
@@ -394,7 +401,7 @@ def estimate(
 
     # Saved activations: every layer's (× the items a pipeline stage holds in flight).
     items = 1.0
-    if p > 1:
+    if p > 1 and not pipeline.get("rolled", True):  # the rolled engine's: _rolled_terms
         sched = pipeline.get("schedule", "1f1b")
         v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
         v = 2 if sched == "zbv" else v
@@ -490,16 +497,35 @@ def estimate(
         weight_copy_bytes=copy,
     )
     notes.append(f"head and loss: {chunks} chunk(s), {head:,.0f} B")
-    phases_terms = {
-        "layers": layers_terms,
-        "head_loss": {
-            # the head runs before the layers' backward: only the tables' gradient
-            "gradients": rest,
-            "saved activations": saved,
-            "logits / loss": head,
-        },
-        "optimizer_step": {"gradients": mem.grads},
-    }
+    if p > 1 and pipeline.get("rolled", True):
+        # the rolled engine's head: one micro-batch's, its tables gathered once a step
+        # (counted with the stage's weights), so no layout copy of the weight
+        head = fit["head_copies"] * head_loss_peak_bytes(
+            tokens=batch * seq / m,
+            vocab=dims.vocab,
+            d_model=dims.d_model,
+            chunks=chunks,
+            token_split=_split(spec, sizes, (0, 1)),
+            vocab_split=_split(spec, sizes, (2,)),
+            bytes_per_value=act,
+        )
+        phases_terms = _rolled_terms(
+            dims,
+            par,
+            pipeline,
+            tokens=tokens,
+            remat=remat,
+            seq=seq,
+            none_values=none_values,
+            act=act,
+            nb=nb,
+            grad_shard=mem.grads,
+            head=head,
+            fit=fit,
+            notes=notes,
+        )
+    else:
+        phases_terms = _unrolled_terms(layers_terms, rest, saved, head, mem.grads)
     for v in phases_terms.values():
         v["heap fragmentation"] = fit["heap_fragmentation"] * sum(v.values())
     phases = {k: float(sum(v.values())) for k, v in phases_terms.items()}
@@ -516,6 +542,191 @@ def estimate(
         notes=tuple(notes),
         seconds=time.perf_counter() - start,
     )
+
+
+def _unrolled_terms(layers_terms, rest, saved, head, grads) -> dict[str, dict[str, float]]:
+    """The phases of a step whose layers run in one scan (or the unrolled pipeline
+    engine): the layers' backward, the head and loss, the optimizer step."""
+    return {
+        "layers": layers_terms,
+        "head_loss": {
+            # the head runs before the layers' backward: only the tables' gradient
+            "gradients": rest,
+            "saved activations": saved,
+            "logits / loss": head,
+        },
+        "optimizer_step": {"gradients": grads},
+    }
+
+
+def _rolled_values(
+    dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool = False
+) -> tuple[float, float]:
+    """Values per token (f32-sized) of one layer the rolled pipeline engine stores:
+    (what the layer's ``jax.vjp`` keeps, its ring's residuals; what a zero-bubble B
+    leaves its W).
+
+    The vjp's residuals, counted from the engine's rings (gpt-tiny and llama-tiny):
+    ``full``: the layer input ``h``; ``save_dots``: :func:`saved_values`'; ``none``:
+    eight width-``h`` values, four of the attention's width ``q`` (q, k and v, GQA's k and
+    v repeated to the query heads, and the context), the scores (three f32 leaves, which
+    XLA stores as two rings: two are one value) and their mask (a byte, ¼), two per
+    head (the softmax's max and sum), six of the MLP's width and the norms' statistics
+    (two per norm, four under LayerNorm).
+
+    W's inputs (``shardkit.parallel.wgrad``'s frontier): the output cotangent of each
+    weight matmul (q, k, v, the MLP's inputs) and width-``h`` ones for the attention's
+    and the MLP's outputs and the norms' weights (two per norm, four under LayerNorm),
+    ``q + 2k + f_in + h·(2 + norms)``; under remat also what B recomputed that W reads:
+    ``2f + 3h + 2`` (the MLP's activation input and output, the layer and block inputs,
+    the norms' statistics), under ``save_dots`` besides two width-``h`` values and the
+    scores ``a·s``.
+    """
+    h, hd, a, f = dims.d_model, dims.head_dim, dims.n_heads, dims.d_ff
+    q, k = a * hd, dims.n_kv_heads * hd
+    f_in = (2 if dims.gated_mlp else 1) * f
+    x = h / t if sp else h
+    norms = 4 if dims.norm == "layernorm" else 2
+    if remat == "none":
+        res = 8 * x + (4 * q + 2.25 * a * seq + 2 * a + 6 * f) / t + 2 * norms
+    else:
+        res = saved_values(dims, remat, seq=seq, t=t, sp=sp)
+    w_in = (q + 2 * k + f_in) / t + x * (2 + norms)
+    if remat != "none":
+        w_in += 2 * f / t + 3 * x + 2
+    if remat == "save_dots":
+        w_in += 2 * x + a * seq / t
+    return float(res), float(w_in)
+
+
+@functools.lru_cache(maxsize=512)  # the planner asks for the same schedules again
+def _rolled_slots(
+    schedule: str, p: int, m: int, v: int, units: int = 1
+) -> tuple[int, int, int, int]:
+    """(residual slots, d loss / d y slots, W-input slots, unrolled backward ticks) of
+    the rolled engine (``shardkit.parallel.pipeline._Pipeline._rolled_ticks``): a
+    schedule whose own slots (each stage's lowest free one, plus one for idle forwards)
+    are fewer than the ring's keeps ``slots + 1``, else the ring (``schedule.ring``: the
+    longest wait + 1); the last chunk's d loss / d y as many, or one where its backward
+    runs in the tick of its forward (zb1, zbv); zb1 / zbv also ``w_ring`` slots of what
+    a B leaves its W. The engine loops over runs of ticks of one kind (cut where a
+    scheduling unit starts) and unrolls runs shorter than 3: the last count is the most
+    backward ticks in one straight-line stretch of unrolled ticks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # m < p: the schedule's own warning
+        sched = make(schedule, p, m, v)
+    own = sched.slots + 1 < sched.ring and not sched.split
+    ring = sched.slots + 1 if own else sched.ring
+    tables = sched.tables()
+    dy = ring
+    if sched.split:
+        ages = [a for (t, q), a in sched.ages("f", "b").items() if tables["b_last"][t][q]]
+        dy = 1 if max(ages) == 0 else ring
+    names = ["f_valid", "b_valid", "f_first", "f_last", "b_first", "b_last"]
+    names += ["w_valid"] if sched.split else []
+    kinds = [tuple(bool(tables[n][t].any()) for n in names) for t in range(sched.ticks)]
+    if schedule == "zbv":  # its ends alternate: runs cut by the work alone
+        kinds = [k[:2] + k[6:] for k in kinds]
+    windows = {round(i * sched.ticks / units) for i in range(units)}
+    runs: list[list[int]] = []
+    for t in range(sched.ticks):
+        if runs and t not in windows and kinds[t] == kinds[runs[-1][0]]:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    # straight-line stretches of unrolled ticks between loops: their backward ticks
+    unrolled, stretch = 0, 0
+    for r in runs:
+        stretch = stretch + sum(bool(tables["b_valid"][t].any()) for t in r) if len(r) < 3 else 0
+        unrolled = max(unrolled, stretch)
+    return ring, dy, sched.w_ring, unrolled
+
+
+def _rolled_terms(
+    dims: ModelDims,
+    par: Any,
+    pipeline: Mapping[str, Any],
+    *,
+    tokens: float,
+    remat: str,
+    seq: int,
+    none_values: float,
+    act: float,
+    nb: int,
+    grad_shard: float,
+    head: float,
+    fit: Mapping[str, float],
+    notes: list[str],
+) -> dict[str, dict[str, float]]:
+    """The rolled pipeline engine's temp, counted from its structure.
+
+    A stage runs its ticks in loops; everything below is live across them, so the peak
+    is these buffers plus one layer's backward or the head's, the larger:
+
+    - ``saved activations``: the residual rings, ``[slots, L/(p·v), ...]`` per leaf, each
+      slot one micro-batch's residuals of one chunk's layers (:func:`_rolled_slots`),
+      what a layer's vjp keeps per remat policy (:func:`_rolled_values`); the last
+      chunk's d loss / d y (width-h) slots; zb1 / zbv the ring of W's inputs
+      (``w_ring`` slots × the chunk's layers × :func:`_rolled_values`' second count);
+    - ``gathered weights``: zeropp's stage and its embedding and head, gathered over
+      fsdp once per scheduling unit, and the layer the loop slices out of the stack;
+    - ``gradients``: the unit's f32 accumulator of the stage's weights and the
+      embedding and head's (with more units, a second accumulator and the shard);
+    - ``recomputation`` / ``logits / loss``: one layer's backward working set (one at a
+      time in the backward scan), with the share of the head's live beside it where a
+      tick runs both (``rolled_head_overlap``), or the head's; and where a chunk is one
+      layer, the layers XLA recomputes ahead in a stretch of unrolled ticks.
+    """
+    p, m, t, f = par.stage, int(pipeline["microbatches"]), par.tensor, par.fsdp
+    sched = pipeline.get("schedule", "1f1b")
+    v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
+    v = 2 if sched == "zbv" else v
+    units = 1 if pipeline.get("unit") is None else math.ceil(m / int(pipeline["unit"]))
+    ring, dy, w_ring, unrolled = _rolled_slots(sched, p, m, v, units)
+    chunk = dims.layers / (p * v)
+    sp = t > 1 and par.tensor_kind == "tp_sp"
+    res, w_in = _rolled_values(dims, remat, seq=seq, t=t, sp=sp)
+    saved = ring * chunk * tokens * res * act + dy * tokens * dims.d_model * act
+    saved += w_ring * chunk * tokens * w_in * act
+    stage_bytes = dims.stack_params / p * nb / t
+    rest = (dims.param_count - dims.stack_params) * nb / t
+    # The stage's layers (and the embedding and head) gathered over fsdp once per unit
+    # (zeropp), and the layer the loop runs sliced out of the stack: its weights and
+    # their layout copies (``gathered_weight_copies``, as a scanned layer's).
+    layer_bytes = dims.layer_params * nb / t
+    gathered = (stage_bytes + rest if f > 1 else 0.0) + fit["gathered_weight_copies"] * layer_bytes
+    # The unit's f32 accumulator of the stage's gradient (a second one where the next
+    # unit starts while the last one's is reduce-scattered, and the stored shard they
+    # are reduced into), the embedding and head's, carried through the ticks; a single
+    # unit's stored shard is written after them.
+    grads = stage_bytes + rest
+    if units > 1:
+        grads += stage_bytes + stage_bytes / f
+    # one layer's backward: its recomputed forward and gradients (remat), or, with its
+    # residuals read from the ring (none), the gradients alone
+    frac = fit["rolled_backward_fraction" if remat == "none" else "backward_layer_fraction"]
+    work = frac * tokens * none_values * act
+    # A chunk of one layer: XLA unrolls its one-trip layer loop, and in a stretch of
+    # unrolled ticks (short runs, between loops) it recomputes every backward's layer
+    # ahead (the recomputation does not wait for the incoming gradient): all but two of
+    # the stretch's backwards' recomputed layers are live besides the one running
+    # (measured: interleaved on 2 stages, m = 4, one layer per chunk, nine backwards in
+    # one stretch, 3.3x the temp of 1f1b's; stretches of two backwards hoist none).
+    hoisted = 0.0
+    if chunk == 1 and remat != "none" and unrolled > 2:
+        hoisted = (unrolled - 2) * tokens * none_values * act
+    notes.append(
+        f"rolled {sched}: {ring} residual slot(s) × {chunk:g} layer(s), {dy} d loss/d y "
+        f"slot(s), {w_ring} W-input slot(s); the stage's {stage_bytes:,.0f} B gathered "
+        f"{'once per unit' if f > 1 else '(stored whole)'} and its f32 accumulator"
+    )
+    base = {"gradients": grads, "saved activations": saved, "gathered weights": gathered}
+    overlap = fit["rolled_head_overlap"] * head if sched != "gpipe" else 0.0
+    return {
+        "layers": {**base, "recomputation": work + hoisted, "logits / loss": overlap},
+        "head_loss": {**base, "logits / loss": head},
+        "optimizer_step": {"gradients": grad_shard},
+    }
 
 
 def against(

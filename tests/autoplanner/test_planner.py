@@ -287,3 +287,36 @@ def test_an_moe_model_searches_the_expert_axis_and_can_choose_ep(cache):
     assert best.candidate.recipe == "ep" and best.evidence.memory["total"] <= budget
     split = best.candidate.mesh_sizes["expert"]
     assert f"(1/{split} of " in best.reason and "all-to-all" in best.reason
+
+
+def test_pipelined_candidates_are_ranked_by_the_estimate_like_the_others():
+    # The rolled pipeline engine (the default) has estimator terms: every pipelined
+    # candidate, zeropp and 3D included, carries sk.estimate's total for its schedule
+    # and micro-batches, not the analytic memory in its place (no compile here).
+    from shardkit.autoplanner.candidates import enumerate_candidates
+    from shardkit.autoplanner.evaluate import Analytic, Subject, prune
+    from shardkit.report.estimator import estimate
+    from shardkit.step import PIPELINE_DEFAULTS
+
+    model = models.get("gpt-tiny", remat="full")
+    subject = Subject.of(model, batch=8, seq=32)
+    pipelined = enumerate_candidates(
+        8, 8, recipe_names=["pp", "dp_pp", "zeropp", "dp_tp_sp_pp"], remats=["full"]
+    )
+    checked = 0
+    for c in pipelined:
+        got = prune(subject, c, budget=2**30)
+        if not isinstance(got, Analytic):
+            continue
+        e = estimate(
+            c.recipe_object(),
+            model,
+            mesh=c.mesh_sizes,
+            batch=8,
+            seq=32,
+            pipeline={**PIPELINE_DEFAULTS, "microbatches": c.microbatches},
+        )
+        assert got.estimated == e.total
+        assert got.ranking_memory == e.total  # what the planner ranks by
+        checked += 1
+    assert checked >= 3

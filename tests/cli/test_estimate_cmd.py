@@ -39,7 +39,7 @@ def test_a_model_without_dims_is_told_what_to_declare(capsys):
 
 
 def test_pipeline_flags_reach_the_estimate(capsys):
-    # The estimator's terms are the unrolled engine's; the rolled default it refuses.
+    # --unrolled: the unrolled engine's terms.
     argv = ["estimate", "--recipe", "dp_pp", "--seq", "64", "--json", "--unrolled"]
     assert main([*argv, "--microbatches", "2"]) == 0
     two = json.loads(capsys.readouterr().out)
@@ -49,6 +49,19 @@ def test_pipeline_flags_reach_the_estimate(capsys):
     # 1F1B on 2 stages holds min(m, 3) micro-batches of 8/(4·m) rows: 2 × 1 against 3 × 1/4.
     saved = "saved activations"
     assert two["terms"][saved] / eight["terms"][saved] == 2 / 0.75
-    assert main(argv[:-1]) != 0
-    err = capsys.readouterr().err
-    assert "rolled pipeline engine, the default" in err and "'rolled': False" in err
+    # The rolled default is estimated too (no refusal), with the flags' schedule.
+    rolled = [*argv[:-1], "--microbatches", "4", "--schedule", "gpipe", "--remat", "full"]
+    assert main(rolled) == 0
+    d = json.loads(capsys.readouterr().out)
+    e = sk.estimate(
+        "dp_pp",
+        models.get("gpt-tiny", remat="full"),
+        mesh={"stage": 2, "data": 4},
+        batch=8,
+        seq=64,
+        pipeline={"microbatches": 4, "schedule": "gpipe"},
+    )
+    assert d["total"] == e.total and d["terms"] == e.terms
+    # gpipe on 2 stages, m = 4 of 8/(4·4) rows: its own 4 slots + 1, residuals (the layer
+    # input under full remat) and d loss / d y, 64 wide, f32.
+    assert d["terms"][saved] == 2 * 5 * 0.5 * 64 * 64 * 4

@@ -90,6 +90,40 @@ def test_a_pipeline_stage_holds_its_items_in_flight(tiny):
     assert gpipe.terms["saved activations"] == 4 * 1 * 1 * 64 * 64 * 4
 
 
+def test_the_rolled_engine_keeps_its_schedules_slots(tiny):
+    # The rolled engine (the default) stores each micro-batch's residuals in a ring of
+    # slots, one layer per slot here (2 layers / 2 stages), and the last stage's
+    # d loss / d y in as many slots. Under full remat a layer's vjp keeps its input.
+    kw = dict(mesh={"stage": 2, "data": 4}, batch=16, seq=64, remat="full")
+    row = 64 * 64 * 4  # one row's width-64 f32 values
+    # gpipe, m = 4 of 1 row: its own slots (4, one per micro-batch) + 1 for idle
+    # forwards are fewer than the ring's m + 2p − 1 = 7: 5 slots, residuals and dy.
+    gpipe = estimate("dp_pp", tiny, pipeline={"microbatches": 4, "schedule": "gpipe"}, **kw)
+    assert gpipe.phases["layers"] >= gpipe.phases["optimizer_step"]
+    assert gpipe.terms["saved activations"] == 5 * 1 * row + 5 * row
+    # 1f1b, m = 2 of 2 rows: 2 slots + 1 is not fewer than the ring's 2p − 1 = 3: 3 slots.
+    f1b = estimate("dp_pp", tiny, pipeline={"microbatches": 2}, **kw)
+    assert f1b.terms["saved activations"] == 3 * 1 * 2 * row + 3 * 2 * row
+    # zb1, m = 2: the same 3 residual slots, dy in one slot (its last backward runs in
+    # the tick of its forward), and W's inputs in w_ring = 2 slots. Per token, the
+    # engine's W rings for gpt-tiny under full remat (their shapes, read from the
+    # traced engine): three of the MLP's width 256, eight width-64 values, the
+    # attention context (8 heads × 8) and q/k/v (3 × 8 × 8), two norm statistics.
+    zb1 = estimate("dp_pp", tiny, pipeline={"microbatches": 2, "schedule": "zb1"}, **kw)
+    frontier = 3 * 256 + 8 * 64 + 8 * 8 + 3 * 8 * 8 + 2
+    assert frontier == 1538
+    w_inputs = 2 * 1 * 2 * 64 * frontier * 4
+    assert zb1.terms["saved activations"] == 3 * 1 * 2 * row + 1 * 2 * row + w_inputs
+    # zeropp gathers the stage's layer (49,984 values) and the embedding and head
+    # (124,672 − 2 · 49,984), f32, once per unit; the loop slices the layer it runs out
+    # of the stack (its copies as a scanned layer's, FIT's gathered_weight_copies).
+    zeropp = estimate(
+        "zeropp", tiny, mesh={"data": 1, "stage": 2, "fsdp": 4}, batch=16, seq=64, remat="full"
+    )
+    sliced = FIT["gathered_weight_copies"] * 49_984
+    assert zeropp.terms["gathered weights"] == (49_984 + 124_672 - 2 * 49_984 + sliced) * 4
+
+
 def test_bf16_activations_take_the_backends_bytes(tiny):
     kw = dict(mesh={"data": 8}, batch=8, seq=64, remat="full")
     f32, bf16 = estimate("dp", tiny, **kw), estimate("dp", tiny, precision="bf16", **kw)
@@ -113,8 +147,15 @@ def test_wire_is_the_ring_model(tiny):
 def test_terms_add_up_and_name_the_reports_terms(tiny):
     from shardkit.report.memory_terms import TERMS
 
-    for recipe in ("dp", "fsdp", "tp_sp", "tsp", "dp_pp"):
-        pipeline = {"rolled": False} if recipe == "dp_pp" else None  # the unrolled engine's
+    for recipe, pipeline in [
+        ("dp", None),
+        ("fsdp", None),
+        ("tp_sp", None),
+        ("tsp", None),
+        ("dp_pp", None),  # the rolled engine
+        ("zeropp", {"schedule": "zbv"}),
+        ("dp_pp", {"rolled": False}),  # the unrolled engine's
+    ]:
         e = estimate(recipe, tiny, devices=8, batch=8, seq=64, remat="full", pipeline=pipeline)
         assert set(e.terms) <= set(TERMS)
         assert sum(e.terms.values()) == pytest.approx(e.temp)
@@ -166,18 +207,40 @@ def test_bad_arguments(tiny):
 
 @pytest.mark.parametrize(
     ("recipe", "remat", "tolerance"),
-    [("fsdp", "full", 0.10), ("dp", "none", 0.10), ("dp_pp", "full", 0.25)],
+    [("fsdp", "full", 0.10), ("dp", "none", 0.10), ("dp_pp", "full", 0.15)],
 )
 def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
     # Compile only. The benchmark (benchmarks/estimator.py) has the errors of every
-    # recipe; these are a dense layout each way of remat and a pipeline.
+    # recipe; these are a dense layout each way of remat and a pipeline (the rolled
+    # engine, the default: gpt-tiny's one layer per stage with m = p, every tick
+    # unrolled, the estimate's documented weak spot, 1.09 on jax 0.10, 1.10 on 0.12).
     model = models.get("gpt-tiny", remat=remat)
     plan = sk.Plan(recipe)
-    pipeline = {"rolled": False} if recipe == "dp_pp" else None  # the engine it models
-    compiled = sk.report.build_report(plan, model=model, batch=8, seq=64, pipeline=pipeline).memory
-    e = estimate(plan, model, batch=8, seq=64, pipeline=pipeline)
+    compiled = sk.report.build_report(plan, model=model, batch=8, seq=64).memory
+    e = estimate(plan, model, batch=8, seq=64)
     assert e.total / compiled.total == pytest.approx(1, abs=tolerance)
     assert e.arguments / compiled.arguments == pytest.approx(1, abs=0.06)
+
+
+@pytest.mark.parametrize(
+    ("model", "remat", "mesh", "pipeline"),
+    [
+        ("llama-tiny", "none", {"data": 1, "stage": 2, "fsdp": 4}, {"microbatches": 2}),
+        ("gpt-tiny", "full", {"stage": 2, "data": 4}, {"microbatches": 2, "schedule": "zb1"}),
+    ],
+)
+def test_the_rolled_engine_within_tolerance_of_the_compiled_program(model, remat, mesh, pipeline):
+    # The rolled engine's zeropp (its stage gathered once, 1f1b) and a zero-bubble
+    # schedule, against their compiled programs (compile only). Four layers: two per
+    # stage (a chunk of one layer is the estimate's known weak spot, docs/howto/estimate.md).
+    plan = sk.Plan("zeropp" if "fsdp" in mesh else "dp_pp", sk.make_mesh(mesh))
+    m = models.get(model, remat=remat, n_layers=4)
+    report = sk.report.build_report(plan, model=m, batch=16, seq=64, pipeline=pipeline)
+    e = estimate(plan, m, batch=16, seq=64, pipeline=pipeline)
+    assert e.total / report.memory.total == pytest.approx(1, abs=0.10)
+    # the report's own estimate is this one, and it carries no refusal
+    assert report.estimate is not None and report.estimate.total == e.total
+    assert not any("does not cover" in w for w in report.warnings)
 
 
 def test_the_report_shows_the_estimate_next_to_the_compiled_memory():
@@ -202,17 +265,15 @@ def test_the_report_shows_the_estimate_next_to_the_compiled_memory():
 
 
 def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
-    # Experts in a pipeline, the rolled engine, pipeline options without stages, a plan
-    # given a mesh too.
+    # Experts in a pipeline, a zero-bubble schedule unrolled (the engine runs it rolled
+    # only), pipeline options without stages, a plan given a mesh too.
     with pytest.raises(sk.ShardingError, match="does not cover pp .*mixture of experts"):
         estimate("pp", models.get("moe-tiny"), devices=2, batch=8, seq=32)
     gpt = models.get("gpt-tiny")
-    with pytest.raises(sk.ShardingError, match="rolled pipeline engine"):
-        estimate("pp", gpt, devices=2, batch=8, seq=32, pipeline={"rolled": True})
-    with pytest.raises(sk.ShardingError, match="rolled pipeline engine, the default"):
-        estimate("pp", gpt, devices=2, batch=8, seq=32)
-    for schedule in ("zb1", "zbv"):  # zero-bubble: the rolled engine only, W's ring unmodelled
-        with pytest.raises(sk.ShardingError, match=f"zero-bubble schedule '{schedule}'"):
+    for schedule in ("zb1", "zbv"):
+        with pytest.raises(
+            sk.ShardingError, match=f"zero-bubble schedule '{schedule}' unrolled.*drop rolled"
+        ):
             opts = {"schedule": schedule, "rolled": False, "microbatches": 2}
             estimate("pp", gpt, devices=2, batch=8, seq=32, pipeline=opts)
     with pytest.raises(sk.ShardingError, match="without a 'stage' axis"):
