@@ -8,7 +8,6 @@ whatever the program asks for; GPUs and TPUs gather what it asks for.
 
 import jax
 import jax.numpy as jnp
-import jaxlib._hlo as xla_hlo
 import numpy as np
 import pytest
 
@@ -40,10 +39,9 @@ def _program_collectives(precision):
     """The zeropp step's collectives as the program asks for them (before XLA's passes)."""
     model, tx = get("gpt-tiny", n_layers=LAYERS), train.adamw(LR)
     _, abstract, step = _step(precision, model, tx, 8)
-    module = step.lower(abstract.tree, token_batch(BATCH, SEQ)).compiler_ir("hlo")
-    options = xla_hlo.HloPrintOptions.short_parsable()
-    options.print_metadata = True  # the named scopes, which tell the unit's gathers apart
-    return parse_collectives(module.get_hlo_module().to_string(options)), abstract
+    lowered = step.lower(abstract.tree, token_batch(BATCH, SEQ))
+    # debug_info: each op's metadata, whose named scopes tell the unit's gathers apart
+    return parse_collectives(lowered.as_text("hlo", debug_info=True)), abstract
 
 
 def _unit_bytes(collectives, kind="all-gather"):
