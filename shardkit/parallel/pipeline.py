@@ -666,19 +666,17 @@ class _Body:
         # the ring's (zbv: 11 against 4p - 1), and for what a B leaves its W (zbv: 4
         # against p + 1): a ring indexed by the tick is sized to the longest wait, the
         # stages' own slots to what a stage holds at once.
-        own = sched.slots + 1 < sched.ring
-        ring = sched.slots + 1 if own else sched.ring
-        w_ring = sched.w_ring
+        buffers = sched.buffers  # the slot counts, shared with the estimator
+        own, ring, w_ring, own_w = buffers.own, buffers.residuals, buffers.w_inputs, buffers.own_w
         if split:
             res, _ = sched.own_slots("f", "w")
             if own:
                 f_slots, b_slots, w_reads = (jnp.asarray(res[k]) for k in "fbw")
             else:
                 w_reads = jnp.asarray(sched.read_slots("w", "f"))
-            front, size = sched.own_slots("b", "w")
-            own_w = size < w_ring
             if own_w:
-                w_ring, w_writes, w_from_b = size, jnp.asarray(front["b"]), jnp.asarray(front["w"])
+                front, _ = sched.own_slots("b", "w")
+                w_writes, w_from_b = jnp.asarray(front["b"]), jnp.asarray(front["w"])
             else:
                 w_from_b = jnp.asarray(sched.read_slots("w", "b"))
 
@@ -698,8 +696,7 @@ class _Body:
         # d loss / d y of the last chunk, kept until its backward: 1f1b, zb1 and zbv run
         # that backward in the tick of the forward, so one slot (gpipe and interleaved
         # keep ``ring``).
-        last = [a for (t, q), a in sched.ages("f", "b").items() if np_tables["b_last"][t][q]]
-        dy_ring = 1 if max(last) == 0 else ring
+        dy_ring = buffers.loss_grad
 
         def dy_slot(t, slot=None):
             if dy_ring == 1:

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,6 +76,7 @@ from shardkit.errors import PipelineError
 
 __all__ = [
     "SCHEDULES",
+    "Buffers",
     "Schedule",
     "PipelineError",
     "UnknownScheduleError",
@@ -130,6 +132,28 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int 
     return (stages - 1) / (v * microbatches + stages - 1)
 
 
+class Buffers(NamedTuple):
+    """How many slots each stage of the rolled pipeline engine keeps of each thing it
+    stores between ticks (:attr:`Schedule.buffers`): the one count the engine allocates
+    and the estimator (``shardkit.report.estimator``) charges.
+
+    Attributes:
+      residuals: of what a forward keeps for its backward (and ``W``).
+      own: the residual slots are each stage's own (:meth:`Schedule.own_slots`, sized to
+        what a stage holds at once), not a ring indexed by the tick.
+      loss_grad: of the last chunk's d loss / d y (1 where its backward runs in the tick
+        of its forward).
+      w_inputs: zb1 / zbv: of what a ``B`` leaves its ``W``; 0 for the other schedules.
+      own_w: the ``W`` inputs' slots are each stage's own, not a ring.
+    """
+
+    residuals: int
+    own: bool
+    loss_grad: int
+    w_inputs: int
+    own_w: bool
+
+
 @dataclasses.dataclass(frozen=True)
 class Schedule:
     """A schedule's tables for ``stages`` stages and ``microbatches`` micro-batches.
@@ -176,6 +200,30 @@ class Schedule:
         if not self.split:
             return 0
         return int(max(self.ages("b", "w").values())) + 1
+
+    @property
+    def buffers(self) -> Buffers:
+        """The rolled engine's buffer slots per stage (:class:`Buffers`): each stage's own
+        slots where they are fewer than the ring's (gpipe: ``m + 1`` against
+        ``m + 2p − 1``; zbv, p = 4: 11 against 15), else the ring by tick.
+
+        Example:
+          >>> make("gpipe", 4, 8).buffers
+          Buffers(residuals=9, own=True, loss_grad=9, w_inputs=0, own_w=False)
+          >>> make("1f1b", 4, 8).buffers.loss_grad, make("zbv", 4, 16).buffers.w_inputs
+          (1, 4)
+        """
+        own = self.slots + 1 < self.ring
+        residuals = self.slots + 1 if own else self.ring
+        w_inputs, own_w = self.w_ring, False
+        if self.split:
+            _, size = self.own_slots("b", "w")
+            own_w = size < w_inputs
+            w_inputs = min(size, w_inputs)
+        tables = self.tables()
+        last = [a for (t, q), a in self.ages("f", "b").items() if tables["b_last"][t][q]]
+        loss_grad = 1 if max(last) == 0 else residuals
+        return Buffers(residuals, own, loss_grad, w_inputs, own_w)
 
     def _ticks_of(self, kind: str) -> dict[tuple[Item, int], int]:
         rows = {"f": self.forward, "b": self.backward, "w": self.weight}[kind]

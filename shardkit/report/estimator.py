@@ -604,24 +604,16 @@ def _rolled_slots(
     schedule: str, p: int, m: int, v: int, units: int = 1
 ) -> tuple[int, int, int, int]:
     """(residual slots, d loss / d y slots, W-input slots, unrolled backward ticks) of
-    the rolled engine (``shardkit.parallel.pipeline._Pipeline._rolled_ticks``): a
-    schedule whose own slots (each stage's lowest free one, plus one for idle forwards)
-    are fewer than the ring's keeps ``slots + 1``, else the ring (``schedule.ring``: the
-    longest wait + 1); the last chunk's d loss / d y as many, or one where its backward
-    runs in the tick of its forward (zb1, zbv); zb1 / zbv also ``w_ring`` slots of what
-    a B leaves its W. The engine loops over runs of ticks of one kind (cut where a
-    scheduling unit starts) and unrolls runs shorter than 3: the last count is the most
+    the rolled engine (``shardkit.parallel.pipeline._Pipeline._rolled_ticks``): the first
+    three are the slots it allocates (:attr:`shardkit.parallel.schedules.Schedule.buffers`,
+    one definition for both). The engine loops over runs of ticks of one kind (cut where
+    a scheduling unit starts) and unrolls runs shorter than 3: the last count is the most
     backward ticks in one straight-line stretch of unrolled ticks."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # m < p: the schedule's own warning
         sched = make(schedule, p, m, v)
-    own = sched.slots + 1 < sched.ring and not sched.split
-    ring = sched.slots + 1 if own else sched.ring
+    buffers = sched.buffers  # what the engine allocates (shardkit.parallel.schedules)
     tables = sched.tables()
-    dy = ring
-    if sched.split:
-        ages = [a for (t, q), a in sched.ages("f", "b").items() if tables["b_last"][t][q]]
-        dy = 1 if max(ages) == 0 else ring
     names = ["f_valid", "b_valid", "f_first", "f_last", "b_first", "b_last"]
     names += ["w_valid"] if sched.split else []
     kinds = [tuple(bool(tables[n][t].any()) for n in names) for t in range(sched.ticks)]
@@ -639,7 +631,7 @@ def _rolled_slots(
     for r in runs:
         stretch = stretch + sum(bool(tables["b_valid"][t].any()) for t in r) if len(r) < 3 else 0
         unrolled = max(unrolled, stretch)
-    return ring, dy, sched.w_ring, unrolled
+    return buffers.residuals, buffers.loss_grad, buffers.w_inputs, unrolled
 
 
 def _rolled_terms(
