@@ -36,7 +36,7 @@ from shardkit.errors import NotPipelinableError, ShardingError
 from shardkit.parallel.cli import for_plan
 from shardkit.protocol import Model
 from shardkit.report.buffers import compile_with_buffers
-from shardkit.report.estimator import estimate
+from shardkit.report.estimator import estimate_or_refusal
 from shardkit.report.report import Report, read_compiled
 from shardkit.step import PipelinedStep
 from shardkit.workload import Workload, dims_sizes
@@ -184,19 +184,10 @@ def _with_pipeline_estimate(report: Report, plan, model, workload, pipeline) -> 
     model_dims = getattr(model, "dims", None)
     if not isinstance(model_dims, ModelDims) or workload is None or not workload.seq:
         return report
-    try:
-        guess = estimate(
-            plan.recipe,
-            model_dims,
-            mesh=dict(plan.mesh.shape),
-            batch=workload.batch,
-            seq=workload.seq,
-            remat=workload.remat or "none",
-            precision=workload.precision,
-            pipeline=pipeline,
-        )
-    except ShardingError as e:  # a layout the estimator does not cover: it says so
-        return dataclasses.replace(report, warnings=(*report.warnings, " ".join(str(e).split())))
+    mesh = dict(plan.mesh.shape)
+    guess, refusal = estimate_or_refusal(plan.recipe, model_dims, mesh, workload, pipeline)
+    if refusal is not None:
+        return dataclasses.replace(report, warnings=(*report.warnings, refusal))
     return dataclasses.replace(report, estimate=guess)
 
 

@@ -58,7 +58,7 @@ from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
 from shardkit.report.pipeline_analytic import in_flight
 from shardkit.step import PIPELINE_DEFAULTS
 
-__all__ = ["FIT", "Estimate", "against", "estimate", "saved_values"]
+__all__ = ["FIT", "Estimate", "against", "estimate", "estimate_or_refusal", "saved_values"]
 
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
 #: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits four of them (its
@@ -276,6 +276,28 @@ def _dims_of(model: Any) -> ModelDims:
     )
 
 
+def estimate_or_refusal(
+    recipe: Any, dims: ModelDims, mesh: Mapping[str, int], workload: Any, pipeline: Any = None
+) -> tuple[Estimate | None, str | None]:
+    """What a report shows beside the compiled memory: the :func:`estimate` of a step of
+    ``workload``'s sizes (a :class:`~shardkit.workload.Workload`), or ``None`` and the
+    estimator's refusal on one line, for a layout it does not cover."""
+    try:
+        guess = estimate(
+            recipe,
+            dims,
+            mesh=mesh,
+            batch=workload.batch,
+            seq=workload.seq,
+            remat=workload.remat or "none",
+            precision=workload.precision,
+            pipeline=pipeline,
+        )
+    except ShardingError as e:  # a layout the estimator does not cover: it says so
+        return None, " ".join(str(e).split())
+    return guess, None
+
+
 def estimate(
     plan_or_recipe: Any,
     model: Any,
@@ -486,7 +508,7 @@ def estimate(
     copy = head_weight_copy_bytes(
         dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
     )
-    head = fit["head_copies"] * head_loss_peak_bytes(
+    head_sizes = dict(
         tokens=batch * seq / m,
         vocab=dims.vocab,
         d_model=dims.d_model,
@@ -494,21 +516,13 @@ def estimate(
         token_split=_split(spec, sizes, (0, 1)),
         vocab_split=_split(spec, sizes, (2,)),
         bytes_per_value=act,
-        weight_copy_bytes=copy,
     )
+    head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes, weight_copy_bytes=copy)
     notes.append(f"head and loss: {chunks} chunk(s), {head:,.0f} B")
     if p > 1 and pipeline.get("rolled", True):
         # the rolled engine's head: one micro-batch's, its tables gathered once a step
         # (counted with the stage's weights), so no layout copy of the weight
-        head = fit["head_copies"] * head_loss_peak_bytes(
-            tokens=batch * seq / m,
-            vocab=dims.vocab,
-            d_model=dims.d_model,
-            chunks=chunks,
-            token_split=_split(spec, sizes, (0, 1)),
-            vocab_split=_split(spec, sizes, (2,)),
-            bytes_per_value=act,
-        )
+        head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes)
         phases_terms = _rolled_terms(
             dims,
             par,

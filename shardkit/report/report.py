@@ -30,7 +30,7 @@ from shardkit.errors import ShardingError
 from shardkit.report import analytic_mla, analytic_moe, lint, memory_terms, wire_terms
 from shardkit.report.analytic import AnalyticModel, analytic_costs, with_phases
 from shardkit.report.buffers import BufferAssignment
-from shardkit.report.estimator import Estimate, against, estimate
+from shardkit.report.estimator import Estimate, against, estimate_or_refusal
 from shardkit.report.flops import compiled_flops
 from shardkit.report.formulas import activation_bytes
 from shardkit.report.hlo import Collective, collectives_of, wire_bytes_by_kind
@@ -364,19 +364,8 @@ def read_compiled(
         explanations += wire_terms.explain(wire, rows)
     guess = None
     if dims is not None and workload is not None and workload.seq:
-        try:
-            guess = estimate(
-                recipe,
-                dims,
-                mesh=mesh,
-                batch=workload.batch,
-                seq=workload.seq,
-                remat=workload.remat or "none",
-                precision=workload.precision,
-                pipeline=pipeline,
-            )
-        except ShardingError as e:  # a layout the estimator does not cover: it says so
-            warnings.append(" ".join(str(e).split()))
+        guess, refusal = estimate_or_refusal(recipe, dims, mesh, workload, pipeline)
+        warnings += [refusal] if refusal else []
     latent = None
     if dims is not None and dims.kv_latent and workload is not None and workload.seq:
         latent = analytic_mla.latent_bytes(
