@@ -165,8 +165,10 @@ def make_mesh(
     axis_types = (AxisType.Explicit if explicit else AxisType.Auto,) * len(names)
     if dcn:
         unknown = set(dcn) - set(sizes)
-        if unknown:
-            raise MeshError(f"dcn names axes {sorted(unknown)} that are not in {_describe(sizes)}.")
+        if unknown:  # sorted by their repr: the names may be of any (mixed) types
+            raise MeshError(
+                f"dcn names axes {sorted(unknown, key=repr)} that are not in {_describe(sizes)}."
+            )
         bad = {
             k: v for k, v in dcn.items() if isinstance(v, bool) or not isinstance(v, int) or v < 1
         }

@@ -273,3 +273,10 @@ def test_dcn_lays_slices_or_processes_out_as_granules(monkeypatch, slices, granu
     assert dcn_shape == (processes, 1) and devices == fake
     assert granule is granule_is_process
     assert dict(mesh.shape) == {"data": 4, "tensor": 1}
+
+
+def test_dcn_naming_unknown_axes_of_mixed_types_is_a_mesh_error():
+    # hypothesis found it (tests/test_bad_input.py): sorting the unknown names raised a
+    # TypeError when they mixed strings and ints
+    with pytest.raises(sk.ShardingError, match=r"dcn names axes \['', 0\]"):
+        sk.make_mesh({"data": -1}, dcn={"": None, 0: None})
