@@ -171,7 +171,10 @@ def test_zero_bubble_memory_against_one_f_one_b():
     # measured: 5.57, 6.60, 5.04 MiB (before the stages' own slots and 1f1b's one d y
     # slot: 6.00, 6.60, 6.66, zbv 1.11x).
     assert temp["zbv"] <= 1.1 * temp["1f1b"]  # the issue's criterion; measured 0.91x
-    assert temp["zb1"] <= 1.2 * temp["1f1b"]  # measured 1.19x
+    # zb1 holds 1f1b's ring plus W's inputs: 6.60 MiB both before and after 1f1b's one d y
+    # slot; the ratio grew as 1f1b shrank (1.10x -> 1.19x on jax 0.10.2, 1.27x on 0.12:
+    # 5,082,032 B against 4,000,776 B)
+    assert temp["zb1"] <= 1.3 * temp["1f1b"]
 
 
 def permute_pairs(text):
