@@ -27,7 +27,7 @@ from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
-from shardkit.report.analytic_tsp import tsp_wire_bytes
+from shardkit.report.analytic_tsp import positions_travel, tsp_wire_bytes
 from shardkit.report.formulas import (
     AnalyticMemory,
     AnalyticModel,
@@ -266,10 +266,7 @@ def analytic_costs(
         activations=w.has_dims,
         terms=terms,
         in_projections=w.in_projections,
-        # the batch's segment ids and positions travel where attention reads them: not
-        # the ring's (alone or USP's), whose zigzag-placed one-document rows have static
-        # masks
-        positions=recipe.balance == "zigzag" and attention not in ("ring", "usp"),
+        positions=positions_travel(recipe.balance == "zigzag", attention),
         ulysses=_ulysses_size(recipe, mesh),
     )
     if w.has_dims:

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["context_kv_bytes", "tsp_crossover_tokens", "tsp_wire_bytes"]
+__all__ = ["context_kv_bytes", "positions_travel", "tsp_crossover_tokens", "tsp_wire_bytes"]
 
 
 def tsp_wire_bytes(
@@ -144,10 +144,7 @@ def tsp_wire_bytes(
         n=d // u,
         nbytes=nbytes,
         recompute=recompute,
-        # the batch's segment ids and positions travel where attention reads them: not
-        # the ring's (alone or USP's), whose zigzag-placed one-document rows have static
-        # masks
-        positions=not zigzag and attention not in ("ring", "usp"),
+        positions=positions_travel(not zigzag, attention),
         ulysses=u,
     ):
         add(kind, value, note, kv)
@@ -193,6 +190,13 @@ def tsp_wire_bytes(
             grads,
         )
     return out, notes
+
+
+def positions_travel(balanced: bool, attention: str) -> bool:
+    """Whether the batch's segment ids and positions travel with K/V: under a balanced
+    placement, where attention reads them; not the ring's (alone or USP's), whose
+    zigzag-placed one-document rows have static masks."""
+    return balanced and attention not in ("ring", "usp")
 
 
 def context_kv_bytes(
