@@ -15,13 +15,18 @@ forward and again backward, 3·Ψ/p per unit), 2·s·U·b > 6·h for this engine
 once per unit, 2·Ψ/p); b is the 3D layout's micro-batch (the rows whose activations TP
 moves), U ZeroPP's unit.
 
-Run: python benchmarks/pipeline.py [--tiny] [--cache rows.json]  (--cache: resume a long run)
+Rows run the library's default engine (a stage's layers and like ticks in rolled loops);
+rows labelled ``unrolled`` run ``rolled=False`` beside them.
+
+Run: python benchmarks/pipeline.py [--tiny] [--cache rows.json] [--rows REGEX]
+(--cache: resume a long run; --rows: only the rows whose label matches, e.g. ``^7b``)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -72,7 +77,7 @@ def worker(spec: dict) -> dict:
         virtual_stages=spec.get("v", 1),
         unit=spec.get("unit"),
         stack_order=spec.get("order", "layers"),
-        rolled=spec.get("rolled", False),
+        rolled=spec.get("rolled", True),  # the library's default engine unless a row says
     )
     p = plan.mesh.shape["stage"]
     weights = sum(m.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))
@@ -164,6 +169,11 @@ def main(argv=None) -> None:
         help="JSON file of finished rows: rows already in it are not compiled again, and "
         "each new row is written to it as it finishes (a long run can be resumed)",
     )
+    cli.add_argument(
+        "--rows",
+        type=re.compile,
+        help="only the rows whose label this regular expression finds (re.search)",
+    )
     args = cli.parse_args(argv)
     cached = json.loads(args.cache.read_text()) if args.cache and args.cache.exists() else {}
     small = (
@@ -246,9 +256,11 @@ def main(argv=None) -> None:
     if args.tiny:  # a smoke run: one row of each kind (schedules, ZeroPP, 3D, flat)
         skip = {"pp 1f1b, 2m", f"pp interleaved v={v}", "dp_tp_sp"}
         specs = [(label, spec) for label, spec in specs if label not in skip]
-    if not args.tiny:  # the stage's layers and like ticks in rolled loops (rolled=True)
+    if not args.tiny:  # zero-bubble schedules; the unrolled engine beside the default
+        for schedule in ("zb1", "zbv"):
+            specs.append((f"pp {schedule}", {**dict(specs)["pp 1f1b"], "schedule": schedule}))
         for label in ("pp gpipe", "pp 1f1b", "pp 1f1b, 2m"):
-            specs.append((f"{label}, rolled", {**dict(specs)[label], "rolled": True}))
+            specs.append((f"{label}, unrolled", {**dict(specs)[label], "rolled": False}))
     if not args.tiny:
         big = {"model": "gpt-7b", "seq": 2048, "overrides": {"remat": "full"}}
         for n in (64, 256):
@@ -281,7 +293,9 @@ def main(argv=None) -> None:
                 (f"7b dp_tp_sp ({n})", {**big, "recipe": "dp_tp_sp", "devices": n, "batch": n}),
             ]
             for label in (f"7b zeropp ({n})", f"7b 3D ({n})"):
-                specs.append((f"{label}, rolled", {**dict(specs)[label], "rolled": True}))
+                specs.append((f"{label}, unrolled", {**dict(specs)[label], "rolled": False}))
+    if args.rows:
+        specs = [(label, spec) for label, spec in specs if args.rows.search(label)]
     headers = [
         "row",
         "recipe",
@@ -317,7 +331,7 @@ def main(argv=None) -> None:
         if "error" in r:
             rows.append([label, spec["recipe"], "—", r["error"], *["—"] * 10])
         else:
-            rolled = bool(spec.get("rolled"))
+            rolled = spec.get("rolled", True)
             if label.startswith("pp gpipe"):
                 gpipe_temp[rolled] = r["temp"]
             vs_gpipe = (
