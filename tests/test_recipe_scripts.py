@@ -1,5 +1,13 @@
-"""Every script in recipes/ runs (a short run: 2 steps) and prints its report."""
+"""The scripts in recipes/: one per recipe, each calling the shared entry point with its own
+recipe, and a short run (2 steps, with the report) of one script per engine.
 
+Every script is the same three lines around ``common.train_and_report`` (or its pipelined
+twin) with its own recipe name, model and overrides; what each recipe computes is checked
+against one device in tests/test_train.py, tests/parallel/test_pipeline.py and
+tests/test_moe.py. So all scripts are read here and the scripts of different engines run.
+"""
+
+import ast
 import runpy
 import sys
 from pathlib import Path
@@ -7,16 +15,43 @@ from pathlib import Path
 import pytest
 
 import shardkit as sk
+from shardkit.models import get
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+SCRIPTS = sorted(p.stem for p in RECIPES.glob("*.py") if p.stem != "common")
+#: One script per engine: plain GSPMD, TSP's ring, context parallelism (ring × Ulysses),
+#: the pipelined step with TP + SP (3D), MoE's all-to-all.
+RUN = ("dp", "tsp", "cp_usp", "dp_tp_sp_pp", "ep")
 
 
 def test_one_script_per_recipe():
-    scripts = {p.stem for p in RECIPES.glob("*.py")} - {"common"}
-    assert scripts == set(sk.recipes.names())
+    assert set(SCRIPTS) == set(sk.recipes.names())
+    assert set(RUN) <= set(SCRIPTS)
 
 
-@pytest.mark.parametrize("name", sk.recipes.names())
+def entry_call(name: str) -> ast.Call:
+    """The one call under the script's ``if __name__ == "__main__":``."""
+    tree = ast.parse((RECIPES / f"{name}.py").read_text())
+    (main,) = [n for n in tree.body if isinstance(n, ast.If)]
+    assert ast.unparse(main.test) == "__name__ == '__main__'"
+    (stmt,) = main.body
+    assert isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+    return stmt.value
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_trains_its_own_recipe_on_a_model_that_exists(name):
+    call = entry_call(name)
+    pipelined = "stage" in dict(sk.recipes.get(name).mesh_axes)
+    want = "train_pipelined_and_report" if pipelined else "train_and_report"
+    assert ast.unparse(call.func) == want, f"recipes/{name}.py calls {ast.unparse(call.func)}"
+    assert [ast.literal_eval(a) for a in call.args] == [name]
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    kwargs.pop("devices", None), kwargs.pop("seq", None)
+    get(kwargs.pop("model", "gpt-tiny"), **kwargs)  # the model and its overrides resolve
+
+
+@pytest.mark.parametrize("name", RUN)
 def test_recipe_script_runs(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--steps", "2"])
     monkeypatch.syspath_prepend(str(RECIPES))
