@@ -15,9 +15,11 @@ from shardkit.report.wire_terms import TERMS as WIRE_TERMS
 MIB = 2**20
 
 
-@pytest.fixture
-def cache(tmp_path):
-    return Cache(tmp_path)
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    # One cache for the module: a candidate compiled for one test (the same model, batch,
+    # mesh and options) is read back by the next, as the planner reads it across runs.
+    return Cache(tmp_path_factory.mktemp("planner-cache"))
 
 
 def plan(model, cache, **kw):
@@ -34,20 +36,27 @@ def plan(model, cache, **kw):
     return autoplan(model, cache=cache, **kw)
 
 
-def test_a_small_model_on_8_devices_picks_pure_data_parallelism(cache):
+@pytest.fixture(scope="module")
+def gpt_tiny_on_8(cache):
+    """gpt-tiny, 16k tokens, 8 H100s with 16 GiB each: dp, zero1, fsdp and dp_pp compiled."""
+    return plan(
+        "gpt-tiny",
+        cache,
+        batch=128,
+        seq=128,
+        memory_per_device=16 * 2**30,
+        recipes=["dp", "zero1", "fsdp", "dp_pp"],
+        max_compiles=4,
+    )
+
+
+def test_a_small_model_on_8_devices_picks_pure_data_parallelism(gpt_tiny_on_8):
     # Every layout does the same useful FLOPs; DP's gradient all-reduce (2Ψ) is the least
     # traffic and the fewest collectives. ZeRO-1 moves as much in more collectives; FSDP
     # moves 3Ψ; a pipeline idles for its bubble and waits on its ticks. With 16k tokens
     # the step's FLOPs take 3.9 µs on an H100: DP's three all-reduces' latency (31 µs)
     # bounds it.
-    r = plan(
-        "gpt-tiny",
-        cache,
-        batch=128,
-        seq=128,
-        recipes=["dp", "zero1", "fsdp", "dp_pp"],
-        max_compiles=4,
-    )
+    r = gpt_tiny_on_8
     assert r.best.candidate.recipe == "dp"
     assert r.best.estimate.comm_s >= r.best.estimate.compute_s
     assert r.best.estimate.latency_s >= 0.5 * r.best.estimate.comm_s
@@ -244,17 +253,11 @@ def test_candidates_are_ranked_by_the_estimate_and_each_compiled_says_how_far_it
     assert any(x.stage == "not compiled" for x in r.rejected)
 
 
-def test_gpt_tiny_ranks_dp_first_and_no_step_beats_its_collectives_latencies(cache):
+def test_gpt_tiny_ranks_dp_first_and_no_step_beats_its_collectives_latencies(gpt_tiny_on_8):
     # gpt-tiny's step is microseconds of FLOPs on an H100: latency decides. dp_pp (stage 2
     # × data 4, m = 2) ranked first at 1.34 µs by bandwidth alone; its four 1F1B ticks each
     # wait on a neighbour and it runs more collectives than dp's gradient all-reduces.
-    r = plan(
-        "gpt-tiny",
-        cache,
-        memory_per_device=16 * 2**30,
-        recipes=["dp", "dp_pp", "zero1", "fsdp"],
-        max_compiles=4,
-    )
+    r = gpt_tiny_on_8
     assert r.best.candidate.recipe == "dp"
     assert any(c.candidate.recipe == "dp_pp" for c in r.candidates)
     for ranked in r.candidates:
