@@ -150,8 +150,16 @@ def run(spec: dict) -> dict:
         cmd, capture_output=True, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"}
     )
     if proc.returncode:
-        return {"error": proc.stderr.strip().splitlines()[-1][:160]}
+        return {"error": error_line(proc.stderr)}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def error_line(stderr: str) -> str:
+    """The exception's own line (``Type: message``) of a worker's traceback, not the note
+    JAX prints after it about the frames it filtered out."""
+    lines = stderr.strip().splitlines()
+    raised = [ln for ln in lines if re.match(r"^[\w.]+(Error|Exception)\b.*:", ln)]
+    return (raised or lines or ["no output"])[-1][:160]
 
 
 def fmt(x, scale=MIB):
@@ -257,8 +265,11 @@ def main(argv=None) -> None:
         skip = {"pp 1f1b, 2m", f"pp interleaved v={v}", "dp_tp_sp"}
         specs = [(label, spec) for label, spec in specs if label not in skip]
     if not args.tiny:  # zero-bubble schedules; the unrolled engine beside the default
-        for schedule in ("zb1", "zbv"):
-            specs.append((f"pp {schedule}", {**dict(specs)["pp 1f1b"], "schedule": schedule}))
+        specs.append(("pp zb1", {**dict(specs)["pp 1f1b"], "schedule": "zb1"}))
+        # zbv's V needs 2p chunks: 12 layers do not split into 4 stages × 2; 16 layers do
+        deep = {**dict(specs)["pp 1f1b"], "overrides": {"n_layers": 16}}
+        specs.append(("pp 1f1b, 16 layers", deep))
+        specs.append(("pp zbv, 16 layers", {**deep, "schedule": "zbv"}))
         for label in ("pp gpipe", "pp 1f1b", "pp 1f1b, 2m"):
             specs.append((f"{label}, unrolled", {**dict(specs)[label], "rolled": False}))
     if not args.tiny:
