@@ -35,8 +35,9 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "pipeline": (
         "Pipelines",
         ("pipeline", "pipeline_3d"),
-        "Schedules (gpipe, 1f1b, interleaved), ZeroPP's unit, and ZeroPP against 3D "
-        "(`dp_tp_sp_pp`) and FSDP on gpt-small and gpt-7b.",
+        "Schedules (gpipe, 1f1b, interleaved, zb1, zbv), ZeroPP's unit, and ZeroPP against "
+        "3D (`dp_tp_sp_pp`) and FSDP on gpt-small and gpt-7b, on the rolled engine (the "
+        "default) and the unrolled one.",
     ),
     "tsp": (
         "TSP",
@@ -325,7 +326,15 @@ def _plot_pipeline(results: Path, out: Path) -> str | None:
 
     if _load(results, "pipeline") is None:
         return None
-    fig = plot_schedules([make("gpipe", 4, 8), make("1f1b", 4, 8), make("interleaved", 4, 8, 2)])
+    fig = plot_schedules(
+        [
+            make("gpipe", 4, 8),
+            make("1f1b", 4, 8),
+            make("interleaved", 4, 8, 2),
+            make("zb1", 4, 8),
+            make("zbv", 4, 8),
+        ]
+    )
     return _save(fig, out, "pipeline")
 
 
@@ -343,8 +352,8 @@ CAPTIONS = {
     "planning": "Memory and wire bytes per device against the device count, from the tables "
     "below and the pipeline page's gpt-7b rows (the same workload).",
     "pipeline": "What each schedule runs at each tick (p = 4 stages, m = 8 micro-batches; "
-    "forward blue, backward orange, blank cells the bubble): the shapes behind the memory "
-    "columns below.",
+    "forward blue, backward orange, zb1's and zbv's weight gradients W green, blank cells "
+    "the bubble): the shapes behind the memory columns below.",
 }
 
 
