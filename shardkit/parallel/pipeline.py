@@ -722,22 +722,6 @@ class _Body:
         def kinds(t):  # what a tick does, as the program sees it
             return tuple(bool(np_tables[name][t].any()) for name in names)
 
-        # The last tick with a forward (a backward) sends what no later tick reads. The
-        # unrolled engine leaves that dead permute to XLA, which removes it; a loop's body
-        # cannot drop it for one trip, so with one chunk per stage that tick runs alone,
-        # outside the loop, without the send: one activation less on the wire each way
-        # (gpt-7b zeropp, 64 devices: 13,561 -> 13,529 MiB, total memory unchanged;
-        # gpt-small pp 1f1b and gpipe: 1.5 MiB less, +0.005 MiB of temp). With several
-        # chunks (interleaved, zbv) XLA copies the stage's residual rings for a tick
-        # outside the loop: gpt-small interleaved v = 3 held 13 MiB more per such tick to
-        # save 0.75 MiB of wire, so those loops keep the dead send.
-        last_f = max((t for t in range(sched.ticks) if kinds(t)[0]), default=-1)
-        last_b = max((t for t in range(sched.ticks) if kinds(t)[1]), default=-1)
-        peel = (last_f, last_b) if sched.virtual == 1 else ()
-
-        def read_later(t, last):  # whether a later tick may read what tick ``t`` sends
-            return not isinstance(t, int) or t < last
-
         def send(st, key, value, perm):
             if p > 1:
                 with scope("pipeline.send"):
@@ -780,9 +764,7 @@ class _Body:
                     )
                     st["loss"] = st["loss"] + val.astype(jnp.float32)
                     st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), dy_slot(t))
-                if not read_later(t, last_f):
-                    pass
-                elif vee:
+                if vee:
                     send_v(st, "recv_f", y, t)
                 else:
                     send(st, "recv_f", y, fwd_perm)
@@ -812,9 +794,7 @@ class _Body:
                     st["d_rest"] = jax.lax.cond(
                         at("b_first", t), pre_grad, lambda d: d, st["d_rest"]
                     )
-                if not read_later(t, last_b):
-                    pass
-                elif vee:
+                if vee:
                     send_v(st, "recv_b", d_x, t + 1)
                 else:
                     send(st, "recv_b", d_x, bwd_perm)
@@ -840,8 +820,7 @@ class _Body:
         runs: list[list[int]] = []
         key = (lambda t: kinds(t)[:2] + kinds(t)[6:]) if vee else kinds
         for t in range(sched.ticks):
-            alone = t in windows or t in peel
-            if runs and not alone and key(t) == key(runs[-1][0]):
+            if runs and t not in windows and key(t) == key(runs[-1][0]):
                 runs[-1].append(t)
             else:
                 runs.append([t])
