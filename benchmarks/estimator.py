@@ -362,10 +362,9 @@ def family_of(recipe: str) -> str:
     return "dense" if r.attention == "dense" else "ring (cp, tsp)"
 
 
-#: Recipes whose layout changed after their cached points compiled (cp and fsdp_cp now
-#: hold the state ZeRO-3 over the context axis; their points hold it replicated): left
-#: out of the errors until recompiled (delete their entries and --collect again).
-STALE = ("cp", "fsdp_cp")
+#: Recipes whose layout changed after their cached points compiled: left out of the
+#: errors until recompiled (delete their entries and --collect again). None today.
+STALE: tuple[str, ...] = ()
 
 
 def compiled(grid: str) -> list[tuple[dict, dict]]:
