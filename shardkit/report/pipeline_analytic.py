@@ -299,7 +299,7 @@ def pipeline_model(
             f"{rest_p - split:,.0f} B whole"
         )
     b = workload.batch / (m * d * f)
-    activations, act_bytes = 0.0, 0.0
+    activations, act_bytes, recomputed = 0.0, 0.0, 0.0
     if workload.has_dims:
         s, h = workload.seq, workload.d_model
         remat = (workload.remat or "none") == "full"
@@ -307,11 +307,23 @@ def pipeline_model(
         per_layer = megatron_activations_per_layer(
             s, b, h, workload.n_heads, t=t, mode=mode, bytes_per_value=nb
         )
+        if remat:  # a layer's input, kept for its recomputation, is split along the
+            per_layer /= t  # sequence over ``tensor`` (as the stage-to-stage permutes)
         items = in_flight(schedule, p, m, v)
         layers = workload.layers / (p * v)
         logits = logits_bytes(b=b, s=s, vocab=workload.vocab, nbytes=nb, t=t)
         activations = items * layers * per_layer + logits
         act_bytes = b * s * h * nb / t
+        if remat:  # the layer being recomputed holds its activations again
+            recomputed = megatron_activations_per_layer(
+                s,
+                b,
+                h,
+                workload.n_heads,
+                t=t,
+                mode="tp_sp" if t > 1 else "none",
+                bytes_per_value=nb,
+            )
         notes.append(
             f"activations: {items} items in flight × {layers:g} layers × Megatron '{mode}' at "
             f"b={b:g}, s={s}, t={t}, + one micro-batch's logits / {t}; a guide, not a bound"
@@ -337,6 +349,19 @@ def pipeline_model(
         optimizer=(stack_optimizer_bytes / (p * t) + rest_dev_o) / opt_degree,
         activations=activations,
     )
+    # The layers' phase: the state and the activations in flight, the layer being
+    # recomputed (remat "full"), and under ZeroPP (fsdp > 1) the stage's stack gathered for
+    # its unit (in the gather's dtype) with its gradient, summed whole until the unit's
+    # reduce-scatter.
+    unit = stack_param_bytes / (p * t) if f > 1 else 0.0
+    layers_peak = memory.total + recomputed + unit * (gather_fraction + 1)
+    memory = dataclasses.replace(memory, phases={"layers": layers_peak})
+    if recomputed or unit:
+        notes.append(
+            f"layers' peak: the state and activations + {recomputed:,.0f} B of the layer "
+            f"being recomputed + {unit:,.0f} B of the stage's stack gathered "
+            f"({gather_fraction:g}×) and its gradient"
+        )
     wire = {k: x for k, x in costs.wire_bytes_by_kind.items() if x}
     # By wire term: stage-to-stage permutes; ZeroPP's gathers per unit; its reduce-scatter
     # and the replicas' all-reduces reduce gradients.

@@ -3,6 +3,8 @@
 Expected values are hand counts (state) or the compiled program (the report test).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -44,6 +46,37 @@ def test_state_per_device_is_the_stage_share(recipe, mesh, params, optimizer):
     assert model.memory.params == pytest.approx(params)
     assert model.memory.grads == pytest.approx(params)
     assert model.memory.optimizer == pytest.approx(optimizer)
+
+
+@pytest.mark.parametrize(
+    "recipe,mesh,precision,unit",
+    [
+        ("zeropp", {"stage": 2, "fsdp": 4}, "f32", 800 / 2 * (1 + 1)),  # weights and grads
+        ("zeropp", {"stage": 2, "fsdp": 4}, "bf16", 800 / 2 * (0.5 + 1)),  # weights in bf16
+        ("pp", {"stage": 2}, "f32", 0.0),  # nothing gathered: the stage's stack is held
+    ],
+)
+def test_the_layers_peak_holds_zeropps_gathered_unit_and_the_layer_recomputed(
+    recipe, mesh, precision, unit
+):
+    # Hand count: the state and activations (the four parts), plus under remat "full" the
+    # layer being recomputed (Megatron's sbh(34 + 5as/h) at 2 bytes, here × 4/2 for f32
+    # values: b = 16 / 8 micro-batches / fsdp rows of s = 8, h = 16, a = 2), plus ZeroPP's
+    # stage stack (800 B / 2 stages) gathered and its gradient.
+    def model(remat):
+        w = Workload(batch=16, seq=8, layers=4, d_model=16, n_heads=2, vocab=32, remat=remat)
+        w = dataclasses.replace(w, precision=precision)
+        return analytic_costs(
+            recipe, mesh, workload=w, pipeline={"microbatches": 8, "schedule": "1f1b"}, **STATE
+        ).memory
+
+    b = 16 / 8 / mesh.get("fsdp", 1)
+    layer = 8 * b * 16 * (34 + 5 * 2 * 8 / 16) * 4 / 2
+    full, none = model("full"), model("none")
+    parts = full.params + full.grads + full.optimizer + full.activations
+    assert full.total == full.phases["layers"] == pytest.approx(parts + layer + unit)
+    parts = none.params + none.grads + none.optimizer + none.activations
+    assert none.total == pytest.approx(parts + unit)
 
 
 def test_bf16_zeropp_gathers_each_unit_at_the_compute_dtypes_bytes():
