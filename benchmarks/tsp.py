@@ -23,8 +23,9 @@ tables were measured with: the state whole over ``sequence``
 ``sequence`` too (ZeRO-3); benchmarks/context_parallel.py measures them (llama-1b at
 8,192 and 32,768 in its second table).
 
-Run: python benchmarks/tsp.py [--tiny]
-(--tiny: llama-tiny at sequence 64, a smoke test of every path)
+Run: python benchmarks/tsp.py [--tiny] [--seqs 512,1024]
+(--tiny: llama-tiny at sequence 64, a smoke test of every path; --seqs: the sweep at
+these sequence lengths only, e.g. to compare a few rows with compare_results --partial)
 """
 
 from __future__ import annotations
@@ -121,8 +122,15 @@ def crossover(rows: list[dict], key: str) -> int | None:
 
 
 def main(argv=None) -> int:
-    args = parser(__doc__.splitlines()[0]).parse_args(argv)
+    cli = parser(__doc__.splitlines()[0])
+    cli.add_argument(
+        "--seqs",
+        type=lambda text: tuple(int(x) for x in text.split(",")),
+        help="comma-separated sequence lengths of the sweep (default: all of SEQS)",
+    )
+    args = cli.parse_args(argv)
     name, seqs, head_seq = ("llama-tiny", (64,), 64) if args.tiny else ("llama-1b", SEQS, 8192)
+    seqs = args.seqs or seqs
     cfg = models.get(name).config
     psi_l, psi_in = cfg.dims().ringed_layer_params
 
