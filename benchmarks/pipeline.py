@@ -37,6 +37,11 @@ from bench_util import MIB, emit, parser
 from shardkit.report import build_report
 
 
+def rolled(spec: dict) -> bool:
+    """The row's engine: the library's default (rolled) unless the row says ``rolled``."""
+    return spec.get("rolled", True)
+
+
 def worker(spec: dict) -> dict:
     import shardkit as sk
 
@@ -77,7 +82,7 @@ def worker(spec: dict) -> dict:
         virtual_stages=spec.get("v", 1),
         unit=spec.get("unit"),
         stack_order=spec.get("order", "layers"),
-        rolled=spec.get("rolled", True),  # the library's default engine unless a row says
+        rolled=rolled(spec),
     )
     p = plan.mesh.shape["stage"]
     weights = sum(m.wire_bytes_by_kind.get(k, 0.0) for k in ("all-gather", "reduce-scatter"))
@@ -342,12 +347,12 @@ def main(argv=None) -> None:
         if "error" in r:
             rows.append([label, spec["recipe"], "—", r["error"], *["—"] * 10])
         else:
-            rolled = spec.get("rolled", True)
+            engine = rolled(spec)
             if label.startswith("pp gpipe"):
-                gpipe_temp[rolled] = r["temp"]
+                gpipe_temp[engine] = r["temp"]
             vs_gpipe = (
-                r["temp"] / gpipe_temp[rolled]
-                if rolled in gpipe_temp and spec["recipe"] == "pp"
+                r["temp"] / gpipe_temp[engine]
+                if engine in gpipe_temp and spec["recipe"] == "pp"
                 else "—"
             )
             rows.append(

@@ -47,8 +47,8 @@ def test_script_trains_its_own_recipe_on_a_model_that_exists(name):
     assert ast.unparse(call.func) == want, f"recipes/{name}.py calls {ast.unparse(call.func)}"
     assert [ast.literal_eval(a) for a in call.args] == [name]
     kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-    kwargs.pop("devices", None), kwargs.pop("seq", None)
-    get(kwargs.pop("model", "gpt-tiny"), **kwargs)  # the model and its overrides resolve
+    overrides = {k: v for k, v in kwargs.items() if k not in ("model", "devices", "seq")}
+    get(kwargs.get("model", "gpt-tiny"), **overrides)  # the model and its overrides resolve
 
 
 @pytest.mark.parametrize("name", RUN)

@@ -59,6 +59,7 @@ from shardkit.report.formulas import (
 from shardkit.report.formulas import (
     activation_bytes as value_bytes,
 )
+from shardkit.report.phases import layer_peak_bytes
 
 __all__ = [
     "PipelineCosts",
@@ -314,16 +315,16 @@ def pipeline_model(
         logits = logits_bytes(b=b, s=s, vocab=workload.vocab, nbytes=nb, t=t)
         activations = items * layers * per_layer + logits
         act_bytes = b * s * h * nb / t
-        if remat:  # the layer being recomputed holds its activations again
-            recomputed = megatron_activations_per_layer(
-                s,
-                b,
-                h,
-                workload.n_heads,
-                t=t,
-                mode="tp_sp" if t > 1 else "none",
-                bytes_per_value=nb,
-            )
+        recomputed = layer_peak_bytes(  # remat "full": the layer being recomputed
+            s=s,
+            b=b,
+            h=h,
+            a=workload.n_heads,
+            t=t,
+            mode="tp_sp" if t > 1 else "none",
+            bytes_per_value=nb,
+            recompute=remat,
+        )
         notes.append(
             f"activations: {items} items in flight × {layers:g} layers × Megatron '{mode}' at "
             f"b={b:g}, s={s}, t={t}, + one micro-batch's logits / {t}; a guide, not a bound"
