@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardkit.figures import figure_size, save_figure
+from shardkit.figures import figure_size, matplotlib, save_figure
 
 __all__ = ["plot_autoplan"]
 
@@ -23,11 +23,8 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">", "h", "p")
 
 def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     """Scatter of ranked candidates (and compiled ones over budget, hollow); returns path."""
-    # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
-    # figure is asked for, so that the planner works without it.
-    import matplotlib  # noqa: PLC0415 (matplotlib is optional: imported to draw)
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
-    import matplotlib.ticker  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    mpl = matplotlib()  # optional: imported when a figure is asked for
+    plt = mpl.pyplot
 
     top = result.candidates[:label]
     fig, ax = plt.subplots(figsize=figure_size(9, 6 + 0.15 * len(top)))
@@ -58,9 +55,9 @@ def plot_autoplan(result, path: str | Path, *, label: int = 5) -> str:
     ax.axvline(budget, color="crimson", linestyle="--", linewidth=1)
     ax.text(budget, ax.get_ylim()[1], " budget", color="crimson", va="top", fontsize=8)
     ax.set_yscale("log")
-    ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%.3g"))
-    ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.yaxis.set_major_locator(mpl.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(mpl.ticker.FormatStrFormatter("%.3g"))
+    ax.yaxis.set_minor_formatter(mpl.ticker.NullFormatter())
     ax.set_xlabel("compiled memory per device (GiB)")
     ax.set_ylabel(f"estimated step time on {result.hardware.name} (s, roofline)")
     ax.set_title(

@@ -15,10 +15,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 from pathlib import Path
 from typing import Any
+
+from shardkit.figures import INSTALL
 
 __all__ = [
     "add_attention",
@@ -240,6 +243,8 @@ def check_outputs(args: argparse.Namespace) -> None:
                 f"--plot {path}: the figure is written by matplotlib as .png, .svg or .pdf.",
                 [{flag: str(target.with_suffix(".png"))}],
             )
+        if flag == "--plot" and importlib.util.find_spec("matplotlib") is None:
+            raise FlagError(f"--plot {path}: {INSTALL}")
 
 
 def _suffix(flag: str) -> str:

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from shardkit.figures import figure_size, save_figure
+from shardkit.figures import figure_size, matplotlib, save_figure
 from shardkit.parallel.schedules import Schedule
 
 __all__ = ["plot_schedules"]
@@ -51,10 +51,11 @@ def _plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> 
                     fontsize=6,
                     color=ink,
                 )
-    from matplotlib.ticker import MaxNLocator  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
     ax.set_xlim(0, schedule.ticks)
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # ticks are whole: no 2.5
+    ax.xaxis.set_major_locator(
+        matplotlib().ticker.MaxNLocator(integer=True)
+    )  # ticks are whole: no 2.5
     ax.set_ylim(p, 0)
     ax.set_yticks([s + 0.5 for s in range(p)], [f"stage {s}" for s in range(p)])
     ax.set_xlabel("tick (one stage's forward or backward of one micro-batch)")
@@ -82,9 +83,8 @@ _WEIGHT = ("#5f9e6e", "xx", "black")
 
 
 def _rect(x: float, y: float, w: float, color: str, hatch: str = "") -> Any:
-    from matplotlib.patches import Rectangle  # noqa: PLC0415 (matplotlib is optional: imported to draw)
 
-    return Rectangle(
+    return matplotlib().patches.Rectangle(
         (x, y + 0.05), w, 0.9, facecolor=color, hatch=hatch, edgecolor="#8a5a30", linewidth=0
     )
 
@@ -98,7 +98,7 @@ def plot_schedules(
     """A figure with one timeline per schedule (``titles`` replace the default ones), in
     one column up to three, else two; saved to ``path`` (``.png``, ``.svg``) if given."""
 
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    plt = matplotlib().pyplot  # optional: imported when a figure is asked for
 
     n = len(schedules)
     ncols = 1 if n <= 3 else 2

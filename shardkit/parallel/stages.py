@@ -10,8 +10,7 @@ with every leaf's ``PartitionSpec`` taken from the plan. The cut comes from the 
 
 Example:
   >>> import jax, shardkit as sk
-  >>> from shardkit.models import get
-  >>> model = get("gpt-tiny", n_layers=4)
+  >>> model = sk.models.get("gpt-tiny", n_layers=4)
   >>> plan = sk.Plan("pp", devices=jax.devices()[:4])
   >>> abstract = jax.eval_shape(model.init, jax.random.key(0))
   >>> grad = pipeline_value_and_grad(model.stages(), plan, abstract, microbatches=4)

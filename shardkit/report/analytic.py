@@ -389,8 +389,8 @@ def workload_of(
     """The :class:`~shardkit.workload.Workload` of a step of a model of ``dims``.
 
     Example:
-      >>> from shardkit.models import CONFIGS
-      >>> w = workload_of(CONFIGS["llama-tiny"].dims(), batch=8, seq=32)
+      >>> import shardkit as sk
+      >>> w = workload_of(sk.models.CONFIGS["llama-tiny"].dims(), batch=8, seq=32)
       >>> w.layers, w.n_kv_heads, w.in_projections, w.has_dims
       (2, 8, 5, True)
     """
@@ -453,8 +453,8 @@ def analytic_model(
       Rajbhandari et al. 2019; Korthikanti et al. 2022.
 
     Example:
-      >>> from shardkit.models import CONFIGS
-      >>> dims = CONFIGS["gpt-tiny"].dims()
+      >>> import shardkit as sk
+      >>> dims = sk.models.CONFIGS["gpt-tiny"].dims()
       >>> m = analytic_model(dims, "fsdp", {"fsdp": 8}, batch=8, seq=128)
       >>> m.memory.params == 4 * dims.param_count / 8
       True

@@ -8,8 +8,8 @@ splits it ``t`` ways. Per device: ``L · b · s · d_c · bytes / (product of th
 
 Example:
   >>> from shardkit import recipes
-  >>> from shardkit.models import get
-  >>> dims = get("deepseek-tiny").dims   # 2 layers, d_c 32
+  >>> import shardkit as sk
+  >>> dims = sk.models.get("deepseek-tiny").dims   # 2 layers, d_c 32
   >>> latent_bytes(dims, "tp", {"tensor": 8}, batch=8, seq=16)   # 2·8·16·32·4
   32768.0
   >>> latent_bytes(dims, recipes.get("tp").with_latent("split"), {"tensor": 8}, batch=8, seq=16)

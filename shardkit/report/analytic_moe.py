@@ -30,8 +30,8 @@ Measured corrections (compiled moe-tiny, 8 devices, batch 16, seq 64):
   ``2·Ψ_d``, gave 582,848).
 
 Example:
-  >>> from shardkit.models import get
-  >>> dims = get("moe-tiny").dims
+  >>> import shardkit as sk
+  >>> dims = sk.models.get("moe-tiny").dims
   >>> # 2 layers · 4 all-to-alls · 7/8 · [8 experts, 1 sequence, 5 slots, 64] · 4 bytes
   >>> dispatch_bytes(dims, "ep", {"expert": 8}, batch=8, seq=16)
   71680.0
@@ -85,8 +85,8 @@ def state_split(dims: ModelDims, recipe: str | Recipe, mesh: Mapping[str, int]) 
     parameter in all).
 
     Example:
-      >>> from shardkit.models import get
-      >>> d = get("moe-tiny").dims
+      >>> import shardkit as sk
+      >>> d = sk.models.get("moe-tiny").dims
       >>> s = state_split(d, "ep", {"expert": 8})
       >>> s["expert"] == 2 * d.expert_params / 8, s["dense"] == d.param_count - 2 * d.expert_params
       (True, True)
@@ -164,8 +164,8 @@ def expert_allreduce_bytes(
     buffers per layer (5 when the forward runs again), as compiled (module docstring).
 
     Example:
-      >>> from shardkit.models import get
-      >>> d = get("moe-tiny").dims   # batch 8, seq 16: b = 2 sequences, C = 5
+      >>> import shardkit as sk
+      >>> d = sk.models.get("moe-tiny").dims   # batch 8, seq 16: b = 2 sequences, C = 5
       >>> expert_allreduce_bytes(d, "ep_tp", {"expert": 4, "tensor": 2}, batch=8, seq=16)
       172032.0
       >>> expert_allreduce_bytes(d, "ep", {"expert": 8}, batch=8, seq=16)
@@ -198,8 +198,8 @@ def gather_bytes(
     forward, the layer stack's once more backward (module docstring).
 
     Example:
-      >>> from shardkit.models import get
-      >>> d = get("moe-tiny").dims    # 83,264 dense parameters, 25,216 a layer
+      >>> import shardkit as sk
+      >>> d = sk.models.get("moe-tiny").dims    # 83,264 dense parameters, 25,216 a layer
       >>> gather_bytes(d, "fsdp_ep", {"expert": 8})
       467936.0
     """
@@ -225,8 +225,8 @@ def mlp_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1) -> float:
     layer input is the layer's).
 
     Example:
-      >>> from shardkit.models import get
-      >>> d = get("moe-tiny").dims   # E=8, k=2, C=20 at seq 64: u = 2.5
+      >>> import shardkit as sk
+      >>> d = sk.models.get("moe-tiny").dims   # E=8, k=2, C=20 at seq 64: u = 2.5
       >>> mlp_values(d, "none", seq=64), mlp_values(d, "save_dots", seq=64)
       (2016.0, 8.0)
     """

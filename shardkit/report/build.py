@@ -16,8 +16,7 @@ allocated for abstract arguments) and reads the compiled program:
 
 Example:
   >>> import shardkit as sk
-  >>> from shardkit import models
-  >>> r = sk.report.build_report(sk.Plan("fsdp"), model=models.get("gpt-tiny"), batch=8, seq=32)
+  >>> r = sk.report.build_report(sk.Plan("fsdp"), model=sk.models.get("gpt-tiny"), batch=8, seq=32)
   >>> r.workload.model, r.ratios()["state_memory"] < 1.1
   ('gpt-tiny', True)
 """

@@ -27,8 +27,7 @@ than 10 %.
 
 Example:
   >>> import shardkit as sk
-  >>> from shardkit import models
-  >>> r = sk.report.build_report(sk.Plan("fsdp"), model=models.get("gpt-tiny", remat="full"),
+  >>> r = sk.report.build_report(sk.Plan("fsdp"), model=sk.models.get("gpt-tiny", remat="full"),
   ...                            batch=8, seq=32, itemise=True)
   >>> sum(t.bytes for t in r.memory_terms) == r.memory.temp
   True
@@ -260,8 +259,8 @@ def analytic_terms(
     ``logits / loss`` and ``gathered weights`` (the head's weight in its own layout); ``optimizer_step``: nothing more (saved activations are freed).
 
     Example:
-      >>> from shardkit.models import CONFIGS
-      >>> dims = CONFIGS["gpt-tiny"].dims()
+      >>> import shardkit as sk
+      >>> dims = sk.models.CONFIGS["gpt-tiny"].dims()
       >>> t = analytic_terms(dims, "fsdp", {"fsdp": 8}, batch=8, seq=32, phase="layers",
       ...                    remat="full")
       >>> t["gathered weights"] == 2 * dims.layer_params * 4

@@ -22,9 +22,9 @@ then the analytic total. A guide, not a bound: XLA's temporaries inside a phase
 (f32 softmax scratch, copies for layout changes) are not modelled.
 
 Example:
-  >>> from shardkit.models import CONFIGS
+  >>> import shardkit as sk
   >>> from shardkit.report.analytic import analytic_model
-  >>> m = analytic_model(CONFIGS["gpt-small"].dims(), "fsdp", {"fsdp": 8}, batch=8, seq=512,
+  >>> m = analytic_model(sk.models.CONFIGS["gpt-small"].dims(), "fsdp", {"fsdp": 8}, batch=8, seq=512,
   ...                    remat="full")
   >>> peak_phase(m.memory.phases)
   'layers'
@@ -195,8 +195,8 @@ def head_weight_copy_bytes(
     copy's values (default ``bytes_per_value``; 2 under bf16).
 
     Example:
-      >>> from shardkit.models import CONFIGS
-      >>> head_weight_copy_bytes(CONFIGS["gpt-tiny"].dims(), "dp", {"data": 8})
+      >>> import shardkit as sk
+      >>> head_weight_copy_bytes(sk.models.CONFIGS["gpt-tiny"].dims(), "dp", {"data": 8})
       0.0
     """
     recipe = recipes.get(recipe)
@@ -250,10 +250,10 @@ def phase_peaks(
       ``{"layers": ..., "head_loss": ..., "optimizer_step": ...}``.
 
     Example:
-      >>> from shardkit.models import CONFIGS
+      >>> import shardkit as sk
       >>> from shardkit.report.analytic import analytic_model
       >>> kw = dict(batch=8, seq=512, remat="full")
-      >>> dims = CONFIGS["gpt-small"].dims()
+      >>> dims = sk.models.CONFIGS["gpt-small"].dims()
       >>> base = analytic_model(dims, "dp", {"data": 8}, **kw).memory
       >>> peaks = phase_peaks(dims, "dp", {"data": 8}, clip="select", base=base, **kw)
       >>> max(peaks, key=peaks.get)

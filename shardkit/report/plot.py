@@ -12,9 +12,7 @@ dash. The path's suffix picks the format (``.png``, ``.svg``, ``.pdf``).
 
 Example:
   >>> import shardkit as sk
-  >>> from shardkit import models
-  >>> from shardkit.models import get
-  >>> r = sk.report.build_report(sk.Plan("dp"), model=get("gpt-tiny"), batch=8, seq=32)
+  >>> r = sk.report.build_report(sk.Plan("dp"), model=sk.models.get("gpt-tiny"), batch=8, seq=32)
   >>> import tempfile, os
   >>> path = os.path.join(tempfile.mkdtemp(), "dp.png")
   >>> plot_reports({"dp": r}, path)   # doctest: +ELLIPSIS
@@ -30,7 +28,7 @@ from typing import Any
 
 from shardkit.collectives import KINDS
 from shardkit.errors import ShardingError
-from shardkit.figures import figure_size, save_figure
+from shardkit.figures import figure_size, matplotlib, save_figure
 from shardkit.report.report import Report
 
 __all__ = ["plot_reports", "plot_sweep"]
@@ -71,10 +69,7 @@ def plot_reports(
     """Draw memory and wire bytes per device of each report (one row per recipe) to
     ``path``. ``title`` names the workload (model, devices, batch); ``skipped`` recipes
     and their reasons go in a footnote. Returns the path written."""
-    # matplotlib is an optional dependency (the ``plot`` extra): imported here, when a
-    # figure is asked for, so that the report works without it.
-
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    plt = matplotlib().pyplot  # optional: imported when a figure is asked for
 
     names = list(reports)
     notes = _footnote(skipped or {})
@@ -249,9 +244,8 @@ def plot_sweep(
             f"{len(_LINES)} read apart in one figure: split them over two figures."
         )
 
-    import matplotlib.pyplot as plt  # noqa: PLC0415 (matplotlib is optional: imported to draw)
-    from matplotlib.lines import Line2D  # noqa: PLC0415 (matplotlib is optional: imported to draw)
-    from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter  # noqa: PLC0415 (matplotlib is optional: imported to draw)
+    mpl = matplotlib()  # optional: imported when a figure is asked for
+    plt, ticker, Line2D = mpl.pyplot, mpl.ticker, mpl.lines.Line2D
 
     series = {
         name: sorted((x, _bytes(name, x, pt)) for x, pt in pts.items())
@@ -287,16 +281,16 @@ def plot_sweep(
                 )
         if values and max(values) > 10 * min(values) > 0:
             ax.set_yscale("log")
-            ax.yaxis.set_major_locator(LogLocator(subs=(1, 2, 5)))
-            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(NullFormatter())
+            ax.yaxis.set_major_locator(ticker.LogLocator(subs=(1, 2, 5)))
+            ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(ticker.NullFormatter())
         else:
             ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
         if xs[-1] >= 4 * xs[0] > 0:  # doublings: evenly spaced
             ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_locator(FixedLocator(xs))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _count(v)))
-        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.xaxis.set_major_locator(ticker.FixedLocator(xs))
+        ax.xaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: _count(v)))
+        ax.xaxis.set_minor_formatter(ticker.NullFormatter())
         ax.set_xlabel(x_label)
         ax.set_ylabel(f"{what} ({unit})")
         ax.set_title(what, fontsize=10)

@@ -4,8 +4,7 @@ Library code returns data and renderables; only the CLI (or the user) prints.
 
 Example:
   >>> import shardkit as sk
-  >>> from shardkit import models
-  >>> report = sk.report.build_report(sk.Plan("dp"), model=models.get("gpt-tiny"), batch=8, seq=32)
+  >>> report = sk.report.build_report(sk.Plan("dp"), model=sk.models.get("gpt-tiny"), batch=8, seq=32)
   >>> text = str(report)
   >>> "memory per device" in text and "wire bytes per device per step" in text
   True

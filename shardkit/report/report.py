@@ -10,8 +10,7 @@ is data; it renders itself (``print(report)``, rich's ``console.print(report)``,
 
 Example:
   >>> import jax, shardkit as sk
-  >>> from shardkit import models
-  >>> report = sk.report.build_report(sk.Plan("fsdp"), model=models.get("gpt-tiny"), batch=8, seq=32)
+  >>> report = sk.report.build_report(sk.Plan("fsdp"), model=sk.models.get("gpt-tiny"), batch=8, seq=32)
   >>> report.mesh, report.replicated_fraction < 0.05, report.workload.seq
   ({'fsdp': 8}, True, 32)
 """

@@ -33,8 +33,7 @@ collectives by source line with their runs per step.
 
 Example:
   >>> import shardkit as sk
-  >>> from shardkit import models
-  >>> model = models.get("gpt-tiny", remat="full")
+  >>> model = sk.models.get("gpt-tiny", remat="full")
   >>> r = sk.report.build_report(sk.Plan("fsdp"), model=model, batch=8, seq=32)
   >>> sum(t.bytes for t in r.wire_terms) == r.wire_bytes
   True
