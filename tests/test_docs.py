@@ -129,6 +129,14 @@ def test_tutorial_is_the_notebook_executed(path):
     assert all(c.get("execution_count") for c in cells if "".join(c["source"]).strip())
     assert not [o for c in cells for o in c.get("outputs", []) if o["output_type"] == "error"]
     assert any(c.get("outputs") for c in cells)
+    # The executor draws with Agg, where plt.show() shows nothing: a figure is saved and
+    # displayed as an image, and the stored copy holds it.
+    sources = ["".join(c["source"]) for c in cells]
+    assert not [s for s in sources if "plt.show()" in s], "save the figure and display(Image(...))"
+    for cell, source in zip(cells, sources, strict=True):
+        if "display(Image(" in source:
+            kinds = {k for o in cell.get("outputs", []) for k in o.get("data", {})}
+            assert "image/png" in kinds, f"{path.name}: a figure cell stored no image"
 
 
 @pytest.fixture
