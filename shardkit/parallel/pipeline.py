@@ -741,12 +741,17 @@ class _Body:
                         value,
                     )
 
-        def tick(t, st, w_g, rolled, kind):
+        def tick(t, st, w_g, rolled, kind, hold=(), send_first=()):
+            # ``send_first``: the directions ("f", "b") whose value the previous tick held,
+            # sent at this tick's start; ``hold``: those this tick keeps, unsent, for the
+            # next one (see ``late_runs``).
             has_f, has_b, f_first, f_last, b_first, b_last, *has_w = kind
             st = dict(st)
             rolled.rings, rolled.w_rings = st["rings"], st["w_rings"]
             if has_f:
                 i, k = at("f_mb", t), at("f_k", t)
+                if "f" in send_first:
+                    send(st, "recv_f", st["recv_f"], fwd_perm)
                 x_in = st["recv_f"]
                 if f_first:
                     x_in = jax.lax.cond(
@@ -766,11 +771,15 @@ class _Body:
                     st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), dy_slot(t))
                 if vee:
                     send_v(st, "recv_f", y, t)
+                elif "f" in hold:
+                    st["recv_f"] = y
                 else:
                     send(st, "recv_f", y, fwd_perm)
             if has_b:
                 j, k = at("b_mb", t), at("b_k", t)
                 slot = read_slot(t)
+                if "b" in send_first:
+                    send(st, "recv_b", st["recv_b"], bwd_perm)
                 g_in = st["recv_b"]
                 if b_last:
                     g_in = jnp.where(at("b_last", t), _at(st["dys"], dy_slot(t, slot)), g_in)
@@ -796,6 +805,8 @@ class _Body:
                     )
                 if vee:
                     send_v(st, "recv_b", d_x, t + 1)
+                elif "b" in hold:
+                    st["recv_b"] = d_x
                 else:
                     send(st, "recv_b", d_x, bwd_perm)
             if has_w and has_w[0]:
@@ -828,8 +839,25 @@ class _Body:
         for run in runs:
             flags = [kinds(t) for t in run]
             run_kind[run[0]] = tuple(any(f[n] for f in flags) for n in range(len(names)))
+        # A loop's last tick sends like the others, so where no later tick reads that send
+        # (the last run that moves a direction, e.g. 1f1b's cool-down) XLA cannot drop it
+        # as it drops an unrolled tick's. Where that loop follows an unrolled tick that
+        # moves the same direction, the unrolled tick holds its value and the loop's ticks
+        # send what the previous tick held at their start instead: the same sends, less
+        # the dead one (gpt-7b zeropp, m = p = 4: one activation each step).
+        late_runs: dict[int, tuple[str, ...]] = {}  # run index -> directions sent late
+        held_at: dict[int, tuple[str, ...]] = {}  # unrolled tick -> directions it holds
+        for direction, flag in (("f", 0), ("b", 1)):
+            moving = [i for i, run in enumerate(runs) if run_kind[run[0]][flag]]
+            last = moving[-1] if moving and not vee and p > 1 else 0
+            if last == 0 or len(runs[last]) < 3:
+                continue
+            before = runs[last - 1][-1]
+            if len(runs[last - 1]) < 3 and kinds(before)[flag]:
+                late_runs[last] = (*late_runs.get(last, ()), direction)
+                held_at[before] = (*held_at.get(before, ()), direction)
         rolled, st, d_acc = None, None, None
-        for run in runs:
+        for index, run in enumerate(runs):
             if run[0] in windows:
                 w_g, d_acc = start_unit(run[0], d_acc)
                 if st is not None:
@@ -851,12 +879,15 @@ class _Body:
             kind = run_kind[run[0]]
             if len(run) < 3:
                 for t in run:
-                    st = tick(t, st, w_g, rolled, kind)
+                    st = tick(t, st, w_g, rolled, kind, hold=held_at.get(t, ()))
             else:
+                late = late_runs.get(index, ())
                 st = jax.lax.fori_loop(
                     run[0],
                     run[-1] + 1,
-                    lambda t, st, w_g=w_g, kind=kind, r=rolled: tick(t, st, w_g, r, kind),
+                    lambda t, st, w_g=w_g, kind=kind, r=rolled, late=late: tick(
+                        t, st, w_g, r, kind, hold=late, send_first=late
+                    ),
                     st,
                 )
             d_acc = st["d_acc"]

@@ -239,3 +239,24 @@ def test_zeropp_wire_falls_as_the_unit_grows():
     weights = [got[u]["all-gather"] + got[u]["reduce-scatter"] for u in (1, 2, 4, 8)]
     assert weights == sorted(weights, reverse=True)
     assert weights[0] / weights[3] == pytest.approx(8, rel=0.1)  # ceil(m/U): 8 units vs 1
+
+
+@pytest.mark.parametrize("m", [4, 8])
+def test_rolled_permutes_only_what_a_later_tick_reads(m):
+    # 1f1b, p = 4, in lock-step: forwards run at ticks 0 .. m + p - 2 and backwards at
+    # p - 1 .. 2(m + p - 1) - 1, so m + p - 2 sends each way are read. The unrolled engine
+    # emits exactly those (XLA drops a send no tick reads). A loop's last tick sends like
+    # the others: where the last loop moving a direction follows an unrolled tick, that
+    # tick holds its value and the loop sends at each tick's start instead (m = 4: the
+    # cool-down loop after ticks 3 .. 6; m = 8: the forwards' last loop, ticks 8 .. 10,
+    # after ticks 6 and 7). m = 8's cool-down loop follows the steady-state loop: one dead
+    # backward send remains there (docs/howto/pipelines.md).
+    p, rows = 4, 256
+    activation = rows // m * H * 4
+    wire = {}
+    for rolled in (False, True):
+        compiled, _ = compile_pipeline({"stage": p}, "1f1b", m, rows=rows, rolled=rolled)
+        kinds = wire_bytes_by_kind(parse_collectives(compiled.as_text()))
+        wire[rolled] = kinds["collective-permute"]
+    assert wire[False] == 2 * (m + p - 2) * activation
+    assert wire[True] == (2 * (m + p - 2) + (m == 8)) * activation
