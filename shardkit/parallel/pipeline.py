@@ -741,11 +741,10 @@ class _Body:
                         value,
                     )
 
-        def tick(t, st, w_g, rolled, kind, hold=(), send_first=(), parity=None):
+        def tick(t, st, w_g, rolled, kind, hold=(), send_first=()):
             # ``send_first``: the directions ("f", "b") whose value the previous tick held,
             # sent at this tick's start; ``hold``: those this tick keeps, unsent, for the
-            # next one (see ``late_runs``). ``parity``: zbv's ``t % 2`` where the program
-            # knows it (two ticks per loop trip), so each send is one permute, not a cond.
+            # next one (see ``late_runs``).
             has_f, has_b, f_first, f_last, b_first, b_last, *has_w = kind
             st = dict(st)
             rolled.rings, rolled.w_rings = st["rings"], st["w_rings"]
@@ -771,7 +770,7 @@ class _Body:
                     st["loss"] = st["loss"] + val.astype(jnp.float32)
                     st["dys"] = _put(st["dys"], dy.astype(st["dys"].dtype), dy_slot(t))
                 if vee:
-                    send_v(st, "recv_f", y, t if parity is None else parity)
+                    send_v(st, "recv_f", y, t)
                 elif "f" in hold:
                     st["recv_f"] = y
                 else:
@@ -805,7 +804,7 @@ class _Body:
                         at("b_first", t), pre_grad, lambda d: d, st["d_rest"]
                     )
                 if vee:
-                    send_v(st, "recv_b", d_x, t + 1 if parity is None else parity + 1)
+                    send_v(st, "recv_b", d_x, t + 1)
                 elif "b" in hold:
                     st["recv_b"] = d_x
                 else:
@@ -881,20 +880,6 @@ class _Body:
             if len(run) < 3:
                 for t in run:
                     st = tick(t, st, w_g, rolled, kind, hold=held_at.get(t, ()))
-            elif vee:
-                # zbv's sends go down or up by the tick's parity: two ticks per trip make
-                # it static, one permute a send (a cond of two permutes runs one, but a
-                # count of the program's collectives books both).
-                first = run[0]
-
-                def pair(i, st, w_g=w_g, kind=kind, r=rolled, first=first):
-                    t = first + 2 * i
-                    st = tick(t, st, w_g, r, kind, parity=first % 2)
-                    return tick(t + 1, st, w_g, r, kind, parity=(first + 1) % 2)
-
-                st = jax.lax.fori_loop(0, len(run) // 2, pair, st)
-                if len(run) % 2:
-                    st = tick(run[-1], st, w_g, rolled, kind)
             else:
                 late = late_runs.get(index, ())
                 st = jax.lax.fori_loop(

@@ -260,15 +260,3 @@ def test_rolled_permutes_only_what_a_later_tick_reads(m):
         wire[rolled] = kinds["collective-permute"]
     assert wire[False] == 2 * (m + p - 2) * activation
     assert wire[True] == (2 * (m + p - 2) + (m == 8)) * activation
-
-
-def test_zbv_sends_at_most_one_activation_a_tick_each_way():
-    # zbv's sends go down or up by the tick's parity. Run as a conditional of two
-    # permutes, the program's count books both (twice the traffic that runs); two ticks
-    # per loop trip make each send one permute: at most one activation a tick each way.
-    p, m, rows, layers = 4, 16, 256 * 16, 16
-    compiled, _ = compile_pipeline({"stage": p}, "zbv", m, rows=rows, layers=layers, rolled=True)
-    permutes = wire_bytes_by_kind(parse_collectives(compiled.as_text()))["collective-permute"]
-    ticks = sk.parallel.schedules.make("zbv", p, m, virtual=2).ticks  # 45
-    activation = rows // m * H * 4
-    assert permutes <= 2 * ticks * activation  # measured 74 activations of the 90
