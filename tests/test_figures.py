@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from shardkit.figures import ASPECT, INSTALL, figure_size, matplotlib
+from shardkit.figures import INSTALL, matplotlib
 
 
 def _without_matplotlib(code: str) -> subprocess.CompletedProcess:
@@ -68,11 +68,3 @@ def test_with_matplotlib_the_submodules_are_there():
     pytest.importorskip("matplotlib")
     mpl = matplotlib()
     assert all(hasattr(mpl, name) for name in ("pyplot", "ticker", "lines", "patches"))
-
-
-@pytest.mark.parametrize(
-    ("height", "expected"), [(3, 5.5), (7, 7), (20, 11.0)]
-)  # 11 wide: the aspect clamps the height to [11 / 2, 11 / 1]
-def test_figure_size_clamps_the_aspect(height, expected):
-    assert ASPECT == (1.0, 2.0)
-    assert figure_size(11, height) == (11, expected)

@@ -849,11 +849,11 @@ class _Body:
         held_at: dict[int, tuple[str, ...]] = {}  # unrolled tick -> directions it holds
         for direction, flag in (("f", 0), ("b", 1)):
             moving = [i for i, run in enumerate(runs) if run_kind[run[0]][flag]]
-            last = moving[-1] if moving and not vee and p > 1 else 0
-            if last == 0 or len(runs[last]) < 3:
+            if vee or p == 1 or not moving or moving[-1] == 0:
                 continue
+            last = moving[-1]
             before = runs[last - 1][-1]
-            if len(runs[last - 1]) < 3 and kinds(before)[flag]:
+            if len(runs[last]) >= 3 and len(runs[last - 1]) < 3 and kinds(before)[flag]:
                 late_runs[last] = (*late_runs.get(last, ()), direction)
                 held_at[before] = (*held_at.get(before, ()), direction)
         rolled, st, d_acc = None, None, None

@@ -53,9 +53,8 @@ def _plot_timeline(schedule: Schedule, ax: Any, *, title: str | None = None) -> 
                 )
 
     ax.set_xlim(0, schedule.ticks)
-    ax.xaxis.set_major_locator(
-        matplotlib().ticker.MaxNLocator(integer=True)
-    )  # ticks are whole: no 2.5
+    whole = matplotlib().ticker.MaxNLocator(integer=True)  # ticks are whole: no 2.5
+    ax.xaxis.set_major_locator(whole)
     ax.set_ylim(p, 0)
     ax.set_yticks([s + 0.5 for s in range(p)], [f"stage {s}" for s in range(p)])
     ax.set_xlabel("tick (one stage's forward or backward of one micro-batch)")
@@ -83,7 +82,6 @@ _WEIGHT = ("#5f9e6e", "xx", "black")
 
 
 def _rect(x: float, y: float, w: float, color: str, hatch: str = "") -> Any:
-
     return matplotlib().patches.Rectangle(
         (x, y + 0.05), w, 0.9, facecolor=color, hatch=hatch, edgecolor="#8a5a30", linewidth=0
     )
@@ -97,7 +95,6 @@ def plot_schedules(
 ) -> Any:
     """A figure with one timeline per schedule (``titles`` replace the default ones), in
     one column up to three, else two; saved to ``path`` (``.png``, ``.svg``) if given."""
-
     plt = matplotlib().pyplot  # optional: imported when a figure is asked for
 
     n = len(schedules)
