@@ -39,6 +39,7 @@ def test_guides_exist():
     assert len(GUIDES) >= 10, [p.name for p in GUIDES]
 
 
+@pytest.mark.scripts
 @pytest.mark.parametrize("path", GUIDES, ids=[p.stem for p in GUIDES])
 def test_guide_code_runs(path, monkeypatch, tmp_path, capsys):
     """Every ```python block of the page, top to bottom in one namespace, as a reader
