@@ -11,6 +11,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # run_all's own imports (bench_util, pages) live there
 from run_all import SCRIPTS  # noqa: E402  the one list of benchmark scripts
+
 pytestmark = pytest.mark.scripts  # CI's 3.11 leg leaves these out (pyproject's markers)
 
 
