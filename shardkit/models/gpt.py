@@ -35,7 +35,7 @@ from shardkit.nn.attention import causal_attention
 from shardkit.nn.loss import chunked_cross_entropy, head_view
 from shardkit.nn.replicas import per_replica
 from shardkit.nn.segments import Segments
-from shardkit.nn.tsp import TspDot, active_axis
+from shardkit.nn.tsp import SAVED_NAME, TspDot, active_axis
 from shardkit.nn.tsp_head import vocab_ring_lookup
 
 __all__ = [
@@ -75,7 +75,10 @@ def checkpoint_policy(remat: str) -> Callable[..., Any] | None:
       True
     """
     if remat == "save_dots":
-        return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        return jax.checkpoint_policies.save_from_both_policies(
+            jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+            jax.checkpoint_policies.save_only_these_names(SAVED_NAME),
+        )
     return None
 
 

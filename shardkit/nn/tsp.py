@@ -56,6 +56,7 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec
 
 from shardkit import context
@@ -67,6 +68,7 @@ from shardkit.rules import entry_axes
 from shardkit.scopes import scope
 
 __all__ = [
+    "SAVED_NAME",
     "TspDot",
     "TspEinsum",
     "active_axis",
@@ -76,6 +78,14 @@ __all__ = [
 ]
 
 Kind = Literal["in", "out"]
+
+#: The name (``jax.ad_checkpoint.checkpoint_name``) of a TSP projection's result. A remat
+#: policy that saves matmul results should save it too, as the reference models'
+#: ``save_dots`` does (``jax.checkpoint_policies.save_only_these_names(SAVED_NAME)``): the
+#: ring computes a projection as D partial matmuls, and a policy that saves matmuls but
+#: not this name keeps all D partial results of every projection (D times the memory of
+#: the one result) instead.
+SAVED_NAME = "tsp_projection"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,7 +345,7 @@ def _tsp_dot_general(
         if is_explicit(mesh):
             x, w = jax.sharding.reshard(x, spec(x.ndim)), jax.sharding.reshard(w, wspec)
         return jax.shard_map(
-            lambda x, w: _ring_dot(x, w, ring),
+            lambda x, w: checkpoint_name(_ring_dot(x, w, ring), SAVED_NAME),
             mesh=mesh,
             in_specs=(spec(x.ndim), wspec),
             out_specs=spec(y_ndim),
