@@ -74,12 +74,12 @@ FIT: dict[str, float] = {
     # The backward layer's working set (its recomputed forward and the gradients
     # computed from it) in units of one layer's remat-"none" activations
     # (saved_values(dims, "none")): XLA frees and fuses part of it (< 1).
-    "backward_layer_fraction": 0.767,
+    "backward_layer_fraction": 0.76,
     # Copies of one layer's weights gathered by fsdp or TSP (the weights and their
     # layout copies, the next weight's prefetched gather).
     "gathered_weight_copies": 1.0,
     # Copies of the head's buffers, in units of head_loss_peak_bytes' count.
-    "head_copies": 1.376,
+    "head_copies": 1.41,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
     # converts the bf16 values to f32 around every op, and the f32 copies are what the
     # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
@@ -89,10 +89,10 @@ FIT: dict[str, float] = {
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.591,
+    "rolled_head_overlap": 0.563,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 0.888,
+    "rolled_backward_fraction": 1.098,
 }
 
 _REMATS = ("none", "full", "save_dots")
@@ -448,12 +448,14 @@ def estimate(
         f"{per_token:g} values ({remat}) × {act:g} B"
     )
     # The backward layer's working set, in units of one layer's "none" activations; its
-    # scores are the attention's share of it.
-    none_values = saved_values(dims, "none", seq=seq, t=t, sp=sp)
+    # scores are the attention's share of it. Ring attention (cp, TSP) works through the
+    # keys one block at a time: a query's scores there are the block's, seq / ring keys.
+    keys = seq / ring if recipe.attention == "ring" else seq
+    none_values = saved_values(dims, "none", seq=keys, t=t, sp=sp)
     work = fit["backward_layer_fraction"] * tokens * none_values * act
     if remat != "none":
         work += tokens * ring_values * act
-    scores = fit["backward_layer_fraction"] * tokens * 2 * dims.n_heads * seq / t * act
+    scores = fit["backward_layer_fraction"] * tokens * 2 * dims.n_heads * keys / t * act
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
     # layer's into the optimizer's shard), the layer being differentiated whole (before
     # its reduction), and the token table's whole gradient: the lookup scatters into it
@@ -471,11 +473,16 @@ def estimate(
         experts = dims.expert_params * nb / esplit
         stack_shard = dims.layers * (dense_layer * nb / (t * f) + experts)
         layer_grad = dense_layer * nb / t + experts
+    # TSP's rings (not tsp_gspmd's gathers) hold weights and gradients as shards: a
+    # layer's gradient accumulates one shard at a time, and no layer is gathered whole.
+    tsp_rings = tsp > 1 and par.tsp_kind == "tsp"
+    if tsp_rings:
+        layer_grad = layer_grad / tsp
     rest = (dims.param_count - dims.stack_params) * nb / t
     table_grads = dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp))
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     gathered = 0.0
-    if f > 1 or tsp > 1:
+    if f > 1 or (tsp > 1 and not tsp_rings):
         gathered = fit["gathered_weight_copies"] * dense_layer * nb / t
     notes.append(
         f"backward layer: {fit['backward_layer_fraction']:g} × {tokens:g} tokens × "
@@ -508,13 +515,20 @@ def estimate(
     copy = head_weight_copy_bytes(
         dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
     )
+    vocab_split = _split(spec, sizes, (2,))
+    if tsp_rings and dims.chunked_head:
+        # TSP's vocabulary ring (shardkit.nn.tsp_head): one step's logits at a time,
+        # the local tokens against one V/D shard, unchunked; the table is never
+        # gathered, one shard arrives while the device's own is in use
+        chunks, vocab_split = 1, vocab_split * tsp
+        copy = dims.vocab * dims.d_model * act / (t * tsp)
     head_sizes = dict(
         tokens=batch * seq / m,
         vocab=dims.vocab,
         d_model=dims.d_model,
         chunks=chunks,
         token_split=_split(spec, sizes, (0, 1)),
-        vocab_split=_split(spec, sizes, (2,)),
+        vocab_split=vocab_split,
         bytes_per_value=act,
     )
     head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes, weight_copy_bytes=copy)

@@ -64,6 +64,32 @@ def test_ring_attention_keeps_the_received_kv_blocks(tiny):
     assert dense.terms["saved activations"] == 2 * 8 * 64 * per_token * 4
 
 
+def test_tsp_rings_hold_shards_and_score_one_block_of_keys_at_a_time(tiny):
+    kw = dict(batch=8, seq=64, remat="full")
+    rings = estimate("tsp", tiny, mesh={"tsp": 8}, **kw)
+    gathers = estimate("tsp_gspmd", tiny, mesh={"tsp": 8}, **kw)
+    # qkv, out, up, down with their biases, two LayerNorms: 49,984
+    layer = 64 * 192 + 192 + 64 * 64 + 64 + 64 * 256 + 256 + 256 * 64 + 64 + 4 * 64
+    assert layer == tiny.layer_params
+    # tsp_gspmd gathers a layer (f32) and differentiates it whole; TSP's rings move
+    # shards of 1/8: no layer gathered, the layer's gradient one shard at a time.
+    assert gathers.terms["gathered weights"] == FIT["gathered_weight_copies"] * layer * 4
+    assert "gathered weights" not in rings.terms
+    assert gathers.terms["gradients"] - rings.terms["gradients"] == pytest.approx(layer * 4 * 7 / 8)
+    # Ring attention scores a block of 64 / 8 keys at a time: scores and softmax, 8
+    # heads, for the 8 rows × 8 local tokens.
+    block = FIT["backward_layer_fraction"] * 8 * 8 * 2 * 8 * (64 // 8) * 4
+    assert rings.terms["attention scores"] == pytest.approx(block)
+    # The head: TSP's vocabulary ring, unchunked: three f32 buffers of one shard's logits
+    # (64 local tokens × 256/8 words), the hidden states and their gradient (64 × 64),
+    # three table shards (256·64/8); beside it the tables' gradient and the saved inputs.
+    head = 3 * 64 * 32 * 4 + 2 * 64 * 64 * 4 + 3 * 256 * 64 // 8 * 4
+    rest = (GPT_TINY_PSI - 2 * layer) * 4
+    saved = 2 * 8 * 8 * 64 * 4
+    want = rest + saved + FIT["head_copies"] * head
+    assert rings.phases["head_loss"] == pytest.approx(want)
+
+
 def test_ulysses_keeps_no_other_ranks_kv_and_usp_only_its_rings(tiny):
     kw = dict(batch=8, seq=64, remat="none")
     per_token = saved_values(tiny, "none", seq=64)
