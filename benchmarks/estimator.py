@@ -16,7 +16,8 @@ Compile only (nothing runs), AdamW. Two grids of points, every recipe × both fa
   / dp_tp_sp_pp × gpipe / 1f1b / interleaved / zb1 / zbv × remat full / none; training
   on 8 devices at d_model 128, held-out on 16 at d_model 256 and a wider model with a
   larger vocabulary (sizes, sequence, batch, device count and micro-batches the fit
-  never saw), and gpt-tiny / llama-tiny on 8 (one layer per stage).
+  never saw), gpt-tiny / llama-tiny on 8 (one layer per stage), and held-out points
+  under remat save_dots and bf16 (f32 and full / none everywhere else).
 
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
@@ -126,7 +127,7 @@ MOE_GRIDS = {
 }
 
 
-def _pp(family, config, recipe, mesh, batch, seq, remat, pipeline, grid):
+def _pp(family, config, recipe, mesh, batch, seq, remat, pipeline, grid, precision="f32"):
     return dict(
         grid=grid,
         family=family,
@@ -137,7 +138,7 @@ def _pp(family, config, recipe, mesh, batch, seq, remat, pipeline, grid):
         batch=batch,
         seq=seq,
         remat=remat,
-        precision="f32",
+        precision=precision,
         pipeline=pipeline,
     )
 
@@ -150,6 +151,7 @@ _H_WIDE = dict(vocab=8192, d_model=512, n_layers=4, n_heads=8, n_kv_heads=8, d_f
 _GPT_TINY = dict(vocab=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=256)
 _LLAMA_TINY = dict(vocab=256, d_model=64, n_layers=2, n_heads=16, n_kv_heads=8, d_ff=256)
 _S2F4, _S2F8 = {"data": 1, "stage": 2, "fsdp": 4}, {"data": 1, "stage": 2, "fsdp": 8}
+_S2D8 = {"stage": 2, "data": 8}
 _3D8, _3D16 = {"data": 2, "stage": 2, "tensor": 2}, {"data": 4, "stage": 2, "tensor": 2}
 
 
@@ -165,7 +167,8 @@ _T_GPT4 = {**_T_GPT, "n_layers": 4}  # one layer per chunk under interleaved on 
 
 
 #: The rolled pipeline engine's points: (family, config, recipe, mesh, batch, seq, remat,
-#: pipeline options) per grid; the training grid on 8 devices, the held-out one on 16.
+#: pipeline options[, precision]) per grid; the training grid on 8 devices, the held-out
+#: one on 16; f32 unless a row says bf16.
 PIPELINE_GRIDS = {
     "rolled_training": [
         ("gpt", _T_GPT, "pp", {"stage": 8}, 16, 64, "full", _sch("1f1b", 8)),
@@ -201,13 +204,18 @@ PIPELINE_GRIDS = {
         ("llama", _LLAMA_TINY, "zeropp", _S2F4, 16, 64, "none", _sch("1f1b", 4)),
         ("gpt", _GPT_TINY, "dp_pp", {"stage": 2, "data": 4}, 16, 64, "full", _sch("zb1", 2)),
         ("gpt", _GPT_TINY, "dp_pp", {"stage": 2, "data": 4}, 8, 64, "full", _sch("1f1b", 2)),
+        # save_dots and bf16 (the fit saw neither on the rolled engine)
+        ("gpt", _H_GPT, "zeropp", _S2F8, 32, 128, "save_dots", _sch("1f1b", 4)),
+        ("llama", _H_LLAMA, "dp_pp", _S2D8, 32, 128, "full", _sch("1f1b", 4), "bf16"),
+        ("gpt", _H_GPT, "dp_tp_sp_pp", _3D16, 32, 128, "save_dots", _sch("zb1", 4), "bf16"),
+        ("llama", _H_LLAMA, "zeropp", _S2F8, 32, 128, "none", _sch("gpipe", 2), "bf16"),
     ],
 }
 
 
 def pipeline_points(grid: str) -> list[dict]:
     """A rolled pipeline grid's points (:data:`PIPELINE_GRIDS`)."""
-    return [_pp(*row, grid) for row in PIPELINE_GRIDS[grid]]
+    return [_pp(*row[:8], grid, *row[8:]) for row in PIPELINE_GRIDS[grid]]
 
 
 def moe_points(grid: str) -> list[dict]:
