@@ -546,6 +546,7 @@ def estimate(
             seq=seq,
             none_values=none_values,
             act=act,
+            bf16=precision == "bf16",
             nb=nb,
             grad_shard=mem.grads,
             head=head,
@@ -588,7 +589,7 @@ def _unrolled_terms(layers_terms, rest, saved, head, grads) -> dict[str, dict[st
 
 
 def _rolled_values(
-    dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool = False
+    dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool = False, bf16: bool = False
 ) -> tuple[float, float]:
     """Values per token (f32-sized) of one layer the rolled pipeline engine stores:
     (what the layer's ``jax.vjp`` keeps, its ring's residuals; what a zero-bubble B
@@ -600,7 +601,8 @@ def _rolled_values(
     v repeated to the query heads, and the context), the scores (three f32 leaves, which
     XLA stores as two rings: two are one value) and their mask (a byte, ¼), two per
     head (the softmax's max and sum), six of the MLP's width and the norms' statistics
-    (two per norm, four under LayerNorm).
+    (two per norm, four under LayerNorm). Under ``bf16`` the scores are one f32 ring and
+    no mask (counted on llama d256's zeropp without remat, a held-out point).
 
     W's inputs (``shardkit.parallel.wgrad``'s frontier): the output cotangent of each
     weight matmul (q, k, v, the MLP's inputs) and width-``h`` ones for the attention's
@@ -616,7 +618,8 @@ def _rolled_values(
     x = h / t if sp else h
     norms = 4 if dims.norm == "layernorm" else 2
     if remat == "none":
-        res = 8 * x + (4 * q + 2.25 * a * seq + 2 * a + 6 * f) / t + 2 * norms
+        scores = (1.0 if bf16 else 2.25) * a * seq
+        res = 8 * x + (4 * q + scores + 2 * a + 6 * f) / t + 2 * norms
     else:
         res = saved_values(dims, remat, seq=seq, t=t, sp=sp)
     w_in = (q + 2 * k + f_in) / t + x * (2 + norms)
@@ -672,6 +675,7 @@ def _rolled_terms(
     seq: int,
     none_values: float,
     act: float,
+    bf16: bool,
     nb: int,
     grad_shard: float,
     head: float,
@@ -705,7 +709,7 @@ def _rolled_terms(
     ring, dy, w_ring, unrolled = _rolled_slots(sched, p, m, v, units)
     chunk = dims.layers / (p * v)
     sp = t > 1 and par.tensor_kind == "tp_sp"
-    res, w_in = _rolled_values(dims, remat, seq=seq, t=t, sp=sp)
+    res, w_in = _rolled_values(dims, remat, seq=seq, t=t, sp=sp, bf16=bf16)
     saved = ring * chunk * tokens * res * act + dy * tokens * dims.d_model * act
     saved += w_ring * chunk * tokens * w_in * act
     stage_bytes = dims.stack_params / p * nb / t

@@ -151,6 +151,20 @@ def test_the_rolled_engine_keeps_its_schedules_slots(tiny):
     assert zeropp.terms["gathered weights"] == (49_984 + 124_672 - 2 * 49_984 + sliced) * 4
 
 
+def test_the_rolled_engine_under_bf16_keeps_one_scores_ring_and_no_mask(tiny):
+    kw = dict(batch=16, seq=64, remat="none", pipeline={"microbatches": 2, "schedule": "gpipe"})
+    mesh = {"stage": 2, "data": 4}
+    f32 = estimate("dp_pp", tiny, mesh=mesh, precision="f32", **kw)
+    bf16 = estimate("dp_pp", tiny, mesh=mesh, precision="bf16", **kw)
+    # gpipe with m = 2 keeps m + 1 = 3 slots of a chunk's one layer, for a micro-batch's
+    # 16 / (4 · 2) = 2 rows × 64 tokens. Per token the scores are 2.25 · a · s values
+    # in f32 (two f32 rings and a byte mask) and a · s in bf16 (one f32 ring): 1.25 ·
+    # 8 heads · 64 keys fewer, 4 bytes each.
+    fewer = 3 * 1 * (2 * 64) * 1.25 * 8 * 64 * 4
+    saved = [e.terms["saved activations"] for e in (f32, bf16)]
+    assert saved[0] - saved[1] == pytest.approx(fewer)
+
+
 def test_bf16_activations_take_the_backends_bytes(tiny):
     kw = dict(mesh={"data": 8}, batch=8, seq=64, remat="full")
     f32, bf16 = estimate("dp", tiny, **kw), estimate("dp", tiny, precision="bf16", **kw)
