@@ -127,7 +127,7 @@ MOE_GRIDS = {
 }
 
 
-def _pp(family, config, recipe, mesh, batch, seq, remat, pipeline, grid, precision="f32"):
+def _pp(family, config, recipe, mesh, batch, seq, remat, pipeline, precision="f32", *, grid):
     return dict(
         grid=grid,
         family=family,
@@ -215,7 +215,7 @@ PIPELINE_GRIDS = {
 
 def pipeline_points(grid: str) -> list[dict]:
     """A rolled pipeline grid's points (:data:`PIPELINE_GRIDS`)."""
-    return [_pp(*row[:8], grid, *row[8:]) for row in PIPELINE_GRIDS[grid]]
+    return [_pp(*row, grid=grid) for row in PIPELINE_GRIDS[grid]]
 
 
 def moe_points(grid: str) -> list[dict]:

@@ -12,8 +12,6 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))  # run_all's own imports (bench_util, pages) live there
 from run_all import SCRIPTS  # noqa: E402  the one list of benchmark scripts
 
-pytestmark = pytest.mark.scripts  # CI's 3.11 leg leaves these out (pyproject's markers)
-
 
 def test_run_all_lists_every_script():
     on_disk = {p.stem for p in BENCH.glob("*.py")} - {
@@ -39,6 +37,7 @@ def _run_tiny(name, out, *extra):
     return proc
 
 
+@pytest.mark.scripts
 @pytest.mark.parametrize("name", SCRIPTS)
 def test_benchmark_runs_tiny(name, tmp_path):
     # the pipeline table's long runs resume from a cache of finished rows: checked below

@@ -9,13 +9,13 @@ from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
-pytestmark = pytest.mark.scripts  # CI's 3.11 leg leaves these out (pyproject's markers)
 
 
 def test_notebooks_exist():
     assert PATHS, f"no notebooks in {NOTEBOOKS}"
 
 
+@pytest.mark.scripts
 @pytest.mark.parametrize("path", PATHS, ids=[p.stem for p in PATHS])
 def test_notebook_runs(path, monkeypatch):
     # The kernel is a fresh process: it inherits this environment, and each notebook

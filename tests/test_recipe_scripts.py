@@ -22,7 +22,6 @@ SCRIPTS = sorted(p.stem for p in RECIPES.glob("*.py") if p.stem != "common")
 #: One script per engine: plain GSPMD, TSP's ring, context parallelism (ring × Ulysses),
 #: the pipelined step with TP + SP (3D), MoE's all-to-all.
 RUN = ("dp", "tsp", "cp_usp", "dp_tp_sp_pp", "ep")
-pytestmark = pytest.mark.scripts  # CI's 3.11 leg leaves these out (pyproject's markers)
 
 
 def test_one_script_per_recipe():
@@ -52,6 +51,7 @@ def test_script_trains_its_own_recipe_on_a_model_that_exists(name):
     get(kwargs.get("model", "gpt-tiny"), **overrides)  # the model and its overrides resolve
 
 
+@pytest.mark.scripts
 @pytest.mark.parametrize("name", RUN)
 def test_recipe_script_runs(name, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--steps", "2"])

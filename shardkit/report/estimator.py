@@ -512,9 +512,6 @@ def estimate(
         chunks = dims.loss_chunks or auto_chunks(
             seq, dims.vocab, dims.d_model, quantum=_split(spec, sizes, (1,))
         )
-    copy = head_weight_copy_bytes(
-        dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
-    )
     vocab_split = _split(spec, sizes, (2,))
     if tsp_rings and dims.chunked_head:
         # TSP's vocabulary ring (shardkit.nn.tsp_head): one step's logits at a time,
@@ -522,6 +519,10 @@ def estimate(
         # gathered, one shard arrives while the device's own is in use
         chunks, vocab_split = 1, vocab_split * tsp
         copy = dims.vocab * dims.d_model * act / (t * tsp)
+    else:
+        copy = head_weight_copy_bytes(
+            dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
+        )
     head_sizes = dict(
         tokens=batch * seq / m,
         vocab=dims.vocab,
