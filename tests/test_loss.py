@@ -126,9 +126,12 @@ def _head_reference(h, t, w, vocab_axis, scale, dtype):
     return jax.value_and_grad(loss, argnums=(0, 1))(w, h)
 
 
-@pytest.mark.parametrize("vocab_axis, chunks", [(0, 8), (1, 3), (0, 1), (1, 64)])
-def test_head_loss_and_grad_matches_jax(vocab_axis, chunks):
-    # 37 words: uneven slices for 3 and 8, one per word and more slices than words for 64.
+@pytest.mark.parametrize(
+    "vocab_axis, chunks, token_chunks", [(0, 8, None), (1, 3, 2), (0, 1, 1), (1, 64, 10)]
+)
+def test_head_loss_and_grad_matches_jax(vocab_axis, chunks, token_chunks):
+    # 37 words: uneven slices for 3 and 8, one per word and more slices than words for 64;
+    # 10 tokens in 5 chunks (the default: d 16 / 8 slices, 2 tokens a chunk), 2, 1 or 10.
     vocab, d = 37, 16
     k1, k2, k3, k4 = jax.random.split(jax.random.key(1), 4)
     h = jax.random.normal(k1, (2, 5, d))
@@ -137,7 +140,7 @@ def test_head_loss_and_grad_matches_jax(vocab_axis, chunks):
     acc = jax.random.normal(k4, w.shape)
     want, (dw, dh) = _head_reference(h, t, w, vocab_axis, 0.25, jnp.float32)
     loss, d_h, new_acc = sk.loss.head_loss_and_grad(
-        h, t, w, acc, vocab_axis=vocab_axis, scale=0.25, chunks=chunks
+        h, t, w, acc, vocab_axis=vocab_axis, scale=0.25, chunks=chunks, token_chunks=token_chunks
     )
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
     np.testing.assert_allclose(d_h, dh, rtol=0, atol=1e-6)
@@ -163,10 +166,11 @@ def test_head_loss_and_grad_in_bf16_keeps_an_f32_sum():
     np.testing.assert_allclose(acc, dw, rtol=0, atol=2e-2 * float(jnp.abs(dw).max()))
 
 
-def test_head_loss_and_grad_never_holds_the_weight_gradient_whole():
+def test_head_loss_and_grad_never_holds_the_weight_gradient_or_the_logits_whole():
     # Compiled temporaries, the running sum donated: value_and_grad + add holds a new
     # vocab × d gradient next to the sum (XLA's CPU backend writes a product into a fresh
-    # buffer); in place, one slice's gradient and the f32 logits are all there is.
+    # buffer) and the whole logits; in place, one token chunk's f32 logits and one
+    # vocabulary slice of 8 at a time are all there is.
     vocab, d, tokens = 4096, 256, 128
     grad_bytes, logits_bytes = vocab * d * 4, tokens * vocab * 4  # 4 MiB, 2 MiB
     h = jax.ShapeDtypeStruct((1, tokens, d), jnp.float32)
@@ -185,10 +189,22 @@ def test_head_loss_and_grad_never_holds_the_weight_gradient_whole():
         return compiled.memory_analysis().temp_size_in_bytes
 
     assert temp(jax_path) >= grad_bytes + logits_bytes  # measured 8 MiB: + d logits twice
-    # The f32 logits, and one slice of 8 at a time: the weight's slice and its gradient,
-    # the slice's probabilities, logits gradient and that transposed (measured 3.5 MiB).
-    one_slice = 2 * grad_bytes / 8 + 3 * logits_bytes / 8
-    assert temp(in_place) <= logits_bytes + one_slice
+    # 128 tokens, d 256, 8 slices: chunks of 32 tokens (d / 8), 4 of them. One chunk's
+    # f32 logits; the weight's slice and its gradient; the slice's probabilities, logits
+    # gradient and that transposed (measured 1.66 MiB; 3.13 with the logits whole).
+    assert sk.loss.head_token_chunks(tokens, vocab, d, 8) == 4
+    chunk_logits = logits_bytes / 4
+    one_slice = 2 * grad_bytes / 8 + 3 * chunk_logits / 8
+    assert temp(in_place) <= chunk_logits + one_slice
+
+
+@pytest.mark.parametrize("token_chunks", [0, 3, 2.0])
+def test_head_loss_and_grad_token_chunks_must_divide_the_tokens(token_chunks):
+    h, t = jnp.ones((2, 5, 4)), jnp.zeros((2, 5), jnp.int32)
+    with pytest.raises(ChunkError, match=r"(?s)for 10 tokens.*Fix: a divisor of 10 \(e.g. 1, 2, 5"):
+        sk.loss.head_loss_and_grad(
+            h, t, jnp.ones((10, 4)), jnp.ones((10, 4)), token_chunks=token_chunks
+        )
 
 
 def test_head_loss_and_grad_bad_shapes_raise():

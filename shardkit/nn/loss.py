@@ -59,6 +59,7 @@ __all__ = [
     "cross_entropy",
     "head_loss_and_grad",
     "head_post_grad",
+    "head_token_chunks",
     "head_view",
     "masked_mean",
 ]
@@ -502,92 +503,40 @@ def chunked_cross_entropy(
 
 
 #: Vocabulary chunks :func:`head_loss_and_grad` writes the weight's gradient in.
-_HEAD_GRAD_CHUNKS = 8
+HEAD_GRAD_CHUNKS = 8
 
 
-@block("loss.head_grad")
-def head_loss_and_grad(
-    hidden: jax.Array,
-    targets: jax.Array,
-    weight: jax.Array,
-    acc: jax.Array,
-    *,
-    vocab_axis: int = 0,
-    scale: float | jax.Array = 1.0,
-    dtype: Any = None,
-    chunks: int = _HEAD_GRAD_CHUNKS,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``scale`` × the mean cross-entropy of ``hidden · weight``, its gradient for
-    ``hidden``, and ``acc`` plus its gradient for ``weight``, added in place.
+def head_token_chunks(tokens: int, vocab: int, d_model: int, chunks: int = HEAD_GRAD_CHUNKS) -> int:
+    """The token chunks :func:`head_loss_and_grad` scores one at a time when given none.
 
-    ``jax.value_and_grad`` of the head, then ``acc + grad``, holds the weight's gradient
-    twice (XLA writes a matrix product into a fresh buffer; only GPU backends fuse the
-    add into it): for GPT-2-small's tied table, 147 MiB twice, plus the logits' gradient
-    and its transpose. Here the backward runs ``chunks`` slices of the vocabulary at a
-    time (a Python loop, so XLA's cost analysis sees every product): each slice's
-    gradient is added into ``acc`` where it belongs, so the extra memory is one slice's
-    logits gradient and weight gradient. The forward keeps the whole f32 logits (the
-    backward reads them; nothing is computed twice). Used by the pipeline's last stage,
-    where a running sum of the head's gradient exists anyway
-    (:class:`shardkit.parallel.stages.Stages` ``post_grad``).
-
-    Args:
-      hidden: ``[*tokens, d]``.
-      targets: integer ``[*tokens]``.
-      weight: ``[vocab, d]`` (``vocab_axis=0``, a tied embedding table) or ``[d, vocab]``
-        (``vocab_axis=1``, a head's kernel), in its stored dtype.
-      acc: the running gradient of ``weight`` (its shape; any float dtype).
-      vocab_axis: where the vocabulary is in ``weight``.
-      scale: multiplies the loss and both gradients (e.g. ``1/micro-batches``).
-      dtype: the products' dtype (default ``hidden``'s); the logits are scored in f32.
-      chunks: vocabulary slices of the backward (uneven when they do not divide it).
-
-    Returns:
-      ``(loss, d_hidden, acc + d_weight)``, each gradient of ``scale · loss``.
-
-    Raises:
-      ShardingError: a weight that is not 2-D, shapes that do not match; ``ChunkError``:
-        ``chunks`` not a positive int.
+    The fewest that divide ``tokens`` and keep one chunk's f32 logits (``tokens/c ×
+    vocab``) no larger than one vocabulary slice of the weight's gradient (``vocab/chunks
+    × d_model``), which the backward holds anyway: ``tokens/c ≤ d_model/chunks``. For
+    GPT-2-small's last pipeline stage (256 tokens, d 768, 8 slices): 4 chunks of 64
+    tokens, 12 MiB of logits at a time instead of 49.
 
     Example:
-      >>> import jax, jax.numpy as jnp
-      >>> h = jax.random.normal(jax.random.key(0), (2, 5, 4))
-      >>> w = jax.random.normal(jax.random.key(1), (10, 4))
-      >>> t = jnp.arange(10).reshape(2, 5)
-      >>> f = lambda w, h: cross_entropy(jnp.einsum("...d,vd->...v", h, w), t).mean()
-      >>> want, (dw, dh) = jax.value_and_grad(f, argnums=(0, 1))(w, h)
-      >>> loss, d_h, acc = head_loss_and_grad(h, t, w, jnp.ones_like(w), chunks=3)
-      >>> bool(jnp.allclose(loss, want)), bool(jnp.allclose(d_h, dh, atol=1e-6))
-      (True, True)
-      >>> bool(jnp.allclose(acc, 1 + dw, atol=1e-6))
-      True
+      >>> head_token_chunks(256, 50304, 768)
+      4
+      >>> head_token_chunks(2048, 50304, 4096)   # gpt-7b, one sequence
+      4
+      >>> head_token_chunks(12, 256, 2048)   # few tokens: one chunk
+      1
     """
-    if weight.ndim != 2 or vocab_axis not in (0, 1):
-        raise errors.ShardingError(
-            f"head_loss_and_grad: weight {weight.shape} with vocab_axis={vocab_axis}; the "
-            "head's weight is 2-D, its vocabulary on axis 0 or 1.\nFix: weight [vocab, d] "
-            "with vocab_axis=0, or [d, vocab] with vocab_axis=1."
-        )
-    if acc.shape != weight.shape or hidden.shape[:-1] != targets.shape:
-        raise errors.ShardingError(
-            f"head_loss_and_grad: hidden {hidden.shape}, targets {targets.shape}, weight "
-            f"{weight.shape}, acc {acc.shape}.\nFix: hidden [*tokens, d], targets [*tokens], "
-            "acc the weight's shape."
-        )
-    if not isinstance(chunks, int) or chunks < 1:
-        raise ChunkError(
-            f"head_loss_and_grad: chunks={chunks!r}.\nFix: a positive int (slices of the "
-            f"vocabulary, {_HEAD_GRAD_CHUNKS} by default; uneven slices are fine)."
-        )
-    dtype = hidden.dtype if dtype is None else dtype
-    vocab = weight.shape[vocab_axis]
-    w = weight.astype(dtype)
-    to_logits = "...d,vd->...v" if vocab_axis == 0 else "...d,dv->...v"
-    to_hidden = "...v,vd->...d" if vocab_axis == 0 else "...v,dv->...d"
-    to_weight = "...v,...d->vd" if vocab_axis == 0 else "...v,...d->dv"
+    most = max(1, d_model // max(1, chunks))  # tokens a chunk may hold
+    return min(c for c in range(1, tokens + 1) if tokens % c == 0 and tokens // c <= most)
+
+
+def _head_chunk(hidden, targets, w, acc, g, *, vocab_axis, dtype, chunks):
+    """One token chunk of :func:`head_loss_and_grad`: ``(Σ cross-entropy, ∂/∂hidden, acc +
+    ∂/∂weight)``, the gradients of ``g ·`` that sum; ``hidden`` ``[n, d]``, ``w`` in
+    ``dtype``."""
+    vocab = w.shape[vocab_axis]
+    to_logits = "nd,vd->nv" if vocab_axis == 0 else "nd,dv->nv"
+    to_hidden = "nv,vd->nd" if vocab_axis == 0 else "nv,dv->nd"
+    to_weight = "nv,nd->vd" if vocab_axis == 0 else "nv,nd->dv"
     logits = jnp.einsum(to_logits, hidden, w).astype(jnp.float32)
     log_z = jax.nn.logsumexp(logits, axis=-1)
-    g = scale / targets.size  # d loss / d (each token's cross-entropy)
     d_hidden = jnp.zeros(hidden.shape, jnp.float32)
     target = jnp.zeros(targets.shape, jnp.float32)  # each token's target logit
     bounds = np.linspace(0, vocab, min(chunks, vocab) + 1).round().astype(int)
@@ -613,8 +562,118 @@ def head_loss_and_grad(
         d_part = jnp.einsum(to_weight, d_logits, hidden).astype(acc.dtype)
         old = jax.lax.dynamic_slice_in_dim(acc, start, size, vocab_axis)
         acc = jax.lax.dynamic_update_slice_in_dim(acc, old + d_part, start, vocab_axis)
-    loss = jnp.mean(log_z - target) * scale
-    return loss, d_hidden.astype(hidden.dtype), acc
+    return jnp.sum(log_z - target), d_hidden, acc
+
+
+@block("loss.head_grad")
+def head_loss_and_grad(
+    hidden: jax.Array,
+    targets: jax.Array,
+    weight: jax.Array,
+    acc: jax.Array,
+    *,
+    vocab_axis: int = 0,
+    scale: float | jax.Array = 1.0,
+    dtype: Any = None,
+    chunks: int = HEAD_GRAD_CHUNKS,
+    token_chunks: int | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``scale`` × the mean cross-entropy of ``hidden · weight``, its gradient for
+    ``hidden``, and ``acc`` plus its gradient for ``weight``, added in place.
+
+    ``jax.value_and_grad`` of the head, then ``acc + grad``, holds the weight's gradient
+    twice (XLA writes a matrix product into a fresh buffer; only GPU backends fuse the
+    add into it): for GPT-2-small's tied table, 147 MiB twice, plus the logits' gradient
+    and its transpose. Here the tokens are scored ``token_chunks`` at a time (a
+    ``lax.scan``), and each chunk's backward runs ``chunks`` slices of the vocabulary at a
+    time (a Python loop): each slice's gradient is added into ``acc`` where it belongs.
+    The extra memory is one chunk's f32 logits (:func:`head_token_chunks` keeps them no
+    larger than one slice of the weight's gradient) and one slice's logits gradient and
+    weight gradient. Loss and gradients come out of one pass: each logit is computed
+    once, as in ``jax.value_and_grad``. Used by the pipeline's last stage, where a running
+    sum of the head's gradient exists anyway (:class:`shardkit.parallel.stages.Stages`
+    ``post_grad``).
+
+    Args:
+      hidden: ``[*tokens, d]``.
+      targets: integer ``[*tokens]``.
+      weight: ``[vocab, d]`` (``vocab_axis=0``, a tied embedding table) or ``[d, vocab]``
+        (``vocab_axis=1``, a head's kernel), in its stored dtype.
+      acc: the running gradient of ``weight`` (its shape; any float dtype).
+      vocab_axis: where the vocabulary is in ``weight``.
+      scale: multiplies the loss and both gradients (e.g. ``1/micro-batches``).
+      dtype: the products' dtype (default ``hidden``'s); the logits are scored in f32.
+      chunks: vocabulary slices of the backward (uneven when they do not divide it).
+      token_chunks: how many token chunks (a divisor of the token count); default
+        :func:`head_token_chunks`.
+
+    Returns:
+      ``(loss, d_hidden, acc + d_weight)``, each gradient of ``scale · loss``.
+
+    Raises:
+      ShardingError: a weight that is not 2-D, shapes that do not match; ``ChunkError``:
+        ``chunks`` not a positive int, ``token_chunks`` not a divisor of the tokens.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> h = jax.random.normal(jax.random.key(0), (2, 5, 4))
+      >>> w = jax.random.normal(jax.random.key(1), (10, 4))
+      >>> t = jnp.arange(10).reshape(2, 5)
+      >>> f = lambda w, h: cross_entropy(jnp.einsum("...d,vd->...v", h, w), t).mean()
+      >>> want, (dw, dh) = jax.value_and_grad(f, argnums=(0, 1))(w, h)
+      >>> loss, d_h, acc = head_loss_and_grad(h, t, w, jnp.ones_like(w), chunks=3,
+      ...                                     token_chunks=2)
+      >>> bool(jnp.allclose(loss, want)), bool(jnp.allclose(d_h, dh, atol=1e-6))
+      (True, True)
+      >>> bool(jnp.allclose(acc, 1 + dw, atol=1e-6))
+      True
+    """
+    if weight.ndim != 2 or vocab_axis not in (0, 1):
+        raise errors.ShardingError(
+            f"head_loss_and_grad: weight {weight.shape} with vocab_axis={vocab_axis}; the "
+            "head's weight is 2-D, its vocabulary on axis 0 or 1.\nFix: weight [vocab, d] "
+            "with vocab_axis=0, or [d, vocab] with vocab_axis=1."
+        )
+    if acc.shape != weight.shape or hidden.shape[:-1] != targets.shape:
+        raise errors.ShardingError(
+            f"head_loss_and_grad: hidden {hidden.shape}, targets {targets.shape}, weight "
+            f"{weight.shape}, acc {acc.shape}.\nFix: hidden [*tokens, d], targets [*tokens], "
+            "acc the weight's shape."
+        )
+    if not isinstance(chunks, int) or chunks < 1:
+        raise ChunkError(
+            f"head_loss_and_grad: chunks={chunks!r}.\nFix: a positive int (slices of the "
+            f"vocabulary, {HEAD_GRAD_CHUNKS} by default; uneven slices are fine)."
+        )
+    tokens, d = targets.size, hidden.shape[-1]
+    vocab = weight.shape[vocab_axis]
+    if token_chunks is None:
+        token_chunks = head_token_chunks(tokens, vocab, d, chunks)
+    if not isinstance(token_chunks, int) or token_chunks < 1 or tokens % token_chunks:
+        fits = [c for c in range(1, tokens + 1) if tokens % c == 0]
+        raise ChunkError(
+            f"head_loss_and_grad: token_chunks={token_chunks!r} for {tokens} tokens.\nFix: a "
+            f"divisor of {tokens} (e.g. {', '.join(map(str, fits[:6]))}), or None for "
+            f"{head_token_chunks(tokens, vocab, d, chunks)}."
+        )
+    dtype = hidden.dtype if dtype is None else dtype
+    w = weight.astype(dtype)
+    g = scale / tokens  # d loss / d (each token's cross-entropy)
+    kw = {"vocab_axis": vocab_axis, "dtype": dtype, "chunks": chunks}
+    h = hidden.reshape(token_chunks, tokens // token_chunks, d)
+    t = targets.reshape(token_chunks, tokens // token_chunks)
+    if token_chunks == 1:
+        total, d_hidden, acc = _head_chunk(h[0], t[0], w, acc, g, **kw)
+    else:
+
+        def one(acc, ht):
+            total, d_h, acc = _head_chunk(*ht, w, acc, g, **kw)
+            return acc, (total, d_h)
+
+        acc, (totals, d_hidden) = jax.lax.scan(one, acc, (h, t))
+        total = jnp.sum(totals)
+    loss = total / tokens * scale
+    return loss, d_hidden.reshape(hidden.shape).astype(hidden.dtype), acc
 
 
 def head_post_grad(
