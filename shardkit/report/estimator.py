@@ -54,7 +54,11 @@ from shardkit.nn.loss import LOGITS, auto_chunks
 from shardkit.parallel.schedules import SPLIT, make
 from shardkit.report import analytic_moe
 from shardkit.report.analytic import analytic_costs, workload_of
-from shardkit.report.phases import head_loss_peak_bytes, head_weight_copy_bytes
+from shardkit.report.phases import (
+    head_grad_peak_bytes,
+    head_loss_peak_bytes,
+    head_weight_copy_bytes,
+)
 from shardkit.report.pipeline_analytic import in_flight
 from shardkit.step import PIPELINE_DEFAULTS
 
@@ -74,12 +78,13 @@ FIT: dict[str, float] = {
     # The backward layer's working set (its recomputed forward and the gradients
     # computed from it) in units of one layer's remat-"none" activations
     # (saved_values(dims, "none")): XLA frees and fuses part of it (< 1).
-    "backward_layer_fraction": 0.76,
+    "backward_layer_fraction": 0.785,
     # Copies of one layer's weights gathered by fsdp or TSP (the weights and their
     # layout copies, the next weight's prefetched gather).
     "gathered_weight_copies": 1.0,
-    # Copies of the head's buffers, in units of head_loss_peak_bytes' count.
-    "head_copies": 1.41,
+    # Copies of the chunked head's buffers, in units of head_loss_peak_bytes' count (a
+    # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
+    "head_copies": 1.289,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
     # converts the bf16 values to f32 around every op, and the f32 copies are what the
     # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
@@ -89,10 +94,10 @@ FIT: dict[str, float] = {
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.563,
+    "rolled_head_overlap": 0.764,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 1.098,
+    "rolled_backward_fraction": 1.282,
 }
 
 _REMATS = ("none", "full", "save_dots")
@@ -533,11 +538,26 @@ def estimate(
         bytes_per_value=act,
     )
     head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes, weight_copy_bytes=copy)
-    notes.append(f"head and loss: {chunks} chunk(s), {head:,.0f} B")
+    # A pipeline on its own axes only (no tensor or sequence axis left to XLA) runs the
+    # last stage's head through Stages.post_grad, the reference models' in-place
+    # head_loss_and_grad: token chunks, vocabulary slices, no layout copy of the weight.
+    in_place = p > 1 and t == 1 and c * tsp == 1 and dims.chunked_head
+    if in_place:
+        head = head_grad_peak_bytes(
+            tokens=max(1, round(tokens)),
+            vocab=dims.vocab,
+            d_model=dims.d_model,
+            bytes_per_value=act,
+        )
+    notes.append(
+        f"head and loss: {'in place, token chunks' if in_place else f'{chunks} chunk(s)'}, "
+        f"{head:,.0f} B"
+    )
     if p > 1 and pipeline.get("rolled", True):
         # the rolled engine's head: one micro-batch's, its tables gathered once a step
         # (counted with the stage's weights), so no layout copy of the weight
-        head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes)
+        if not in_place:
+            head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes)
         phases_terms = _rolled_terms(
             dims,
             par,

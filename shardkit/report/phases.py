@@ -39,10 +39,11 @@ from typing import Any, Literal
 from shardkit import recipes
 from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
-from shardkit.nn.loss import LOGITS, auto_chunks
+from shardkit.nn.loss import HEAD_GRAD_CHUNKS, LOGITS, auto_chunks, head_token_chunks
 from shardkit.report.formulas import activation_bytes, logits_bytes, megatron_activations_per_layer
 
 __all__ = [
+    "head_grad_peak_bytes",
     "head_loss_peak_bytes",
     "head_weight_copy_bytes",
     "layer_peak_bytes",
@@ -105,6 +106,41 @@ def head_loss_peak_bytes(
     logits = tokens / (token_split * chunks) * vocab / vocab_split * 4
     hidden = tokens / token_split * d_model * bytes_per_value
     return float(live_logits * logits + 2 * hidden + weight_buffers * weight_copy_bytes)
+
+
+def head_grad_peak_bytes(
+    *,
+    tokens: int,
+    vocab: int,
+    d_model: int,
+    vocab_chunks: int = HEAD_GRAD_CHUNKS,
+    bytes_per_value: float = 4,
+) -> float:
+    """Bytes per device a pipeline's last stage holds for the head's loss and gradient,
+    written in place (:func:`shardkit.nn.loss.head_loss_and_grad`).
+
+    One token chunk's f32 logits (``tokens/T × vocab``, ``T`` from
+    :func:`shardkit.nn.loss.head_token_chunks`); one vocabulary slice's three
+    logits-sized f32 buffers (the slice, its exponentials, its gradient); the slice of
+    the weight in the products' dtype and its f32 gradient (``vocab/vocab_chunks ×
+    d_model``); the hidden states and their f32 gradient.
+
+    Args:
+      tokens: the micro-batch's tokens on the device.
+      vocab, d_model: vocabulary and hidden size.
+      vocab_chunks: the backward's vocabulary slices.
+      bytes_per_value: bytes B of a hidden-state value.
+
+    Example:
+      >>> # GPT-2-small, one 256-token micro-batch: 4 chunks of 64 tokens, 8 slices
+      >>> round(head_grad_peak_bytes(tokens=256, vocab=50304, d_model=768) / 2**20, 2)
+      55.23
+    """
+    chunks = head_token_chunks(tokens, vocab, d_model, vocab_chunks)
+    logits = tokens / chunks * vocab * 4
+    weight_slice = vocab / vocab_chunks * d_model * (bytes_per_value + 4)
+    hidden = tokens * d_model * (bytes_per_value + 4)
+    return float(logits * (1 + 3 / vocab_chunks) + weight_slice + hidden)
 
 
 def _optimizer_step_peak_bytes(

@@ -151,6 +151,25 @@ def test_the_rolled_engine_keeps_its_schedules_slots(tiny):
     assert zeropp.terms["gathered weights"] == (49_984 + 124_672 - 2 * 49_984 + sliced) * 4
 
 
+def test_a_pipeline_on_its_own_axes_counts_the_in_place_head(tiny):
+    # dp_pp runs the last stage's head through Stages.post_grad (head_loss_and_grad):
+    # a micro-batch of 16 / (4 · 2) = 2 rows × 64 tokens = 128 tokens, chunks of at most
+    # d / 8 = 8 tokens: 16 chunks of 8. One chunk's f32 logits 8 · 256 · 4 and three
+    # slice-sized buffers (3/8 of it); the weight's 32 × 64 slice and its gradient; the
+    # hidden states and their gradient, 128 × 64 × 8. No fitted copies.
+    kw = dict(mesh={"stage": 2, "data": 4}, batch=16, seq=64, remat="full")
+    head = 8 * 256 * 4 * (1 + 3 / 8) + 32 * 64 * 8 + 128 * 64 * 8
+    for engine in ({}, {"rolled": False}):
+        e = estimate("dp_pp", tiny, pipeline={"microbatches": 2, **engine}, **kw)
+        (note,) = [n for n in e.notes if n.startswith("head and loss")]
+        assert note == f"head and loss: in place, token chunks, {head:,.0f} B"
+    # with a tensor axis left to XLA (3D), the chunked head's count, times its copies
+    mesh = {"data": 2, "stage": 2, "tensor": 2}
+    tp = estimate("dp_tp_sp_pp", tiny, mesh=mesh, batch=16, seq=64, pipeline={"microbatches": 2})
+    (note,) = [n for n in tp.notes if n.startswith("head and loss")]
+    assert "chunk(s)" in note and "in place" not in note
+
+
 def test_the_rolled_engine_under_bf16_keeps_one_scores_ring_and_no_mask(tiny):
     kw = dict(batch=16, seq=64, remat="none", pipeline={"microbatches": 2, "schedule": "gpipe"})
     mesh = {"stage": 2, "data": 4}
