@@ -513,7 +513,9 @@ def head_token_chunks(tokens: int, vocab: int, d_model: int, chunks: int = HEAD_
     vocab``) no larger than one vocabulary slice of the weight's gradient (``vocab/chunks
     × d_model``), which the backward holds anyway: ``tokens/c ≤ d_model/chunks``. For
     GPT-2-small's last pipeline stage (256 tokens, d 768, 8 slices): 4 chunks of 64
-    tokens, 12 MiB of logits at a time instead of 49.
+    tokens, 12 MiB of logits at a time instead of 49. A token count whose divisors only
+    give chunks under a quarter of that bound (a prime one, say) keeps one chunk: a
+    chunk of a few tokens would read the whole weight for each.
 
     Example:
       >>> head_token_chunks(256, 50304, 768)
@@ -522,9 +524,12 @@ def head_token_chunks(tokens: int, vocab: int, d_model: int, chunks: int = HEAD_
       4
       >>> head_token_chunks(12, 256, 2048)   # few tokens: one chunk
       1
+      >>> head_token_chunks(1000, 50304, 768), head_token_chunks(257, 50304, 768)
+      (20, 1)
     """
     most = max(1, d_model // max(1, chunks))  # tokens a chunk may hold
-    return min(c for c in range(1, tokens + 1) if tokens % c == 0 and tokens // c <= most)
+    c = min(c for c in range(1, tokens + 1) if tokens % c == 0 and tokens // c <= most)
+    return 1 if 4 * (tokens // c) < most else c
 
 
 def _head_chunk(hidden, targets, w, acc, g, *, vocab_axis, dtype, chunks):
