@@ -78,13 +78,13 @@ FIT: dict[str, float] = {
     # The backward layer's working set (its recomputed forward and the gradients
     # computed from it) in units of one layer's remat-"none" activations
     # (saved_values(dims, "none")): XLA frees and fuses part of it (< 1).
-    "backward_layer_fraction": 0.785,
+    "backward_layer_fraction": 0.796,
     # Copies of one layer's weights gathered by fsdp or TSP (the weights and their
     # layout copies, the next weight's prefetched gather).
     "gathered_weight_copies": 1.0,
     # Copies of the chunked head's buffers, in units of head_loss_peak_bytes' count (a
     # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
-    "head_copies": 1.289,
+    "head_copies": 1.352,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
     # converts the bf16 values to f32 around every op, and the f32 copies are what the
     # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
@@ -94,10 +94,10 @@ FIT: dict[str, float] = {
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.764,
+    "rolled_head_overlap": 0.699,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 1.282,
+    "rolled_backward_fraction": 1.29,
 }
 
 _REMATS = ("none", "full", "save_dots")
