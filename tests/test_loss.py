@@ -191,11 +191,12 @@ def test_head_loss_and_grad_never_holds_the_weight_gradient_or_the_logits_whole(
     assert temp(jax_path) >= grad_bytes + logits_bytes  # measured 8 MiB: + d logits twice
     # 128 tokens, d 256, 8 slices: chunks of 32 tokens (d / 8), 4 of them. One chunk's
     # f32 logits; the weight's slice and its gradient; the slice's probabilities, logits
-    # gradient and that transposed (measured 1.66 MiB; 3.13 with the logits whole).
-    assert sk.loss.head_token_chunks(tokens, vocab, d, 8) == 4
+    # gradient and that transposed (measured 1.66 MiB; 3.13 with the logits whole; the
+    # bound leaves XLA 0.25 MiB).
+    assert sk.loss.head_token_chunks(tokens, d, 8) == 4
     chunk_logits = logits_bytes / 4
     one_slice = 2 * grad_bytes / 8 + 3 * chunk_logits / 8
-    assert temp(in_place) <= chunk_logits + one_slice
+    assert temp(in_place) <= chunk_logits + one_slice + 2**18
 
 
 @pytest.mark.parametrize("token_chunks", [0, 3, 2.0])

@@ -52,6 +52,7 @@ from shardkit.nn.tsp_head import vocab_ring_cross_entropy
 from shardkit.scopes import block, model_code
 
 __all__ = [
+    "HEAD_GRAD_CHUNKS",
     "ChunkError",
     "LOGITS",
     "auto_chunks",
@@ -506,30 +507,44 @@ def chunked_cross_entropy(
 HEAD_GRAD_CHUNKS = 8
 
 
-def head_token_chunks(tokens: int, vocab: int, d_model: int, chunks: int = HEAD_GRAD_CHUNKS) -> int:
+def head_token_chunks(tokens: int, d_model: int, chunks: int = HEAD_GRAD_CHUNKS) -> int:
     """The token chunks :func:`head_loss_and_grad` scores one at a time when given none.
 
     The fewest that divide ``tokens`` and keep one chunk's f32 logits (``tokens/c ×
     vocab``) no larger than one vocabulary slice of the weight's gradient (``vocab/chunks
-    × d_model``), which the backward holds anyway: ``tokens/c ≤ d_model/chunks``. For
-    GPT-2-small's last pipeline stage (256 tokens, d 768, 8 slices): 4 chunks of 64
-    tokens, 12 MiB of logits at a time instead of 49. A token count whose divisors only
-    give chunks under a quarter of that bound (a prime one, say) keeps one chunk: a
-    chunk of a few tokens would read the whole weight for each.
+    × d_model``), which the backward holds anyway: ``tokens/c ≤ d_model/chunks`` (the
+    vocabulary cancels). For GPT-2-small's last pipeline stage (256 tokens, d 768, 8
+    slices): 4 chunks of 64 tokens, 12 MiB of logits at a time instead of 49. Where the
+    divisors allow only chunks under a quarter of that bound (388 tokens: 97 chunks of
+    4), chunks of up to four times the bound instead (2 of 194), and one chunk where
+    there are none (a prime count): a chunk of a few tokens would read the whole weight.
 
     Example:
-      >>> head_token_chunks(256, 50304, 768)
+      >>> head_token_chunks(256, 768)
       4
-      >>> head_token_chunks(2048, 50304, 4096)   # gpt-7b, one sequence
+      >>> head_token_chunks(2048, 4096)   # gpt-7b, one sequence
       4
-      >>> head_token_chunks(12, 256, 2048)   # few tokens: one chunk
+      >>> head_token_chunks(12, 2048)   # few tokens: one chunk
       1
-      >>> head_token_chunks(1000, 50304, 768), head_token_chunks(257, 50304, 768)
-      (20, 1)
+      >>> head_token_chunks(1000, 768), head_token_chunks(388, 768), head_token_chunks(257, 768)
+      (20, 2, 1)
     """
+    if not isinstance(tokens, int) or tokens < 1:
+        raise ChunkError(
+            f"head_token_chunks(tokens={tokens!r}): the head's tokens are a positive int.\n"
+            "Fix: pass the micro-batch's token count on the device."
+        )
     most = max(1, d_model // max(1, chunks))  # tokens a chunk may hold
-    c = min(c for c in range(1, tokens + 1) if tokens % c == 0 and tokens // c <= most)
-    return 1 if 4 * (tokens // c) < most else c
+
+    def fewest(limit: int) -> int:
+        start = -(-tokens // limit)
+        return next(c for c in range(start, tokens + 1) if tokens % c == 0)
+
+    c = fewest(most)
+    if 4 * (tokens // c) >= most:
+        return c
+    c = fewest(4 * most)
+    return c if 4 * (tokens // c) >= most else 1
 
 
 def _head_chunk(hidden, targets, w, acc, g, *, vocab_axis, dtype, chunks):
@@ -589,12 +604,13 @@ def head_loss_and_grad(
     ``jax.value_and_grad`` of the head, then ``acc + grad``, holds the weight's gradient
     twice (XLA writes a matrix product into a fresh buffer; only GPU backends fuse the
     add into it): for GPT-2-small's tied table, 147 MiB twice, plus the logits' gradient
-    and its transpose. Here the tokens are scored ``token_chunks`` at a time (a
-    ``lax.scan``), and each chunk's backward runs ``chunks`` slices of the vocabulary at a
-    time (a Python loop): each slice's gradient is added into ``acc`` where it belongs.
-    The extra memory is one chunk's f32 logits (:func:`head_token_chunks` keeps them no
-    larger than one slice of the weight's gradient) and one slice's logits gradient and
-    weight gradient. Loss and gradients come out of one pass: each logit is computed
+    and its transpose. Here the tokens are scored in ``token_chunks`` chunks, one at a
+    time (a ``lax.scan``), and each chunk's backward runs ``chunks`` slices of the
+    vocabulary at a time (a Python loop): each slice's gradient is added into ``acc``
+    where it belongs. The extra memory is one chunk's f32 logits (by default
+    :func:`head_token_chunks`'s count: no larger than one slice of the weight's gradient
+    where the token count has a divisor near ``d/chunks``) and one slice's logits
+    gradient and weight gradient. Loss and gradients come out of one pass: each logit is computed
     once, as in ``jax.value_and_grad``. Used by the pipeline's last stage, where a running
     sum of the head's gradient exists anyway (:class:`shardkit.parallel.stages.Stages`
     ``post_grad``).
@@ -651,15 +667,14 @@ def head_loss_and_grad(
             f"vocabulary, {HEAD_GRAD_CHUNKS} by default; uneven slices are fine)."
         )
     tokens, d = targets.size, hidden.shape[-1]
-    vocab = weight.shape[vocab_axis]
     if token_chunks is None:
-        token_chunks = head_token_chunks(tokens, vocab, d, chunks)
+        token_chunks = head_token_chunks(tokens, d, chunks)
     if not isinstance(token_chunks, int) or token_chunks < 1 or tokens % token_chunks:
         fits = [c for c in range(1, tokens + 1) if tokens % c == 0]
         raise ChunkError(
             f"head_loss_and_grad: token_chunks={token_chunks!r} for {tokens} tokens.\nFix: a "
             f"divisor of {tokens} (e.g. {', '.join(map(str, fits[:6]))}), or None for "
-            f"{head_token_chunks(tokens, vocab, d, chunks)}."
+            f"{head_token_chunks(tokens, d, chunks)}."
         )
     dtype = hidden.dtype if dtype is None else dtype
     w = weight.astype(dtype)

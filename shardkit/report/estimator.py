@@ -20,7 +20,8 @@ terms (:data:`shardkit.report.memory_terms.TERMS`), from the structure of the st
   recomputed (``full``, ``save_dots``) and its gradients' working set;
 - ``gathered weights``: a layer's weights gathered, and their unreduced gradient,
   where fsdp or TSP shards them;
-- ``logits / loss``: the chunked head's f32 buffers (:func:`~shardkit.report.phases.head_loss_peak_bytes`).
+- ``logits / loss``: the chunked head's f32 buffers (:func:`~shardkit.report.phases.head_loss_peak_bytes`),
+  or a pipeline's in-place head's (:func:`~shardkit.report.phases.head_grad_peak_bytes`).
 
 The wire bytes are the analytic model's (:func:`~shardkit.report.analytic.analytic_costs`),
 the state its ZeRO shards. The fitted constants are the :data:`FIT` table's, each named
@@ -544,7 +545,7 @@ def estimate(
     in_place = p > 1 and t == 1 and c * tsp == 1 and dims.chunked_head
     if in_place:
         head = head_grad_peak_bytes(
-            tokens=max(1, round(tokens)),
+            tokens=max(1.0, tokens),
             vocab=dims.vocab,
             d_model=dims.d_model,
             bytes_per_value=act,

@@ -10,7 +10,9 @@ at once: it passes through phases, and its peak is the largest of them. Per devi
 - ``head_loss``: the state, the saved activations, and the vocabulary head with its
   cross-entropy (:func:`head_loss_peak_bytes`): a chunk's logits, their gradient, the
   hidden states in the head's layout, and a gathered copy of the head's weight with
-  its gradient where the head computes in another layout than the one stored;
+  its gradient where the head computes in another layout than the one stored (a
+  pipeline's last stage writing the head's gradient in place:
+  :func:`head_grad_peak_bytes`);
 - ``optimizer_step``: the state, and what the update holds on top
   (:func:`_optimizer_step_peak_bytes`): nothing for a clip by one scalar factor, a copy
   of the gradients for optax's ``select`` form, and the largest gradient all-reduced
@@ -110,7 +112,7 @@ def head_loss_peak_bytes(
 
 def head_grad_peak_bytes(
     *,
-    tokens: int,
+    tokens: float,
     vocab: int,
     d_model: int,
     vocab_chunks: int = HEAD_GRAD_CHUNKS,
@@ -126,17 +128,25 @@ def head_grad_peak_bytes(
     d_model``); the hidden states and their f32 gradient.
 
     Args:
-      tokens: the micro-batch's tokens on the device.
+      tokens: the micro-batch's tokens on the device (rounded to a whole count).
       vocab, d_model: vocabulary and hidden size.
       vocab_chunks: the backward's vocabulary slices.
       bytes_per_value: bytes B of a hidden-state value.
+
+    Raises:
+      ShardingError: fewer than one token or vocabulary slice.
 
     Example:
       >>> # GPT-2-small, one 256-token micro-batch: 4 chunks of 64 tokens, 8 slices
       >>> round(head_grad_peak_bytes(tokens=256, vocab=50304, d_model=768) / 2**20, 2)
       55.23
     """
-    chunks = head_token_chunks(tokens, vocab, d_model, vocab_chunks)
+    if round(tokens) < 1 or vocab_chunks < 1:
+        raise ShardingError(
+            f"head_grad_peak_bytes: tokens {tokens} and vocab_chunks {vocab_chunks} must be >= 1."
+        )
+    tokens = round(tokens)
+    chunks = head_token_chunks(tokens, d_model, vocab_chunks)
     logits = tokens / chunks * vocab * 4
     weight_slice = vocab / vocab_chunks * d_model * (bytes_per_value + 4)
     hidden = tokens * d_model * (bytes_per_value + 4)

@@ -1,5 +1,7 @@
 """The pre-compile estimate: its terms by hand count, its errors, against compiled programs."""
 
+import dataclasses
+
 import pytest
 
 import shardkit as sk
@@ -163,6 +165,14 @@ def test_a_pipeline_on_its_own_axes_counts_the_in_place_head(tiny):
         e = estimate("dp_pp", tiny, pipeline={"microbatches": 2, **engine}, **kw)
         (note,) = [n for n in e.notes if n.startswith("head and loss")]
         assert note == f"head and loss: in place, token chunks, {head:,.0f} B"
+    # with a vocabulary of 2^18 the head sets the rolled engine's peak, and its term is
+    # that count: chunks of 8 tokens, 8 · 2^18 · 4 · (1 + 3/8); the 2^15 × 64 slice and
+    # its gradient; the hidden states
+    big = dataclasses.replace(tiny, vocab=2**18)
+    e = estimate("dp_pp", big, pipeline={"microbatches": 2}, **kw)
+    assert e.phase == "head_loss"
+    want = 8 * 2**18 * 4 * (1 + 3 / 8) + 2**15 * 64 * 8 + 128 * 64 * 8
+    assert e.terms["logits / loss"] == pytest.approx(want)
     # with a tensor axis left to XLA (3D), the chunked head's count, times its copies
     mesh = {"data": 2, "stage": 2, "tensor": 2}
     tp = estimate("dp_tp_sp_pp", tiny, mesh=mesh, batch=16, seq=64, pipeline={"microbatches": 2})
