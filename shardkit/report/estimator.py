@@ -510,55 +510,37 @@ def estimate(
         "recomputation": work - scores,
     }
 
-    # The head and loss: the chunked cross-entropy's f32 buffers.
-    rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=dims.vocab)
-    spec = rules.spec(LOGITS, mesh=sizes)
-    chunks = 1
-    if dims.chunked_head:
-        chunks = dims.loss_chunks or auto_chunks(
-            seq, dims.vocab, dims.d_model, quantum=_split(spec, sizes, (1,))
-        )
-    vocab_split = _split(spec, sizes, (2,))
-    if tsp_rings and dims.chunked_head:
-        # TSP's vocabulary ring (shardkit.nn.tsp_head): one step's logits at a time,
-        # the local tokens against one V/D shard, unchunked; the table is never
-        # gathered, one shard arrives while the device's own is in use
-        chunks, vocab_split = 1, vocab_split * tsp
-        copy = dims.vocab * dims.d_model * act / (t * tsp)
-    else:
-        copy = head_weight_copy_bytes(
-            dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
-        )
-    head_sizes = dict(
-        tokens=batch * seq / m,
-        vocab=dims.vocab,
-        d_model=dims.d_model,
-        chunks=chunks,
-        token_split=_split(spec, sizes, (0, 1)),
-        vocab_split=vocab_split,
-        bytes_per_value=act,
-    )
-    head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes, weight_copy_bytes=copy)
-    # A pipeline on its own axes only (no tensor or sequence axis left to XLA) runs the
-    # last stage's head through Stages.post_grad, the reference models' in-place
-    # head_loss_and_grad: token chunks, vocabulary slices, no layout copy of the weight.
-    in_place = p > 1 and t == 1 and c * tsp == 1 and dims.chunked_head
-    if in_place:
+    # The head and loss. A pipeline on its own axes only (no tensor or sequence axis
+    # left to XLA) runs the last stage's head through Stages.post_grad, the reference
+    # models' in-place head_loss_and_grad: token chunks, vocabulary slices, no layout
+    # copy of the weight. Elsewhere the chunked cross-entropy's f32 buffers.
+    rolled = p > 1 and pipeline.get("rolled", True)
+    if p > 1 and t == 1 and c * tsp == 1 and dims.chunked_head:
         head = head_grad_peak_bytes(
             tokens=max(1.0, tokens),
             vocab=dims.vocab,
             d_model=dims.d_model,
             bytes_per_value=act,
         )
-    notes.append(
-        f"head and loss: {'in place, token chunks' if in_place else f'{chunks} chunk(s)'}, "
-        f"{head:,.0f} B"
-    )
-    if p > 1 and pipeline.get("rolled", True):
-        # the rolled engine's head: one micro-batch's, its tables gathered once a step
-        # (counted with the stage's weights), so no layout copy of the weight
-        if not in_place:
-            head = fit["head_copies"] * head_loss_peak_bytes(**head_sizes)
+        notes.append(f"head and loss: in place, token chunks, {head:,.0f} B")
+    else:
+        head, chunks = _chunked_head(
+            dims,
+            recipe,
+            sizes,
+            fit,
+            batch=batch,
+            seq=seq,
+            m=m,
+            t=t,
+            tsp=tsp,
+            tsp_rings=tsp_rings,
+            act=act,
+            nb=nb,
+            rolled=rolled,
+        )
+        notes.append(f"head and loss: {chunks} chunk(s), {head:,.0f} B")
+    if rolled:
         phases_terms = _rolled_terms(
             dims,
             par,
@@ -593,6 +575,47 @@ def estimate(
         notes=tuple(notes),
         seconds=time.perf_counter() - start,
     )
+
+
+def _chunked_head(
+    dims, recipe, sizes, fit, *, batch, seq, m, t, tsp, tsp_rings, act, nb, rolled
+) -> tuple[float, int]:
+    """The chunked cross-entropy's f32 buffers (times ``head_copies``) and its chunks.
+
+    TSP's vocabulary ring (shardkit.nn.tsp_head) scores one step's logits at a time, the
+    local tokens against one V/D shard, unchunked; its table is never gathered, one shard
+    arrives while the device's own is in use. The rolled pipeline engine's head is one
+    micro-batch's, its tables gathered once a step (counted with the stage's weights), so
+    it holds no layout copy of the weight.
+    """
+    rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=dims.vocab)
+    spec = rules.spec(LOGITS, mesh=sizes)
+    chunks = 1
+    if dims.chunked_head:
+        chunks = dims.loss_chunks or auto_chunks(
+            seq, dims.vocab, dims.d_model, quantum=_split(spec, sizes, (1,))
+        )
+    vocab_split = _split(spec, sizes, (2,))
+    copy = 0.0  # the rolled engine's
+    if tsp_rings and dims.chunked_head:
+        chunks, vocab_split = 1, vocab_split * tsp
+        if not rolled:
+            copy = dims.vocab * dims.d_model * act / (t * tsp)
+    elif not rolled:
+        copy = head_weight_copy_bytes(
+            dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
+        )
+    head = head_loss_peak_bytes(
+        tokens=batch * seq / m,
+        vocab=dims.vocab,
+        d_model=dims.d_model,
+        chunks=chunks,
+        token_split=_split(spec, sizes, (0, 1)),
+        vocab_split=vocab_split,
+        bytes_per_value=act,
+        weight_copy_bytes=copy,
+    )
+    return fit["head_copies"] * head, chunks
 
 
 def _unrolled_terms(layers_terms, rest, saved, head, grads) -> dict[str, dict[str, float]]:
