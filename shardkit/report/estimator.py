@@ -66,42 +66,76 @@ from shardkit.step import PIPELINE_DEFAULTS
 __all__ = ["FIT", "Estimate", "against", "estimate", "estimate_or_refusal", "saved_values"]
 
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
-#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits four of them (its
-#: ``FITTED``, within bounds) on its training grid: backward_layer_fraction,
-#: gathered_weight_copies, head_copies, heap_fragmentation; and two of the rolled
-#: pipeline engine's (``ROLLED_FITTED``) on its rolled training grid alone, the others
-#: held: rolled_head_overlap, rolled_backward_fraction; the other two are counted.
+#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits eight of them (its
+#: ``FITTED``, within bounds) on its training grid, minimising the mean absolute log
+#: error of the totals: the three backward fractions, backward_width_values,
+#: tensor_width_values, gathered_weight_copies, head_copies, heap_fragmentation; and
+#: two of the rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training
+#: grid alone, the others held: rolled_head_overlap, rolled_backward_fraction. The
+#: other three are counted from XLA's buffers, and rolled_remat_fraction is held.
 FIT: dict[str, float] = {
     # Copies of the layer stack's stored gradient shard live at the layers' peak, per
     # scan buffer holding it (the backward's accumulator; without remat also the
     # forward scan's output buffer).
     "gradient_copies": 1.0,
-    # The backward layer's working set (its recomputed forward and the gradients
-    # computed from it) in units of one layer's remat-"none" activations
-    # (saved_values(dims, "none")): XLA frees and fuses part of it (< 1).
-    "backward_layer_fraction": 0.796,
+    # The backward layer's working set under remat "full" (its recomputed forward and
+    # the gradients computed from it) in units of one layer's remat-"none" values
+    # (saved_values(dims, "none")) other than its six width-h ones (counted apart,
+    # backward_width_values): XLA frees and fuses part of it.
+    "backward_layer_fraction": 1.036,
+    # The same under "save_dots": the matmul outputs are read from the saved values,
+    # not recomputed (< full's).
+    "backward_save_dots_fraction": 0.805,
+    # The same without remat: the forward's values are saved activations; the backward
+    # holds their gradients.
+    "backward_none_fraction": 0.704,
+    # Width-h values per token the backward layer holds (the residual stream, the norms'
+    # outputs, their gradients and layout copies), whole under tensor parallelism
+    # without sequence parallelism.
+    "backward_width_values": 3.952,
+    # Tensor parallelism's further width-h values per token of the whole sequence: the
+    # activation reductions' operands and results, the norms' outputs copied for the
+    # split matmuls; under sequence parallelism the all-gathered sequence.
+    "tensor_width_values": 2.403,
+    # The share of one layer's gradient whole at the peak where fsdp (or TSP's gathers)
+    # reduce-scatters it: XLA scatters each weight's gradient as soon as it is computed
+    # (counted on gpt fsdp/8: the MLP's down and the attention's output projections'
+    # of the layer's weights, a third).
+    "scattered_layer_gradient": 0.333,
     # Copies of one layer's weights gathered by fsdp or TSP (the weights and their
     # layout copies, the next weight's prefetched gather).
     "gathered_weight_copies": 1.0,
     # Copies of the chunked head's buffers, in units of head_loss_peak_bytes' count (a
     # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
-    "head_copies": 1.352,
+    "head_copies": 1.034,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
     # converts the bf16 values to f32 around every op, and the f32 copies are what the
     # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
     "bf16_activation_bytes": 4.0,
-    # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes.
-    "heap_fragmentation": 0.0,
+    # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes
+    # (bounded at 5 %: free, the fit trades every term for it).
+    "heap_fragmentation": 0.011,
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.699,
+    "rolled_head_overlap": 0.833,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 1.29,
+    "rolled_backward_fraction": 1.094,
+    # The same under remat (full, save_dots): the layer's recomputed forward and its
+    # gradients, in units of its remat-"none" values (the engine's layer runs outside
+    # the scan the dense fractions are fitted on). Held, not fitted: the rolled
+    # training grid cannot tell it from rolled_head_overlap (both scale the layers'
+    # peak), so it keeps the value the two had when the rolled grid was first fitted.
+    "rolled_remat_fraction": 0.796,
 }
 
 _REMATS = ("none", "full", "save_dots")
+_BACKWARD = {
+    "full": "backward_layer_fraction",
+    "save_dots": "backward_save_dots_fraction",
+    "none": "backward_none_fraction",
+}
 _REQUIRED = ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab")
 
 
@@ -453,21 +487,26 @@ def estimate(
         f"saved activations: {items:g} item(s) × {L:g} layers × {tokens:g} tokens × "
         f"{per_token:g} values ({remat}) × {act:g} B"
     )
-    # The backward layer's working set, in units of one layer's "none" activations; its
-    # scores are the attention's share of it. Ring attention (cp, TSP) works through the
-    # keys one block at a time: a query's scores there are the block's, seq / ring keys.
-    keys = seq / ring if recipe.attention == "ring" else seq
+    # The backward layer's working set: a share (per remat policy) of one layer's "none"
+    # values other than the six width-h ones, and backward_width_values width-h values;
+    # its scores are the attention's share of it. Ring attention (cp, TSP, USP's ring)
+    # works through the keys one block at a time: a query's scores there are the
+    # block's, seq / ring keys.
+    keys = seq / ring if recipe.attention in ("ring", "usp") else seq
     none_values = saved_values(dims, "none", seq=keys, t=t, sp=sp)
-    work = fit["backward_layer_fraction"] * tokens * none_values * act
+    x = dims.d_model / t if sp else dims.d_model
+    frac = fit[_BACKWARD[remat]]
+    work = tokens * act * (frac * (none_values - 6 * x) + fit["backward_width_values"] * x)
     if remat != "none":
         work += tokens * ring_values * act
-    scores = fit["backward_layer_fraction"] * tokens * 2 * dims.n_heads * keys / t * act
+    scores = frac * tokens * 2 * dims.n_heads * keys / t * act
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
     # layer's into the optimizer's shard), the layer being differentiated whole (before
-    # its reduction), and the token table's whole gradient: the lookup scatters into it
-    # before any reduction. Without remat the forward scan's output buffer of the
-    # stacked gradient is live next to the backward's loop-carried one: two copies
-    # (counted in XLA's buffers).
+    # its reduction; fsdp scatters most of it as it is computed), and the token table's
+    # whole gradient: the lookup scatters into it before any reduction (ZeRO-1: every
+    # vocabulary table's, reduce-scattered after the layers). Without remat the forward
+    # scan's output buffer of the stacked gradient is live next to the backward's
+    # loop-carried one: two copies (counted in XLA's buffers).
     shard = mem.grads / (d if par.data_kind == "zero1" else 1)
     copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
     stack_shard = shard * dims.stack_params / dims.param_count
@@ -485,22 +524,28 @@ def estimate(
     if tsp_rings:
         layer_grad = layer_grad / tsp
     rest = (dims.param_count - dims.stack_params) * nb / t
-    table_grads = dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp))
-    grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
+    zero1 = d if par.data_kind == "zero1" else 1
+    tables = dims.vocab_tables if zero1 > 1 else 1
+    table_grads = tables * dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp * zero1))
     gathered = 0.0
     if f > 1 or (tsp > 1 and not tsp_rings):
         gathered = fit["gathered_weight_copies"] * dense_layer * nb / t
+        layer_grad *= fit["scattered_layer_gradient"]
+    if p > 1 and f > 1:  # zeropp: the stage's layers, embedding and head gathered per unit
+        gathered += L * dense_layer * nb / t + rest
+    grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     notes.append(
-        f"backward layer: {fit['backward_layer_fraction']:g} × {tokens:g} tokens × "
-        f"{none_values:g} values; gradients: {fit['gradient_copies']:g} × the shard + one "
+        f"backward layer: {tokens:g} tokens × ({frac:g} × {none_values - 6 * x:g} values + "
+        f"{fit['backward_width_values']:g} width-h); gradients: "
+        f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
     )
-    # Tensor parallelism's activation reductions: the operand and the result of the
-    # reduction of b·s·h partial sums, twice (the backward's two in flight); under
-    # sequence parallelism the results are the sequence's shard.
+    # Tensor parallelism's width-h values of the whole sequence: the activation
+    # reductions' operands and results, the norms' outputs copied for the split matmuls
+    # (under sequence parallelism the all-gathered sequence).
     collective = 0.0
     if t > 1:
-        collective = 2 * (1 + (1 / t if sp else 1)) * tokens * dims.d_model * act
+        collective = fit["tensor_width_values"] * tokens * dims.d_model * act
     layers_terms = {
         "gradients": grads,
         "collective buffers": collective,
@@ -773,7 +818,7 @@ def _rolled_terms(
         grads += stage_bytes + stage_bytes / f
     # one layer's backward: its recomputed forward and gradients (remat), or, with its
     # residuals read from the ring (none), the gradients alone
-    frac = fit["rolled_backward_fraction" if remat == "none" else "backward_layer_fraction"]
+    frac = fit["rolled_backward_fraction" if remat == "none" else "rolled_remat_fraction"]
     work = frac * tokens * none_values * act
     # A chunk of one layer: XLA unrolls its one-trip layer loop, and in a stretch of
     # unrolled ticks (short runs, between loops) it recomputes every backward's layer

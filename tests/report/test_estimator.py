@@ -73,11 +73,16 @@ def test_tsp_rings_hold_shards_and_score_one_block_of_keys_at_a_time(tiny):
     # qkv, out, up, down with their biases, two LayerNorms: 49,984
     layer = 64 * 192 + 192 + 64 * 64 + 64 + 64 * 256 + 256 + 256 * 64 + 64 + 4 * 64
     assert layer == tiny.layer_params
-    # tsp_gspmd gathers a layer (f32) and differentiates it whole; TSP's rings move
-    # shards of 1/8: no layer gathered, the layer's gradient one shard at a time.
+    # tsp_gspmd gathers a layer (f32) and differentiates it whole, reduce-scattering each
+    # weight's gradient as it is computed (the scattered share of the layer's gradient
+    # live at the peak); TSP's rings move shards of 1/8: no layer gathered, the layer's
+    # gradient one shard at a time.
     assert gathers.terms["gathered weights"] == FIT["gathered_weight_copies"] * layer * 4
     assert "gathered weights" not in rings.terms
-    assert gathers.terms["gradients"] - rings.terms["gradients"] == pytest.approx(layer * 4 * 7 / 8)
+    scattered = FIT["scattered_layer_gradient"]
+    assert gathers.terms["gradients"] - rings.terms["gradients"] == pytest.approx(
+        layer * 4 * (scattered - 1 / 8)
+    )
     # Ring attention scores a block of 64 / 8 keys at a time: scores and softmax, 8
     # heads, for the 8 rows × 8 local tokens.
     block = FIT["backward_layer_fraction"] * 8 * 8 * 2 * 8 * (64 // 8) * 4
@@ -89,7 +94,43 @@ def test_tsp_rings_hold_shards_and_score_one_block_of_keys_at_a_time(tiny):
     rest = (GPT_TINY_PSI - 2 * layer) * 4
     saved = 2 * 8 * 8 * 64 * 4
     want = rest + saved + FIT["head_copies"] * head
-    assert rings.phases["head_loss"] == pytest.approx(want)
+    assert rings.phases["head_loss"] == pytest.approx(want * (1 + FIT["heap_fragmentation"]))
+
+
+@pytest.mark.parametrize(
+    ("remat", "fraction"),
+    [
+        ("full", "backward_layer_fraction"),
+        ("save_dots", "backward_save_dots_fraction"),
+        ("none", "backward_none_fraction"),
+    ],
+)
+def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fraction):
+    # One device, 8 × 64 tokens: the backward layer holds its policy's share of the
+    # layer's "none" values but the six width-h ones, and backward_width_values width-h
+    # values; no collective buffers. Under tensor parallelism (4) the values are the
+    # shard's (÷ 4) but the width-h ones, which stay whole (÷ 4 only under sequence
+    # parallelism), and tensor_width_values width-h values of the whole sequence.
+    kw = dict(batch=8, seq=64, remat=remat)
+    tokens, h = 8 * 64, 64
+
+    def layer(e):
+        return e.terms["recomputation"] + e.terms["attention scores"]
+
+    def want(t, x):
+        none = saved_values(tiny, "none", seq=64, t=t, sp=x < h)
+        per_token = FIT[fraction] * (none - 6 * x) + FIT["backward_width_values"] * x
+        return tokens * 4 * per_token
+
+    dense = estimate("dp", tiny, mesh={"data": 1}, **kw)
+    assert "collective buffers" not in dense.terms
+    assert layer(dense) == pytest.approx(want(1, h))
+    tp = estimate("tp", tiny, mesh={"tensor": 4}, **kw)
+    tp_sp = estimate("tp_sp", tiny, mesh={"tensor": 4}, **kw)
+    assert layer(tp) == pytest.approx(want(4, h))
+    assert layer(tp_sp) == pytest.approx(want(4, h / 4))
+    width = FIT["tensor_width_values"] * tokens * h * 4
+    assert tp.terms["collective buffers"] == tp_sp.terms["collective buffers"] == width
 
 
 def test_ulysses_keeps_no_other_ranks_kv_and_usp_only_its_rings(tiny):
@@ -356,11 +397,14 @@ def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
 
 def test_experts_without_an_expert_axis_are_state_like_any_other():
     # zero1 on moe-tiny, 8 devices, no remat: the stored gradient shard is Ψ/8 (the stack's
-    # share twice, the scan's two copies), the differentiated layer whole, tables unsplit.
+    # share twice, the scan's two copies), the differentiated layer whole, and the two
+    # vocabulary tables' whole gradients but their eighth: the lookup and the head
+    # scatter into them before ZeRO-1 reduce-scatters them after the layers.
     d = models.get("moe-tiny").dims
     e = estimate("zero1", d, devices=8, batch=8, seq=32, remat="none")
     stack, shard = d.stack_params * 4 / 8, d.param_count * 4 / 8
-    want = 2 * stack + (shard - stack) + d.layer_params * 4
+    tables = 2 * 256 * 64 * 4 * 7 / 8
+    want = 2 * stack + (shard - stack) + d.layer_params * 4 + tables
     assert e.terms["gradients"] == pytest.approx(want)
 
 
