@@ -137,6 +137,9 @@ _BACKWARD = {
     "none": "backward_none_fraction",
 }
 _REQUIRED = ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab")
+#: Width-h values per token among a layer's remat-"none" values (saved_values): the
+#: input, both norms' outputs, the residual between the blocks, the two blocks' outputs.
+_NONE_WIDTH_VALUES = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,8 +240,8 @@ def saved_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool 
         return float(2 * x + (q + 2 * k + f_in) / t)
     scores = 2 * dims.n_heads * seq
     if moe is not None:
-        return float(6 * x + (q + 2 * k + 2 * q + scores) / t + moe)
-    return float(6 * x + (q + 2 * k + 2 * q + scores + 6 * dims.d_ff) / t)
+        return float(_NONE_WIDTH_VALUES * x + (q + 2 * k + 2 * q + scores) / t + moe)
+    return float(_NONE_WIDTH_VALUES * x + (q + 2 * k + 2 * q + scores + 6 * dims.d_ff) / t)
 
 
 def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
@@ -496,7 +499,8 @@ def estimate(
     none_values = saved_values(dims, "none", seq=keys, t=t, sp=sp)
     x = dims.d_model / t if sp else dims.d_model
     frac = fit[_BACKWARD[remat]]
-    work = tokens * act * (frac * (none_values - 6 * x) + fit["backward_width_values"] * x)
+    other_values = none_values - _NONE_WIDTH_VALUES * x  # attention's and MLP's
+    work = tokens * act * (frac * other_values + fit["backward_width_values"] * x)
     if remat != "none":
         work += tokens * ring_values * act
     scores = frac * tokens * 2 * dims.n_heads * keys / t * act
@@ -507,7 +511,8 @@ def estimate(
     # vocabulary table's, reduce-scattered after the layers). Without remat the forward
     # scan's output buffer of the stacked gradient is live next to the backward's
     # loop-carried one: two copies (counted in XLA's buffers).
-    shard = mem.grads / (d if par.data_kind == "zero1" else 1)
+    zero1 = d if par.data_kind == "zero1" else 1
+    shard = mem.grads / zero1
     copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
     stack_shard = shard * dims.stack_params / dims.param_count
     layer_grad = dims.layer_params * nb / t
@@ -524,7 +529,6 @@ def estimate(
     if tsp_rings:
         layer_grad = layer_grad / tsp
     rest = (dims.param_count - dims.stack_params) * nb / t
-    zero1 = d if par.data_kind == "zero1" else 1
     tables = dims.vocab_tables if zero1 > 1 else 1
     table_grads = tables * dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp * zero1))
     gathered = 0.0
@@ -535,7 +539,7 @@ def estimate(
         gathered += L * dense_layer * nb / t + rest
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     notes.append(
-        f"backward layer: {tokens:g} tokens × ({frac:g} × {none_values - 6 * x:g} values + "
+        f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
         f"{fit['backward_width_values']:g} width-h); gradients: "
         f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
