@@ -82,21 +82,28 @@ FIT: dict[str, float] = {
     # the gradients computed from it) in units of one layer's remat-"none" values
     # (saved_values(dims, "none")) other than its six width-h ones (counted apart,
     # backward_width_values): XLA frees and fuses part of it.
-    "backward_layer_fraction": 1.036,
+    "backward_layer_fraction": 0.982,
     # The same under "save_dots": the matmul outputs are read from the saved values,
     # not recomputed (< full's).
-    "backward_save_dots_fraction": 0.805,
+    "backward_save_dots_fraction": 0.729,
     # The same without remat: the forward's values are saved activations; the backward
     # holds their gradients.
-    "backward_none_fraction": 0.704,
+    "backward_none_fraction": 0.477,
     # Width-h values per token the backward layer holds (the residual stream, the norms'
     # outputs, their gradients and layout copies), whole under tensor parallelism
     # without sequence parallelism.
-    "backward_width_values": 3.952,
+    "backward_width_values": 6.761,
     # Tensor parallelism's further width-h values per token of the whole sequence: the
     # activation reductions' operands and results, the norms' outputs copied for the
     # split matmuls; under sequence parallelism the all-gathered sequence.
-    "tensor_width_values": 2.403,
+    "tensor_width_values": 0.424,
+    # Matmul rows per device (tokens) from which XLA:CPU materialises values it fuses
+    # below: the backward's slices of the saved stack, the norms' intermediates
+    # (measured on llama tp/8 without remat: 3,584 rows fuse them, 4,096 do not, at
+    # any width). Counted, not fitted.
+    "large_rows": 4096.0,
+    # Width-h values per token (h whole) the backward layer holds from large_rows rows.
+    "large_rows_width_values": 3.198,
     # The share of one layer's gradient whole at the peak where fsdp (or TSP's gathers)
     # reduce-scatters it: XLA scatters each weight's gradient as soon as it is computed
     # (counted on gpt fsdp/8: the MLP's down and the attention's output projections'
@@ -107,21 +114,21 @@ FIT: dict[str, float] = {
     "gathered_weight_copies": 1.0,
     # Copies of the chunked head's buffers, in units of head_loss_peak_bytes' count (a
     # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
-    "head_copies": 1.034,
+    "head_copies": 1.074,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
     # converts the bf16 values to f32 around every op, and the f32 copies are what the
     # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
     "bf16_activation_bytes": 4.0,
     # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes
     # (bounded at 5 %: free, the fit trades every term for it).
-    "heap_fragmentation": 0.011,
+    "heap_fragmentation": 0.05,
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.833,
+    "rolled_head_overlap": 0.435,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 1.094,
+    "rolled_backward_fraction": 0.522,
     # The same under remat (full, save_dots): the layer's recomputed forward and its
     # gradients, in units of its remat-"none" values (the engine's layer runs outside
     # the scan the dense fractions are fitted on). Held, not fitted: the rolled
@@ -501,6 +508,9 @@ def estimate(
     frac = fit[_BACKWARD[remat]]
     other_values = none_values - _NONE_WIDTH_VALUES * x  # attention's and MLP's
     work = tokens * act * (frac * other_values + fit["backward_width_values"] * x)
+    large = tokens >= fit["large_rows"]
+    if large:  # XLA:CPU materialises what it fuses at fewer rows
+        work += fit["large_rows_width_values"] * tokens * dims.d_model * act
     if remat != "none":
         work += tokens * ring_values * act
     scores = frac * tokens * 2 * dims.n_heads * keys / t * act
@@ -540,7 +550,13 @@ def estimate(
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     notes.append(
         f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
-        f"{fit['backward_width_values']:g} width-h); gradients: "
+        f"{fit['backward_width_values']:g} width-h"
+        + (
+            f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
+            if large
+            else ""
+        )
+        + "); gradients: "
         f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
     )
