@@ -84,9 +84,10 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "estimator": (
         "The pre-compile estimate",
         ("estimator",),
-        "`sk.estimate` against the compiled program on a training grid (where its constants "
-        "are fitted) and a held-out grid of other sizes, sequences, batches and device "
-        "counts: the share of totals within ±10 % and the worst, per recipe family.",
+        "`sk.estimate` against the compiled program on training grids (where its constants "
+        "are fitted; one at 2,048 tokens a device and more) and held-out grids of other "
+        "sizes, sequences and device counts (one past 4,096 tokens a device): the share "
+        "of totals within ±10 % and the worst, per recipe family.",
     ),
     "overhead": (
         "Overhead",

@@ -66,13 +66,15 @@ from shardkit.step import PIPELINE_DEFAULTS
 __all__ = ["FIT", "Estimate", "against", "estimate", "estimate_or_refusal", "saved_values"]
 
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
-#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits eight of them (its
-#: ``FITTED``, within bounds) on its training grid, minimising the mean absolute log
-#: error of the totals: the three backward fractions, backward_width_values,
-#: tensor_width_values, gathered_weight_copies, head_copies, heap_fragmentation; and
-#: two of the rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training
+#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits nine of them (its
+#: ``FITTED``, within bounds) on its two training grids (up to 1,024 and from 2,048
+#: tokens a device), minimising the mean absolute log error of the totals: the three
+#: backward fractions, backward_width_values, tensor_width_values,
+#: large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation;
+#: and two of the rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training
 #: grid alone, the others held: rolled_head_overlap, rolled_backward_fraction. The
-#: other three are counted from XLA's buffers, and rolled_remat_fraction is held.
+#: other four are counted from XLA's buffers (large_rows from where it stops fusing),
+#: and rolled_remat_fraction is held.
 FIT: dict[str, float] = {
     # Copies of the layer stack's stored gradient shard live at the layers' peak, per
     # scan buffer holding it (the backward's accumulator; without remat also the
