@@ -510,9 +510,10 @@ def estimate(
     frac = fit[_BACKWARD[remat]]
     other_values = none_values - _NONE_WIDTH_VALUES * x  # attention's and MLP's
     work = tokens * act * (frac * other_values + fit["backward_width_values"] * x)
-    large = tokens >= fit["large_rows"]
-    if large:  # XLA:CPU materialises what it fuses at fewer rows
+    large = ""
+    if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
         work += fit["large_rows_width_values"] * tokens * dims.d_model * act
+        large = f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
     if remat != "none":
         work += tokens * ring_values * act
     scores = frac * tokens * 2 * dims.n_heads * keys / t * act
@@ -552,13 +553,7 @@ def estimate(
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     notes.append(
         f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
-        f"{fit['backward_width_values']:g} width-h"
-        + (
-            f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
-            if large
-            else ""
-        )
-        + "); gradients: "
+        f"{fit['backward_width_values']:g} width-h{large}); gradients: "
         f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
     )
