@@ -422,7 +422,17 @@ class _Graph:
     users: dict[str, list[str]]
     params: dict[tuple[str, int], str]  # (computation, parameter number) -> name
     fusion_calls: dict[str, str]  # fusion instruction -> its fused computation
-    roots: set[str]
+    roots: dict[str, str]  # a computation's ROOT instruction -> the computation
+    _callers: dict[str, list[str]] | None = None  # fused computation -> its fusions
+
+    def fused_by(self, root: str) -> list[str]:
+        """The fusions whose computation ``root`` is the ROOT of (none: another kind of
+        computation, whose result leaves it)."""
+        if self._callers is None:
+            self._callers = defaultdict(list)
+            for fusion, comp in self.fusion_calls.items():
+                self._callers[comp].append(fusion)
+        return self._callers.get(self.roots.get(root, ""), [])
 
     def uses(self, name: str) -> list[tuple[str, str, list[str], str]]:
         """(user, opcode, operand names, attributes) of every distinct user of ``name``."""
@@ -434,12 +444,20 @@ class _Graph:
         return out
 
     def only_sliced(self, name: str | None, elements: int, n: int) -> bool:
-        """Whether every use of ``name`` is a dynamic-slice of 1/n of its ``elements``."""
-        if name is None or name in self.roots:
+        """Whether every use of ``name`` is a dynamic-slice of 1/n of its ``elements``.
+
+        Element-wise moves and casts (``bitcast``, ``copy``, ``convert``) pass the values
+        on; so does a fusion whose computation returns them so moved (its users are then
+        followed): XLA:CPU's float normalisation all-reduces bfloat16 partial sums in
+        float32 and converts the result back before the slice."""
+        if name is None:
             return False
+        if name in self.roots:
+            fusions = self.fused_by(name)
+            return bool(fusions) and all(self.only_sliced(f, elements, n) for f in fusions)
         uses = self.uses(name)
         for user, opcode, operands, _ in uses:
-            if opcode in ("bitcast", "copy"):
+            if opcode in ("bitcast", "copy", "convert"):
                 ok = self.only_sliced(user, elements, n)
             elif opcode == "dynamic-slice":
                 ok = operands[:1] == [name] and name not in operands[1:]
@@ -545,7 +563,7 @@ def parse_collectives(
     found: list[tuple[str, ...]] = []  # (comp, kind, opcode, rest, args, attrs, name)
     track = fuse_reduce_scatter and "all-reduce" in hlo_text
     link = track or "all-gather" in hlo_text  # record who uses what
-    graph = _Graph(shapes, defaultdict(list), {}, {}, set())
+    graph = _Graph(shapes, defaultdict(list), {}, {}, {})
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # caller -> callees
     async_parent: dict[str, tuple[str, str, int]] = {}  # wrapped comp -> (caller, op_name, frame)
     comps: list[str] = [""]  # "": instructions outside any computation (a fragment)
@@ -583,7 +601,7 @@ def parse_collectives(
             if opcode == "parameter" and rest[args_at:attrs_at].isdigit():
                 graph.params[comp, int(rest[args_at:attrs_at])] = name
             if "ROOT" in line[: m.start(1)]:
-                graph.roots.add(name)
+                graph.roots[name] = comp
         if "=" not in attrs or opcode.endswith(("-done", "-update")):
             continue
         trip, exact = 1, True

@@ -692,3 +692,70 @@ def test_a_gather_named_after_a_slice_takes_the_name_of_the_layer_using_it(
         "all-gather",
         "jit(step)/transpose(jvp(GPT))/while/body/" + expected,
     )
+
+
+CONVERT_FUSIONS = """
+%wrapped_convert (param_0.3: f32[64,32]) -> bf16[64,32] {
+  %param_0.3 = f32[64,32]{1,0} parameter(0)
+  ROOT %cv.3 = bf16[64,32]{1,0} convert(%param_0.3)
+}
+
+%fused_convert_slice (param_0.4: bf16[64,32], param_1.4: s32[]) -> f32[8,32] {
+  %param_0.4 = bf16[64,32]{1,0} parameter(0)
+  %param_1.4 = s32[] parameter(1)
+  %cv.4 = f32[64,32]{1,0} convert(%param_0.4)
+  %zero = s32[] constant(0)
+  ROOT %ds.4 = f32[8,32]{1,0} dynamic-slice(%cv.4, %param_1.4, %zero), dynamic_slice_sizes={8,32}
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("uses", "kind"),
+    [
+        (
+            "ROOT %s = f32[8,32]{1,0} fusion(%cv, %i), kind=kLoop, calls=%fused_convert_slice",
+            "reduce-scatter",
+        ),
+        # the converted values also used whole, outside the fusion that converts them
+        (
+            "%s = f32[8,32]{1,0} fusion(%cv, %i), kind=kLoop, calls=%fused_convert_slice\n"
+            "ROOT %n = bf16[64,32]{1,0} negate(%cv)",
+            "all-reduce",
+        ),
+    ],
+)
+def test_reduce_scatter_through_a_convert_fusion_and_back(uses, kind):
+    """XLA:CPU all-reduces a bfloat16 partial sum in float32, converts it back in one
+    fusion and slices it (converted to float32 again) in another: a reduce-scatter in
+    effect, where the converted values are used only sliced."""
+    c = one(
+        module(
+            f"""
+        %p = f32[64,32]{{1,0}} parameter(0)
+        %i = s32[] parameter(1)
+        %ar = f32[64,32]{{1,0}} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
+        %cv = bf16[64,32]{{1,0}} fusion(%ar), kind=kLoop, calls=%wrapped_convert
+        {uses}
+    """,
+            CONVERT_FUSIONS,
+        )
+    )
+    assert (c.kind, c.bytes, c.group_size) == (kind, 64 * 32 * 4, 8)
+
+
+def test_compiled_bf16_fsdp_gradient_is_a_reduce_scatter(mesh8):
+    """Under bfloat16 compute XLA:CPU all-reduces the weight's partial gradients in
+    float32 and converts them back before the slice: still the fsdp reduce-scatter."""
+
+    def loss(w, x):
+        y = x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)
+        return jnp.sum(y.astype(jnp.float32) ** 2)
+
+    shard = NamedSharding(mesh8, P("d"))
+    step = jax.jit(jax.grad(loss), in_shardings=(shard, shard), out_shardings=shard)
+    text = step.lower(jnp.zeros((64, 32)), jnp.zeros((16, 64))).compile().as_text()
+    assert "reduce-scatter(" not in text and "convert" in text
+    by_kind = {c.kind: c for c in parse_collectives(text)}
+    assert sorted(by_kind) == ["all-gather", "reduce-scatter"]
+    assert by_kind["reduce-scatter"].group_size == 8
