@@ -566,6 +566,7 @@ def parse_collectives(
     graph = _Graph(shapes, defaultdict(list), {}, {}, {})
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # caller -> callees
     async_parent: dict[str, tuple[str, str, int]] = {}  # wrapped comp -> (caller, op_name, frame)
+    conditionals: list[list[str]] = []  # each conditional's branch computations
     comps: list[str] = [""]  # "": instructions outside any computation (a fragment)
     comp = ""
     for line in hlo_text.splitlines():
@@ -608,14 +609,19 @@ def parse_collectives(
         if opcode == "while":
             t = _TRIP.search(attrs)
             trip, exact = (int(t.group(1)), True) if t else (1, False)
+        branches: list[str] = []
         for key, val in _CALLS.findall(attrs):
             for callee in _NAME.findall(val):
+                if opcode == "conditional" and key != "to_apply":
+                    branches.append(callee)
                 if opcode == "fusion" and key == "calls":
                     graph.fusion_calls[name] = callee
                 loop = key in ("body", "condition")
                 edges[comp].append((callee, trip if loop else 1, exact or not loop))
                 if opcode == "async-start":
                     async_parent[callee] = (comp, *metadata_of(attrs))
+        if len(branches) > 1:
+            conditionals.append(branches)
 
     # Executions per step of each computation: sum over call sites, in topological order.
     indeg: dict[str, int] = defaultdict(int)
@@ -637,7 +643,8 @@ def parse_collectives(
                 stack.append(callee)
 
     stacks = stacks or {}
-    out = []
+    out: list[Collective] = []
+    raw: list[str] = []  # each collective's computation (out's may be an async parent)
     for comp, kind, opcode, rest, args, attrs, instr in found:
         shape = _parse_shape(_COMMENT.sub("", rest))[0]
         n = _group_size(attrs, kind, default_n)
@@ -683,6 +690,7 @@ def parse_collectives(
         for part_kind, arrays, lowered in parts:
             nbytes = _nbytes(arrays)
             wire = _wire(part_kind, nbytes, n) * count
+            raw.append(comp)
             out.append(
                 Collective(
                     kind=part_kind,
@@ -704,7 +712,43 @@ def parse_collectives(
                     group=first_group(attrs, kind),
                 )
             )
-    return out
+    return _costliest_branches(out, raw, conditionals, edges)
+
+
+def _costliest_branches(
+    out: list[Collective], raw: list[str], conditionals: list[list[str]], edges: dict
+) -> list[Collective]:
+    """A conditional runs one of its branches: the collectives of the others (and of
+    what only they call) are counted 0 times, those of the branch that moves the most
+    wire bytes as they are (the FLOPs count a conditional's costliest branch alike). The
+    rolled pipeline engine's zbv picks each tick's send direction by the tick's parity:
+    one of two permutes runs."""
+
+    def reach(comp: str) -> set[str]:
+        seen, todo = {comp}, [comp]
+        while todo:
+            for callee, _, _ in edges.get(todo.pop(), ()):
+                if callee not in seen:
+                    seen.add(callee)
+                    todo.append(callee)
+        return seen
+
+    idle: set[str] = set()
+    for branches in conditionals:
+        reached = [reach(b) for b in branches]
+        wire = [sum(c.wire_bytes for c, r in zip(out, raw) if r in s) for s in reached]
+        if not any(wire):
+            continue
+        keep = reached[wire.index(max(wire))]
+        for s in reached:
+            if s is not keep:
+                idle |= s - keep
+    if not idle:
+        return out
+    return [
+        dataclasses.replace(c, count=0, wire_bytes=0.0) if r in idle else c
+        for c, r in zip(out, raw)
+    ]
 
 
 def _by_kind(collectives: list[Collective], value) -> dict:

@@ -759,3 +759,31 @@ def test_compiled_bf16_fsdp_gradient_is_a_reduce_scatter(mesh8):
     by_kind = {c.kind: c for c in parse_collectives(text)}
     assert sorted(by_kind) == ["all-gather", "reduce-scatter"]
     assert by_kind["reduce-scatter"].group_size == 8
+
+
+def _branch(name: str, elements: int) -> str:
+    return f"""
+%{name} (p.{name}: f32[{elements}]) -> f32[{elements}] {{
+  %p.{name} = f32[{elements}]{{0}} parameter(0)
+  ROOT %cp.{name} = f32[{elements}]{{0}} collective-permute(%p.{name}), channel_id=1, source_target_pairs={{{{0,1}},{{1,0}}}}
+}}
+"""
+
+
+@pytest.mark.parametrize(("down", "up"), [(1024, 1024), (1024, 256)])
+def test_a_conditional_counts_its_costliest_branch(down, up):
+    # zbv's rolled engine picks a tick's send direction with lax.cond: one permute runs.
+    text = module(
+        f"""
+        %x = f32[{max(down, up)}]{{0}} parameter(0)
+        %i = s32[] parameter(1)
+        %d = f32[{down}]{{0}} slice(%x), slice={{[0:{down}]}}
+        %u = f32[{up}]{{0}} slice(%x), slice={{[0:{up}]}}
+        ROOT %c = f32[{down}]{{0}} conditional(%i, %d, %u), branch_computations={{%down, %up}}
+        """,
+        _branch("down", down),
+        _branch("up", up),
+    )
+    cs = parse_collectives(text)
+    assert sorted((c.bytes, c.count) for c in cs) == sorted([(down * 4, 1), (up * 4, 0)])
+    assert wire_bytes_by_kind(cs) == {"collective-permute": down * 4}
