@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:
+def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> list[str]:
     """Add the wire of a head that computes in the vocabulary layout over a data or fsdp
     axis (:meth:`Recipe.step_activation_rules`; a tensor axis's is in :func:`~shardkit.report.formulas.hybrid_wire`'s
     TP+SP collectives of the head) to ``wire`` and ``terms``, and return its notes.
@@ -71,7 +71,9 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:
     statistics; in exchange the head's weight (``vocab × d_model``) computes on its
     shard: one all-gather and one reduction of it fewer. Measured against the
     ``tokens`` layout on gpt-small and llama-small over fsdp 8: −118.4 / −71.5 MiB of
-    all-gathers and of reduce-scatters each, the formula −118.4 / −71.5.
+    all-gathers and of reduce-scatters each, the formula −118.4 / −71.5. With
+    ``vocab_tables=1`` (``xla_counts``' reading of a tied table) nothing is taken off:
+    the token lookup still gathers and reduces the table.
     """
     tokens = w.batch * w.seq
     spec = recipe.step_activation_rules(mesh, tokens=tokens, vocab=w.vocab).spec(
@@ -90,6 +92,8 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:
     frac = (g - 1) / g
     hidden, stats = t_g * w.d_model * act * frac, 3 * 2 * t_g * 4 * frac
     weight = w.vocab * w.d_model * nb / recipe.parallelism(mesh).tensor * frac
+    if vocab_tables == 1:  # tied: the token lookup still gathers and reduces the table
+        weight = 0.0
     for kind, term, x in (
         ("all-gather", "logits / loss collectives", hidden),
         ("reduce-scatter", "activation collectives", hidden),  # the head's line
@@ -105,6 +109,81 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms) -> list[str]:
         "f32 all-reduces of T_g; the head's weight is neither gathered nor reduced, "
         "−2·V·h·B·(g−1)/g"
     ]
+
+
+def _head_splits_vocab(recipe, mesh, w, role: str) -> bool:
+    """Whether the step's head computes on vocabulary shards over an axis of ``role``
+    (:meth:`Recipe.step_activation_rules`: ``logits="auto"`` leaves the vocabulary split
+    while the tokens it gathers, T_g, are at most the vocabulary)."""
+    spec = recipe.step_activation_rules(mesh, tokens=w.batch * w.seq, vocab=w.vocab).spec(
+        ("batch", "length", "vocab")
+    )
+    axes = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
+    return any(a is not None and recipe.axis_role(a) == role for a in axes)
+
+
+def _tied_table_wire(w, nbytes, group, wire, terms) -> list[str]:
+    """Add the second reduction of a tied table's gradient under a head in the tokens
+    layout, where ``group`` devices (fsdp, or a context axis that splits the state) split
+    the table: the token lookup's scatter-add and the head's matmul each leave a partial
+    sum of it, and XLA reduce-scatters the two apart (counted in gpt's compiled fsdp and
+    cp steps: two reduce-scatters of vocab × d_model; not where data replicas share the
+    reduction: dp_fsdp adds the two first). ``nbytes``: bytes per value of the table
+    (÷ a tensor axis that splits it)."""
+    if group <= 1:
+        return []
+    x = w.vocab * w.d_model * nbytes * (group - 1) / group
+    wire["reduce-scatter"] = wire.get("reduce-scatter", 0.0) + x
+    terms["gradient reductions"] = terms.get("gradient reductions", 0.0) + x
+    return [
+        f"reduce-scatter over {group}: the tied table's head gradient apart from its "
+        f"lookup's, V·h·B·(g−1)/g = {x:,.0f} B"
+    ]
+
+
+def _replicated_tables_wire(
+    par, w, nbytes, vocab_tables, rest, wire, terms, split_head=True
+) -> list[str]:
+    """Move the reductions that data replicas all-reduce whole (counted in XLA's compiled
+    programs, both grids of the estimator's benchmark): under ZeRO-1 with a tied table,
+    the gradients of every parameter outside the layer stack (``rest``: the table, a
+    position table, the final norm) are all-reduced over the replicas, not
+    reduce-scattered; under data × fsdp an untied token table's (its lookup's
+    scatter-add) is all-reduced over all ``d·f`` devices at once, not reduce-scattered
+    over fsdp and all-reduced over data; under data × tensor it is all-reduced whole over
+    tensor, then over data (``split_head=False``: not reduce-scattered over tensor
+    first, as a head in the tokens' layout has it). ``nbytes``: bytes per value of a
+    ``1/(t·f)`` shard."""
+    d, f, t, n = par.data, par.fsdp, par.tensor, par.data * par.sequence
+    x = w.vocab * w.d_model * nbytes
+    if par.data_kind == "zero1" and vocab_tables == 1 and n > 1:
+        x = rest * nbytes
+        moves = {"reduce-scatter": -x * (n - 1) / n, "all-reduce": 2 * x * (n - 1) / n}
+        note = f"all-reduce over {n}: the gradients outside the stack, 2·Ψ_rest·B·(n−1)/n"
+    elif par.data_kind == "dp" and vocab_tables == 2 and d > 1 and f > 1:
+        g = d * f
+        moves = {
+            "reduce-scatter": -f * x * (f - 1) / f,
+            "all-reduce": 2 * f * x * (g - 1) / g - 2 * x * (d - 1) / d,
+        }
+        note = f"all-reduce over {g}: the token table's gradient, 2·V·h·B·(g−1)/g"
+    elif par.data_kind == "dp" and vocab_tables == 2 and d > 1 and t > 1 and f == par.expert == 1:
+        x = w.vocab * w.d_model * nbytes * t  # the whole table's gradient
+        moves = {
+            "all-reduce": 2 * x * ((t - 1) / t + (d - 1) / d) - 2 * x / t * (d - 1) / d,
+            # the tokens' layout reduce-scattered it over tensor (hybrid_wire)
+            "reduce-scatter": 0.0 if split_head else -x * (t - 1) / t,
+        }
+        note = (
+            f"all-reduce over tensor ({t}), then over data ({d}): the token table's whole "
+            "gradient, 2·V·h·B·((t−1)/t + (d−1)/d)"
+        )
+    else:
+        return []
+    for kind, value in moves.items():
+        wire[kind] = wire.get(kind, 0.0) + value
+        terms["gradient reductions"] = terms.get("gradient reductions", 0.0) + value
+    return [note]
 
 
 def _phase_note(phases: Mapping[str, float]) -> str:
@@ -128,6 +207,7 @@ def analytic_costs(
     stack_param_bytes: float | None = None,
     stack_optimizer_bytes: float | None = None,
     tensor_rest_bytes: float | None = None,
+    xla_counts: bool = False,
 ) -> AnalyticModel:
     """The analytic memory per device and wire bytes per step of any model under a recipe.
 
@@ -160,6 +240,15 @@ def analytic_costs(
         schedule's activations in flight, stage-to-stage and ZeroPP wire).
       tensor_rest_bytes: with ``stage`` and ``tensor`` axes, the bytes of the non-layer
         parameters split over ``tensor`` (default: ``vocab_tables`` vocabulary tables).
+      xla_counts: count the weights' collectives as XLA's compiled programs move them,
+        where they depart from ZeRO's 2Ψ + Ψ (the pre-compile estimate's reading; needs
+        ``stack_param_bytes``): the parameters outside the scanned stack (tables, the
+        final norm) gathered once a step, not twice; under context parallelism the
+        tables gathered whole for the lookup and the head; a tied table's two partial
+        gradients (lookup, head) reduced apart where the head gathers its weight, and
+        its weight still gathered (for the lookup) where the head splits the
+        vocabulary; bfloat16 values gathered in float32 (XLA:CPU's float
+        normalisation: the vocabulary head's hidden states, ZeroPP's cast weights).
 
     Returns:
       An :class:`AnalyticModel`.
@@ -200,6 +289,9 @@ def analytic_costs(
             label=recipe.name,
             tensor_rest_bytes=tensor_rest_bytes,
             vocab_tables=vocab_tables,
+            gather_bytes=bytes_per_value if xla_counts else None,
+            vocab_split_head=not workload.has_dims
+            or _head_splits_vocab(recipe, mesh, workload, "tensor"),
         )
     if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
         return _tsp_costs(
@@ -214,8 +306,12 @@ def analytic_costs(
             layer_params,
             in_params,
             vocab_tables,
+            stack_params=stack_param_bytes / bytes_per_value
+            if xla_counts and stack_param_bytes
+            else None,
         )
     w, nb = workload, bytes_per_value
+    counted = xla_counts and bool(stack_param_bytes)
     act = activation_bytes(w.precision, nb)
     psi = param_bytes / nb if psi is None else psi
     opt_degree = t * f * (d if par.data_kind == "zero1" else 1)
@@ -262,15 +358,29 @@ def analytic_costs(
         par.data_kind,
         par.tensor_kind,
         recompute=remat == "full",
+        kv_recompute=remat in ("full", "save_dots"),
         attention=attention,
         activations=w.has_dims,
         terms=terms,
         in_projections=w.in_projections,
         positions=positions_travel(recipe.balance == "zigzag", attention),
         ulysses=_ulysses_size(recipe, mesh),
+        gathered_once=(param_bytes - stack_param_bytes) / nb if counted else 0.0,
+        vocab_split_head=not w.has_dims or _head_splits_vocab(recipe, mesh, w, "tensor"),
+        tables=vocab_tables,
     )
     if w.has_dims:
-        wire_notes += _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms)
+        tied = 1 if counted and vocab_tables == 1 else 2
+        head = _vocab_head_wire(recipe, mesh, w, nb if counted else act, nb, wire, terms, tied)
+        if not head and tied == 1 and d * c == 1:
+            head = _tied_table_wire(w, nb / t, f, wire, terms)
+        if counted:
+            rest = (param_bytes - stack_param_bytes) / nb
+            split = not w.has_dims or _head_splits_vocab(recipe, mesh, w, "tensor")
+            head += _replicated_tables_wire(
+                par, w, nb / (t * f), vocab_tables, rest, wire, terms, split or t == 1
+            )
+        wire_notes += head
     notes = (
         f"Ψ = {psi:,.0f} parameters, {recipe.name} as {par}, B = {nb} bytes per value",
         f"state: params and grads {param_bytes:,.0f} B/{t * f}, optimizer "
@@ -298,6 +408,7 @@ def _tsp_costs(
     layer_params,
     in_params,
     vocab_tables=2,
+    stack_params=None,
 ) -> AnalyticModel:
     """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``)."""
     fsdp = par.fsdp if par.tsp_kind == "gspmd" else 1  # fsdp_cp: ZeRO-3 over fsdp × sequence
@@ -354,6 +465,7 @@ def _tsp_costs(
         nbytes=nb,
         schedule=par.tsp_kind,
         recompute=remat == "full",
+        kv_recompute=remat in ("full", "save_dots"),
         h_kv=h_kv,
         vocab=w.vocab,
         tables=vocab_tables,
@@ -362,11 +474,15 @@ def _tsp_costs(
         zigzag=recipe.balance != "zigzag",
         fsdp=fsdp,
         ulysses=_ulysses_size(recipe, mesh),
+        stack_params=stack_params,
     )
     if par.tsp_kind == "gspmd":  # cp's head in the vocabulary layout (logits="auto")
-        wire_notes += _vocab_head_wire(
-            recipe, dict(mesh), w, activation_bytes(w.precision, nb), nb, wire, terms
-        )
+        tied = 1 if stack_params is not None and vocab_tables == 1 else 2
+        act = nb if stack_params is not None else activation_bytes(w.precision, nb)
+        head = _vocab_head_wire(recipe, dict(mesh), w, act, nb, wire, terms, tied)
+        if not head and tied == 1 and data == 1 and fsdp == 1:
+            head = _tied_table_wire(w, nb, d * fsdp, wire, terms)
+        wire_notes += head
     notes += [
         f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "
         "(Korthikanti et al. 2022), + logits b·s·V·B; a guide, not a bound",

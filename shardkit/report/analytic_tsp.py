@@ -76,6 +76,8 @@ def tsp_wire_bytes(
     zigzag: bool = True,
     fsdp: int = 1,
     ulysses: int = 1,
+    kv_recompute: bool | None = None,
+    stack_params: float | None = None,
 ) -> tuple[dict[str, float], list[str]]:
     """Ring wire bytes per device per step of a TSP layout, by kind, and notes.
 
@@ -97,6 +99,12 @@ def tsp_wire_bytes(
         weight (``fsdp_cp``: ZeRO-3 over the F·D devices): the weights, the head and the
         lookup run over the F·D group, for its F·b sequences; the K/V traffic over D
         for b (``b`` is then the sequences of one context group).
+      kv_recompute: whether the remat re-runs the K/V traffic (default ``recompute``;
+        ``save_dots`` does too: the rotated blocks are not matmul outputs).
+      stack_params: the scanned layer stack's parameters; given, the ``"gspmd"``
+        schedule gathers the vocabulary tables whole for the lookup and the head, and
+        every parameter outside the stack once a step (as XLA moves them), and under
+        ``fsdp`` all-reduces their gradients over each axis in turn.
       zigzag: the ring reorders q, k, v and the output in every layer (the tokens placed
         in order); ``False`` where the batch is placed balanced, with positions
         (:mod:`shardkit.balance`).
@@ -132,7 +140,8 @@ def tsp_wire_bytes(
             notes.append(f"{kind}: {note} = {value:,.0f} B")
 
     h_kv = h if h_kv is None else h_kv
-    passes = 3 if recompute else 2
+    kv_recompute = recompute if kv_recompute is None else kv_recompute
+    passes = 3 if kv_recompute else 2
     u = ulysses if attention == "usp" else 1
     for kind, value, note in context_kv_bytes(
         attention,
@@ -143,7 +152,7 @@ def tsp_wire_bytes(
         h_kv=h_kv,
         n=d // u,
         nbytes=nbytes,
-        recompute=recompute,
+        recompute=kv_recompute,
         positions=positions_travel(not zigzag, attention),
         ulysses=u,
     ):
@@ -156,9 +165,18 @@ def tsp_wire_bytes(
             + (" (USP: h/U over the ring's D/U)" if u > 1 else ""),
             kv,
         )
-    rest = psi - (tables * vocab * h if vocab else 0)
+    gathered_tables = schedule == "gspmd" and stack_params is not None
+    rest = psi - (tables * vocab * h if vocab and not gathered_tables else 0)
     if vocab:
         add("all-gather", fg * bg * s * 4, "token ids for the lookup, f·b·S·4", act)
+    # A tied table with data replicas is read through one replica view by the lookup
+    # and the head (shardkit.nn.replicas: its gradient reduced once): gathered whole
+    # over the TSP axis, no ring for the lookup or the head.
+    replica_table = schedule == "tsp" and tables == 1 and data > 1
+    if vocab and replica_table:
+        add("all-gather", fg * vocab * h * nbytes, "the tied table gathered, f·V·h·B", weights)
+        add("reduce-scatter", fg * vocab * h * nbytes, "its gradient, f·V·h·B", grads)
+    elif vocab and not gathered_tables:
         lookup = "collective-permute" if schedule == "tsp" else "reduce-scatter"
         add(lookup, fg * bg * s * h * nbytes, "embedding lookup forward, f·b·S·h·B", act)
         lookup = "collective-permute" if schedule == "tsp" else "all-gather"
@@ -180,8 +198,37 @@ def tsp_wire_bytes(
         )
         rest -= layers * layer_params
     rest = max(rest, 0.0)
-    add("all-gather", 2 * fg * rest * nbytes, "FSDP weights forward + backward, 2f·Ψ_r·B", weights)
-    add("reduce-scatter", fg * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
+    if gathered_tables:  # the tables gathered whole for the lookup and the head, once
+        once = psi - stack_params
+        add(
+            "all-gather",
+            fg * (2 * stack_params + once) * nbytes,
+            "FSDP weights: the stack's forward + backward, the tables and the rest once, "
+            "f·(2Ψ_stack + Ψ − Ψ_stack)·B",
+            weights,
+        )
+    else:
+        add(
+            "all-gather",
+            2 * fg * rest * nbytes,
+            "FSDP weights forward + backward, 2f·Ψ_r·B",
+            weights,
+        )
+    if gathered_tables and fsdp > 1:
+        # The state split over two axes (fsdp × context): XLA reduce-scatters the stack's
+        # gradients over both, but all-reduces the rest's whole over each axis in turn (a
+        # tied table's lookup and head partial sums apart), then keeps its shard.
+        rest_grads = psi - stack_params + (vocab * h if tables == 1 else 0)
+        add("reduce-scatter", fg * stack_params * nbytes, "FSDP gradients of the stack", grads)
+        add(
+            "all-reduce",
+            (2 * f + 2 * (fsdp - 1) / fsdp) * rest_grads * nbytes,
+            "the other gradients all-reduced over the context axis, then over fsdp, "
+            "(2(D−1)/D + 2(F−1)/F)·Ψ_rest·B",
+            grads,
+        )
+    else:
+        add("reduce-scatter", fg * rest * nbytes, "FSDP gradients, f·Ψ_r·B", grads)
     if data > 1:
         add(
             "all-reduce",

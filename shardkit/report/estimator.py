@@ -423,6 +423,7 @@ def estimate(
             pipeline=pipeline,
             stack_param_bytes=nb * dims.stack_params,
             stack_optimizer_bytes=2 * nb * dims.stack_params,
+            xla_counts=True,
         )
     except ShardingError as e:
         raise ShardingError(

@@ -379,6 +379,10 @@ def hybrid_wire(
     head_term="logits / loss collectives",
     positions=False,
     ulysses=1,
+    kv_recompute=None,
+    gathered_once=0.0,
+    vocab_split_head=True,
+    tables=2,
 ):
     """(wire bytes by kind, notes) of :func:`wire_bytes_hybrid`.
 
@@ -399,6 +403,15 @@ def hybrid_wire(
     (the loss code gathers it; ``head_term`` names another term where other code
     gathers it); the
     sequence axis's K/V traffic ``context-parallel K/V``.
+
+    ``kv_recompute``: whether the remat re-runs the sequence axis's K/V traffic (default
+    ``recompute``; ``save_dots`` recomputes it too: the rotated blocks are not matmul
+    outputs). ``gathered_once``: the parameters of ``psi`` fsdp gathers once a step, not
+    twice (outside the scanned stack: XLA keeps the forward's gather).
+    ``vocab_split_head=False``: the head computes in the tokens' layout under TP+SP
+    (``logits="auto"`` past ``T_g > vocab``): the ``tables`` vocabulary tables are
+    gathered and reduced over the tensor axis in place of the embedding's and head's
+    b·s·h collectives and the cross-entropy's all-reduces.
     """
     unknown = sorted(set(axis_sizes) - set(_AXES))
     if unknown or any(not isinstance(v, int) or v < 1 for v in axis_sizes.values()):
@@ -425,12 +438,18 @@ def hybrid_wire(
 
     weights, grads = "weight all-gathers", "gradient reductions"
     if f > 1:
+        # The scanned stack's weights are gathered forward and again in the backward
+        # (the loop's body re-gathers them); the parameters outside it (tables, the
+        # final norm), ``gathered_once``, once: XLA keeps the forward's gather.
         add(
             "all-gather",
-            psi / t,
+            (2 * psi - gathered_once) / t,
             f,
-            2,
-            "fsdp weights forward + backward, 2·(Ψ/t)·B·(f−1)/f",
+            1,
+            "fsdp weights forward + backward, 2·(Ψ/t)·B·(f−1)/f"
+            if not gathered_once
+            else f"fsdp weights: the stack's forward + backward, the other {gathered_once:,.0f} "
+            "once, (2Ψ − Ψ_rest)/t·B·(f−1)/f",
             weights,
         )
         add("reduce-scatter", psi / t, f, 1, "fsdp gradients, (Ψ/t)·B·(f−1)/f", grads)
@@ -508,7 +527,14 @@ def hybrid_wire(
                 f"{in_projections} input gradients",
                 act,
             )
-            if vocab is not None:  # vocab-parallel embedding and head, Megatron-SP's pairs
+            if vocab is not None and not vocab_split_head:
+                # the head in the tokens' layout (logits="auto" past T_g > vocab): the
+                # tables gathered whole and their gradients reduced, no b·s·h pairs
+                add("all-gather", tables * vocab * h, t, 1, "the vocabulary tables, V·h", weights)
+                add("reduce-scatter", tables * vocab * h, t, 1, "their gradients, V·h", grads)
+                if head_term != "logits / loss collectives":  # a pipeline stage's own head
+                    add("all-gather", bsh, t, 1, "b·s·h, the head's input forward", head_term)
+            elif vocab is not None:  # vocab-parallel embedding and head, Megatron-SP's pairs
                 add(
                     "reduce-scatter",
                     2 * bsh,
@@ -520,7 +546,7 @@ def hybrid_wire(
                 )
                 add("all-gather", bsh, t, 1, "b·s·h, the embedding output's gradient backward", act)
                 add("all-gather", bsh, t, 1, "b·s·h, the head's input forward", head_term)
-        if vocab is not None:
+        if vocab is not None and (vocab_split_head or tensor_kind == "tp"):
             add(
                 "all-reduce",
                 3 * bsh / h,
@@ -539,7 +565,7 @@ def hybrid_wire(
             h_kv=(h if h_kv is None else h_kv) / t,
             n=c // ulysses if attention == "usp" else c,
             nbytes=nbytes,
-            recompute=recompute,
+            recompute=recompute if kv_recompute is None else kv_recompute,
             positions=positions,
             ulysses=ulysses if attention == "usp" else 1,
         ):

@@ -206,6 +206,8 @@ def pipeline_model(
     label: str = "pipeline",
     tensor_rest_bytes: float | None = None,
     vocab_tables: int = 2,
+    gather_bytes: float | None = None,
+    vocab_split_head: bool = True,
 ) -> Any:
     """The analytic model (:class:`shardkit.report.analytic.AnalyticModel`) of a pipelined
     step: what :func:`shardkit.report.analytic.analytic_costs` returns for a recipe with a
@@ -240,6 +242,12 @@ def pipeline_model(
       tensor_rest_bytes: bytes of the non-layer parameters split over ``tensor`` (default:
         ``vocab_tables`` vocabulary tables, ``vocab·d_model·B`` each).
       vocab_tables: vocabulary tables among the parameters: 1 tied (GPT), 2 untied.
+      gather_bytes: the bytes a ZeroPP unit's gather moves per weight (default: the
+        compute dtype's, 2 under bf16; XLA:CPU's float normalisation gathers the cast
+        weights in f32, 4).
+      vocab_split_head: whether the head computes on vocabulary shards over ``tensor``
+        (else in the tokens' layout: the tables gathered, no b·s·h pairs for the
+        embedding and the head; :meth:`shardkit.recipes.Recipe.step_activation_rules`).
 
     Raises:
       ShardingError: a sequence or TSP axis next to ``stage``, a tensor axis without
@@ -273,8 +281,11 @@ def pipeline_model(
     )
     unit = pipeline.get("unit")
     nb = bytes_per_value
-    # bf16: a unit's weights gathered in the compute dtype, 2 bytes of the stored 4.
-    gather_fraction = value_bytes(getattr(workload, "precision", "f32")) / 4
+    # bf16: a unit's weights gathered in the compute dtype, 2 bytes of the stored 4
+    # (gather_bytes: what a gathered value moves, where the program upcasts it)
+    if gather_bytes is None:
+        gather_bytes = value_bytes(getattr(workload, "precision", "f32"))
+    gather_fraction = gather_bytes / 4
     rest_p, rest_o = param_bytes - stack_param_bytes, optimizer_bytes - stack_optimizer_bytes
     # Per device before fsdp: the stack and the rest's tensor-split part (the vocab-parallel
     # tables) over t; the rest's other part (norms, a position table) whole.
@@ -385,6 +396,8 @@ def pipeline_model(
             microbatches=m,
             bytes_per_value=nb,
             terms=terms,
+            vocab_split_head=vocab_split_head,
+            tables=vocab_tables,
         )
         for kind, x in tp_wire.items():
             wire[kind] = wire.get(kind, 0.0) + x
@@ -406,6 +419,8 @@ def _tensor_wire(
     microbatches: int,
     bytes_per_value: int,
     terms: dict[str, float],
+    vocab_split_head: bool = True,
+    tables: int = 2,
 ) -> tuple[dict[str, float], list[str]]:
     """TP+SP's wire bytes by kind (and by term into ``terms``) of a pipelined step, with the
     formula of the unpipelined ``dp_tp_sp`` (:func:`shardkit.report.formulas.wire_bytes_hybrid`
@@ -435,6 +450,8 @@ def _tensor_wire(
             terms=part,
             in_projections=w.in_projections,
             head_term="activation collectives",
+            vocab_split_head=vocab_split_head,
+            tables=tables,
         )
         for kind, x in wire.items():
             out[kind] = out.get(kind, 0.0) + scale * x
