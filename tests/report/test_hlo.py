@@ -408,6 +408,19 @@ def test_reduce_scatter_through_bitcast_copy_and_direct_dynamic_slice():
     assert (c.kind, c.group_size, c.lowered_as) == ("reduce-scatter", 4, "all-reduce+dynamic-slice")
 
 
+def all_reduce_used_by(uses: str, *computations: str) -> str:
+    """A module whose f32[64,32] all-reduce %ar over 8 devices (index %i) has ``uses``."""
+    return module(
+        """
+        %p = f32[64,32]{1,0} parameter(0)
+        %i = s32[] parameter(1)
+        %ar = f32[64,32]{1,0} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
+        """
+        + uses,
+        *computations,
+    )
+
+
 @pytest.mark.parametrize(
     "uses",
     [
@@ -428,17 +441,7 @@ def test_all_reduce_used_whole_stays_all_reduce(uses):
   ROOT %s.2 = f32[8,32]{1,0} add(%ds.2, %sl)
 }
 """
-    c = one(
-        module(
-            f"""
-        %p = f32[64,32]{{1,0}} parameter(0)
-        %i = s32[] parameter(1)
-        %ar = f32[64,32]{{1,0}} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
-        {uses}
-    """,
-            both,
-        )
-    )
+    c = one(all_reduce_used_by(uses, both))
     assert (c.kind, c.lowered_as) == ("all-reduce", "")
 
 
@@ -729,18 +732,8 @@ def test_reduce_scatter_through_a_convert_fusion_and_back(uses, kind):
     """XLA:CPU all-reduces a bfloat16 partial sum in float32, converts it back in one
     fusion and slices it (converted to float32 again) in another: a reduce-scatter in
     effect, where the converted values are used only sliced."""
-    c = one(
-        module(
-            f"""
-        %p = f32[64,32]{{1,0}} parameter(0)
-        %i = s32[] parameter(1)
-        %ar = f32[64,32]{{1,0}} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
-        %cv = bf16[64,32]{{1,0}} fusion(%ar), kind=kLoop, calls=%wrapped_convert
-        {uses}
-    """,
-            CONVERT_FUSIONS,
-        )
-    )
+    convert = "%cv = bf16[64,32]{1,0} fusion(%ar), kind=kLoop, calls=%wrapped_convert\n"
+    c = one(all_reduce_used_by(convert + uses, CONVERT_FUSIONS))
     assert (c.kind, c.bytes, c.group_size) == (kind, 64 * 32 * 4, 8)
 
 
