@@ -234,6 +234,7 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             workload=workload,
             param_bytes=subject.param_bytes,
             optimizer_bytes=subject.optimizer_bytes,
+            **({"vocab_tables": dims.vocab_tables} if dims is not None else {}),
             **extra,
         )
         experts = None

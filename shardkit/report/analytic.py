@@ -103,11 +103,15 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> l
     ):
         wire[kind] = wire.get(kind, 0.0) + x
         terms[term] = terms.get(term, 0.0) + x
+    weight_note = (
+        "the head's weight is neither gathered nor reduced, −2·V·h·B·(g−1)/g"
+        if weight
+        else "the tied table still gathered and reduced for the lookup"
+    )
     return [
         f"vocab-split head over {'×'.join(gather)} ({g}): hidden states of T_g = {t_g:,.0f} "
         f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g, + 3 "
-        "f32 all-reduces of T_g; the head's weight is neither gathered nor reduced, "
-        "−2·V·h·B·(g−1)/g"
+        f"f32 all-reduces of T_g; {weight_note}"
     ]
 
 
@@ -166,7 +170,7 @@ def _replicated_tables_wire(
             "reduce-scatter": -f * x * (f - 1) / f,
             "all-reduce": 2 * f * x * (g - 1) / g - 2 * x * (d - 1) / d,
         }
-        note = f"all-reduce over {g}: the token table's gradient, 2·V·h·B·(g−1)/g"
+        note = f"all-reduce over {g}: the token table's gradient, 2·V·h·B/t·(g−1)/g"
     elif par.data_kind == "dp" and vocab_tables == 2 and d > 1 and t > 1 and f == par.expert == 1:
         x = w.vocab * w.d_model * nbytes * t  # the whole table's gradient
         moves = {
@@ -218,7 +222,12 @@ def analytic_costs(
     :func:`wire_bytes_hybrid` (a layer's column-parallel projections for the tensor
     axis's collectives: ``workload.in_projections``). Activations (Megatron, Korthikanti et al. 2022, plus the
     logits) and the tensor/sequence activation traffic need the workload's dimensions;
-    without them they are left out, and a note says so.
+    without them they are left out, and a note says so. The remat's recomputed forward
+    re-runs the context axis's K/V traffic under ``full`` and ``save_dots`` (the
+    blocks it moves are not matmul outputs), the tensor axis's under ``full`` only. A
+    head in the tokens' layout (:meth:`Recipe.step_activation_rules`, ``logits="auto"``
+    past ``T_g > vocab``) under TP+SP gathers the vocabulary tables over the tensor
+    axis in place of the embedding's and the head's b·s·h collectives.
 
     Args:
       recipe: a ``Recipe`` or a registered recipe's name.
@@ -231,7 +240,8 @@ def analytic_costs(
       layer_params, in_params: a layer's ringed weights and their input-side part, for a
         TSP axis (default: estimated as (Ψ − vocab·d_model)/layers and half of it;
         :mod:`shardkit.report.analytic_tsp`).
-      vocab_tables: vocabulary tables in Ψ under a TSP axis: 1 tied (GPT), 2 untied.
+      vocab_tables: vocabulary tables in Ψ: 1 tied (GPT), 2 untied; what a TSP axis
+        rings or gathers, and what TP+SP's head gathers in the tokens' layout.
       pipeline, stack_param_bytes, stack_optimizer_bytes: for a recipe with a ``stage``
         axis (required there): the pipeline's options (``{"microbatches": m, "schedule":
         ..., "virtual_stages": v, "unit": U}``) and the layer stack's share of the
@@ -247,8 +257,14 @@ def analytic_costs(
         tables gathered whole for the lookup and the head; a tied table's two partial
         gradients (lookup, head) reduced apart where the head gathers its weight, and
         its weight still gathered (for the lookup) where the head splits the
-        vocabulary; bfloat16 values gathered in float32 (XLA:CPU's float
-        normalisation: the vocabulary head's hidden states, ZeroPP's cast weights).
+        vocabulary; the reductions that replicas all-reduce whole (ZeRO-1 with a tied
+        table: every gradient outside the stack; an untied token table under data ×
+        fsdp, over all their devices at once, and under data × tensor, over each
+        axis in turn; under fsdp × a context axis every gradient outside the stack,
+        over each axis in turn); bfloat16 values gathered in float32 (XLA:CPU's float
+        normalisation: the vocabulary head's hidden states, ZeroPP's cast weights; a
+        pipeline's only departure). Without ``stack_param_bytes`` the dense and TSP
+        layouts keep the formulas.
 
     Returns:
       An :class:`AnalyticModel`.
@@ -313,6 +329,8 @@ def analytic_costs(
     w, nb = workload, bytes_per_value
     counted = xla_counts and bool(stack_param_bytes)
     act = activation_bytes(w.precision, nb)
+    # TP+SP's head on vocabulary shards (else in the tokens' layout)
+    split_head = not w.has_dims or t == 1 or _head_splits_vocab(recipe, mesh, w, "tensor")
     psi = param_bytes / nb if psi is None else psi
     opt_degree = t * f * (d if par.data_kind == "zero1" else 1)
     remat = w.remat or "none"
@@ -366,7 +384,7 @@ def analytic_costs(
         positions=positions_travel(recipe.balance == "zigzag", attention),
         ulysses=_ulysses_size(recipe, mesh),
         gathered_once=(param_bytes - stack_param_bytes) / nb if counted else 0.0,
-        vocab_split_head=not w.has_dims or _head_splits_vocab(recipe, mesh, w, "tensor"),
+        vocab_split_head=split_head,
         tables=vocab_tables,
     )
     if w.has_dims:
@@ -376,9 +394,8 @@ def analytic_costs(
             head = _tied_table_wire(w, nb / t, f, wire, terms)
         if counted:
             rest = (param_bytes - stack_param_bytes) / nb
-            split = not w.has_dims or _head_splits_vocab(recipe, mesh, w, "tensor")
             head += _replicated_tables_wire(
-                par, w, nb / (t * f), vocab_tables, rest, wire, terms, split or t == 1
+                par, w, nb / (t * f), vocab_tables, rest, wire, terms, split_head
             )
         wire_notes += head
     notes = (
@@ -481,7 +498,7 @@ def _tsp_costs(
         act = nb if stack_params is not None else activation_bytes(w.precision, nb)
         head = _vocab_head_wire(recipe, dict(mesh), w, act, nb, wire, terms, tied)
         if not head and tied == 1 and data == 1 and fsdp == 1:
-            head = _tied_table_wire(w, nb, d * fsdp, wire, terms)
+            head = _tied_table_wire(w, nb, d, wire, terms)
         wire_notes += head
     notes += [
         f"activations: {w.layers} layers × Megatron '{mode}' at b={b:g}, s={s:g} "

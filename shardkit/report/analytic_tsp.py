@@ -262,7 +262,8 @@ def context_kv_bytes(
 ) -> list[tuple[str, float, str]]:
     """The context axis's attention traffic per device and step, ``(kind, bytes, note)``.
 
-    f = (N − 1)/N, passes P = 2 (forward, backward) or 3 under full remat, per layer:
+    f = (N − 1)/N, passes P = 2 (forward, backward) or 3 with ``recompute`` (the callers
+    pass it under remat ``full`` and ``save_dots``), per layer:
 
     - ``ring``: K and V blocks around the ring, P·f·2·b·S·h_kv·B (dK/dV travel back in
       the backward); with ``positions`` (packed rows, masked at run time) the blocks'

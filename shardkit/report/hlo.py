@@ -23,8 +23,10 @@ pipelines run XLA's ReduceScatterCreator, which rewrites exactly that pair into 
 does not, so the emulated-device programs this project measures still contain the pair.
 :func:`parse_collectives` therefore reports, per all-reduce element (tuple all-reduces
 are split by element), an element whose every use -- through ``get-tuple-element`` (or
-the ``%x#k`` operand that jax 0.12's dumps print instead), ``bitcast`` and ``copy``,
-directly or inside the computation of a fusion -- is a ``dynamic-slice`` keeping 1/N of it, as the ``reduce-scatter`` it is in effect, with
+the ``%x#k`` operand that jax 0.12's dumps print instead), ``bitcast``, ``copy`` and
+``convert``, directly or inside the computation of a fusion (and on through the fusion's
+users where its computation returns the values so moved) -- is a ``dynamic-slice``
+keeping 1/N of it, as the ``reduce-scatter`` it is in effect, with
 ``lowered_as="all-reduce+dynamic-slice"`` recording what the CPU program really contains
 (``lowered_as`` is empty for collectives reported as emitted). ``fuse_reduce_scatter=False``
 reports every op as emitted.
@@ -423,16 +425,6 @@ class _Graph:
     params: dict[tuple[str, int], str]  # (computation, parameter number) -> name
     fusion_calls: dict[str, str]  # fusion instruction -> its fused computation
     roots: dict[str, str]  # a computation's ROOT instruction -> the computation
-    _callers: dict[str, list[str]] | None = None  # fused computation -> its fusions
-
-    def fused_by(self, root: str) -> list[str]:
-        """The fusions whose computation ``root`` is the ROOT of (none: another kind of
-        computation, whose result leaves it)."""
-        if self._callers is None:
-            self._callers = defaultdict(list)
-            for fusion, comp in self.fusion_calls.items():
-                self._callers[comp].append(fusion)
-        return self._callers.get(self.roots.get(root, ""), [])
 
     def uses(self, name: str) -> list[tuple[str, str, list[str], str]]:
         """(user, opcode, operand names, attributes) of every distinct user of ``name``."""
@@ -443,29 +435,30 @@ class _Graph:
             out.append((u, opcode, _REF.findall(rest, a, b), rest[b + 1 :]))
         return out
 
-    def only_sliced(self, name: str | None, elements: int, n: int) -> bool:
+    def only_sliced(self, name: str | None, elements: int, n: int, via: str | None = None) -> bool:
         """Whether every use of ``name`` is a dynamic-slice of 1/n of its ``elements``.
 
         Element-wise moves and casts (``bitcast``, ``copy``, ``convert``) pass the values
-        on; so does a fusion whose computation returns them so moved (its users are then
-        followed): XLA:CPU's float normalisation all-reduces bfloat16 partial sums in
-        float32 and converts the result back before the slice."""
+        on; so does a fusion whose computation returns them so moved (``via``: the fusion
+        the walk entered its computation by, whose users are then followed): XLA:CPU's
+        float normalisation all-reduces bfloat16 partial sums in float32 and converts
+        the result back before the slice."""
         if name is None:
             return False
         if name in self.roots:
-            fusions = self.fused_by(name)
-            return bool(fusions) and all(self.only_sliced(f, elements, n) for f in fusions)
+            entered = via is not None and self.fusion_calls.get(via) == self.roots[name]
+            return entered and self.only_sliced(via, elements, n)
         uses = self.uses(name)
         for user, opcode, operands, _ in uses:
             if opcode in ("bitcast", "copy", "convert"):
-                ok = self.only_sliced(user, elements, n)
+                ok = self.only_sliced(user, elements, n, via)
             elif opcode == "dynamic-slice":
                 ok = operands[:1] == [name] and name not in operands[1:]
                 ok = ok and _nelems(self.text[user]) * n == elements
             elif opcode == "fusion" and user in self.fusion_calls:
                 comp = self.fusion_calls[user]
                 ok = all(
-                    self.only_sliced(self.params.get((comp, i)), elements, n)
+                    self.only_sliced(self.params.get((comp, i)), elements, n, user)
                     for i, o in enumerate(operands)
                     if o == name
                 )
@@ -538,7 +531,9 @@ def parse_collectives(
     With ``fuse_reduce_scatter`` (the default), all-reduce elements that are only used
     through dynamic-slices of 1/N of them are reported as ``reduce-scatter`` with
     ``lowered_as="all-reduce+dynamic-slice"`` (see the module docstring); the other
-    elements of the same op stay one ``all-reduce``.
+    elements of the same op stay one ``all-reduce``. A ``conditional`` runs one branch:
+    the collectives of its costliest one (by wire bytes) are counted, the others' come
+    with ``count=0`` unless something else calls them.
 
     Example:
       >>> hlo = '''
@@ -566,7 +561,8 @@ def parse_collectives(
     graph = _Graph(shapes, defaultdict(list), {}, {}, {})
     edges: dict[str, list[tuple[str, int, bool]]] = defaultdict(list)  # caller -> callees
     async_parent: dict[str, tuple[str, str, int]] = {}  # wrapped comp -> (caller, op_name, frame)
-    conditionals: list[list[str]] = []  # each conditional's branch computations
+    # each conditional's computation and its branches (callee, index in edges[comp])
+    conditionals: list[tuple[str, list[tuple[str, int]]]] = []
     comps: list[str] = [""]  # "": instructions outside any computation (a fragment)
     comp = ""
     for line in hlo_text.splitlines():
@@ -609,11 +605,11 @@ def parse_collectives(
         if opcode == "while":
             t = _TRIP.search(attrs)
             trip, exact = (int(t.group(1)), True) if t else (1, False)
-        branches: list[str] = []
+        branches: list[tuple[str, int]] = []
         for key, val in _CALLS.findall(attrs):
             for callee in _NAME.findall(val):
                 if opcode == "conditional" and key != "to_apply":
-                    branches.append(callee)
+                    branches.append((callee, len(edges[comp])))
                 if opcode == "fusion" and key == "calls":
                     graph.fusion_calls[name] = callee
                 loop = key in ("body", "condition")
@@ -621,30 +617,10 @@ def parse_collectives(
                 if opcode == "async-start":
                     async_parent[callee] = (comp, *metadata_of(attrs))
         if len(branches) > 1:
-            conditionals.append(branches)
-
-    # Executions per step of each computation: sum over call sites, in topological order.
-    indeg: dict[str, int] = defaultdict(int)
-    for outs in edges.values():
-        for callee, _, _ in outs:
-            indeg[callee] += 1
-    mult: dict[str, int] = defaultdict(int)
-    known: dict[str, bool] = defaultdict(lambda: True)
-    stack = [c for c in comps if indeg[c] == 0]
-    for c in stack:
-        mult[c] = 1
-    while stack:
-        c = stack.pop()
-        for callee, factor, exact in edges.get(c, ()):
-            mult[callee] += mult[c] * factor
-            known[callee] = known[callee] and known[c] and exact
-            indeg[callee] -= 1
-            if indeg[callee] == 0:
-                stack.append(callee)
+            conditionals.append((comp, branches))
 
     stacks = stacks or {}
-    out: list[Collective] = []
-    raw: list[str] = []  # each collective's computation (out's may be an async parent)
+    records: list[tuple[str, float, dict]] = []  # (computation, wire per run, fields)
     for comp, kind, opcode, rest, args, attrs, instr in found:
         shape = _parse_shape(_COMMENT.sub("", rest))[0]
         n = _group_size(attrs, kind, default_n)
@@ -675,7 +651,7 @@ def parse_collectives(
         name, frame = metadata_of(attrs)
         if kind == "all-gather":
             name, frame = named_after_use(name, frame, instr, graph.uses_named)
-        shown, count = comp, mult[comp]
+        shown = comp
         if comp in async_parent:
             shown, parent_name, parent_frame = async_parent[comp]
             name, frame = name or parent_name, frame or parent_frame
@@ -689,66 +665,93 @@ def parse_collectives(
                 parts = [("reduce-scatter", rs, LOWERED_RS)] + ([(kind, ar, "")] if ar else [])
         for part_kind, arrays, lowered in parts:
             nbytes = _nbytes(arrays)
-            wire = _wire(part_kind, nbytes, n) * count
-            raw.append(comp)
-            out.append(
-                Collective(
-                    kind=part_kind,
-                    bytes=nbytes,
-                    group_size=n,
-                    wire_bytes=wire,
-                    count=count,
-                    op_name=name,
-                    computation=shown,
-                    dtype=_dtypes(arrays),
-                    shapes=tuple(a[1] for a in arrays),
-                    count_exact=known[comp],
-                    lowered_as=lowered,
-                    module_path=module_path_of(name),
-                    pass_=pass_of(name),
-                    source=origin.where if origin else "",
-                    function=origin.function if origin else "",
-                    block=block_of(name),
-                    group=first_group(attrs, kind),
-                )
+            fields = dict(
+                kind=part_kind,
+                bytes=nbytes,
+                group_size=n,
+                op_name=name,
+                computation=shown,
+                dtype=_dtypes(arrays),
+                shapes=tuple(a[1] for a in arrays),
+                lowered_as=lowered,
+                module_path=module_path_of(name),
+                pass_=pass_of(name),
+                source=origin.where if origin else "",
+                function=origin.function if origin else "",
+                block=block_of(name),
+                group=first_group(attrs, kind),
             )
-    return _costliest_branches(out, raw, conditionals, edges)
+            records.append((comp, _wire(part_kind, nbytes, n), fields))
 
+    _drop_cheaper_branches(records, conditionals, edges)
+    # Executions per step of each computation: sum over call sites, in topological order.
+    indeg: dict[str, int] = defaultdict(int)
+    for outs in edges.values():
+        for callee, _, _ in outs:
+            indeg[callee] += 1
+    mult: dict[str, int] = defaultdict(int)
+    known: dict[str, bool] = defaultdict(lambda: True)
+    stack = [c for c in comps if indeg[c] == 0]
+    for c in stack:
+        mult[c] = 1
+    while stack:
+        c = stack.pop()
+        for callee, factor, exact in edges.get(c, ()):
+            mult[callee] += mult[c] * factor
+            known[callee] = known[callee] and known[c] and exact
+            indeg[callee] -= 1
+            if indeg[callee] == 0:
+                stack.append(callee)
 
-def _costliest_branches(
-    out: list[Collective], raw: list[str], conditionals: list[list[str]], edges: dict
-) -> list[Collective]:
-    """A conditional runs one of its branches: the collectives of the others (and of
-    what only they call) are counted 0 times, those of the branch that moves the most
-    wire bytes as they are (the FLOPs count a conditional's costliest branch alike). The
-    rolled pipeline engine's zbv picks each tick's send direction by the tick's parity:
-    one of two permutes runs."""
-
-    def reach(comp: str) -> set[str]:
-        seen, todo = {comp}, [comp]
-        while todo:
-            for callee, _, _ in edges.get(todo.pop(), ()):
-                if callee not in seen:
-                    seen.add(callee)
-                    todo.append(callee)
-        return seen
-
-    idle: set[str] = set()
-    for branches in conditionals:
-        reached = [reach(b) for b in branches]
-        wire = [sum(c.wire_bytes for c, r in zip(out, raw) if r in s) for s in reached]
-        if not any(wire):
-            continue
-        keep = reached[wire.index(max(wire))]
-        for s in reached:
-            if s is not keep:
-                idle |= s - keep
-    if not idle:
-        return out
     return [
-        dataclasses.replace(c, count=0, wire_bytes=0.0) if r in idle else c
-        for c, r in zip(out, raw)
+        Collective(
+            **fields, wire_bytes=wire * mult[comp], count=mult[comp], count_exact=known[comp]
+        )
+        for comp, wire, fields in records
     ]
+
+
+def _drop_cheaper_branches(
+    records: list[tuple[str, float, dict]],
+    conditionals: list[tuple[str, list[tuple[str, int]]]],
+    edges: dict[str, list[tuple[str, int, bool]]],
+) -> None:
+    """A conditional runs one of its branches: give the call edges of all but the branch
+    that moves the most wire bytes a factor of 0 (the FLOPs count a conditional's
+    costliest branch alike), so that their collectives run 0 times from there; a
+    computation also called from elsewhere keeps those calls' counts. A branch's bytes
+    are its own collectives' and its callees' (loops by their trip counts, a nested
+    conditional by its costliest branch). The rolled pipeline engine's zbv picks each
+    tick's send direction by the tick's parity: one of two permutes runs."""
+    if not conditionals:
+        return
+    local: dict[str, float] = defaultdict(float)
+    for comp, wire, _ in records:
+        local[comp] += wire
+    branch_edges = {(comp, i) for comp, branches in conditionals for _, i in branches}
+    by_comp = defaultdict(list)
+    for comp, branches in conditionals:
+        by_comp[comp].append(branches)
+    cost: dict[str, float] = {}
+
+    def total(comp: str) -> float:  # bytes of one run of comp (the call graph is a DAG)
+        if comp not in cost:
+            cost[comp] = 0.0  # a guard: a cycle counts once
+            x = local[comp] + sum(
+                factor * total(callee)
+                for i, (callee, factor, _) in enumerate(edges.get(comp, ()))
+                if (comp, i) not in branch_edges
+            )
+            x += sum(max(total(b) for b, _ in branches) for branches in by_comp[comp])
+            cost[comp] = x
+        return cost[comp]
+
+    for comp, branches in conditionals:
+        wires = [total(b) for b, _ in branches]
+        keep = wires.index(max(wires))
+        for k, (callee, i) in enumerate(branches):
+            if k != keep:
+                edges[comp][i] = (callee, 0, edges[comp][i][2])
 
 
 def _by_kind(collectives: list[Collective], value) -> dict:

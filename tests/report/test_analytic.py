@@ -510,6 +510,21 @@ def test_tp_sp_head_in_the_tokens_layout_gathers_the_tables(name):
         assert r.wire_bytes_by_kind[kind] == pytest.approx(estimate[kind], rel=0.02)
 
 
+def test_tp_sp_auto_head_switches_to_the_tokens_layout_past_the_vocabulary():
+    # dp_tp_sp on data 2 × tensor 4, gpt-tiny (vocab 256): the head gathers the tokens
+    # of one data replica, T_g = batch·seq/2. At batch 8, T_g = 256 ≤ 256: the vocab
+    # layout (the b·s·h pairs, the cross-entropy's all-reduces); at 16, T_g = 512: the
+    # tokens' layout (the table gathered instead).
+    mesh, cfg = {"data": 2, "tensor": 4}, CONFIGS["gpt-tiny"]
+
+    def wire(layout, batch):
+        recipe = recipes.get("dp_tp_sp").with_logits(layout)
+        return analytic_model(cfg.dims(), recipe, mesh, batch=batch, seq=64).wire_bytes_by_kind
+
+    assert wire("auto", 8) == wire("vocab", 8) != wire("tokens", 8)
+    assert wire("auto", 16) == wire("tokens", 16) != wire("vocab", 16)
+
+
 # ------------------------------------------------- TP+SP against the compiled program
 
 

@@ -748,7 +748,8 @@ def test_compiled_bf16_fsdp_gradient_is_a_reduce_scatter(mesh8):
     shard = NamedSharding(mesh8, P("d"))
     step = jax.jit(jax.grad(loss), in_shardings=(shard, shard), out_shardings=shard)
     text = step.lower(jnp.zeros((64, 32)), jnp.zeros((16, 64))).compile().as_text()
-    assert "reduce-scatter(" not in text and "convert" in text
+    assert "reduce-scatter(" not in text
+    assert re.search(r"ROOT %\S+ = bf16\[[^\]]*\]\S* convert\(", text)  # a fusion casts back
     by_kind = {c.kind: c for c in parse_collectives(text)}
     assert sorted(by_kind) == ["all-gather", "reduce-scatter"]
     assert by_kind["reduce-scatter"].group_size == 8
@@ -780,3 +781,53 @@ def test_a_conditional_counts_its_costliest_branch(down, up):
     cs = parse_collectives(text)
     assert sorted((c.bytes, c.count) for c in cs) == sorted([(down * 4, 1), (up * 4, 0)])
     assert wire_bytes_by_kind(cs) == {"collective-permute": down * 4}
+
+
+def test_a_shared_convert_computation_follows_the_fusion_it_was_entered_by():
+    # Two fusions call one convert computation: the all-reduce's (then sliced) and an
+    # unrelated one whose result is used whole. Only the first one's users count.
+    c = one(
+        all_reduce_used_by(
+            """
+            %q = f32[64,32]{1,0} parameter(2)
+            %cv = bf16[64,32]{1,0} fusion(%ar), kind=kLoop, calls=%wrapped_convert
+            %other = bf16[64,32]{1,0} fusion(%q), kind=kLoop, calls=%wrapped_convert
+            %s = f32[8,32]{1,0} fusion(%cv, %i), kind=kLoop, calls=%fused_convert_slice
+            ROOT %t = (f32[8,32]{1,0}, bf16[64,32]{1,0}) tuple(%s, %other)
+            """,
+            CONVERT_FUSIONS,
+        )
+    )
+    assert (c.kind, c.bytes) == ("reduce-scatter", 64 * 32 * 4)
+
+
+def test_a_nested_conditional_counts_by_its_costliest_branches():
+    # Outer branch a holds an inner conditional of two 100-element permutes (one of them
+    # runs: 100 elements), outer branch b a 150-element one: b is the costlier (summing
+    # the inner branches, 200, would pick a). A computation called from the dropped
+    # branch a and from ENTRY keeps ENTRY's one run.
+    outer_a = """
+%outer_a (p.outer_a: f32[100]) -> f32[100] {
+  %p.outer_a = f32[100]{0} parameter(0)
+  %j = s32[] constant(0)
+  %s = f32[10]{0} call(%p.outer_a), to_apply=%shared
+  ROOT %ic = f32[100]{0} conditional(%j, %p.outer_a, %p.outer_a), branch_computations={%in1, %in2}
+}
+"""
+    text = module(
+        """
+        %x = f32[100]{0} parameter(0)
+        %y = f32[150]{0} parameter(1)
+        %i = s32[] parameter(2)
+        %a = f32[10]{0} call(%x), to_apply=%shared
+        ROOT %c = f32[100]{0} conditional(%i, %x, %y), branch_computations={%outer_a, %b}
+        """,
+        _branch("in1", 100),
+        _branch("in2", 100),
+        _branch("b", 150),
+        _branch("shared", 10),
+        outer_a,
+    )
+    cs = parse_collectives(text)
+    assert {c.computation: c.count for c in cs} == {"in1": 0, "in2": 0, "b": 1, "shared": 1}
+    assert wire_bytes_by_kind(cs) == {"collective-permute": (150 + 10) * 4}
