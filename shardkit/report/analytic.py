@@ -25,6 +25,7 @@ from typing import Any
 
 from shardkit.dims import ModelDims
 from shardkit.errors import ShardingError
+from shardkit.nn.loss import LOGITS
 from shardkit.recipes import Recipe
 from shardkit.recipes import get as get_recipe
 from shardkit.report.analytic_tsp import positions_travel, tsp_wire_bytes
@@ -76,10 +77,7 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> l
     the token lookup still gathers and reduces the table.
     """
     tokens = w.batch * w.seq
-    spec = recipe.step_activation_rules(mesh, tokens=tokens, vocab=w.vocab).spec(
-        ("batch", "length", "vocab")
-    )
-    on_vocab = set(spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],))
+    on_vocab = _vocab_axes(recipe, mesh, w)
     splits = [a for a in recipe.vocab_gather_axes(mesh) if a in on_vocab]
     # "tsp": a context axis that splits the state by rules (cp, fsdp_cp; a TSP recipe's
     # activation rules split no vocabulary)
@@ -101,8 +99,7 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> l
         ("all-gather", "weight all-gathers", -weight),
         ("reduce-scatter", "gradient reductions", -weight),
     ):
-        wire[kind] = wire.get(kind, 0.0) + x
-        terms[term] = terms.get(term, 0.0) + x
+        _add(wire, terms, kind, term, x)
     weight_note = (
         "the head's weight is neither gathered nor reduced, −2·V·h·B·(g−1)/g"
         if weight
@@ -115,15 +112,18 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> l
     ]
 
 
-def _head_splits_vocab(recipe, mesh, w, role: str) -> bool:
-    """Whether the step's head computes on vocabulary shards over an axis of ``role``
-    (:meth:`Recipe.step_activation_rules`: ``logits="auto"`` leaves the vocabulary split
-    while the tokens it gathers, T_g, are at most the vocabulary)."""
-    spec = recipe.step_activation_rules(mesh, tokens=w.batch * w.seq, vocab=w.vocab).spec(
-        ("batch", "length", "vocab")
-    )
-    axes = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
-    return any(a is not None and recipe.axis_role(a) == role for a in axes)
+def _add(wire, terms, kind: str, term: str, x: float) -> None:
+    """Add ``x`` bytes of ``kind`` to ``wire`` and of ``term`` to ``terms``."""
+    wire[kind] = wire.get(kind, 0.0) + x
+    terms[term] = terms.get(term, 0.0) + x
+
+
+def _vocab_axes(recipe, mesh, w) -> set[str]:
+    """The mesh axes that split the step's logits' vocabulary
+    (:meth:`Recipe.step_activation_rules`: ``logits="auto"`` leaves it split while the
+    tokens the head gathers, T_g, are at most the vocabulary)."""
+    spec = recipe.step_activation_rules(mesh, tokens=w.batch * w.seq, vocab=w.vocab).spec(LOGITS)
+    return set(spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)) - {None}
 
 
 def _tied_table_wire(w, nbytes, group, wire, terms) -> list[str]:
@@ -137,8 +137,7 @@ def _tied_table_wire(w, nbytes, group, wire, terms) -> list[str]:
     if group <= 1:
         return []
     x = w.vocab * w.d_model * nbytes * (group - 1) / group
-    wire["reduce-scatter"] = wire.get("reduce-scatter", 0.0) + x
-    terms["gradient reductions"] = terms.get("gradient reductions", 0.0) + x
+    _add(wire, terms, "reduce-scatter", "gradient reductions", x)
     return [
         f"reduce-scatter over {group}: the tied table's head gradient apart from its "
         f"lookup's, V·h·B·(g−1)/g = {x:,.0f} B"
@@ -159,13 +158,12 @@ def _replicated_tables_wire(
     first, as a head in the tokens' layout has it). ``nbytes``: bytes per value of a
     ``1/(t·f)`` shard."""
     d, f, t, n = par.data, par.fsdp, par.tensor, par.data * par.sequence
-    x = w.vocab * w.d_model * nbytes
     if par.data_kind == "zero1" and vocab_tables == 1 and n > 1:
         x = rest * nbytes
         moves = {"reduce-scatter": -x * (n - 1) / n, "all-reduce": 2 * x * (n - 1) / n}
         note = f"all-reduce over {n}: the gradients outside the stack, 2·Ψ_rest·B·(n−1)/n"
     elif par.data_kind == "dp" and vocab_tables == 2 and d > 1 and f > 1:
-        g = d * f
+        x, g = w.vocab * w.d_model * nbytes, d * f
         moves = {
             "reduce-scatter": -f * x * (f - 1) / f,
             "all-reduce": 2 * f * x * (g - 1) / g - 2 * x * (d - 1) / d,
@@ -185,8 +183,7 @@ def _replicated_tables_wire(
     else:
         return []
     for kind, value in moves.items():
-        wire[kind] = wire.get(kind, 0.0) + value
-        terms["gradient reductions"] = terms.get("gradient reductions", 0.0) + value
+        _add(wire, terms, kind, "gradient reductions", value)
     return [note]
 
 
@@ -279,6 +276,12 @@ def analytic_costs(
     recipe = get_recipe(recipe)
     par = recipe.parallelism(mesh)
     d, f, t, c = par.data, par.fsdp, par.tensor, par.sequence
+    # TP+SP's head on vocabulary shards (else in the tokens' layout)
+    split_head = (
+        not workload.has_dims
+        or t == 1
+        or any(recipe.axis_role(a) == "tensor" for a in _vocab_axes(recipe, mesh, workload))
+    )
     if par.stage > 1:
         if pipeline is None or stack_param_bytes is None:
             raise ShardingError(
@@ -306,8 +309,7 @@ def analytic_costs(
             tensor_rest_bytes=tensor_rest_bytes,
             vocab_tables=vocab_tables,
             gather_bytes=bytes_per_value if xla_counts else None,
-            vocab_split_head=not workload.has_dims
-            or _head_splits_vocab(recipe, mesh, workload, "tensor"),
+            vocab_split_head=split_head,
         )
     if par.tsp > 1:  # TSP: its own model (shardkit.report.analytic_tsp)
         return _tsp_costs(
@@ -329,8 +331,6 @@ def analytic_costs(
     w, nb = workload, bytes_per_value
     counted = xla_counts and bool(stack_param_bytes)
     act = activation_bytes(w.precision, nb)
-    # TP+SP's head on vocabulary shards (else in the tokens' layout)
-    split_head = not w.has_dims or t == 1 or _head_splits_vocab(recipe, mesh, w, "tensor")
     psi = param_bytes / nb if psi is None else psi
     opt_degree = t * f * (d if par.data_kind == "zero1" else 1)
     remat = w.remat or "none"
