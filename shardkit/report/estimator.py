@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.metadata
 import math
 import time
 import warnings
@@ -65,6 +66,20 @@ from shardkit.step import PIPELINE_DEFAULTS
 
 __all__ = ["FIT", "Estimate", "against", "estimate", "estimate_or_refusal", "saved_values"]
 
+
+def _bf16_matmul_bytes() -> float:
+    """What XLA:CPU keeps of a bf16 matmul output, by the installed jax: 2 from 0.12, 4
+    before (see ``FIT["bf16_matmul_bytes"]``). Read off the package's metadata, not by
+    importing jax."""
+    try:
+        major, minor = (int(n) for n in importlib.metadata.version("jax").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
+        return 2.0
+    return 2.0 if (major, minor) >= (0, 12) else 4.0
+
+
+_BF16_MATMUL_BYTES = _bf16_matmul_bytes()
+
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
 #: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits nine of them (its
 #: ``FITTED``, within bounds) on its two training grids (up to 1,024 and from 2,048
@@ -83,29 +98,30 @@ FIT: dict[str, float] = {
     # The backward layer's working set under remat "full" (its recomputed forward and
     # the gradients computed from it) in units of one layer's remat-"none" values
     # (saved_values(dims, "none")) other than its six width-h ones (counted apart,
-    # backward_width_values): XLA frees and fuses part of it.
-    "backward_layer_fraction": 0.982,
+    # backward_width_values) and a dense MLP's (counted apart, _MLP_BACKWARD_VALUES):
+    # XLA frees and fuses part of it.
+    "backward_layer_fraction": 0.867,
     # The same under "save_dots": the matmul outputs are read from the saved values,
     # not recomputed (< full's).
-    "backward_save_dots_fraction": 0.729,
+    "backward_save_dots_fraction": 0.861,
     # The same without remat: the forward's values are saved activations; the backward
     # holds their gradients.
-    "backward_none_fraction": 0.477,
+    "backward_none_fraction": 0.536,
     # Width-h values per token the backward layer holds (the residual stream, the norms'
     # outputs, their gradients and layout copies), whole under tensor parallelism
     # without sequence parallelism.
-    "backward_width_values": 6.761,
+    "backward_width_values": 6.804,
     # Tensor parallelism's further width-h values per token of the whole sequence: the
     # activation reductions' operands and results, the norms' outputs copied for the
     # split matmuls; under sequence parallelism the all-gathered sequence.
-    "tensor_width_values": 0.424,
+    "tensor_width_values": 0.487,
     # Matmul rows per device (tokens) from which XLA:CPU materialises values it fuses
     # below: the backward's slices of the saved stack, the norms' intermediates
     # (measured on llama tp/8 without remat: 3,584 rows fuse them, 4,096 do not, at
     # any width). Counted, not fitted.
     "large_rows": 4096.0,
     # Width-h values per token (h whole) the backward layer holds from large_rows rows.
-    "large_rows_width_values": 3.198,
+    "large_rows_width_values": 2.724,
     # The share of one layer's gradient whole at the peak where fsdp (or TSP's gathers)
     # reduce-scatters it: XLA scatters each weight's gradient as soon as it is computed
     # (counted on gpt fsdp/8: the MLP's down and the attention's output projections'
@@ -116,21 +132,26 @@ FIT: dict[str, float] = {
     "gathered_weight_copies": 1.0,
     # Copies of the chunked head's buffers, in units of head_loss_peak_bytes' count (a
     # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
-    "head_copies": 1.074,
+    "head_copies": 0.77,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
-    # converts the bf16 values to f32 around every op, and the f32 copies are what the
-    # scan saves (counted in its buffers: wrapped_convert f32[...]); 2 on a GPU.
+    # converts the bf16 values to f32 around every op (the residual stream, the norms,
+    # the scores and softmax the backward recomputes: counted in its buffers as f32).
     "bf16_activation_bytes": 4.0,
+    # Bytes of a bf16 matmul output and of what the scan saves under bf16 (the MLP's
+    # values, q/k/v, the saved layer inputs, a ring's K/V blocks): bf16 from jax 0.12
+    # (its buffers: bf16[...]); jax 0.10's XLA:CPU kept f32 copies of them too
+    # (wrapped_convert f32[...]). Measured on 0.10.2 and 0.12.0.1; 0.11 counted as 0.10.
+    "bf16_matmul_bytes": _BF16_MATMUL_BYTES,
     # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes
     # (bounded at 5 %: free, the fit trades every term for it).
     "heap_fragmentation": 0.05,
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.435,
+    "rolled_head_overlap": 0.517,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 0.522,
+    "rolled_backward_fraction": 0.203,
     # The same under remat (full, save_dots): the layer's recomputed forward and its
     # gradients, in units of its remat-"none" values (the engine's layer runs outside
     # the scan the dense fractions are fitted on). Held, not fitted: the rolled
@@ -149,6 +170,14 @@ _REQUIRED = ("layers", "d_model", "n_heads", "n_kv_heads", "d_ff", "vocab")
 #: Width-h values per token among a layer's remat-"none" values (saved_values): the
 #: input, both norms' outputs, the residual between the blocks, the two blocks' outputs.
 _NONE_WIDTH_VALUES = 6
+#: MLP-width values per token the backward layer of a dense MLP holds at the layers'
+#: peak, in units of its input matmuls' width ``f_in`` (``d_ff``, twice that gated; ÷
+#: tensor), per remat policy. Counted from XLA:CPU's buffers at the peak, the same for
+#: GPT's GELU MLP (``f_in = f``) and Llama's SwiGLU (``f_in = 2f``): ``full``, the
+#: recomputed input matmuls, the activation's output and both their gradients (4);
+#: ``save_dots``, the input matmuls read from the saved values (3); ``none``, the
+#: gradients of the saved values (2).
+_MLP_BACKWARD_VALUES = {"full": 4, "save_dots": 3, "none": 2}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,6 +476,7 @@ def estimate(
     mem = base.memory
     fit = {**FIT, **(fit or {})}
     act = fit["bf16_activation_bytes"] if precision == "bf16" else 4
+    dot = fit["bf16_matmul_bytes"] if precision == "bf16" else 4  # matmul outputs
     d, f, t, c, p = par.data, par.fsdp, par.tensor, par.sequence, par.stage
     tsp = max(par.tsp, 1)
     m = int(pipeline["microbatches"]) if p > 1 else 1
@@ -495,10 +525,23 @@ def estimate(
     ring_values = 2 * dims.n_kv_heads * dims.head_dim * (ring - 1) / t
     if remat == "none":
         per_token += ring_values
-    saved = items * L * tokens * per_token * act
+        if recipe.attention in ("ring", "usp") and ring > 1:
+            # Each ring step is rematerialised: of the scores and softmax (2·a·s), only
+            # the own block's probabilities are kept, its 3 unmasked chunk pairs of 4
+            # (zigzag): 3/4 · a · s/ring values a token; and the steps' query and output
+            # chunks, two of width q (counted in XLA's buffers: four q-wide halves).
+            q = dims.n_heads * dims.head_dim
+            per_token -= (2 * dims.n_heads * seq - 0.75 * dims.n_heads * seq / ring) / t
+            per_token += 2 * q / t
+    # The values the scan saves are matmul outputs (and the layer inputs), but without
+    # remat its six width-h values: the residual stream and the norms (act bytes).
+    elementwise = _NONE_WIDTH_VALUES * (dims.d_model / t if sp else dims.d_model)
+    elementwise = elementwise if remat == "none" else 0.0
+    saved = items * L * tokens * (elementwise * act + (per_token - elementwise) * dot)
     notes.append(
         f"saved activations: {items:g} item(s) × {L:g} layers × {tokens:g} tokens × "
-        f"{per_token:g} values ({remat}) × {act:g} B"
+        f"{per_token:g} values ({remat}; {elementwise:g} of them × {act:g} B, the rest "
+        f"× {dot:g} B)"
     )
     # The backward layer's working set: a share (per remat policy) of one layer's "none"
     # values other than the six width-h ones, and backward_width_values width-h values;
@@ -510,13 +553,18 @@ def estimate(
     x = dims.d_model / t if sp else dims.d_model
     frac = fit[_BACKWARD[remat]]
     other_values = none_values - _NONE_WIDTH_VALUES * x  # attention's and MLP's
-    work = tokens * act * (frac * other_values + fit["backward_width_values"] * x)
+    mlp = 0.0  # a dense MLP's, counted apart (an MoE MLP's stay in the share)
+    if not dims.n_experts:
+        other_values -= 6 * dims.d_ff / t
+        f_in = (2 if dims.gated_mlp else 1) * dims.d_ff / t
+        mlp = _MLP_BACKWARD_VALUES[remat] * f_in
+    work = tokens * (act * (frac * other_values + fit["backward_width_values"] * x) + dot * mlp)
     large = ""
     if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
         work += fit["large_rows_width_values"] * tokens * dims.d_model * act
         large = f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
     if remat != "none":
-        work += tokens * ring_values * act
+        work += tokens * ring_values * dot
     scores = frac * tokens * 2 * dims.n_heads * keys / t * act
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
     # layer's into the optimizer's shard), the layer being differentiated whole (before
@@ -529,14 +577,17 @@ def estimate(
     shard = mem.grads / zero1
     copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
     stack_shard = shard * dims.stack_params / dims.param_count
-    layer_grad = dims.layer_params * nb / t
+    # A weight as the step computes with it: its gathered copies and its gradient before
+    # the reduction are bf16 where the matmul outputs are (the stored shard stays f32).
+    wb = nb * dot / 4
+    layer_grad = dims.layer_params * wb / t
     dense_layer = dims.layer_params
     if dims.n_experts and par.expert > 1:  # the experts split over their own axis
         esplit = analytic_moe.expert_split(recipe, sizes)
         dense_layer = dims.layer_params - dims.expert_params
         experts = dims.expert_params * nb / esplit
         stack_shard = dims.layers * (dense_layer * nb / (t * f) + experts)
-        layer_grad = dense_layer * nb / t + experts
+        layer_grad = dense_layer * wb / t + experts
     # TSP's rings (not tsp_gspmd's gathers) hold weights and gradients as shards: a
     # layer's gradient accumulates one shard at a time, and no layer is gathered whole.
     tsp_rings = tsp > 1 and par.tsp_kind == "tsp"
@@ -544,16 +595,17 @@ def estimate(
         layer_grad = layer_grad / tsp
     rest = (dims.param_count - dims.stack_params) * nb / t
     tables = dims.vocab_tables if zero1 > 1 else 1
-    table_grads = tables * dims.vocab * dims.d_model * nb * (1 - 1 / (t * f * tsp * zero1))
+    table_grads = tables * dims.vocab * dims.d_model * wb * (1 - 1 / (t * f * tsp * zero1))
     gathered = 0.0
     if f > 1 or (tsp > 1 and not tsp_rings):
-        gathered = fit["gathered_weight_copies"] * dense_layer * nb / t
+        gathered = fit["gathered_weight_copies"] * dense_layer * wb / t
         layer_grad *= fit["scattered_layer_gradient"]
     if p > 1 and f > 1:  # zeropp: the stage's layers, embedding and head gathered per unit
-        gathered += L * dense_layer * nb / t + rest
+        gathered += (L * dense_layer * nb / t + rest) * dot / 4
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     notes.append(
         f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
+        f"{mlp:g} MLP values + "
         f"{fit['backward_width_values']:g} width-h{large}); gradients: "
         f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
@@ -613,6 +665,7 @@ def estimate(
             seq=seq,
             none_values=none_values,
             act=act,
+            dot=dot,
             bf16=precision == "bf16",
             nb=nb,
             grad_shard=mem.grads,
@@ -783,6 +836,7 @@ def _rolled_terms(
     seq: int,
     none_values: float,
     act: float,
+    dot: float,
     bf16: bool,
     nb: int,
     grad_shard: float,
@@ -818,8 +872,11 @@ def _rolled_terms(
     chunk = dims.layers / (p * v)
     sp = t > 1 and par.tensor_kind == "tp_sp"
     res, w_in = _rolled_values(dims, remat, seq=seq, t=t, sp=sp, bf16=bf16)
-    saved = ring * chunk * tokens * res * act + dy * tokens * dims.d_model * act
-    saved += w_ring * chunk * tokens * w_in * act
+    # the residuals' matmul outputs (all but the eight width-h values of "none") and W's
+    # cotangents in the matmuls' bytes
+    elementwise = 8 * (dims.d_model / t if sp else dims.d_model) if remat == "none" else 0.0
+    saved = ring * chunk * tokens * (elementwise * act + (res - elementwise) * dot)
+    saved += dy * tokens * dims.d_model * act + w_ring * chunk * tokens * w_in * dot
     stage_bytes = dims.stack_params / p * nb / t
     rest = (dims.param_count - dims.stack_params) * nb / t
     # The stage's layers (and the embedding and head) gathered over fsdp once per unit

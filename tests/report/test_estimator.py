@@ -10,7 +10,7 @@ from shardkit.dims import ModelDims
 from shardkit.models import CONFIGS
 from shardkit.recipes import Recipe
 from shardkit.report.analytic_moe import expert_allreduce_bytes
-from shardkit.report.estimator import FIT, estimate, saved_values
+from shardkit.report.estimator import _MLP_BACKWARD_VALUES, FIT, estimate, saved_values
 
 # gpt-tiny by hand: tables 256·64 (tied) + positions 128·64 + final LayerNorm 2·64, and
 # per layer qkv 64·192 + 192, out 64·64 + 64, up 64·256 + 256, down 256·64 + 64, two
@@ -59,10 +59,14 @@ def test_ring_attention_keeps_the_received_kv_blocks(tiny):
     kw = dict(batch=8, seq=64, remat="none")
     dense = estimate("dp", tiny, mesh={"data": 1}, **kw)
     ring = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
-    # Per layer, per local token (8 of 64): the 7 received K and V blocks, 2·64·7 values.
+    # Per layer, per local token (8 of 64): the 7 received K and V blocks, 2·64·7 values;
+    # each ring step rematerialised, so of the 2·a·s = 2·8·64 scores and probabilities
+    # only the own block's 3 chunk pairs of 4 (¾·8·8 = 48), and the steps' query and
+    # output chunks (2·q = 128, in XLA's buffers: four q-wide halves).
     kv = 2 * 8 * 8 * 2 * 64 * 7 * 4
     per_token = saved_values(tiny, "none", seq=64)
-    assert ring.terms["saved activations"] == pytest.approx(2 * 8 * 8 * per_token * 4 + kv)
+    ring_token = per_token - 2 * 8 * 64 + 48 + 128
+    assert ring.terms["saved activations"] == pytest.approx(2 * 8 * 8 * ring_token * 4 + kv)
     assert dense.terms["saved activations"] == 2 * 8 * 64 * per_token * 4
 
 
@@ -107,8 +111,9 @@ def test_tsp_rings_hold_shards_and_score_one_block_of_keys_at_a_time(tiny):
 )
 def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fraction):
     # One device, 8 × 64 tokens: the backward layer holds its policy's share of the
-    # layer's "none" values but the six width-h ones, and backward_width_values width-h
-    # values; no collective buffers. Under tensor parallelism (4) the values are the
+    # layer's "none" attention values (all but the six width-h ones and the MLP's), its
+    # policy's count of MLP-width values, and backward_width_values width-h values; no
+    # collective buffers. Under tensor parallelism (4) the values are the
     # shard's (÷ 4) but the width-h ones, which stay whole (÷ 4 only under sequence
     # parallelism), and tensor_width_values width-h values of the whole sequence.
     kw = dict(batch=8, seq=64, remat=remat)
@@ -119,18 +124,55 @@ def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fractio
 
     def want(t, x):
         none = saved_values(tiny, "none", seq=64, t=t, sp=x < h)
-        per_token = FIT[fraction] * (none - 6 * x) + FIT["backward_width_values"] * x
+        attention = none - 6 * x - 6 * 256 / t  # gpt-tiny's MLP: f_in = d_ff = 256
+        mlp = _MLP_BACKWARD_VALUES[remat] * 256 / t
+        per_token = FIT[fraction] * attention + mlp + FIT["backward_width_values"] * x
         return tokens * 4 * per_token
 
     dense = estimate("dp", tiny, mesh={"data": 1}, **kw)
     assert "collective buffers" not in dense.terms
     assert layer(dense) == pytest.approx(want(1, h))
+    # gated (SwiGLU), f_in = 2·d_ff: the MLP's count of a second d_ff more
+    gated = estimate("dp", dataclasses.replace(tiny, gated_mlp=True), mesh={"data": 1}, **kw)
+    extra = tokens * 4 * _MLP_BACKWARD_VALUES[remat] * 256
+    assert layer(gated) == pytest.approx(layer(dense) + extra)
     tp = estimate("tp", tiny, mesh={"tensor": 4}, **kw)
     tp_sp = estimate("tp_sp", tiny, mesh={"tensor": 4}, **kw)
     assert layer(tp) == pytest.approx(want(4, h))
     assert layer(tp_sp) == pytest.approx(want(4, h / 4))
     width = FIT["tensor_width_values"] * tokens * h * 4
     assert tp.terms["collective buffers"] == tp_sp.terms["collective buffers"] == width
+
+
+@pytest.mark.parametrize(("model", "f_in"), [("gpt-tiny", 320), ("llama-tiny", 640)])
+def test_the_backward_mlp_holds_four_values_of_its_input_width_under_full_remat(
+    model, f_in, monkeypatch
+):
+    # Counted in XLA's buffers, not from the estimator: the values live at the compiled
+    # step's peak with the MLP's width (d_ff 320) and one row per token (24 × 64 / 8 =
+    # 192 a device; no weight has 192 rows). Under remat "full" nothing of the MLP is
+    # saved, so all of them are the backward layer's: 4 × f_in, f_in = f for GPT's GELU
+    # MLP, 2f for Llama's SwiGLU (gate and up).
+    import shardkit.report.build as build
+
+    seen = {}
+    compile_with_buffers = build.compile_with_buffers
+
+    def spy(lowered, **kw):
+        compiled, seen["buffers"] = compile_with_buffers(lowered, **kw)
+        return compiled, seen["buffers"]
+
+    monkeypatch.setattr(build, "compile_with_buffers", spy)
+    f, tokens = 320, 24 * 64 // 8
+    m = models.get(model, remat="full", d_ff=f)
+    report = sk.report.build_report(sk.Plan("dp"), model=m, batch=24, seq=64, itemise=True)
+    assert report.to_json()["memory_peak_phase"] == "layers"
+    rows = 0
+    for v in seen["buffers"].live_temps():
+        if f"{f}]" in v.shape or f"[{f}," in v.shape or f",{f}," in v.shape:
+            per_token, left = divmod(v.size // (4 * f), tokens)
+            rows += per_token if left == 0 else 0
+    assert rows == _MLP_BACKWARD_VALUES["full"] * f_in / f
 
 
 @pytest.mark.parametrize("recipe", ["dp", "tp_sp"])
@@ -159,9 +201,12 @@ def test_ulysses_keeps_no_other_ranks_kv_and_usp_only_its_rings(tiny):
         sk.recipes.get("cp").with_attention("ulysses"), tiny, mesh={"sequence": 8}, **kw
     )
     assert ulysses.terms["saved activations"] == pytest.approx(own)
-    # USP: Ulysses 2 × ring 4; the ring's 3 received K and V blocks, 2·64·3 values a token
+    # USP: Ulysses 2 × ring 4; the ring's 3 received K and V blocks, 2·64·3 values a
+    # token, and as any ring's, the own block's probabilities (¾·8·64/4 = 96) and two
+    # q-wide chunks (128) instead of the 2·8·64 scores and probabilities
     usp = estimate("cp_usp", tiny, mesh={"ulysses": 2, "sequence": 4}, **kw)
-    assert usp.terms["saved activations"] == pytest.approx(own + 2 * 8 * 8 * 2 * 64 * 3 * 4)
+    ring = 2 * 8 * 8 * (2 * 64 * 3 - 2 * 8 * 64 + 96 + 128) * 4
+    assert usp.terms["saved activations"] == pytest.approx(own + ring)
 
 
 def test_a_pipeline_stage_holds_its_items_in_flight(tiny):
@@ -249,17 +294,55 @@ def test_the_rolled_engine_under_bf16_keeps_one_scores_ring_and_no_mask(tiny):
     # in f32 (two f32 rings and a byte mask) and a · s in bf16 (one f32 ring): 1.25 ·
     # 8 heads · 64 keys fewer, 4 bytes each.
     fewer = 3 * 1 * (2 * 64) * 1.25 * 8 * 64 * 4
+    f32_dots = {"bf16_matmul_bytes": 4.0}  # jax 0.10's XLA:CPU: the rings' values in f32
+    bf16 = estimate("dp_pp", tiny, mesh=mesh, precision="bf16", fit=f32_dots, **kw)
     saved = [e.terms["saved activations"] for e in (f32, bf16)]
     assert saved[0] - saved[1] == pytest.approx(fewer)
 
 
 def test_bf16_activations_take_the_backends_bytes(tiny):
-    kw = dict(mesh={"data": 8}, batch=8, seq=64, remat="full")
-    f32, bf16 = estimate("dp", tiny, **kw), estimate("dp", tiny, precision="bf16", **kw)
-    ratio = FIT["bf16_activation_bytes"] / 4
-    assert bf16.terms["saved activations"] == f32.terms["saved activations"] * ratio
-    half = estimate("dp", tiny, precision="bf16", fit={"bf16_activation_bytes": 2.0}, **kw)
-    assert half.terms["saved activations"] == f32.terms["saved activations"] / 2
+    # Under remat "full" the scan saves the layer inputs: bf16_matmul_bytes each; without
+    # remat its six width-h values a token (the residual stream, the norms) take
+    # bf16_activation_bytes, the rest (matmul outputs, scores) bf16_matmul_bytes.
+    kw = dict(mesh={"data": 8}, batch=8, seq=64)
+    fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
+    f32 = estimate("dp", tiny, remat="full", **kw)
+    bf16 = estimate("dp", tiny, remat="full", precision="bf16", fit=fit, **kw)
+    assert bf16.terms["saved activations"] == f32.terms["saved activations"] / 2
+    f32 = estimate("dp", tiny, remat="none", **kw)
+    bf16 = estimate("dp", tiny, remat="none", precision="bf16", fit=fit, **kw)
+    per_token = saved_values(tiny, "none", seq=64)
+    tokens = 2 * 8 * 64 // 8  # 2 layers × 1 row × 64 tokens a device
+    want = tokens * (6 * 64 * 4 + (per_token - 6 * 64) * 2)
+    assert bf16.terms["saved activations"] == pytest.approx(want)
+    assert f32.terms["saved activations"] == pytest.approx(tokens * per_token * 4)
+
+
+@pytest.mark.parametrize(("version", "nbytes"), [("0.10.2", 4.0), ("0.12.0.1", 2.0)])
+def test_bf16_matmul_bytes_follow_the_installed_jax(monkeypatch, version, nbytes):
+    import importlib.metadata
+
+    from shardkit.report import estimator
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    assert estimator._bf16_matmul_bytes() == nbytes
+
+
+@pytest.mark.skipif(
+    FIT["bf16_matmul_bytes"] == 4,
+    reason="jax 0.10's XLA:CPU saves f32 copies (wrapped_convert) the report files apart",
+)
+def test_bf16_saved_layer_inputs_as_compiled():
+    # gpt-tiny, remat "full", bf16 on 8 devices: what the scan saves (2 layers × 64
+    # tokens × 64 wide) in the installed jax's bytes, against the compiled buffers.
+    model = models.get("gpt-tiny", remat="full")
+    plan = sk.Plan("dp", precision="bf16")
+    report = sk.report.build_report(plan, model=model, batch=8, seq=64, itemise=True)
+    saved = {t["term"]: t["bytes"] for t in report.to_json()["memory_terms"]}
+    e = estimate(plan, model, batch=8, seq=64)
+    assert e.terms["saved activations"] == 2 * 64 * 64 * FIT["bf16_matmul_bytes"]
+    # XLA's term also holds a few small values (768 B on jax 0.12): within 5 %
+    assert saved["saved activations"] == pytest.approx(e.terms["saved activations"], rel=0.05)
 
 
 def test_wire_is_the_ring_model_as_xla_moves_the_weights(tiny):
