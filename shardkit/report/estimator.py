@@ -96,32 +96,33 @@ FIT: dict[str, float] = {
     # forward scan's output buffer).
     "gradient_copies": 1.0,
     # The backward layer's working set under remat "full" (its recomputed forward and
-    # the gradients computed from it) in units of one layer's remat-"none" values
-    # (saved_values(dims, "none")) other than its six width-h ones (counted apart,
-    # backward_width_values) and a dense MLP's (counted apart, _MLP_BACKWARD_VALUES):
-    # XLA frees and fuses part of it.
-    "backward_layer_fraction": 0.867,
+    # the gradients computed from it) in units of its attention's values (q/k/v, the
+    # context and its transpose, the scores and their softmax: 3q + 2k + 2·a·s; an MoE
+    # MLP's values too); the width-h ones (backward_width_values) and a dense MLP's
+    # (_MLP_BACKWARD_VALUES) are counted apart. XLA frees and fuses part of it.
+    "backward_layer_fraction": 0.978,
     # The same under "save_dots": the matmul outputs are read from the saved values,
     # not recomputed (< full's).
-    "backward_save_dots_fraction": 0.861,
+    "backward_save_dots_fraction": 0.916,
     # The same without remat: the forward's values are saved activations; the backward
-    # holds their gradients.
-    "backward_none_fraction": 0.536,
+    # holds their gradients (a ring attention's steps, rematerialised whatever the
+    # policy, take backward_layer_fraction).
+    "backward_none_fraction": 0.955,
     # Width-h values per token the backward layer holds (the residual stream, the norms'
     # outputs, their gradients and layout copies), whole under tensor parallelism
     # without sequence parallelism.
-    "backward_width_values": 6.804,
+    "backward_width_values": 6.111,
     # Tensor parallelism's further width-h values per token of the whole sequence: the
     # activation reductions' operands and results, the norms' outputs copied for the
     # split matmuls; under sequence parallelism the all-gathered sequence.
-    "tensor_width_values": 0.487,
+    "tensor_width_values": 0.63,
     # Matmul rows per device (tokens) from which XLA:CPU materialises values it fuses
     # below: the backward's slices of the saved stack, the norms' intermediates
     # (measured on llama tp/8 without remat: 3,584 rows fuse them, 4,096 do not, at
     # any width). Counted, not fitted.
     "large_rows": 4096.0,
     # Width-h values per token (h whole) the backward layer holds from large_rows rows.
-    "large_rows_width_values": 2.724,
+    "large_rows_width_values": 2.599,
     # The share of one layer's gradient whole at the peak where fsdp (or TSP's gathers)
     # reduce-scatters it: XLA scatters each weight's gradient as soon as it is computed
     # (counted on gpt fsdp/8: the MLP's down and the attention's output projections'
@@ -132,7 +133,7 @@ FIT: dict[str, float] = {
     "gathered_weight_copies": 1.0,
     # Copies of the chunked head's buffers, in units of head_loss_peak_bytes' count (a
     # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
-    "head_copies": 0.77,
+    "head_copies": 0.711,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
     # converts the bf16 values to f32 around every op (the residual stream, the norms,
     # the scores and softmax the backward recomputes: counted in its buffers as f32).
@@ -143,15 +144,18 @@ FIT: dict[str, float] = {
     # (wrapped_convert f32[...]). Measured on 0.10.2 and 0.12.0.1; 0.11 counted as 0.10.
     "bf16_matmul_bytes": _BF16_MATMUL_BYTES,
     # The temp heap's unused share at its peak (XLA's heap packing), of the live bytes
-    # (bounded at 5 %: free, the fit trades every term for it).
+    # (bounded at 5 %: free, the fit trades every term for it). Measured on the jax 0.12
+    # grids: 0.9 % on average, 0.1 % the median; the fit takes its bound, which stands
+    # in for what the terms miss (fixed at 1 % and the rest refitted, the four dense grids
+    # are within ±10 % at 79 / 77 / 72 / 76 %, against 77 / 77 / 74 / 80 % at 5 %).
     "heap_fragmentation": 0.05,
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.517,
+    "rolled_head_overlap": 0.729,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 0.203,
+    "rolled_backward_fraction": 0.219,
     # The same under remat (full, save_dots): the layer's recomputed forward and its
     # gradients, in units of its remat-"none" values (the engine's layer runs outside
     # the scan the dense fractions are fitted on). Held, not fitted: the rolled
@@ -234,23 +238,27 @@ class Estimate:
         }
 
 
-def saved_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool = False) -> float:
+def saved_values(
+    dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool = False, bf16: bool = False
+) -> float:
     """Values per token one scanned layer keeps for its backward pass, per remat policy.
 
     With ``h`` the width, ``q = n_heads·head_dim``, ``k = n_kv_heads·head_dim``, ``f``
     the MLP width (``f_in = 2f`` gated: gate and up), ``a`` heads and ``s`` the keys per
     query (``seq``); what tensor parallelism splits ÷ ``t``, the width-``h`` values too
     under sequence parallelism (``sp``). As XLA's CPU program keeps them (counted from
-    its buffers at the peak, GPT and Llama alike):
+    its buffers at the peak, GPT and Llama):
 
     - ``full``: the layer input, ``h``;
     - ``save_dots`` (matmul outputs without batch dimensions): the input, q/k/v, the
       attention's output projection and the MLP's input matmuls: ``2h + (q + 2k + f_in)/t``;
-    - ``none``: everything the backward reads: six width-``h`` values (the input, both
-      norms' outputs, the residual between the blocks, the two blocks' outputs), q/k/v,
-      the attention context and its transpose (``2q``), the scores and their softmax
-      (``2·a·s``), and six MLP-width values (the input matmuls, the activation's
-      intermediates, its output): ``6h + (q + 2k + 2q + 2as + 6f)/t``.
+    - ``none``: everything the backward reads: eight width-``h`` values (six the
+      residual stream's and the norms', :data:`_NONE_WIDTH_VALUES`, and the two blocks'
+      output projections), q/k/v and the attention context (``2q + 2k``), the softmax's
+      scores and probabilities (``2·a·s``; under ``bf16`` the probabilities alone,
+      ``a·s``: :func:`shardkit.nn.attention.masked_softmax` keeps nothing else), and the
+      MLP's (:func:`_mlp_none_values`: ``5f`` for GELU's, ``3·f_in`` for SwiGLU's):
+      ``8h + (2q + 2k + 2as + mlp)/t``.
 
     A mixture-of-experts MLP's values replace the MLP's
     (:func:`shardkit.report.analytic_moe.mlp_values`).
@@ -259,8 +267,8 @@ def saved_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool 
       >>> d = ModelDims(layers=1, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256, vocab=256)
       >>> saved_values(d, "full", seq=128), saved_values(d, "save_dots", seq=128)
       (64.0, 576.0)
-      >>> saved_values(d, "none", seq=128)   # 6·64 + (192 + 128 + 2·8·128 + 6·256)
-      4288.0
+      >>> saved_values(d, "none", seq=128)   # 8·64 + (128 + 128 + 2·8·128 + 5·256)
+      4096.0
     """
     if remat not in _REMATS:
         raise ShardingError(f"remat is one of {list(_REMATS)}, got {remat!r}.")
@@ -276,10 +284,17 @@ def saved_values(dims: ModelDims, remat: str, *, seq: int, t: int = 1, sp: bool 
         if moe is not None:
             return float(2 * x + (q + 2 * k) / t + moe)
         return float(2 * x + (q + 2 * k + f_in) / t)
-    scores = 2 * dims.n_heads * seq
-    if moe is not None:
-        return float(_NONE_WIDTH_VALUES * x + (q + 2 * k + 2 * q + scores) / t + moe)
-    return float(_NONE_WIDTH_VALUES * x + (q + 2 * k + 2 * q + scores + 6 * dims.d_ff) / t)
+    scores = (1 if bf16 else 2) * dims.n_heads * seq
+    attention = (_NONE_WIDTH_VALUES + 2) * x + (2 * q + 2 * k + scores) / t
+    return float(attention + (moe if moe is not None else _mlp_none_values(dims) / t))
+
+
+def _mlp_none_values(dims: ModelDims) -> float:
+    """A dense MLP's values per token saved without remat (÷ tensor apart), counted in
+    XLA's buffers: GELU's ``5f`` (its input matmul, the tanh approximation's
+    intermediates, its output), SwiGLU's ``3·f_in = 6f`` (gate and up, the SiLU's
+    intermediates, the product)."""
+    return float(6 * dims.d_ff if dims.gated_mlp else 5 * dims.d_ff)
 
 
 def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
@@ -485,7 +500,10 @@ def estimate(
     tokens = b * s
     sp = t > 1 and par.tensor_kind == "tp_sp"
     L = dims.layers / p
-    notes = [f"{recipe.name} as {par}; b={b:g} rows × s={s:g} per device, {act:g} B/activation"]
+    per_value = (
+        f"{act:g} B/activation" if act == dot else f"{dot:g} B/matmul output, {act:g} B else"
+    )
+    notes = [f"{recipe.name} as {par}; b={b:g} rows × s={s:g} per device, {per_value}"]
 
     # Arguments: the state's shards and the token batch (inputs and targets, int32).
     batch_bytes = 2 * batch / (d * f) * seq / (c * tsp) * 4
@@ -511,7 +529,8 @@ def estimate(
         v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
         v = 2 if sched == "zbv" else v
         items = in_flight(sched, p, m, v) / v
-    per_token = saved_values(dims, remat, seq=seq, t=t, sp=sp)
+    bf16 = precision == "bf16"
+    per_token = saved_values(dims, remat, seq=seq, t=t, sp=sp, bf16=bf16)
     # Ring attention (cp, TSP) keeps the K and V blocks each of the n − 1 steps received
     # for the backward pass: 2·k·(n − 1) values per local token, saved for every layer
     # without remat, else held by the layer being recomputed.
@@ -526,13 +545,15 @@ def estimate(
     if remat == "none":
         per_token += ring_values
         if recipe.attention in ("ring", "usp") and ring > 1:
-            # Each ring step is rematerialised: of the scores and softmax (2·a·s), only
+            # Each ring step is rematerialised: of the scores and softmax (2·a·s; a·s
+            # under bf16), only
             # the own block's probabilities are kept, its 3 unmasked chunk pairs of 4
             # (zigzag): 3/4 · a · s/ring values a token; and the steps' query and output
             # chunks, two of width q (counted in XLA's buffers: four q-wide halves).
             q = dims.n_heads * dims.head_dim
-            per_token -= (2 * dims.n_heads * seq - 0.75 * dims.n_heads * seq / ring) / t
-            per_token += 2 * q / t
+            scores = (1 if bf16 else 2) * dims.n_heads * seq
+            per_token -= (scores - 0.75 * dims.n_heads * seq / ring) / t
+            per_token += (2 * q + dims.n_heads * (ring - 1)) / t
     # The values the scan saves are matmul outputs (and the layer inputs), but without
     # remat its six width-h values: the residual stream and the norms (act bytes).
     elementwise = _NONE_WIDTH_VALUES * (dims.d_model / t if sp else dims.d_model)
@@ -543,27 +564,39 @@ def estimate(
         f"{per_token:g} values ({remat}; {elementwise:g} of them × {act:g} B, the rest "
         f"× {dot:g} B)"
     )
-    # The backward layer's working set: a share (per remat policy) of one layer's "none"
-    # values other than the six width-h ones, and backward_width_values width-h values;
-    # its scores are the attention's share of it. Ring attention (cp, TSP, USP's ring)
+    # The backward layer's working set: a share (per remat policy) of the attention's
+    # values, a dense MLP's count of its input width (_MLP_BACKWARD_VALUES), and
+    # backward_width_values width-h values; its scores are the attention's share of it. Ring attention (cp, TSP, USP's ring)
     # works through the keys one block at a time: a query's scores there are the
     # block's, seq / ring keys.
     keys = seq / ring if recipe.attention in ("ring", "usp") else seq
     none_values = saved_values(dims, "none", seq=keys, t=t, sp=sp)
     x = dims.d_model / t if sp else dims.d_model
-    frac = fit[_BACKWARD[remat]]
-    other_values = none_values - _NONE_WIDTH_VALUES * x  # attention's and MLP's
-    mlp = 0.0  # a dense MLP's, counted apart (an MoE MLP's stay in the share)
-    if not dims.n_experts:
-        other_values -= 6 * dims.d_ff / t
+    # A ring's steps are rematerialised whatever the policy: its backward recomputes
+    # them, as the layer's under "full". Without remat elsewhere the attention's backward
+    # differentiates saved matmul outputs, its gradients in their bytes (recomputed, it
+    # is f32 on XLA:CPU).
+    ring_steps = recipe.attention in ("ring", "usp") and ring > 1
+    recomputed = remat != "none" or ring_steps
+    frac = fit[_BACKWARD[remat]] if remat != "none" or not ring_steps else fit[_BACKWARD["full"]]
+    att = act if recomputed else dot
+    # What the share is of: the attention's q/k/v, its context and that context's
+    # transpose, the scores and their softmax (an MoE MLP's values too); a dense MLP's
+    # are counted apart.
+    q, k = dims.n_heads * dims.head_dim, dims.n_kv_heads * dims.head_dim
+    other_values = (3 * q + 2 * k + 2 * dims.n_heads * keys) / t
+    mlp = 0.0
+    if dims.n_experts:
+        other_values += analytic_moe.mlp_values(dims, "none", seq=keys, t=t)
+    else:
         f_in = (2 if dims.gated_mlp else 1) * dims.d_ff / t
         mlp = _MLP_BACKWARD_VALUES[remat] * f_in
-    work = tokens * (act * (frac * other_values + fit["backward_width_values"] * x) + dot * mlp)
+    work = tokens * (att * frac * other_values + act * fit["backward_width_values"] * x + dot * mlp)
     large = ""
     if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
         work += fit["large_rows_width_values"] * tokens * dims.d_model * act
         large = f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
-    if remat != "none":
+    if recomputed:  # the K/V blocks' (and without remat their gradients') ring
         work += tokens * ring_values * dot
     scores = frac * tokens * 2 * dims.n_heads * keys / t * act
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each

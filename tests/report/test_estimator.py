@@ -48,10 +48,15 @@ def test_saved_activations_per_remat_policy(tiny):
     assert e.phases["layers"] > 0 and e.terms["saved activations"] == 2 * 2 * 64 * 64 * 4
     # save_dots: the input, q/k/v, the output projection, the MLP's up matmul per token.
     assert saved_values(tiny, "save_dots", seq=64) == 64 + 192 + 64 + 256
-    # none: 6 width-h values, q/k/v, the context twice, scores + softmax, 6 MLP-width.
-    assert saved_values(tiny, "none", seq=64) == 6 * 64 + 192 + 128 + 2 * 8 * 64 + 6 * 256
+    # none (as counted in XLA's buffers): 8 width-h values, q, k, v and the context,
+    # scores + softmax, GELU's 5 MLP-width values (SwiGLU's 6 of d_ff); under bf16 the
+    # softmax's probabilities alone.
+    assert saved_values(tiny, "none", seq=64) == 8 * 64 + 4 * 64 + 2 * 8 * 64 + 5 * 256
+    gated = dataclasses.replace(tiny, gated_mlp=True)
+    assert saved_values(gated, "none", seq=64) == 8 * 64 + 4 * 64 + 2 * 8 * 64 + 6 * 256
+    assert saved_values(tiny, "none", seq=64, bf16=True) == 8 * 64 + 4 * 64 + 8 * 64 + 5 * 256
     # tensor parallelism splits what the heads and the MLP split; SP the rest too.
-    assert saved_values(tiny, "none", seq=64, t=8) == 6 * 64 + (192 + 128 + 1024 + 1536) / 8
+    assert saved_values(tiny, "none", seq=64, t=8) == 8 * 64 + (256 + 1024 + 1280) / 8
     assert saved_values(tiny, "full", seq=64, t=8, sp=True) == 8
 
 
@@ -61,11 +66,12 @@ def test_ring_attention_keeps_the_received_kv_blocks(tiny):
     ring = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
     # Per layer, per local token (8 of 64): the 7 received K and V blocks, 2·64·7 values;
     # each ring step rematerialised, so of the 2·a·s = 2·8·64 scores and probabilities
-    # only the own block's 3 chunk pairs of 4 (¾·8·8 = 48), and the steps' query and
-    # output chunks (2·q = 128, in XLA's buffers: four q-wide halves).
+    # only the own block's 3 chunk pairs of 4 (¾·8·8 = 48), the steps' query and output
+    # chunks (2·q = 128, in XLA's buffers: four q-wide halves) and each step's softmax
+    # statistics (a = 8 a step, 7 steps).
     kv = 2 * 8 * 8 * 2 * 64 * 7 * 4
     per_token = saved_values(tiny, "none", seq=64)
-    ring_token = per_token - 2 * 8 * 64 + 48 + 128
+    ring_token = per_token - 2 * 8 * 64 + 48 + 128 + 8 * 7
     assert ring.terms["saved activations"] == pytest.approx(2 * 8 * 8 * ring_token * 4 + kv)
     assert dense.terms["saved activations"] == 2 * 8 * 64 * per_token * 4
 
@@ -123,9 +129,9 @@ def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fractio
         return e.terms["recomputation"] + e.terms["attention scores"]
 
     def want(t, x):
-        none = saved_values(tiny, "none", seq=64, t=t, sp=x < h)
-        attention = none - 6 * x - 6 * 256 / t  # gpt-tiny's MLP: f_in = d_ff = 256
-        mlp = _MLP_BACKWARD_VALUES[remat] * 256 / t
+        # q/k/v (64 each), the context and its transpose, scores and softmax (2·8·64)
+        attention = (3 * 64 + 2 * 64 + 2 * 8 * 64) / t
+        mlp = _MLP_BACKWARD_VALUES[remat] * 256 / t  # gpt-tiny's MLP: f_in = d_ff = 256
         per_token = FIT[fraction] * attention + mlp + FIT["backward_width_values"] * x
         return tokens * 4 * per_token
 
@@ -142,6 +148,35 @@ def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fractio
     assert layer(tp_sp) == pytest.approx(want(4, h / 4))
     width = FIT["tensor_width_values"] * tokens * h * 4
     assert tp.terms["collective buffers"] == tp_sp.terms["collective buffers"] == width
+
+
+def test_without_remat_a_ring_recomputes_its_steps_and_the_dense_backward_keeps_bf16(tiny):
+    # cp over 8 without remat: 8 rows × 8 local tokens; the ring's steps are
+    # rematerialised, so the backward holds full's share of the attention's values (its
+    # scores a block of 64 / 8 keys: 3·64 + 2·64 + 2·8·8), the MLP's none count, the
+    # width-h values, and the K/V blocks' ring (2·64·7) besides the saved ones.
+    def layer(e):
+        return e.terms["recomputation"] + e.terms["attention scores"]
+
+    kw = dict(batch=8, seq=64, remat="none")
+    ring = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
+    tokens = 8 * 8
+    per_token = (
+        FIT["backward_layer_fraction"] * (3 * 64 + 2 * 64 + 2 * 8 * 8)
+        + _MLP_BACKWARD_VALUES["none"] * 256
+        + FIT["backward_width_values"] * 64
+        + 2 * 64 * 7
+    )
+    assert layer(ring) == pytest.approx(tokens * per_token * 4)
+    # dense under bf16 without remat: the attention's gradients in the matmuls' bytes,
+    # the width-h values in f32
+    fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
+    dense = estimate("dp", tiny, mesh={"data": 1}, precision="bf16", fit=fit, **kw)
+    tokens = 8 * 64
+    attention = FIT["backward_none_fraction"] * (3 * 64 + 2 * 64 + 2 * 8 * 64)
+    mlp = _MLP_BACKWARD_VALUES["none"] * 256
+    want = tokens * (2 * (attention + mlp) + 4 * FIT["backward_width_values"] * 64)
+    assert layer(dense) == pytest.approx(want)
 
 
 @pytest.mark.parametrize(("model", "f_in"), [("gpt-tiny", 320), ("llama-tiny", 640)])
@@ -202,10 +237,11 @@ def test_ulysses_keeps_no_other_ranks_kv_and_usp_only_its_rings(tiny):
     )
     assert ulysses.terms["saved activations"] == pytest.approx(own)
     # USP: Ulysses 2 × ring 4; the ring's 3 received K and V blocks, 2·64·3 values a
-    # token, and as any ring's, the own block's probabilities (¾·8·64/4 = 96) and two
-    # q-wide chunks (128) instead of the 2·8·64 scores and probabilities
+    # token, and as any ring's, the own block's probabilities (¾·8·64/4 = 96), two
+    # q-wide chunks (128) and 3 steps' statistics (8 each) instead of the 2·8·64 scores
+    # and probabilities
     usp = estimate("cp_usp", tiny, mesh={"ulysses": 2, "sequence": 4}, **kw)
-    ring = 2 * 8 * 8 * (2 * 64 * 3 - 2 * 8 * 64 + 96 + 128) * 4
+    ring = 2 * 8 * 8 * (2 * 64 * 3 - 2 * 8 * 64 + 96 + 128 + 24) * 4
     assert usp.terms["saved activations"] == pytest.approx(own + ring)
 
 
@@ -311,11 +347,13 @@ def test_bf16_activations_take_the_backends_bytes(tiny):
     assert bf16.terms["saved activations"] == f32.terms["saved activations"] / 2
     f32 = estimate("dp", tiny, remat="none", **kw)
     bf16 = estimate("dp", tiny, remat="none", precision="bf16", fit=fit, **kw)
-    per_token = saved_values(tiny, "none", seq=64)
+    per_token = saved_values(tiny, "none", seq=64, bf16=True)  # the probabilities alone
     tokens = 2 * 8 * 64 // 8  # 2 layers × 1 row × 64 tokens a device
     want = tokens * (6 * 64 * 4 + (per_token - 6 * 64) * 2)
     assert bf16.terms["saved activations"] == pytest.approx(want)
-    assert f32.terms["saved activations"] == pytest.approx(tokens * per_token * 4)
+    f32_token = saved_values(tiny, "none", seq=64)
+    assert f32_token == per_token + 8 * 64  # the scores too, in f32
+    assert f32.terms["saved activations"] == pytest.approx(tokens * f32_token * 4)
 
 
 @pytest.mark.parametrize(("version", "nbytes"), [("0.10.2", 4.0), ("0.12.0.1", 2.0)])
