@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import importlib.metadata
 import math
+import re
 import time
 import warnings
 from collections.abc import Mapping
@@ -68,14 +69,19 @@ __all__ = ["FIT", "Estimate", "against", "estimate", "estimate_or_refusal", "sav
 
 
 def _bf16_matmul_bytes() -> float:
-    """What XLA:CPU keeps of a bf16 matmul output, by the installed jax: 2 from 0.12, 4
-    before (see ``FIT["bf16_matmul_bytes"]``). Read off the package's metadata, not by
-    importing jax."""
-    try:
-        major, minor = (int(n) for n in importlib.metadata.version("jax").split(".")[:2])
-    except (importlib.metadata.PackageNotFoundError, ValueError):
-        return 2.0
-    return 2.0 if (major, minor) >= (0, 12) else 4.0
+    """What XLA:CPU keeps of a bf16 matmul output, by the installed jaxlib (XLA's
+    package; jax's where it is missing): 2 from 0.12, 4 before (see
+    ``FIT["bf16_matmul_bytes"]``). Read off the packages' metadata, not by importing jax;
+    neither installed (an estimate for elsewhere), the current release's 2."""
+    for package in ("jaxlib", "jax"):
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        release = re.match(r"(\d+)\.(\d+)", version)
+        if release:
+            return 2.0 if (int(release[1]), int(release[2])) >= (0, 12) else 4.0
+    return 2.0
 
 
 _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
@@ -100,10 +106,10 @@ FIT: dict[str, float] = {
     # context and its transpose, the scores and their softmax: 3q + 2k + 2·a·s; an MoE
     # MLP's values too); the width-h ones (backward_width_values) and a dense MLP's
     # (_MLP_BACKWARD_VALUES) are counted apart. XLA frees and fuses part of it.
-    "backward_layer_fraction": 0.978,
+    "backward_layer_fraction": 0.979,
     # The same under "save_dots": the matmul outputs are read from the saved values,
     # not recomputed (< full's).
-    "backward_save_dots_fraction": 0.916,
+    "backward_save_dots_fraction": 0.915,
     # The same without remat: the forward's values are saved activations; the backward
     # holds their gradients (a ring attention's steps, rematerialised whatever the
     # policy, take backward_layer_fraction).
@@ -122,7 +128,7 @@ FIT: dict[str, float] = {
     # any width). Counted, not fitted.
     "large_rows": 4096.0,
     # Width-h values per token (h whole) the backward layer holds from large_rows rows.
-    "large_rows_width_values": 2.599,
+    "large_rows_width_values": 2.597,
     # The share of one layer's gradient whole at the peak where fsdp (or TSP's gathers)
     # reduce-scatters it: XLA scatters each weight's gradient as soon as it is computed
     # (counted on gpt fsdp/8: the MLP's down and the attention's output projections'
@@ -152,10 +158,10 @@ FIT: dict[str, float] = {
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.729,
+    "rolled_head_overlap": 0.552,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 0.219,
+    "rolled_backward_fraction": 0.204,
     # The same under remat (full, save_dots): the layer's recomputed forward and its
     # gradients, in units of its remat-"none" values (the engine's layer runs outside
     # the scan the dense fractions are fitted on). Held, not fitted: the rolled
@@ -570,7 +576,6 @@ def estimate(
     # works through the keys one block at a time: a query's scores there are the
     # block's, seq / ring keys.
     keys = seq / ring if recipe.attention in ("ring", "usp") else seq
-    none_values = saved_values(dims, "none", seq=keys, t=t, sp=sp)
     x = dims.d_model / t if sp else dims.d_model
     # A ring's steps are rematerialised whatever the policy: its backward recomputes
     # them, as the layer's under "full". Without remat elsewhere the attention's backward
@@ -591,6 +596,11 @@ def estimate(
     else:
         f_in = (2 if dims.gated_mlp else 1) * dims.d_ff / t
         mlp = _MLP_BACKWARD_VALUES[remat] * f_in
+    # The rolled engine's backward working set is in units of a layer's remat-"none"
+    # values as they were counted when its held rolled_remat_fraction was fitted: six
+    # width-h values, the attention's and six d_ff (an MoE MLP's values instead).
+    none_values = _NONE_WIDTH_VALUES * x + other_values
+    none_values += 0.0 if dims.n_experts else 6 * dims.d_ff / t
     work = tokens * (att * frac * other_values + act * fit["backward_width_values"] * x + dot * mlp)
     large = ""
     if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
@@ -598,7 +608,7 @@ def estimate(
         large = f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
     if recomputed:  # the K/V blocks' (and without remat their gradients') ring
         work += tokens * ring_values * dot
-    scores = frac * tokens * 2 * dims.n_heads * keys / t * act
+    scores = frac * tokens * 2 * dims.n_heads * keys / t * att
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
     # layer's into the optimizer's shard), the layer being differentiated whole (before
     # its reduction; fsdp scatters most of it as it is computed), and the token table's
@@ -620,7 +630,7 @@ def estimate(
         dense_layer = dims.layer_params - dims.expert_params
         experts = dims.expert_params * nb / esplit
         stack_shard = dims.layers * (dense_layer * nb / (t * f) + experts)
-        layer_grad = dense_layer * wb / t + experts
+        layer_grad = (dense_layer / t + dims.expert_params / esplit) * wb
     # TSP's rings (not tsp_gspmd's gathers) hold weights and gradients as shards: a
     # layer's gradient accumulates one shard at a time, and no layer is gathered whole.
     tsp_rings = tsp > 1 and par.tsp_kind == "tsp"
@@ -905,18 +915,22 @@ def _rolled_terms(
     chunk = dims.layers / (p * v)
     sp = t > 1 and par.tensor_kind == "tp_sp"
     res, w_in = _rolled_values(dims, remat, seq=seq, t=t, sp=sp, bf16=bf16)
-    # the residuals' matmul outputs (all but the eight width-h values of "none") and W's
-    # cotangents in the matmuls' bytes
-    elementwise = 8 * (dims.d_model / t if sp else dims.d_model) if remat == "none" else 0.0
+    # the residuals' matmul outputs (all but the six width-h values of "none" the
+    # residual stream's and the norms', as the scan's) and W's cotangents in the matmuls'
+    # bytes
+    x = dims.d_model / t if sp else dims.d_model
+    elementwise = _NONE_WIDTH_VALUES * x if remat == "none" else 0.0
     saved = ring * chunk * tokens * (elementwise * act + (res - elementwise) * dot)
     saved += dy * tokens * dims.d_model * act + w_ring * chunk * tokens * w_in * dot
     stage_bytes = dims.stack_params / p * nb / t
     rest = (dims.param_count - dims.stack_params) * nb / t
     # The stage's layers (and the embedding and head) gathered over fsdp once per unit
     # (zeropp), and the layer the loop runs sliced out of the stack: its weights and
-    # their layout copies (``gathered_weight_copies``, as a scanned layer's).
+    # their layout copies (``gathered_weight_copies``, as a scanned layer's); as the step
+    # computes with them, in the matmuls' bytes.
     layer_bytes = dims.layer_params * nb / t
     gathered = (stage_bytes + rest if f > 1 else 0.0) + fit["gathered_weight_copies"] * layer_bytes
+    gathered *= dot / 4
     # The unit's f32 accumulator of the stage's gradient (a second one where the next
     # unit starts while the last one's is reduce-scattered, and the stored shard they
     # are reduced into), the embedding and head's, carried through the ticks; a single
