@@ -94,8 +94,8 @@ _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
 #: large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation;
 #: and two of the rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training
 #: grid alone, the others held: rolled_head_overlap, rolled_backward_fraction. The
-#: other four are counted from XLA's buffers (large_rows from where it stops fusing),
-#: and rolled_remat_fraction is held.
+#: other five are counted from XLA's buffers (large_rows from where it stops fusing,
+#: bf16_matmul_bytes by the installed jaxlib), and rolled_remat_fraction is held.
 FIT: dict[str, float] = {
     # Copies of the layer stack's stored gradient shard live at the layers' peak, per
     # scan buffer holding it (the backward's accumulator; without remat also the
@@ -188,6 +188,14 @@ _NONE_WIDTH_VALUES = 6
 #: ``save_dots``, the input matmuls read from the saved values (3); ``none``, the
 #: gradients of the saved values (2).
 _MLP_BACKWARD_VALUES = {"full": 4, "save_dots": 3, "none": 2}
+
+
+def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
+    """Bytes per token of ``values`` a layer saves: its matmul outputs (and its inputs) at
+    ``dot`` bytes, but without remat the six width-``x`` values of the residual stream and
+    the norms (:data:`_NONE_WIDTH_VALUES`) at ``act``."""
+    elementwise = _NONE_WIDTH_VALUES * x if remat == "none" else 0.0
+    return elementwise * act + (values - elementwise) * dot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -496,8 +504,9 @@ def estimate(
         )
     mem = base.memory
     fit = {**FIT, **(fit or {})}
-    act = fit["bf16_activation_bytes"] if precision == "bf16" else 4
-    dot = fit["bf16_matmul_bytes"] if precision == "bf16" else 4  # matmul outputs
+    bf16 = precision == "bf16"
+    act = fit["bf16_activation_bytes"] if bf16 else 4
+    dot = fit["bf16_matmul_bytes"] if bf16 else 4  # matmul outputs
     d, f, t, c, p = par.data, par.fsdp, par.tensor, par.sequence, par.stage
     tsp = max(par.tsp, 1)
     m = int(pipeline["microbatches"]) if p > 1 else 1
@@ -505,6 +514,8 @@ def estimate(
     s = seq / (c * tsp)
     tokens = b * s
     sp = t > 1 and par.tensor_kind == "tp_sp"
+    x = dims.d_model / t if sp else dims.d_model  # width-h values: split under SP only
+    q, k = dims.n_heads * dims.head_dim, dims.n_kv_heads * dims.head_dim
     L = dims.layers / p
     per_value = (
         f"{act:g} B/activation" if act == dot else f"{dot:g} B/matmul output, {act:g} B else"
@@ -535,7 +546,6 @@ def estimate(
         v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
         v = 2 if sched == "zbv" else v
         items = in_flight(sched, p, m, v) / v
-    bf16 = precision == "bf16"
     per_token = saved_values(dims, remat, seq=seq, t=t, sp=sp, bf16=bf16)
     # Ring attention (cp, TSP) keeps the K and V blocks each of the n − 1 steps received
     # for the backward pass: 2·k·(n − 1) values per local token, saved for every layer
@@ -547,48 +557,39 @@ def estimate(
         ring = int(sizes.get(recipe.attention_axis, 1))
     elif recipe.attention == "usp":
         ring = int(sizes.get(recipe.balance_axis, 1))
-    ring_values = 2 * dims.n_kv_heads * dims.head_dim * (ring - 1) / t
+    ring_values = 2 * k * (ring - 1) / t
+    # A ring's steps (cp, TSP, USP's ring) are rematerialised whatever the policy.
+    ring_steps = recipe.attention in ("ring", "usp") and ring > 1
     if remat == "none":
         per_token += ring_values
-        if recipe.attention in ("ring", "usp") and ring > 1:
-            # Each ring step is rematerialised: of the scores and softmax (2·a·s; a·s
-            # under bf16), only
-            # the own block's probabilities are kept, its 3 unmasked chunk pairs of 4
-            # (zigzag): 3/4 · a · s/ring values a token; and the steps' query and output
-            # chunks, two of width q (counted in XLA's buffers: four q-wide halves).
-            q = dims.n_heads * dims.head_dim
+        if ring_steps:
+            # Of the scores and softmax (2·a·s; a·s under bf16) only the own block's
+            # probabilities are kept, its 3 unmasked chunk pairs of 4 (zigzag): ¾·a·s/ring
+            # values a token; and the steps' query and output chunks, two of width q
+            # (in XLA's buffers: four q-wide halves), and each step's softmax statistics.
             scores = (1 if bf16 else 2) * dims.n_heads * seq
             per_token -= (scores - 0.75 * dims.n_heads * seq / ring) / t
             per_token += (2 * q + dims.n_heads * (ring - 1)) / t
-    # The values the scan saves are matmul outputs (and the layer inputs), but without
-    # remat its six width-h values: the residual stream and the norms (act bytes).
-    elementwise = _NONE_WIDTH_VALUES * (dims.d_model / t if sp else dims.d_model)
-    elementwise = elementwise if remat == "none" else 0.0
-    saved = items * L * tokens * (elementwise * act + (per_token - elementwise) * dot)
+    saved = items * L * tokens * _saved_bytes(per_token, remat, x, act, dot)
     notes.append(
         f"saved activations: {items:g} item(s) × {L:g} layers × {tokens:g} tokens × "
-        f"{per_token:g} values ({remat}; {elementwise:g} of them × {act:g} B, the rest "
-        f"× {dot:g} B)"
+        f"{per_token:g} values ({remat}; the matmul outputs × {dot:g} B, without remat "
+        f"the residual stream and norms × {act:g} B)"
     )
     # The backward layer's working set: a share (per remat policy) of the attention's
     # values, a dense MLP's count of its input width (_MLP_BACKWARD_VALUES), and
-    # backward_width_values width-h values; its scores are the attention's share of it. Ring attention (cp, TSP, USP's ring)
-    # works through the keys one block at a time: a query's scores there are the
-    # block's, seq / ring keys.
+    # backward_width_values width-h values; its scores are the attention's share of it.
+    # Ring attention works through the keys one block at a time: a query's scores there
+    # are the block's, seq / ring keys; its backward recomputes the steps, as the layer's
+    # under "full". Without remat elsewhere the attention's backward differentiates saved
+    # matmul outputs, its gradients in their bytes (recomputed, it is f32 on XLA:CPU).
     keys = seq / ring if recipe.attention in ("ring", "usp") else seq
-    x = dims.d_model / t if sp else dims.d_model
-    # A ring's steps are rematerialised whatever the policy: its backward recomputes
-    # them, as the layer's under "full". Without remat elsewhere the attention's backward
-    # differentiates saved matmul outputs, its gradients in their bytes (recomputed, it
-    # is f32 on XLA:CPU).
-    ring_steps = recipe.attention in ("ring", "usp") and ring > 1
     recomputed = remat != "none" or ring_steps
-    frac = fit[_BACKWARD[remat]] if remat != "none" or not ring_steps else fit[_BACKWARD["full"]]
+    frac = fit[_BACKWARD["full" if remat == "none" and ring_steps else remat]]
     att = act if recomputed else dot
     # What the share is of: the attention's q/k/v, its context and that context's
     # transpose, the scores and their softmax (an MoE MLP's values too); a dense MLP's
     # are counted apart.
-    q, k = dims.n_heads * dims.head_dim, dims.n_kv_heads * dims.head_dim
     other_values = (3 * q + 2 * k + 2 * dims.n_heads * keys) / t
     mlp = 0.0
     if dims.n_experts:
@@ -709,7 +710,7 @@ def estimate(
             none_values=none_values,
             act=act,
             dot=dot,
-            bf16=precision == "bf16",
+            bf16=bf16,
             nb=nb,
             grad_shard=mem.grads,
             head=head,
@@ -915,12 +916,9 @@ def _rolled_terms(
     chunk = dims.layers / (p * v)
     sp = t > 1 and par.tensor_kind == "tp_sp"
     res, w_in = _rolled_values(dims, remat, seq=seq, t=t, sp=sp, bf16=bf16)
-    # the residuals' matmul outputs (all but the six width-h values of "none" the
-    # residual stream's and the norms', as the scan's) and W's cotangents in the matmuls'
-    # bytes
+    # the residuals split as the scan's; W's cotangents are matmul outputs
     x = dims.d_model / t if sp else dims.d_model
-    elementwise = _NONE_WIDTH_VALUES * x if remat == "none" else 0.0
-    saved = ring * chunk * tokens * (elementwise * act + (res - elementwise) * dot)
+    saved = ring * chunk * tokens * _saved_bytes(res, remat, x, act, dot)
     saved += dy * tokens * dims.d_model * act + w_ring * chunk * tokens * w_in * dot
     stage_bytes = dims.stack_params / p * nb / t
     rest = (dims.param_count - dims.stack_params) * nb / t
