@@ -10,6 +10,7 @@ per candidate as soon as it is compiled (``{"index", "evidence"}`` or
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import queue
@@ -65,6 +66,11 @@ def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
     threading.Thread(
         target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)], daemon=True
     ).start()
+    # stderr drained as it comes (its last lines kept for the reason a worker died): left
+    # unread, a worker's warnings fill the pipe and it blocks on its next write.
+    err: collections.deque[str] = collections.deque(maxlen=20)
+    drain = threading.Thread(target=lambda: err.extend(proc.stderr), daemon=True)
+    drain.start()
     index = 0
     while True:
         try:
@@ -83,9 +89,10 @@ def _run(job: dict, timeout_s: float | None) -> Iterator[dict]:
         if line.startswith("{"):
             index += 1
             yield json.loads(line)
-    err = proc.stderr.read()
-    if proc.wait() != 0 and index < len(job["candidates"]):  # the compiler died on one
-        tail = " ".join(err.strip().splitlines()[-2:])[-300:]
+    returncode = proc.wait()
+    drain.join()
+    if returncode != 0 and index < len(job["candidates"]):  # the compiler died on one
+        tail = " ".join(line.strip() for line in list(err)[-2:])[-300:]
         yield {
             "index": index,
             "timeout": True,

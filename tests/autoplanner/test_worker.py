@@ -100,3 +100,21 @@ def test_a_worker_compiles_at_llvm_level_0_whatever_the_callers_flags(monkeypatc
         "--xla_backend_optimization_level=0",
     ]
     assert seen["JAX_PLATFORMS"] == "cpu"
+
+
+def test_a_worker_that_writes_much_to_stderr_is_not_blocked(monkeypatch):
+    # XLA's warnings go to stderr. Read only at the end, a pipe full of them (64 KiB on
+    # Linux) blocked the worker on its next write, and every candidate after timed out.
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, json; sys.stdin.read(); sys.stderr.write('warning\\n' * 200_000); "
+        "sys.stderr.flush(); print(json.dumps({'index': 0, 'evidence': 'ok'}), flush=True)"
+    )
+    real = subprocess.Popen
+    monkeypatch.setattr(
+        subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", script], **kw)
+    )
+    got = list(worker._run({"candidates": ["a"]}, timeout_s=20))
+    assert got == [{"index": 0, "evidence": "ok"}]
