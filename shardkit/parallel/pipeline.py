@@ -65,6 +65,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Var
 from jax.sharding import Mesh, PartitionSpec
 
 from shardkit.annotate.constrain import (
@@ -258,6 +259,31 @@ def read_dtypes(fn: Callable[..., Any], *args: Any) -> list[Any]:
         )
         out.append(next(iter(uses)) if narrower else None)
     return out
+
+
+def weight_only_residuals(fn: Callable[[Any, Any], Any], w: Any, x: Any) -> list[bool]:
+    """Per residual leaf of ``jax.vjp(fn, w, x)``: whether its value reads ``w`` alone.
+
+    Such a residual (a weight behind a sharding constraint, as a layer reads it under an
+    auto ``tensor`` axis; a weight cast to bfloat16) is the same for every micro-batch:
+    the rolled engine recomputes it from the weights in the backward instead of keeping
+    one copy per micro-batch in its ring (the unrolled engine's ticks each read the same
+    value, which XLA computes once). Found by following ``x`` through the program: a
+    residual no equation fed by ``x`` produced.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> f = lambda w, x: jnp.tanh(x @ w.astype(jnp.bfloat16))
+      >>> weight_only_residuals(f, jnp.ones((4, 4)), jnp.ones((2, 4), jnp.bfloat16))
+      [False, True, False]
+    """
+    closed = jax.make_jaxpr(lambda w, x: jax.tree.leaves(jax.vjp(fn, w, x)[1]))(w, x)
+    program = closed.jaxpr
+    fed = set(program.invars[len(jax.tree.leaves(w)) :])
+    for eqn in program.eqns:
+        if any(isinstance(v, Var) and v in fed for v in eqn.invars):
+            fed.update(eqn.outvars)
+    return [not (isinstance(v, Var) and v in fed) for v in program.outvars]
 
 
 def _only(spec: PartitionSpec, keep: frozenset[str]) -> PartitionSpec:
@@ -1153,11 +1179,14 @@ class _Rolled:
         self.n_layers = int(w_g[0].shape[1])
         self.res_def, self.is_w = None, None
         w_l = [jax.ShapeDtypeStruct(w.shape[2:], w.dtype) for w in w_g]
-        x_s = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        x_s = self.x_s = jax.ShapeDtypeStruct(x.shape, x.dtype)
         shapes = jax.eval_shape(lambda w, h: self._vjp(w, h, probe=True)[1], w_l, x_s)
+        # Residuals read from the weights alone (a weight behind a sharding constraint or a
+        # cast) are recomputed in the backward, not kept per micro-batch in the ring.
+        self.derived = weight_only_residuals(self._layer, w_l, x_s)
         self.rings = [
-            None if f is not None else jnp.zeros((ring, self.n_layers, *r.shape), r.dtype)
-            for r, f in zip(shapes, self._probe_flags, strict=True)
+            None if f is not None or d else jnp.zeros((ring, self.n_layers, *r.shape), r.dtype)
+            for r, f, d in zip(shapes, self._probe_flags, self.derived, strict=True)
         ]
         self.split, self.w_rings = None, []
         if w_ring:  # zb1 / zbv: the layer's backward cut into B and W (shardkit.parallel.wgrad)
@@ -1177,8 +1206,11 @@ class _Rolled:
                 jnp.zeros((w_ring, self.n_layers, *f.shape), f.dtype) for f in self.split.frontier
             ]
 
+    def _layer(self, w_l, x):
+        return self.layer_fn(jax.tree.unflatten(self.s_def, w_l), x)
+
     def _vjp(self, w_l, x, probe=False):
-        y, vjp = jax.vjp(lambda w, h: self.layer_fn(jax.tree.unflatten(self.s_def, w), h), w_l, x)
+        y, vjp = jax.vjp(self._layer, w_l, x)
         leaves, tdef = jax.tree.flatten(vjp)
         # Residuals that *are* the weights are not stored: the backward slices them again.
         flags = [next((q for q, w in enumerate(w_l) if leaf is w), None) for leaf in leaves]
@@ -1216,10 +1248,7 @@ class _Rolled:
         def one(carry, layer):
             g, d_acc = carry
             w_l = [_at(w, k, layer) for w in w_g]
-            leaves = [
-                w_l[f] if f is not None else _at(r, slot, layer)
-                for r, f in zip(rings, self.is_w, strict=True)
-            ]
+            leaves = self._leaves(w_l, slot, layer)
             d_w, d_x = jax.tree.unflatten(self.res_def, leaves)(g)
             new = []
             for acc, dw in zip(d_acc, d_w, strict=True):
@@ -1227,15 +1256,20 @@ class _Rolled:
                 new.append(_put(acc, jnp.where(valid, cur + dw, cur), k, layer))
             return (d_x, new), None
 
-        rings = self.rings
         layers = jnp.arange(self.n_layers)
         (d_x, d_acc), _ = jax.lax.scan(one, (g, d_acc), layers, reverse=True)
         return d_acc, d_x
 
     def _leaves(self, w_l, slot, layer):
+        """The layer's residuals for the micro-batch in ``slot``: the weights themselves,
+        those recomputed from them (the rest of a layer's forward on zeros, which XLA
+        drops as unused), and the ring's."""
+        again = None
+        if any(self.derived):
+            again = self._vjp(w_l, jnp.zeros(self.x_s.shape, self.x_s.dtype))[1]
         return [
-            w_l[f] if f is not None else _at(r, slot, layer)
-            for r, f in zip(self.rings, self.is_w, strict=True)
+            w_l[f] if f is not None else again[n] if d else _at(r, slot, layer)
+            for n, (r, f, d) in enumerate(zip(self.rings, self.is_w, self.derived, strict=True))
         ]
 
     def backward_input(self, w_g, k, g, slot, w_slot, valid):

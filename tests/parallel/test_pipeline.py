@@ -126,8 +126,12 @@ def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, rolle
     )
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     scale = max(float(np.abs(np.asarray(g)).max()) for g in jax.tree.leaves(ref_grads))
+    # 2e-6 of the largest gradient: llama-tiny's 1f1b / zb1 under dp_tp_sp_pp sum their
+    # micro-batches' f32 gradients in another order than one device and land 1.17e-6 off
+    # on one element of 8,192 (measured on jax 0.12, the engine before and after the
+    # weight-only residuals; 1e-6 passed on other CPUs)
     for a, b in zip(jax.tree.leaves(ref_grads), jax.tree.leaves(grads), strict=True):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6 * scale)
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=2e-6 * scale)
     bound = 0.01 * LR * STEPS
     for a, b in zip(jax.tree.leaves(ref_state.params), jax.tree.leaves(state.params), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=bound)
