@@ -1,5 +1,5 @@
 """The planner's search space: registered recipes × mesh factorisations × remat ×
-micro-batches × logits layout × precision.
+micro-batches × pipeline schedule × logits layout × precision.
 
 Candidates come from the recipe registry (``sk.recipes.names()``), so a recipe
 registered by a user joins the search without touching the planner. Every mesh axis
@@ -12,6 +12,11 @@ with each attention strategy over its context axis (``ring``, ``allgather``,
 every factorisation of the devices into a Ulysses and a ring axis, and the planner
 prunes those whose Ulysses size does not divide the heads. Elsewhere ``attention`` is
 ``None`` (the recipe's own).
+
+A pipelining recipe (a ``stage`` axis) is tried with each schedule in
+:data:`SCHEDULES` (1F1B, interleaved over two chunks a stage, the zero-bubble zb1 and
+zbv) at each micro-batch count; the planner prunes those the layers or the micro-batches
+do not allow. Elsewhere ``schedule`` is ``None``.
 
 A mixture-of-experts model (``n_experts``) searches the expert axis: every recipe that
 splits the experts (its rules name ``expert``) is tried with each expert-axis size that
@@ -46,6 +51,7 @@ __all__ = [
     "LOGITS",
     "PRECISIONS",
     "REMATS",
+    "SCHEDULES",
     "enumerate_candidates",
     "expert_recipe",
     "factorisations",
@@ -55,19 +61,23 @@ __all__ = [
 REMATS = ("none", "save_dots", "full")
 PRECISIONS = ("f32", "bf16")
 LOGITS = ("vocab", "tokens")
+#: The schedules a pipelining recipe is tried with. GPipe is left out: 1F1B's bubble, with
+#: every micro-batch's activations held instead of at most ``2p - 1``.
+SCHEDULES = ("1f1b", "interleaved", "zb1", "zbv")
 #: The attention strategies a context-parallel recipe is tried with.
 _ATTENTIONS = ("ring", "allgather", "ulysses")
 
 
 @dataclasses.dataclass(frozen=True, order=True)
 class Candidate:
-    """One layout to try: a recipe on a mesh, with remat, micro-batches, logits layout and
-    precision.
+    """One layout to try: a recipe on a mesh, with remat, micro-batches, pipeline
+    schedule, logits layout and precision.
 
-    ``remat`` is ``None`` for a user's model (its own code decides); ``microbatches`` is
-    ``None`` unless the recipe pipelines (has a ``stage`` axis); ``logits`` is ``None``
-    unless the recipe's logits layout is a choice on this mesh (``"vocab"`` or
-    ``"tokens"``: ``Recipe.with_logits``).
+    ``remat`` is ``None`` for a user's model (its own code decides); ``microbatches`` and
+    ``schedule`` are ``None`` unless the recipe pipelines (has a ``stage`` axis; a
+    pipeline without a schedule runs 1F1B); ``logits`` is ``None`` unless the recipe's
+    logits layout is a choice on this mesh (``"vocab"`` or ``"tokens"``:
+    ``Recipe.with_logits``).
     """
 
     recipe: str
@@ -77,6 +87,7 @@ class Candidate:
     precision: str = "f32"
     logits: str | None = None
     attention: str | None = None
+    schedule: str | None = None
 
     def recipe_object(self) -> recipes.Recipe:
         """The registered recipe, with this candidate's logits layout when it has one.
@@ -91,6 +102,11 @@ class Candidate:
         if self.attention is not None:
             recipe = recipe.with_attention(self.attention)
         return recipe if self.logits is None else recipe.with_logits(self.logits)
+
+    @property
+    def virtual_stages(self) -> int:
+        """Chunks of the layer stack a stage runs: 2 for interleaved and zbv, else 1."""
+        return 2 if self.schedule in ("interleaved", "zbv") else 1
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
@@ -108,6 +124,8 @@ class Candidate:
             parts.append(f"remat={self.remat}")
         if self.microbatches is not None:
             parts.append(f"m={self.microbatches}")
+        if self.schedule is not None:
+            parts.append(self.schedule)
         if self.logits is not None:
             parts.append(f"logits={self.logits}")
         if self.attention is not None:
@@ -124,6 +142,7 @@ class Candidate:
             "precision": self.precision,
             "logits": self.logits,
             "attention": self.attention,
+            "schedule": self.schedule,
         }
 
     @classmethod
@@ -136,6 +155,7 @@ class Candidate:
             d["precision"],
             d.get("logits"),
             d.get("attention"),
+            d.get("schedule"),
         )
 
 
@@ -193,12 +213,13 @@ def enumerate_candidates(
     remats: Iterable[str | None] = REMATS,
     precisions: Iterable[str] = ("f32",),
     n_experts: int = 0,
+    schedules: Iterable[str] = SCHEDULES,
 ) -> list[Candidate]:
     """Every candidate for ``devices`` devices, in registry order.
 
     A pipelining recipe gets ``m ∈ {p, 2p, 4p}`` micro-batches (those that divide the
-    batch evenly over its data replicas); a batch that allows none leaves it out here
-    and the planner says so. A mesh on which the recipe's logits layout is a choice
+    batch evenly over its data replicas), each with every schedule in ``schedules``; a
+    batch that allows none leaves it out here and the planner says so. A mesh on which the recipe's logits layout is a choice
     (``Recipe.vocab_gather_axes``, and no ``stage`` axis) gets both layouts. With
     ``n_experts`` (an MoE model) a recipe that splits the experts gets every expert-axis
     size dividing them (and a ``data`` axis for the rest of the devices); without, none.
@@ -211,7 +232,7 @@ def enumerate_candidates(
       []
     """
     out = []
-    remats, precisions = tuple(remats), tuple(precisions)
+    remats, precisions, schedules = tuple(remats), tuple(precisions), tuple(schedules)
     for name in recipe_names or recipes.names():
         recipe = recipes.get(name)
         experts = expert_recipe(recipe)
@@ -233,10 +254,10 @@ def enumerate_candidates(
         for mesh in meshes:
             sizes = tuple(s for _, s in mesh)
             stages = dict(mesh).get("stage")
+            counts, scheds = [None], (None,)
             if stages:
                 counts = _microbatch_counts(stages, batch, math.prod(sizes) // stages) or [None]
-            else:
-                counts = [None]
+                scheds = schedules if counts != [None] else (None,)
             # A pipeline's head runs in its last stage's own layout, whatever the rules
             # say (dp_tp_sp_pp compiles the same program under both): no choice there.
             choice = recipe.vocab_gather_axes(dict(mesh)) and not stages
@@ -244,8 +265,8 @@ def enumerate_candidates(
             attentions = (None,)
             if recipe.context_state is not None and len(recipe.context_axes) == 1:
                 attentions = _ATTENTIONS
-            for m, remat, logits, precision, attention in itertools.product(
-                counts, remats, layouts, precisions, attentions
+            for m, schedule, remat, logits, precision, attention in itertools.product(
+                counts, scheds, remats, layouts, precisions, attentions
             ):
-                out.append(Candidate(name, mesh, remat, m, precision, logits, attention))
+                out.append(Candidate(name, mesh, remat, m, precision, logits, attention, schedule))
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -37,6 +38,8 @@ from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
 from shardkit.nn.ulysses import check_heads, check_usp
+from shardkit.parallel.schedules import PipelineError
+from shardkit.parallel.schedules import make as make_schedule
 from shardkit.plan import Plan
 from shardkit.report import analytic_moe, build_report
 from shardkit.report.analytic import analytic_costs, with_phases
@@ -190,8 +193,17 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
             f"sequence into {chunks} {'zigzag ' if zigzag and ring > 1 else ''}chunks; "
             f"sequence {subject.seq} does not divide"
         )
-    if stages and dims is not None and dims.layers % stages:
-        return Pruned(f"{dims.layers} layers do not split into {stages} stages")
+    v = candidate.virtual_stages
+    if stages and dims is not None and dims.layers % (stages * v):
+        chunks = f" × {v} chunks ({candidate.schedule})" if v > 1 else ""
+        return Pruned(f"{dims.layers} layers do not split into {stages} stages{chunks}")
+    if stages and candidate.schedule is not None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # m < p: the schedule's own warning
+                make_schedule(candidate.schedule, stages, candidate.microbatches, v)
+        except PipelineError as e:
+            return Pruned(str(e).split("\n")[0])
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)
     try:
         if recipe.attention == "ulysses" and ring > 1 and dims is not None:
@@ -306,9 +318,14 @@ def _estimated(subject: Subject, candidate: Candidate, pipeline: Any) -> float |
 
 
 def _pipeline_options(candidate: Candidate) -> dict:
-    """The pipeline a candidate with a ``stage`` axis runs: the defaults (1F1B), its
-    micro-batches."""
-    return {**PIPELINE_DEFAULTS, "microbatches": candidate.microbatches}
+    """The pipeline a candidate with a ``stage`` axis runs: the defaults, its micro-batches
+    and schedule (1F1B without one)."""
+    return {
+        **PIPELINE_DEFAULTS,
+        "microbatches": candidate.microbatches,
+        "schedule": candidate.schedule or PIPELINE_DEFAULTS["schedule"],
+        "virtual_stages": candidate.virtual_stages,
+    }
 
 
 def _plan(candidate: Candidate, subject: Subject, devices: list) -> Any:

@@ -42,7 +42,13 @@ from rich.progress import Progress
 from shardkit import recipes as recipe_registry
 from shardkit.autoplanner import hardware as hardware_table
 from shardkit.autoplanner.cache import Cache, versions
-from shardkit.autoplanner.candidates import PRECISIONS, REMATS, Candidate, enumerate_candidates
+from shardkit.autoplanner.candidates import (
+    PRECISIONS,
+    REMATS,
+    SCHEDULES,
+    Candidate,
+    enumerate_candidates,
+)
 from shardkit.autoplanner.evaluate import (
     Analytic,
     Evidence,
@@ -52,12 +58,13 @@ from shardkit.autoplanner.evaluate import (
     prune,
 )
 from shardkit.autoplanner.hardware import GIB
-from shardkit.autoplanner.roofline import Estimate, estimate, model_flops
+from shardkit.autoplanner.roofline import Estimate, bubble, estimate, model_flops
 from shardkit.autoplanner.worker import compile_elsewhere
 from shardkit.errors import ShardingError
 from shardkit.models import resolve
 from shardkit.models.model import Model
 from shardkit.models.user import as_user_model
+from shardkit.parallel.schedules import SCHEDULES as ALL_SCHEDULES
 from shardkit.protocol import Model as ProtocolModel
 from shardkit.report.records import human_bytes
 from shardkit.report.tables import BYTES, Column, fit_table, short_bytes, short_seconds
@@ -168,6 +175,7 @@ class AutoplanResult:
         shown = self.candidates[:limit]
         # The micro-batch count and the logits' layout tell two rows apart where they vary.
         m_varies = len({r.candidate.microbatches for r in shown}) > 1
+        schedule_varies = len({r.candidate.schedule for r in shown}) > 1
         logits_vary = len({r.candidate.logits for r in shown}) > 1
         attention_varies = len({r.candidate.attention for r in shown}) > 1
         columns = [
@@ -177,6 +185,12 @@ class AutoplanResult:
             Column("remat", lambda x: dash(x[1].candidate.remat), keep=True),
             Column("prec.", lambda x: x[1].candidate.precision, keep=True),
             Column("m", lambda x: dash(x[1].candidate.microbatches), keep=m_varies, priority=2),
+            Column(
+                "schedule",
+                lambda x: dash(x[1].candidate.schedule),
+                keep=schedule_varies,
+                priority=2,
+            ),
             Column("logits", lambda x: dash(x[1].candidate.logits), keep=logits_vary, priority=2),
             Column(
                 "attention",
@@ -255,10 +269,14 @@ def _model_key(model: Any, name: str) -> dict:
 
 
 def _analytic_time(subject: Subject, c: Candidate, a: Analytic, hw, devices: int) -> float:
-    """Pre-compile estimate: useful FLOPs (+ a recomputed forward under full remat) and
-    the analytic wire bytes, over the inter-node link once the mesh spans nodes."""
+    """Pre-compile estimate: useful FLOPs (+ a recomputed forward under full remat,
+    stretched by a pipeline's bubble) and the analytic wire bytes, over the inter-node
+    link once the mesh spans nodes."""
     useful = _useful_flops(subject, c, devices)
     flops = useful * (4 / 3 if c.remat == "full" else 1)
+    stages = c.mesh_sizes.get("stage", 1)
+    if stages > 1 and c.microbatches:
+        flops /= 1 - bubble(stages, c.microbatches, c.schedule or "1f1b")
     link = hw.bandwidth(devices > hw.devices_per_node)
     return max(flops / hw.peak_flops(c.precision), a.wire / link)
 
@@ -367,6 +385,7 @@ def autoplan(
     recipes: Sequence[str] | None = None,
     remats: Sequence[str] | None = None,
     precisions: Sequence[str] = ("f32",),
+    schedules: Sequence[str] = SCHEDULES,
     max_compiles: int = 16,
     compile_timeout_s: float | None = 120,
     cache: Cache | None = None,
@@ -386,6 +405,8 @@ def autoplan(
       remats: remat policies to try for a reference model (default: none, save_dots,
         full); a user's model keeps its own.
       precisions: ``"f32"`` and/or ``"bf16"``.
+      schedules: the pipeline schedules a pipelining recipe is tried with (default:
+        1f1b, interleaved, zb1, zbv: :data:`~shardkit.autoplanner.candidates.SCHEDULES`).
       max_compiles: how many survivors of the analytic pruning to compile, the best by
         the pre-compile estimate first (``--compile-top``).
       compile_timeout_s: a candidate compiled in a worker process that takes longer is
@@ -403,6 +424,11 @@ def autoplan(
     for p in precisions:
         if p not in PRECISIONS:
             raise ShardingError(f"autoplan precision {p!r}: use one of {PRECISIONS}.")
+    for sch in schedules:
+        if sch not in ALL_SCHEDULES:
+            raise ShardingError(
+                f"autoplan schedule {sch!r}: use some of {', '.join(ALL_SCHEDULES)}."
+            )
     hw = hardware_table.get(hardware)
     budget = float(memory_per_device or hw.memory_bytes)
     name = model if isinstance(model, str) else getattr(model, "name", type(model).__name__)
@@ -425,6 +451,7 @@ def autoplan(
         remats=remats,
         precisions=precisions,
         n_experts=_experts(subject),
+        schedules=schedules,
     ):
         got = prune(subject, c, budget=budget)
         if isinstance(got, Pruned):
@@ -479,6 +506,7 @@ def autoplan(
             stages=stages,
             microbatches=c.microbatches,
             remat=c.remat,
+            schedule=c.schedule or "1f1b",
         )
         ranked.append(Ranked(c, got, analytic[c], est))
     if not ranked:

@@ -5,8 +5,10 @@ where
 
 - ``compute = max(flops, useful · r / (1 − bubble)) / peak``: the model's useful
   FLOPs per device (below), times ``r = 4/3`` under full remat (one more forward,
-  ``2Ψ`` of ``6Ψ``), stretched by the pipeline bubble ``(p−1)/(m+p−1)`` (GPipe and
-  1F1B), at the precision's dense peak. The compiled program's FLOPs (``flops``, XLA's
+  ``2Ψ`` of ``6Ψ``), stretched by the pipeline schedule's bubble
+  (:func:`shardkit.parallel.schedules.bubble_fraction`: ``(p−1)/(m+p−1)`` for 1F1B,
+  ``(p−1)/(2m+p−1)`` interleaved over two chunks, ``2(p−1)/(3m+2(p−1))`` for zb1 and
+  zbv), at the precision's dense peak. The compiled program's FLOPs (``flops``, XLA's
   cost analysis with each while loop weighted by its trip count,
   :mod:`shardkit.report.flops`) are a floor: they hold the useful work plus elementwise
   work the formula leaves out (measured: gpt-tiny's 4 scanned layers, 1.10x the formula
@@ -20,7 +22,7 @@ where
 - a pipeline runs its schedule's ticks in lock-step, and a tick cannot start before its
   neighbour's activations arrive: each tick adds one point-to-point latency
   (``collective_latency + step_latency`` of the stage link) to the critical path, not
-  hidden behind compute (``tick``, ``ticks`` the 1F1B schedule's ``m + 2p − 2``).
+  hidden behind compute (``tick``; ``ticks`` the schedule's, 1F1B's ``m + 2p − 2``).
 
 Overlap assumption, stated once: full. XLA's GPU and TPU schedulers run collectives
 asynchronously beside independent compute, and the estimate assumes all of it
@@ -46,9 +48,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 
 from shardkit.autoplanner.hardware import Hardware
-from shardkit.parallel.schedules import bubble_fraction
+from shardkit.parallel.schedules import bubble_fraction, make
 
 __all__ = [
     "Estimate",
@@ -57,6 +61,7 @@ __all__ = [
     "model_flops",
     "bubble",
     "latency",
+    "ticks",
     "ring_steps",
 ]
 
@@ -87,9 +92,31 @@ def crosses_nodes(group: tuple[int, ...], devices_per_node: int) -> bool:
     return len({d // devices_per_node for d in group}) > 1
 
 
-def bubble(stages: int, microbatches: int) -> float:
-    """Idle fraction of a 1F1B pipeline (the schedule the planner runs)."""
-    return bubble_fraction("1f1b", stages, microbatches) if stages > 1 else 0.0
+def bubble(stages: int, microbatches: int, schedule: str = "1f1b") -> float:
+    """Idle fraction of a pipeline running ``schedule`` (two chunks a stage where it
+    interleaves: ``interleaved``, ``zbv``).
+
+    Example:
+      >>> bubble(4, 8), round(bubble(4, 8, "interleaved"), 3), bubble(1, 8)
+      (0.2727272727272727, 0.158, 0.0)
+    """
+    if stages <= 1:
+        return 0.0
+    return bubble_fraction(schedule, stages, microbatches, 2 if schedule == "interleaved" else 1)
+
+
+@functools.lru_cache(maxsize=256)
+def ticks(stages: int, microbatches: int, schedule: str = "1f1b") -> int:
+    """Ticks of ``schedule``'s table (:func:`shardkit.parallel.schedules.make`), each one
+    point-to-point hop on the critical path.
+
+    Example:
+      >>> ticks(4, 8), ticks(4, 8, "interleaved")  # interleaved: a tick per chunk
+      (14, 38)
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # m < p: the schedule's own warning
+        return make(schedule, stages, microbatches, 2 if schedule == "interleaved" else 1).ticks
 
 
 def ring_steps(kind: str, group_size: int) -> int:
@@ -137,6 +164,7 @@ def estimate(
     stages: int = 1,
     microbatches: int | None = None,
     remat: str | None = None,
+    schedule: str = "1f1b",
 ) -> Estimate:
     """The roofline :class:`Estimate` of one device's step.
 
@@ -149,11 +177,11 @@ def estimate(
       precision: ``"f32"`` or ``"bf16"`` (picks the peak).
       useful_flops: the model's useful FLOPs per device.
       devices: the mesh's device count (a collective with no replica groups spans all).
-      stages, microbatches: pipeline shape, for its bubble.
+      stages, microbatches, schedule: the pipeline, for its bubble and ticks.
       remat: ``"full"`` recomputes the forward (``4/3`` of the useful FLOPs).
     """
     peak = hardware.peak_flops(precision)
-    idle = bubble(stages, microbatches or 1)
+    idle = bubble(stages, microbatches or 1, schedule)
     recompute = 4 / 3 if remat == "full" else 1.0
     compute = max(flops, useful_flops * recompute / (1 - idle)) / peak
     intra = inter = alpha = 0.0
@@ -171,11 +199,11 @@ def estimate(
             inter += wire / hardware.inter_node_bandwidth + a
         else:
             intra += wire / hardware.intra_node_bandwidth + a
-    ticks = 0.0
+    hops = 0.0
     if stages > 1:
-        n_ticks = (microbatches or stages) + 2 * stages - 2  # 1F1B's ticks
-        ticks = n_ticks * latency("collective-permute", 2, stage_crosses, hardware)
-    compute += ticks
+        n_ticks = ticks(stages, microbatches or stages, schedule)
+        hops = n_ticks * latency("collective-permute", 2, stage_crosses, hardware)
+    compute += hops
     total = max(compute, intra + inter)
     mfu = useful_flops / (total * peak) if total else 0.0
-    return Estimate(total, compute, intra, inter, mfu, alpha, ticks)
+    return Estimate(total, compute, intra, inter, mfu, alpha, hops)

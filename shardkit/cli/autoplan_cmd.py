@@ -48,6 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="comma-separated precisions to try: f32, bf16 (default: f32)",
     )
     p.add_argument(
+        "--schedules",
+        default=None,
+        help="comma-separated pipeline schedules a pipelining recipe is tried with "
+        "(default: 1f1b,interleaved,zb1,zbv; gpipe on request)",
+    )
+    p.add_argument(
         "--compile-top",
         "--max-compiles",
         dest="max_compiles",
@@ -88,6 +94,7 @@ def check(args: argparse.Namespace):
 
 def main(args: argparse.Namespace) -> int:
     from shardkit.autoplanner import NoLayoutFitsError, autoplan
+    from shardkit.autoplanner.candidates import SCHEDULES
 
     model = check(args)
     try:
@@ -101,6 +108,7 @@ def main(args: argparse.Namespace) -> int:
             recipes=_list(args.recipes),
             remats=_list(args.remat),
             precisions=_list(args.precision) or ["f32"],
+            schedules=_list(args.schedules) or SCHEDULES,
             max_compiles=args.max_compiles,
             compile_timeout_s=args.compile_timeout,
             progress=wants_tables(args),

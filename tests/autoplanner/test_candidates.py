@@ -102,3 +102,27 @@ def test_the_expert_axis_takes_each_size_dividing_the_experts_and_a_dense_model_
     # a dense model: no expert candidates at all
     dense = enumerate_candidates(64, 64, recipe_names=["dp", "ep", "ep_tp"], remats=["full"])
     assert {c.recipe for c in dense} == {"dp"}
+
+
+def test_a_pipeline_takes_each_schedule_at_each_microbatch_count_and_others_none():
+    got = enumerate_candidates(8, 16, recipe_names=["dp_pp", "fsdp"], remats=["none"])
+    pipelined = {(c.mesh, c.microbatches, c.schedule) for c in got if c.recipe == "dp_pp"}
+    pairs = {(c.mesh, c.microbatches) for c in got if c.recipe == "dp_pp"}
+    assert pipelined == {
+        (*pair, s) for pair in pairs for s in ("1f1b", "interleaved", "zb1", "zbv")
+    }
+    assert {c.schedule for c in got if c.recipe == "fsdp"} == {None}
+    # a schedule asked for alone; a batch with no micro-batch count leaves none to try
+    only = enumerate_candidates(8, 16, recipe_names=["pp"], remats=["none"], schedules=["zb1"])
+    assert {c.schedule for c in only} == {"zb1"}
+    assert [
+        c.schedule for c in enumerate_candidates(8, 2, recipe_names=["pp"], remats=["none"])
+    ] == [None]
+
+
+def test_a_schedule_shows_in_the_label_survives_json_and_sets_the_chunks():
+    c = Candidate("pp", (("stage", 4),), "full", 8, "f32", schedule="interleaved")
+    assert Candidate.from_json(c.to_json()) == c
+    assert c.label == "pp stage=4 remat=full m=8 interleaved f32"
+    assert [Candidate("pp", (("stage", 4),), schedule=s).virtual_stages for s in
+            ("1f1b", "interleaved", "zb1", "zbv", None)] == [1, 2, 1, 2, 1]  # fmt: skip

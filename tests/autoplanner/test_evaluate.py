@@ -90,3 +90,30 @@ def test_usp_is_tried_on_every_ulysses_ring_split_and_pruned_where_heads_do_not_
     assert isinstance(pruned, Pruned) and "'ulysses' (size 4)" in pruned.reason
     assert "2 K/V heads" in pruned.reason
     assert isinstance(prune(two_kv, narrow, budget=2**30), Analytic)
+
+
+def test_a_schedule_the_layers_do_not_allow_is_pruned_and_its_options_reach_the_step(tiny):
+    # gpt-tiny's 2 layers: 2 stages run one layer each, never two chunks of a layer.
+    from shardkit.autoplanner.evaluate import _pipeline_options
+
+    for schedule in ("interleaved", "zbv"):
+        c = Candidate("pp", (("stage", 2),), microbatches=4, schedule=schedule)
+        got = prune(tiny, c, budget=2**30)
+        assert isinstance(got, Pruned)
+        assert got.reason == f"2 layers do not split into 2 stages × 2 chunks ({schedule})"
+    c = Candidate("pp", (("stage", 2),), microbatches=4, schedule="zb1")
+    assert isinstance(prune(tiny, c, budget=2**30), Analytic)
+    assert _pipeline_options(c)["schedule"] == "zb1"
+    assert _pipeline_options(c)["virtual_stages"] == 1
+    c = Candidate("pp", (("stage", 2),), microbatches=4, schedule="interleaved")
+    assert _pipeline_options(c)["virtual_stages"] == 2
+    assert _pipeline_options(Candidate("pp", (("stage", 2),), microbatches=4))["schedule"] == "1f1b"
+
+
+def test_a_schedule_that_refuses_its_microbatches_is_pruned_with_its_reason(tiny):
+    # zb1 warms up with p forwards: fewer micro-batches than stages is refused.
+    deep = Subject.of(models.get("gpt-tiny", n_layers=8), batch=8, seq=32)
+    got = prune(
+        deep, Candidate("pp", (("stage", 4),), microbatches=2, schedule="zb1"), budget=2**30
+    )
+    assert isinstance(got, Pruned) and got.reason.startswith("Schedule 'zb1': 2 micro-batches")

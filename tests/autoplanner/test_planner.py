@@ -219,9 +219,12 @@ def test_both_logits_layouts_compile_and_each_gap_to_the_analytic_memory_is_item
 def test_the_3d_pipeline_is_estimated_and_compiled_like_the_other_pipelines(cache):
     # dp_tp_sp_pp has an analytic model (data × stage × tensor, TP+SP per stage): on 8
     # devices its one mesh, 2 × 2 × 2, with m = p = 2 micro-batches of 8 / (2·2) rows,
-    # passes the analytic checks and is compiled, not pruned for want of an estimate.
+    # passes the analytic checks and is compiled, not pruned for want of an estimate;
+    # only the schedules that need two chunks of its 2 layers a stage are pruned.
     r = plan("gpt-tiny", cache, recipes=["dp_tp_sp_pp"], max_compiles=1)
-    assert not [x for x in r.rejected if x.stage == "analytic"]
+    pruned = [x for x in r.rejected if x.stage == "analytic"]
+    assert {x.candidate.schedule for x in pruned} == {"interleaved", "zbv"}
+    assert all(x.reason.endswith(f"× 2 chunks ({x.candidate.schedule})") for x in pruned)
     best = r.best
     assert best.candidate.mesh_sizes == {"data": 2, "stage": 2, "tensor": 2}
     assert best.candidate.microbatches in (2, 4)
@@ -317,9 +320,33 @@ def test_pipelined_candidates_are_ranked_by_the_estimate_like_the_others():
             mesh=c.mesh_sizes,
             batch=8,
             seq=32,
-            pipeline={**PIPELINE_DEFAULTS, "microbatches": c.microbatches},
+            pipeline={
+                **PIPELINE_DEFAULTS,
+                "microbatches": c.microbatches,
+                "schedule": c.schedule,
+                "virtual_stages": c.virtual_stages,
+            },
         )
         assert got.estimated == e.total
         assert got.ranking_memory == e.total  # what the planner ranks by
         checked += 1
     assert checked >= 3
+
+
+def test_an_unknown_schedule_is_refused_before_anything_compiles(cache):
+    from shardkit.errors import ShardingError
+
+    with pytest.raises(ShardingError, match=r"schedule 'pipedream'.*gpipe, 1f1b, interleaved"):
+        plan("gpt-tiny", cache, recipes=["pp"], schedules=["pipedream"])
+
+
+def test_each_schedule_compiles_its_own_program(cache):
+    # pp on 2 stages, m = 2 micro-batches: 1F1B and zb1 tie before compiling (gpt-tiny's
+    # wire outweighs its FLOPs), both compile, and zb1's program holds what each B hands
+    # its W besides the residuals: more temp than 1F1B's (5.5 against 7.2 MB measured).
+    r = plan(
+        "gpt-tiny", cache, devices=2, recipes=["pp"], schedules=["1f1b", "zb1"], max_compiles=2
+    )
+    got = {x.candidate.schedule: x for x in r.candidates if x.candidate.microbatches == 2}
+    assert set(got) == {"1f1b", "zb1"}
+    assert got["zb1"].evidence.memory["temp"] > got["1f1b"].evidence.memory["temp"]
