@@ -26,12 +26,15 @@ from typing import Any, TypeVar
 
 import jax
 
-__all__ = ["MODEL", "PREFIX", "block", "model_code", "scope"]
+__all__ = ["MODEL", "PIPELINE_TICKS", "PREFIX", "block", "model_code", "scope"]
 
 #: Every shardkit scope starts with this (``shardkit.attention.ring``).
 PREFIX = "shardkit."
 #: The scope a block opens when it calls the model's code back (``shardkit.model``).
 MODEL = "model"
+#: The rolled pipeline engine's loops over its ticks: what they carry (the residual rings,
+#: the gradient sum, the stage's in-flight activations) is named by this scope.
+PIPELINE_TICKS = "pipeline.ticks"
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -88,7 +88,7 @@ from shardkit.parallel.schedules import (
 from shardkit.parallel.wgrad import split_backward
 from shardkit.recipes.recipe import VocabRules
 from shardkit.rules import Rules
-from shardkit.scopes import block, scope
+from shardkit.scopes import PIPELINE_TICKS, block, scope
 
 __all__ = [
     "PipelinedGrad",
@@ -908,14 +908,16 @@ class _Body:
                     st = tick(t, st, w_g, rolled, kind, hold=held_at.get(t, ()))
             else:
                 late = late_runs.get(index, ())
-                st = jax.lax.fori_loop(
-                    run[0],
-                    run[-1] + 1,
-                    lambda t, st, w_g=w_g, kind=kind, r=rolled, late=late: tick(
-                        t, st, w_g, r, kind, hold=late, send_first=late
-                    ),
-                    st,
-                )
+                # named, so the report tells what the loop carries (the residual rings)
+                with scope(PIPELINE_TICKS):
+                    st = jax.lax.fori_loop(
+                        run[0],
+                        run[-1] + 1,
+                        lambda t, st, w_g=w_g, kind=kind, r=rolled, late=late: tick(
+                            t, st, w_g, r, kind, hold=late, send_first=late
+                        ),
+                        st,
+                    )
             d_acc = st["d_acc"]
         flush(d_acc)
         return st["loss"], st["d_rest"]

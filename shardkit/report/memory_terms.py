@@ -15,7 +15,8 @@ the state's parameters, first rule that matches:
   head and its cross-entropy);
 - ``collective buffers``: results and operands of other collectives;
 - ``recomputation``: the rest of the rematerialised forward (the layer recomputed);
-- ``saved activations``: forward values still live (the backward pass reads them);
+- ``saved activations``: forward values still live (the backward pass reads them),
+  and what the rolled pipeline engine's tick loops carry (its residual rings);
 - ``activation gradients``: the rest of the backward pass;
 - ``other XLA temporaries``: loop counters, masks, constants, copies;
 - ``heap fragmentation``: temp heap bytes no value holds at the peak.
@@ -48,6 +49,7 @@ from shardkit.report.formulas import logits_bytes
 from shardkit.report.phases import head_weight_copy_bytes, layer_peak_bytes, phase_peaks
 from shardkit.report.provenance import blocks_in, module_path_of, pass_of, without_blocks
 from shardkit.report.records import TOLERANCE, Explanation, MemoryTerm, human_bytes
+from shardkit.scopes import PIPELINE_TICKS, PREFIX
 
 __all__ = ["MemoryTerm", "TERMS", "analytic_terms", "attribute", "explain", "peak_phase_of"]
 
@@ -161,6 +163,8 @@ def _term(v: Value, shapes: _Shapes, gathered: set[str], seq: set[int], head: bo
         return "saved activations"
     if pass_ == "backward":
         return "activation gradients"
+    if v.opcode == "while" and PREFIX + PIPELINE_TICKS in v.op_name:
+        return "saved activations"  # a rolled pipeline's residual rings, carried by its ticks
     return "other XLA temporaries"
 
 

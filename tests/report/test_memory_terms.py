@@ -66,3 +66,21 @@ def test_terms_render_in_80_columns_and_json(report):
     assert d["memory_peak_phase"] == report.memory_peak_phase == "layers"
     assert {t["term"] for t in d["memory_terms"]} == {t.term for t in report.memory_terms}
     assert {"term", "bytes", "analytic_bytes", "ratio", "top"} <= set(d["memory_terms"][0])
+
+
+def test_a_rolled_pipelines_residual_rings_are_saved_activations():
+    # The rolled engine keeps each layer's residuals in rings [slots, L/p, ...], carried
+    # by its tick loops: they are what the forward saved for the backward. The slots
+    # come from the schedule's own table; 4 layers on 2 stages: 2 a stage.
+    from shardkit.parallel.schedules import make
+
+    model = models.get("gpt-tiny", n_layers=4, remat="none")
+    import jax
+
+    plan = sk.Plan("pp", devices=jax.devices()[:2])
+    r = build_report(plan, model=model, batch=8, seq=32, itemise=True, pipeline={"microbatches": 8})
+    terms = {t.term: t for t in r.memory_terms}
+    ring = f"[{make('1f1b', 2, 8).buffers.residuals},2,"
+    assert any(ring in d.split()[0] for d in terms["saved activations"].top), terms
+    other = terms.get("other XLA temporaries")
+    assert other is None or not any(ring in d.split()[0] for d in other.top)
