@@ -102,18 +102,21 @@ def test_each_collective_pays_its_ring_latency_by_hand():
     assert e.step_time_s >= e.latency_s
 
 
-def test_a_pipeline_tick_waits_for_its_neighbour_by_hand():
-    # 1F1B on p = 2, m = 4: m + 2p - 2 = 6 ticks, each a one-step exchange in a node.
-    e = estimate(
+def pipeline(*, permutes: int, **kw):
+    """The roofline of a pipeline whose only collectives are ``permutes`` empty sends
+    between two neighbours in a node, on :data:`LAT`."""
+    return estimate(
         flops=0.0,
-        collectives=[("collective-permute", 0.0, (0, 1), 6, 2)],
+        collectives=[("collective-permute", 0.0, (0, 1), permutes, 2)],
         hardware=LAT,
         precision="f32",
-        useful_flops=0.0,
-        devices=4,
-        stages=2,
-        microbatches=4,
+        **kw,
     )
+
+
+def test_a_pipeline_tick_waits_for_its_neighbour_by_hand():
+    # 1F1B on p = 2, m = 4: m + 2p - 2 = 6 ticks, each a one-step exchange in a node.
+    e = pipeline(permutes=6, useful_flops=0.0, devices=4, stages=2, microbatches=4)
     assert e.ticks_s == pytest.approx(6 * (3.0 + 0.5))
     assert e.compute_s == pytest.approx(e.ticks_s)  # no FLOPs: only the ticks
     assert e.step_time_s == pytest.approx(6 * 3.5)  # the permutes' α hide behind them
@@ -141,16 +144,8 @@ def test_each_schedule_stretches_compute_by_its_own_bubble_and_ticks():
     from shardkit.parallel.schedules import make
 
     for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb1", 1), ("zbv", 2)):
-        e = estimate(
-            flops=0.0,
-            collectives=[("collective-permute", 0.0, (0, 1), 1, 2)],
-            hardware=LAT,
-            precision="f32",
-            useful_flops=100.0,
-            devices=8,
-            stages=4,
-            microbatches=8,
-            schedule=schedule,
+        e = pipeline(
+            permutes=1, useful_flops=100.0, devices=8, stages=4, microbatches=8, schedule=schedule
         )
         # the engine's own table: one neighbour exchange (3.5 s here) per tick
         assert e.ticks_s == pytest.approx(make(schedule, 4, 8, v).ticks * 3.5), schedule

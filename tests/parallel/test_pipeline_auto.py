@@ -32,6 +32,21 @@ def post(rest, y, mb):
     return jnp.mean((y - mb["x"]) ** 2)
 
 
+def megatron_pipeline(layer_fn, mesh):
+    """1F1B over ``stage``, ``data`` splitting the batch, ``tensor`` left to XLA."""
+    return pipeline.mesh_value_and_grad(
+        layer_fn,
+        pre,
+        post,
+        mesh=mesh,
+        microbatches=M,
+        schedule="1f1b",
+        stack_specs=SPECS,
+        batch_axes=("data",),
+        auto_axes=("tensor",),
+    )
+
+
 def test_tensor_axis_left_to_xla_is_exact_and_sharded():
     mesh = sk.make_mesh({"stage": 2, "tensor": 2, "data": 2}, devices=jax.devices()[:8])
     k = jax.random.split(jax.random.key(0), 3)
@@ -48,17 +63,7 @@ def test_tensor_axis_left_to_xla_is_exact_and_sharded():
         return post({}, x, batch)
 
     want, want_g = jax.value_and_grad(reference)(stack)
-    fn = pipeline.mesh_value_and_grad(
-        layer,
-        pre,
-        post,
-        mesh=mesh,
-        microbatches=M,
-        schedule="1f1b",
-        stack_specs=SPECS,
-        batch_axes=("data",),
-        auto_axes=("tensor",),
-    )
+    fn = megatron_pipeline(layer, mesh)
     stack = {n: jax.device_put(w, NamedSharding(mesh, SPECS[n])) for n, w in stack.items()}
     batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
     compiled = jax.jit(fn).lower(stack, {}, batch).compile()
@@ -158,17 +163,7 @@ def test_weights_read_through_a_constraint_are_not_kept_per_micro_batch():
         return layer(w, x)
 
     def compile_with(fn):
-        step = pipeline.mesh_value_and_grad(
-            fn,
-            pre,
-            post,
-            mesh=mesh,
-            microbatches=M,
-            schedule="1f1b",
-            stack_specs=SPECS,
-            batch_axes=("data",),
-            auto_axes=("tensor",),
-        )
+        step = megatron_pipeline(fn, mesh)
         args = (
             {n: jax.device_put(w, NamedSharding(mesh, SPECS[n])) for n, w in stack.items()},
             {},
