@@ -1,9 +1,12 @@
 """Auto-planner at scale: ``shardkit autoplan`` for gpt-7b on 64 and 512 H100s (80 GiB).
 
 Each device count runs the command in its own process (compile only, emulated
-devices), timed end to end with an empty cache. The table shows the chosen layout,
-its compiled memory and roofline step time, how many candidates were compiled or
-rejected, and how well the analytic model ranked them: discordant pairs between the
+devices), timed end to end with an empty cache; 512 devices again compiling the 64 best
+by the estimate instead of 16 (the same first choice says the 16 were enough), and with
+both precisions (``--precision f32,bf16``). The table shows the chosen layout, its compiled
+memory and roofline step time, how many candidates there were, how many the
+pre-compile estimate ranked (those the analytic checks let through), how many were
+compiled (``--compile-top``, 16), and how well the analytic model ranked them: discordant pairs between the
 analytic and the compiled wire bytes of the compiled candidates (0 = same order), and
 the range of analytic / compiled memory, and how many candidates outside 0.8–1.25 of it
 have the gap itemised (the compiled temp memory split into named terms, each term off
@@ -62,12 +65,18 @@ def discordant(rows: list[dict]) -> int:
 
 def main(argv=None) -> None:
     args = parser(__doc__.splitlines()[0]).parse_args(argv)
-    model, counts = ("gpt-tiny", (16,)) if args.tiny else ("gpt-7b", (64, 512))
+    model = "gpt-tiny" if args.tiny else "gpt-7b"
+    runs = [(16, "f32", 16)]
+    if not args.tiny:
+        runs = [(64, "f32", 16), (512, "f32", 16), (512, "f32", 64), (512, "f32,bf16", 16)]
     extra = ["--recipes", "dp,fsdp", "--remat", "none"] if args.tiny else []
     rows, details = [], {}
-    for n in counts:
-        got, seconds = autoplan(model, n, extra)
+    for n, precisions, top in runs:
+        flags = [*extra, "--precision", precisions, "--compile-top", str(top)]
+        got, seconds = autoplan(model, n, flags)
         ranked = got["candidates"]
+        everything = len(ranked) + len(got["rejected"])
+        estimated = everything - sum(r["stage"] == "analytic" for r in got["rejected"])
         best = ranked[0]
         ratios = [
             c["analytic_memory_per_device_bytes"] / c["memory_per_device_bytes"]["total"]
@@ -79,32 +88,40 @@ def main(argv=None) -> None:
         rows.append(
             [
                 n,
+                precisions,
                 layout,
+                best.get("schedule") or "–",
                 best["remat"],
+                best["precision"],
                 best["memory_per_device_bytes"]["total"] * MIB,
                 best["step_time_s"] * 1e3,
                 best["mfu"],
+                everything,
+                estimated,
                 len(ranked),
-                len(got["rejected"]),
                 f"{discordant(ranked)} of {len(ranked) * (len(ranked) - 1) // 2}",
                 f"{min(ratios):.2f}–{max(ratios):.2f}",
                 f"{itemised} of {len(off)}",
                 seconds,
             ]
         )
-        details[n] = got
+        details[f"{n} {precisions} top {top}"] = got
     emit(
         "autoplan",
         f"Auto-planner: {model} on H100s (80 GiB), compile only, empty cache",
         [
             "devices",
+            "precisions tried",
             "chosen layout",
+            "schedule",
             "remat",
+            "precision",
             "MiB/device",
             "step ms (roofline)",
             "MFU",
-            "ranked",
-            "rejected",
+            "candidates",
+            "ranked by estimate",
+            "compiled",
             "wire order disagreements",
             "analytic/compiled memory",
             "gap itemised",
