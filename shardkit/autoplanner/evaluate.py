@@ -114,6 +114,9 @@ class Analytic:
     #: an MoE model's expert state per device and its dispatch's all-to-all bytes, in
     #: words (why expert parallelism wins or loses); ``None`` for a dense model
     experts: str | None = None
+    #: the wire bytes by term (``weight all-gathers``, ``pipeline transfers``, ...), which
+    #: tell the mesh axes, and so the links, each moves over
+    wire_terms: tuple[tuple[str, float], ...] = ()
 
     @property
     def ranking_memory(self) -> float:
@@ -280,6 +283,7 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         wire=float(sum(analytic.wire_bytes_by_kind.values())),
         estimated=_estimated(subject, candidate, extra.get("pipeline")),
         experts=experts,
+        wire_terms=tuple((t, float(b)) for t, b in (analytic.wire_terms or {}).items() if b),
     )
 
 
@@ -319,12 +323,16 @@ def _estimated(subject: Subject, candidate: Candidate, pipeline: Any) -> float |
 
 def _pipeline_options(candidate: Candidate) -> dict:
     """The pipeline a candidate with a ``stage`` axis runs: the defaults, its micro-batches
-    and schedule (1F1B without one)."""
+    and schedule (1F1B without one). Interleaved keeps the layer stack stored in the
+    schedule's order (``stack_order="interleaved"``): in layer order the engine would move
+    the stack between stages every step, ``2(p−1)/p`` of its bytes and its gradient's."""
+    schedule = candidate.schedule or PIPELINE_DEFAULTS["schedule"]
     return {
         **PIPELINE_DEFAULTS,
         "microbatches": candidate.microbatches,
-        "schedule": candidate.schedule or PIPELINE_DEFAULTS["schedule"],
+        "schedule": schedule,
         "virtual_stages": candidate.virtual_stages,
+        "stack_order": "interleaved" if schedule == "interleaved" else "layers",
     }
 
 

@@ -105,8 +105,10 @@ def test_a_schedule_the_layers_do_not_allow_is_pruned_and_its_options_reach_the_
     assert isinstance(prune(tiny, c, budget=2**30), Analytic)
     assert _pipeline_options(c)["schedule"] == "zb1"
     assert _pipeline_options(c)["virtual_stages"] == 1
+    assert _pipeline_options(c)["stack_order"] == "layers"
     c = Candidate("pp", (("stage", 2),), microbatches=4, schedule="interleaved")
     assert _pipeline_options(c)["virtual_stages"] == 2
+    assert _pipeline_options(c)["stack_order"] == "interleaved"  # nothing moves each step
     assert _pipeline_options(Candidate("pp", (("stage", 2),), microbatches=4))["schedule"] == "1f1b"
 
 

@@ -350,3 +350,34 @@ def test_each_schedule_compiles_its_own_program(cache):
     got = {x.candidate.schedule: x for x in r.candidates if x.candidate.microbatches == 2}
     assert set(got) == {"1f1b", "zb1"}
     assert got["zb1"].evidence.memory["temp"] > got["1f1b"].evidence.memory["temp"]
+
+
+def test_each_wire_term_goes_over_the_link_its_axes_use():
+    # zeropp on data 4 × stage 16 × fsdp 8, 8 devices a node, devices row-major (fsdp
+    # fastest): fsdp's groups are 8 neighbours (one node), stage's and data's span nodes.
+    # Gradient reductions reduce-scatter over fsdp, (8-1)/8 of G, and all-reduce the shard
+    # over data, 2·(4-1)/(4·8) of G: 7/8 : 3/16 of the term, by hand.
+    from shardkit.autoplanner.candidates import Candidate
+    from shardkit.autoplanner.evaluate import Analytic
+    from shardkit.autoplanner.planner import term_links
+
+    c = Candidate("zeropp", (("data", 4), ("stage", 16), ("fsdp", 8)))
+    terms = (
+        ("weight all-gathers", 10.0),
+        ("gradient reductions", 17.0),
+        ("pipeline transfers", 3.0),
+        ("expert dispatch", 1.0),
+    )
+    got = term_links(c, Analytic(0.0, 0.0, 32.0, wire_terms=terms), per_node=8)
+    assert got[0] == (10.0, False)
+    (rs, rs_crosses), (ar, ar_crosses) = got[1], got[2]
+    assert (rs_crosses, ar_crosses) == (False, True)
+    assert rs == pytest.approx(17.0 * (7 / 8) / (7 / 8 + 3 / 16))
+    assert rs + ar == pytest.approx(17.0)
+    assert got[3] == (3.0, True)
+    assert got[4] == (1.0, True)  # no axis of its own here: every axis
+    assert got[5] == (1.0, True)  # the 1 B the terms do not name
+    # with 256 devices a node, stage's groups (stride 8, ids 120 apart) sit in one
+    assert (
+        term_links(c, Analytic(0.0, 0.0, 3.0, wire_terms=terms[2:3]), per_node=256)[0][1] is False
+    )
