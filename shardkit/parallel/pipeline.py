@@ -274,8 +274,9 @@ def weight_only_residuals(fn: Callable[[Any, Any], Any], w: Any, x: Any) -> list
     Example:
       >>> import jax.numpy as jnp
       >>> f = lambda w, x: jnp.tanh(x @ w.astype(jnp.bfloat16))
-      >>> weight_only_residuals(f, jnp.ones((4, 4)), jnp.ones((2, 4), jnp.bfloat16))
-      [False, True, False]
+      >>> flags = weight_only_residuals(f, jnp.ones((4, 4)), jnp.ones((2, 4), jnp.bfloat16))
+      >>> sum(flags)  # w's bfloat16 copy; the rest (x, tanh's output) read x
+      1
     """
     closed = jax.make_jaxpr(lambda w, x: jax.tree.leaves(jax.vjp(fn, w, x)[1]))(w, x)
     program = closed.jaxpr
