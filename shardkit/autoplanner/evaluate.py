@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from typing import Any
 
 import jax
 
 from shardkit import train
 from shardkit.autoplanner.candidates import Candidate
+from shardkit.autoplanner.roofline import ticks as schedule_ticks
 from shardkit.errors import ShardingError
 from shardkit.mesh import make_mesh
 from shardkit.models.model import Model
 from shardkit.nn.ulysses import check_heads, check_usp
 from shardkit.parallel.schedules import PipelineError
-from shardkit.parallel.schedules import make as make_schedule
 from shardkit.plan import Plan
 from shardkit.report import analytic_moe, build_report
 from shardkit.report.analytic import analytic_costs, with_phases
@@ -201,10 +200,8 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         chunks = f" × {v} chunks ({candidate.schedule})" if v > 1 else ""
         return Pruned(f"{dims.layers} layers do not split into {stages} stages{chunks}")
     if stages and candidate.schedule is not None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # m < p: the schedule's own warning
-                make_schedule(candidate.schedule, stages, candidate.microbatches, v)
+        try:  # the table the roofline counts the ticks of, built (and cached) here
+            schedule_ticks(stages, candidate.microbatches, candidate.schedule)
         except PipelineError as e:
             return Pruned(str(e).split("\n")[0])
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)

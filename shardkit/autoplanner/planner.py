@@ -373,7 +373,7 @@ def _compile_set(order: list[tuple[Candidate, Analytic, float]], max_compiles: i
     against a misjudged recipe, depth where the estimate says the step is won (gpt-7b on
     512 devices: meshes and schedules of the fastest recipe)."""
     chosen, seen = [], set()
-    breadth = max(max_compiles // 2, 1) if max_compiles > 1 else max_compiles
+    breadth = max_compiles // 2 or max_compiles
     for c, _, _ in order:
         if (c.recipe, c.logits, c.attention) not in seen and len(chosen) < breadth:
             seen.add((c.recipe, c.logits, c.attention))
