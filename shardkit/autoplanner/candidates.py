@@ -14,8 +14,8 @@ prunes those whose Ulysses size does not divide the heads. Elsewhere ``attention
 ``None`` (the recipe's own).
 
 A pipelining recipe (a ``stage`` axis) is tried with each schedule in
-:data:`SCHEDULES` (1F1B, interleaved over two chunks a stage, the zero-bubble zb1 and
-zbv) at each micro-batch count; the planner prunes those the layers or the micro-batches
+:data:`SCHEDULES` (1F1B, interleaved over 2, 4 or 8 chunks a stage, the zero-bubble zb1
+and zbv) at each micro-batch count; the planner prunes those the layers or the micro-batches
 do not allow. Elsewhere ``schedule`` is ``None``.
 
 A mixture-of-experts model (``n_experts``) searches the expert axis: every recipe that
@@ -51,6 +51,7 @@ __all__ = [
     "LOGITS",
     "PRECISIONS",
     "REMATS",
+    "INTERLEAVED_CHUNKS",
     "SCHEDULES",
     "enumerate_candidates",
     "expert_recipe",
@@ -64,6 +65,10 @@ LOGITS = ("vocab", "tokens")
 #: The schedules a pipelining recipe is tried with. GPipe is left out: 1F1B's bubble, with
 #: every micro-batch's activations held instead of at most ``2p - 1``.
 SCHEDULES = ("1f1b", "interleaved", "zb1", "zbv")
+#: The chunks a stage runs under ``interleaved`` (Megatron's virtual stages): more
+#: chunks shrink the bubble (``(p−1)/(v·m+p−1)``) for ``v`` times the point-to-point
+#: sends; the planner prunes those the layers do not split into.
+INTERLEAVED_CHUNKS = (2, 4, 8)
 #: The attention strategies a context-parallel recipe is tried with.
 _ATTENTIONS = ("ring", "allgather", "ulysses")
 
@@ -77,7 +82,8 @@ class Candidate:
     ``schedule`` are ``None`` unless the recipe pipelines (has a ``stage`` axis; a
     pipeline without a schedule runs 1F1B); ``logits`` is ``None`` unless the recipe's
     logits layout is a choice on this mesh (``"vocab"`` or ``"tokens"``:
-    ``Recipe.with_logits``).
+    ``Recipe.with_logits``); ``chunks`` is ``None`` but for ``interleaved`` over other
+    than two chunks a stage (:data:`INTERLEAVED_CHUNKS`).
     """
 
     recipe: str
@@ -88,6 +94,7 @@ class Candidate:
     logits: str | None = None
     attention: str | None = None
     schedule: str | None = None
+    chunks: int | None = None
 
     def recipe_object(self) -> recipes.Recipe:
         """The registered recipe, with this candidate's logits layout when it has one.
@@ -105,8 +112,24 @@ class Candidate:
 
     @property
     def virtual_stages(self) -> int:
-        """Chunks of the layer stack a stage runs: 2 for interleaved and zbv, else 1."""
+        """Chunks of the layer stack a stage runs: ``chunks`` where set, else 2 for
+        interleaved and zbv, 1 for the others.
+
+        Example:
+          >>> [Candidate("pp", (("stage", 4),), schedule=s, chunks=c).virtual_stages
+          ...  for s, c in (("1f1b", None), ("zbv", None), ("interleaved", 4))]
+          [1, 2, 4]
+        """
+        if self.chunks is not None:
+            return self.chunks
         return 2 if self.schedule in ("interleaved", "zbv") else 1
+
+    @property
+    def schedule_label(self) -> str | None:
+        """The schedule, with its chunks where they are not its default (``interleaved×4``)."""
+        if self.chunks is None or self.schedule is None:
+            return self.schedule
+        return f"{self.schedule}×{self.chunks}"
 
     @property
     def mesh_sizes(self) -> dict[str, int]:
@@ -125,7 +148,7 @@ class Candidate:
         if self.microbatches is not None:
             parts.append(f"m={self.microbatches}")
         if self.schedule is not None:
-            parts.append(self.schedule)
+            parts.append(self.schedule_label)
         if self.logits is not None:
             parts.append(f"logits={self.logits}")
         if self.attention is not None:
@@ -143,6 +166,7 @@ class Candidate:
             "logits": self.logits,
             "attention": self.attention,
             "schedule": self.schedule,
+            "chunks": self.chunks,
         }
 
     @classmethod
@@ -156,6 +180,7 @@ class Candidate:
             d.get("logits"),
             d.get("attention"),
             d.get("schedule"),
+            d.get("chunks"),
         )
 
 
@@ -218,9 +243,11 @@ def enumerate_candidates(
     """Every candidate for ``devices`` devices, in registry order.
 
     A pipelining recipe gets ``m ∈ {p, 2p, 4p}`` micro-batches (those that divide the
-    batch evenly over its data replicas), each with every schedule in ``schedules``; a
-    batch that allows none leaves it out here and the planner says so. A mesh on which the recipe's logits layout is a choice
-    (``Recipe.vocab_gather_axes``, and no ``stage`` axis) gets both layouts. With
+    batch evenly over its data replicas), each with every schedule in ``schedules``
+    (``interleaved`` with each of :data:`INTERLEAVED_CHUNKS`); a batch that allows none
+    leaves it out here and the planner says so. A mesh on which the recipe's logits
+    layout is a choice (``Recipe.vocab_gather_axes``, and no ``stage`` axis) gets both
+    layouts. With
     ``n_experts`` (an MoE model) a recipe that splits the experts gets every expert-axis
     size dividing them (and a ``data`` axis for the rest of the devices); without, none.
 
@@ -265,8 +292,15 @@ def enumerate_candidates(
             attentions = (None,)
             if recipe.context_state is not None and len(recipe.context_axes) == 1:
                 attentions = _ATTENTIONS
-            for m, schedule, remat, logits, precision, attention in itertools.product(
+            scheds = [
+                (s, None if v == 2 else v)
+                for s in scheds
+                for v in (INTERLEAVED_CHUNKS if s == "interleaved" else (None,))
+            ]
+            for m, (schedule, chunks), remat, logits, precision, attention in itertools.product(
                 counts, scheds, remats, layouts, precisions, attentions
             ):
-                out.append(Candidate(name, mesh, remat, m, precision, logits, attention, schedule))
+                out.append(
+                    Candidate(name, mesh, remat, m, precision, logits, attention, schedule, chunks)
+                )
     return out

@@ -201,7 +201,7 @@ def prune(subject: Subject, candidate: Candidate, *, budget: float) -> Pruned | 
         return Pruned(f"{dims.layers} layers do not split into {stages} stages{chunks}")
     if stages and candidate.schedule is not None:
         try:  # the table the roofline counts the ticks of, built (and cached) here
-            schedule_ticks(stages, candidate.microbatches, candidate.schedule)
+            schedule_ticks(stages, candidate.microbatches, candidate.schedule, v)
         except PipelineError as e:
             return Pruned(str(e).split("\n")[0])
     split = 0.0  # the non-layer parameters' bytes split over tensor (a 3D pipeline's tables)

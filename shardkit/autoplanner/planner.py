@@ -187,7 +187,7 @@ class AutoplanResult:
             Column("m", lambda x: dash(x[1].candidate.microbatches), keep=m_varies, priority=2),
             Column(
                 "schedule",
-                lambda x: dash(x[1].candidate.schedule),
+                lambda x: dash(x[1].candidate.schedule_label),
                 keep=schedule_varies,
                 priority=2,
             ),
@@ -276,7 +276,7 @@ def _analytic_time(subject: Subject, c: Candidate, a: Analytic, hw, devices: int
     flops = useful * (4 / 3 if c.remat == "full" else 1)
     stages = c.mesh_sizes.get("stage", 1)
     if stages > 1 and c.microbatches:
-        flops /= 1 - bubble(stages, c.microbatches, c.schedule or "1f1b")
+        flops /= 1 - bubble(stages, c.microbatches, c.schedule or "1f1b", c.virtual_stages)
     comm = 0.0
     for share, crosses in term_links(c, a, hw.devices_per_node):
         comm += share / hw.bandwidth(crosses)
@@ -579,6 +579,7 @@ def autoplan(
             microbatches=c.microbatches,
             remat=c.remat,
             schedule=c.schedule or "1f1b",
+            virtual=c.virtual_stages,
         )
         ranked.append(Ranked(c, got, analytic[c], est))
     if not ranked:

@@ -7,7 +7,7 @@ where
   FLOPs per device (below), times ``r = 4/3`` under full remat (one more forward,
   ``2Ψ`` of ``6Ψ``), stretched by the pipeline schedule's bubble
   (:func:`shardkit.parallel.schedules.bubble_fraction`: ``(p−1)/(m+p−1)`` for 1F1B,
-  ``(p−1)/(2m+p−1)`` interleaved over two chunks, ``2(p−1)/(3m+2(p−1))`` for zb1 and
+  ``(p−1)/(vm+p−1)`` interleaved over ``v`` chunks, ``2(p−1)/(3m+2(p−1))`` for zb1 and
   zbv), at the precision's dense peak. The compiled program's FLOPs (``flops``, XLA's
   cost analysis with each while loop weighted by its trip count,
   :mod:`shardkit.report.flops`) are a floor: they hold the useful work plus elementwise
@@ -92,31 +92,32 @@ def crosses_nodes(group: tuple[int, ...], devices_per_node: int) -> bool:
     return len({d // devices_per_node for d in group}) > 1
 
 
-def bubble(stages: int, microbatches: int, schedule: str = "1f1b") -> float:
-    """Idle fraction of a pipeline running ``schedule`` (two chunks a stage where it
-    interleaves: ``interleaved``, ``zbv``).
+def bubble(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """Idle fraction of a pipeline running ``schedule`` (``virtual`` chunks a stage under
+    ``interleaved``).
 
     Example:
-      >>> bubble(4, 8), round(bubble(4, 8, "interleaved"), 3), bubble(1, 8)
+      >>> bubble(4, 8), round(bubble(4, 8, "interleaved", 2), 3), bubble(1, 8)
       (0.2727272727272727, 0.158, 0.0)
     """
     if stages <= 1:
         return 0.0
-    return bubble_fraction(schedule, stages, microbatches, 2 if schedule == "interleaved" else 1)
+    return bubble_fraction(schedule, stages, microbatches, virtual)
 
 
 @functools.lru_cache(maxsize=256)
-def ticks(stages: int, microbatches: int, schedule: str = "1f1b") -> int:
-    """Ticks of ``schedule``'s table (:func:`shardkit.parallel.schedules.make`), each one
-    point-to-point hop on the critical path.
+def ticks(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> int:
+    """Ticks of ``schedule``'s table (:func:`shardkit.parallel.schedules.make`, ``virtual``
+    chunks a stage under ``interleaved``), each one point-to-point hop on the critical
+    path.
 
     Example:
-      >>> ticks(4, 8), ticks(4, 8, "interleaved")  # interleaved: a tick per chunk
+      >>> ticks(4, 8), ticks(4, 8, "interleaved", 2)  # interleaved: a tick per chunk
       (14, 38)
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # m < p: the schedule's own warning
-        return make(schedule, stages, microbatches, 2 if schedule == "interleaved" else 1).ticks
+        return make(schedule, stages, microbatches, virtual).ticks
 
 
 def ring_steps(kind: str, group_size: int) -> int:
@@ -165,6 +166,7 @@ def estimate(
     microbatches: int | None = None,
     remat: str | None = None,
     schedule: str = "1f1b",
+    virtual: int = 1,
 ) -> Estimate:
     """The roofline :class:`Estimate` of one device's step.
 
@@ -177,11 +179,12 @@ def estimate(
       precision: ``"f32"`` or ``"bf16"`` (picks the peak).
       useful_flops: the model's useful FLOPs per device.
       devices: the mesh's device count (a collective with no replica groups spans all).
-      stages, microbatches, schedule: the pipeline, for its bubble and ticks.
+      stages, microbatches, schedule, virtual: the pipeline (``virtual`` chunks a stage
+        under ``interleaved``), for its bubble and ticks.
       remat: ``"full"`` recomputes the forward (``4/3`` of the useful FLOPs).
     """
     peak = hardware.peak_flops(precision)
-    idle = bubble(stages, microbatches or 1, schedule)
+    idle = bubble(stages, microbatches or 1, schedule, virtual)
     recompute = 4 / 3 if remat == "full" else 1.0
     compute = max(flops, useful_flops * recompute / (1 - idle)) / peak
     intra = inter = alpha = 0.0
@@ -201,7 +204,7 @@ def estimate(
             intra += wire / hardware.intra_node_bandwidth + a
     hops = 0.0
     if stages > 1:
-        n_ticks = ticks(stages, microbatches or stages, schedule)
+        n_ticks = ticks(stages, microbatches or stages, schedule, virtual)
         hops = n_ticks * latency("collective-permute", 2, stage_crosses, hardware)
     compute += hops
     total = max(compute, intra + inter)

@@ -1,5 +1,6 @@
 """The search space: factorisations, the registry, micro-batches."""
 
+import dataclasses
 import itertools
 import math
 
@@ -106,11 +107,14 @@ def test_the_expert_axis_takes_each_size_dividing_the_experts_and_a_dense_model_
 
 def test_a_pipeline_takes_each_schedule_at_each_microbatch_count_and_others_none():
     got = enumerate_candidates(8, 16, recipe_names=["dp_pp", "fsdp"], remats=["none"])
-    pipelined = {(c.mesh, c.microbatches, c.schedule) for c in got if c.recipe == "dp_pp"}
+    pipelined = [(c.mesh, c.microbatches, c.schedule, c.chunks) for c in got if c.recipe == "dp_pp"]
     pairs = {(c.mesh, c.microbatches) for c in got if c.recipe == "dp_pp"}
-    assert pipelined == {
-        (*pair, s) for pair in pairs for s in ("1f1b", "interleaved", "zb1", "zbv")
-    }
+    # interleaved over 2 (its default: None), 4 and 8 chunks; the others their own
+    schedules = [("1f1b", None), ("interleaved", None), ("interleaved", 4), ("interleaved", 8),
+                 ("zb1", None), ("zbv", None)]  # fmt: skip
+    assert sorted(pipelined, key=str) == sorted(
+        [(*pair, *s) for pair in pairs for s in schedules], key=str
+    )
     assert {c.schedule for c in got if c.recipe == "fsdp"} == {None}
     # a schedule asked for alone; a batch with no micro-batch count leaves none to try
     only = enumerate_candidates(8, 16, recipe_names=["pp"], remats=["none"], schedules=["zb1"])
@@ -126,3 +130,7 @@ def test_a_schedule_shows_in_the_label_survives_json_and_sets_the_chunks():
     assert c.label == "pp stage=4 remat=full m=8 interleaved f32"
     assert [Candidate("pp", (("stage", 4),), schedule=s).virtual_stages for s in
             ("1f1b", "interleaved", "zb1", "zbv", None)] == [1, 2, 1, 2, 1]  # fmt: skip
+    four = dataclasses.replace(c, chunks=4)
+    assert Candidate.from_json(four.to_json()) == four != c
+    assert four.label == "pp stage=4 remat=full m=8 interleaved×4 f32"
+    assert four.virtual_stages == 4

@@ -106,6 +106,9 @@ def test_a_schedule_the_layers_do_not_allow_is_pruned_and_its_options_reach_the_
     assert _pipeline_options(c)["schedule"] == "zb1"
     assert _pipeline_options(c)["virtual_stages"] == 1
     assert _pipeline_options(c)["stack_order"] == "layers"
+    c = Candidate("pp", (("stage", 2),), microbatches=4, schedule="interleaved", chunks=4)
+    assert prune(tiny, c, budget=2**30).reason.endswith("2 stages × 4 chunks (interleaved)")
+    assert _pipeline_options(c)["virtual_stages"] == 4
     c = Candidate("pp", (("stage", 2),), microbatches=4, schedule="interleaved")
     assert _pipeline_options(c)["virtual_stages"] == 2
     assert _pipeline_options(c)["stack_order"] == "interleaved"  # nothing moves each step

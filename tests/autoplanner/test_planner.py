@@ -7,6 +7,7 @@ import pytest
 from shardkit import models, recipes
 from shardkit.autoplanner import NoLayoutFitsError, autoplan
 from shardkit.autoplanner.cache import Cache
+from shardkit.autoplanner.candidates import Candidate
 from shardkit.autoplanner.hardware import get
 from shardkit.autoplanner.roofline import crosses_nodes
 from shardkit.report.tables import to_lines
@@ -224,7 +225,11 @@ def test_the_3d_pipeline_is_estimated_and_compiled_like_the_other_pipelines(cach
     r = plan("gpt-tiny", cache, recipes=["dp_tp_sp_pp"], max_compiles=1)
     pruned = [x for x in r.rejected if x.stage == "analytic"]
     assert {x.candidate.schedule for x in pruned} == {"interleaved", "zbv"}
-    assert all(x.reason.endswith(f"× 2 chunks ({x.candidate.schedule})") for x in pruned)
+    assert all(
+        x.reason.endswith(f"× {x.candidate.virtual_stages} chunks ({x.candidate.schedule})")
+        for x in pruned
+    )
+    assert {x.candidate.virtual_stages for x in pruned} == {2, 4, 8}
     best = r.best
     assert best.candidate.mesh_sizes == {"data": 2, "stage": 2, "tensor": 2}
     assert best.candidate.microbatches in (2, 4)
@@ -352,12 +357,30 @@ def test_each_schedule_compiles_its_own_program(cache):
     assert got["zb1"].evidence.memory["temp"] > got["1f1b"].evidence.memory["temp"]
 
 
+def test_interleaved_chunks_reach_the_step_one_send_per_item():
+    # pp on 2 stages, m = 2, gpt-tiny with 8 layers: over v chunks a stage runs v·m
+    # forward and v·m backward items, each handing its neighbour one send: 2·v·m sends
+    # a step (8 and 16 by hand), each chunk's activation the same size.
+    import jax
+
+    from shardkit.autoplanner.evaluate import Subject, compile_candidate
+
+    subject = Subject.of(models.get("gpt-tiny", n_layers=8), batch=8, seq=32)
+    sends = {}
+    for chunks in (None, 4):
+        c = Candidate("pp", (("stage", 2),), "none", 2, schedule="interleaved", chunks=chunks)
+        got = compile_candidate(subject, c, jax.devices()[:2])
+        sends[c.virtual_stages] = sum(
+            count for kind, _, _, count, _ in got.collectives if kind == "collective-permute"
+        )
+    assert sends == {2: 2 * 2 * 2, 4: 2 * 4 * 2}
+
+
 def test_each_wire_term_goes_over_the_link_its_axes_use():
     # zeropp on data 4 × stage 16 × fsdp 8, 8 devices a node, devices row-major (fsdp
     # fastest): fsdp's groups are 8 neighbours (one node), stage's and data's span nodes.
     # Gradient reductions reduce-scatter over fsdp, (8-1)/8 of G, and all-reduce the shard
     # over data, 2·(4-1)/(4·8) of G: 7/8 : 3/16 of the term, by hand.
-    from shardkit.autoplanner.candidates import Candidate
     from shardkit.autoplanner.evaluate import Analytic
     from shardkit.autoplanner.planner import term_links
 

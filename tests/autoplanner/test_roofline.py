@@ -137,17 +137,25 @@ def test_nccl_latency_on_a_gpu_node():
 
 
 def test_each_schedule_stretches_compute_by_its_own_bubble_and_ticks():
-    # By hand, p = 4, m = 8: interleaved over two chunks 3 / (2·8 + 3); zb1 and zbv
+    # By hand, p = 4, m = 8: interleaved over v chunks 3 / (v·8 + 3); zb1 and zbv
     # 2·3 / (3·8 + 2·3) (F, B and W of equal length).
-    assert bubble(4, 8, "interleaved") == pytest.approx(3 / 19)
+    assert bubble(4, 8, "interleaved", 2) == pytest.approx(3 / 19)
+    assert bubble(4, 8, "interleaved", 4) == pytest.approx(3 / 35)
     assert bubble(4, 8, "zb1") == bubble(4, 8, "zbv") == pytest.approx(6 / 30)
     from shardkit.parallel.schedules import make
 
-    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("zb1", 1), ("zbv", 2)):
+    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb1", 1),
+                        ("zbv", 2)):  # fmt: skip
         e = pipeline(
-            permutes=1, useful_flops=100.0, devices=8, stages=4, microbatches=8, schedule=schedule
+            permutes=1,
+            useful_flops=100.0,
+            devices=8,
+            stages=4,
+            microbatches=8,
+            schedule=schedule,
+            virtual=v,
         )
         # the engine's own table: one neighbour exchange (3.5 s here) per tick
         assert e.ticks_s == pytest.approx(make(schedule, 4, 8, v).ticks * 3.5), schedule
-        idle = bubble(4, 8, schedule)
+        idle = bubble(4, 8, schedule, v)
         assert e.compute_s - e.ticks_s == pytest.approx(100.0 / (1 - idle) / LAT.peak_flops("f32"))
