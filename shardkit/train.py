@@ -197,7 +197,7 @@ def train_step(
     to_stored = to_layers = None
     if opts["stack_order"] == "interleaved":
         to_stored, to_layers = order_converters(
-            plan, abstract, int(stages), int(opts["virtual_stages"])
+            plan, abstract, int(stages), grad_fn.schedule.virtual, grad_fn.schedule.name
         )
     return PipelinedStep(
         _step(grad_fn, tx, return_grads, packed=False),

@@ -320,16 +320,16 @@ def _estimated(subject: Subject, candidate: Candidate, pipeline: Any) -> float |
 
 def _pipeline_options(candidate: Candidate) -> dict:
     """The pipeline a candidate with a ``stage`` axis runs: the defaults, its micro-batches
-    and schedule (1F1B without one). Interleaved keeps the layer stack stored in the
-    schedule's order (``stack_order="interleaved"``): in layer order the engine would move
-    the stack between stages every step, ``2(p−1)/p`` of its bytes and its gradient's."""
+    and schedule (1F1B without one). Interleaved and zbv keep the layer stack stored in
+    the schedule's order (``stack_order="interleaved"``): in layer order the engine would
+    move the stack between stages every step, and its gradient back."""
     schedule = candidate.schedule or PIPELINE_DEFAULTS["schedule"]
     return {
         **PIPELINE_DEFAULTS,
         "microbatches": candidate.microbatches,
         "schedule": schedule,
         "virtual_stages": candidate.virtual_stages,
-        "stack_order": "interleaved" if schedule == "interleaved" else "layers",
+        "stack_order": "interleaved" if candidate.virtual_stages > 1 else "layers",
     }
 
 

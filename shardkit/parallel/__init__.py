@@ -13,7 +13,7 @@ from shardkit.errors import NotPipelinableError, PipelineError
 from shardkit.nn.loss import head_post_grad
 from shardkit.nn.stack import linen_layer, nnx_layer
 from shardkit.parallel import pipeline, schedules, stages
-from shardkit.parallel.pipeline import STAGE, PipelinedGrad, mesh_value_and_grad
+from shardkit.parallel.pipeline import STAGE, PipelinedGrad, mesh_value_and_grad, stored_order
 from shardkit.parallel.schedules import (
     SCHEDULES,
     MicrobatchError,
@@ -56,5 +56,6 @@ __all__ = [
     "pipeline_value_and_grad",
     "schedules",
     "stages",
+    "stored_order",
     "to_interleaved",
 ]

@@ -4,8 +4,8 @@
 A recipe with a ``stage`` axis trains with the pipelined step (``M`` defaults to the
 number of stages); the flags with any other recipe are an error that names the fix.
 
-Under ``interleaved`` (``V > 1``) the step takes the layer stack stored in the schedule's
-order (``stack_order="interleaved"``): in layer order it would reorder the stack and its
+Under ``interleaved`` (``V > 1``) and ``zbv`` the step takes the layer stack stored in the
+schedule's order (``stack_order="interleaved"``): in layer order it would reorder the stack and its
 gradient across stages every step (all-gathers, 2.6x the analytic wire on gpt-small). The
 step (``shardkit.step.PipelinedStep``) carries ``to_stored`` / ``to_layers``, run once on
 the state as it enters the loop and wherever it leaves it (a checkpoint stays in layer
@@ -102,7 +102,8 @@ def for_plan(plan: Any, opts: dict[str, Any] | None) -> dict[str, Any] | None:
 
     Fills what the flags leave out from ``shardkit.step.PIPELINE_DEFAULTS`` (one
     micro-batch per stage, ``1f1b``); under
-    ``interleaved`` with ``virtual_stages > 1`` the stack stored in the schedule's order
+    ``interleaved`` with ``virtual_stages > 1`` and under ``zbv`` the stack stored in the
+    schedule's order
     (the step's ``to_stored`` / ``to_layers`` convert the state). ``opts`` may name
     ``stack_order="layers"`` to keep the layer order (to measure what it costs).
 
@@ -131,8 +132,8 @@ def for_plan(plan: Any, opts: dict[str, Any] | None) -> dict[str, Any] | None:
         opts["rolled"] = True  # zb1 / zbv split each layer's backward: the rolled engine
     if opts["schedule"] == "zbv" and "virtual_stages" not in given:
         opts["virtual_stages"] = 2
-    interleaved = opts["schedule"] == "interleaved" and opts["virtual_stages"] > 1
-    if not interleaved:
+    chunked = opts["schedule"] in ("interleaved", "zbv") and opts["virtual_stages"] > 1
+    if not chunked:
         opts["stack_order"] = "layers"
     elif "stack_order" not in given:
         opts["stack_order"] = "interleaved"

@@ -95,13 +95,15 @@ __all__ = [
     "mesh_value_and_grad",
     "interleaved_order",
     "read_dtypes",
+    "stored_order",
     "v_order",
     "spec_axes",
     "STAGE",
 ]
 
 #: How a layer stack is stored: ``"layers"`` (layer order) or ``"interleaved"`` (each
-#: stage's ``v`` chunks contiguous, see :func:`interleaved_order`).
+#: stage's ``v`` chunks contiguous, in the order its schedule runs them: see
+#: :func:`stored_order`).
 _STACK_ORDERS = ("layers", "interleaved")
 
 #: The mesh axis pipeline stages are laid along.
@@ -160,6 +162,18 @@ def v_order(layers: int, stages: int, virtual: int = 2) -> np.ndarray:
             for i in range(chunk)
         ]
     )
+
+
+def stored_order(schedule: str, layers: int, stages: int, virtual: int) -> np.ndarray:
+    """The layer at each position of a stack stored in ``schedule``'s own order
+    (``stack_order="interleaved"``): :func:`v_order` for ``zbv``, else
+    :func:`interleaved_order`.
+
+    Example:
+      >>> stored_order("zbv", 4, stages=2, virtual=2).tolist()
+      [0, 3, 1, 2]
+    """
+    return (v_order if schedule == "zbv" else interleaved_order)(layers, stages, virtual)
 
 
 def _full_spec(spec: PartitionSpec | None, ndim: int) -> tuple:
@@ -398,10 +412,10 @@ def mesh_value_and_grad(
         gathered by the engine, and inside each stage the active plan's rules (less the
         manual axes) constrain activations and weights, so XLA shards each stage's
         layers by them (tensor and sequence parallelism inside a pipeline stage).
-      stack_order: ``"layers"``: the stack in layer order; under ``interleaved`` the
-        engine reorders it for the stages (a gather of the whole stack, and its gradient
-        back, every step). ``"interleaved"``: the stack is stored as
-        ``stack[interleaved_order(L, p, v)]`` (convert once,
+      stack_order: ``"layers"``: the stack in layer order; under ``interleaved`` and
+        ``zbv`` the engine reorders it for the stages (a gather of the whole stack, and
+        its gradient back, every step). ``"interleaved"``: the stack is stored in the
+        schedule's order, ``stack[stored_order(schedule, L, p, v)]`` (convert once,
         :func:`shardkit.parallel.stages.to_interleaved`): nothing moves, and the gradient
         comes back in the same order.
       stage_axis: the pipeline's mesh axis.
@@ -448,7 +462,7 @@ def mesh_value_and_grad(
     if stack_order not in _STACK_ORDERS:
         raise PipelineError(
             f"stack_order={stack_order!r} is not one of {_STACK_ORDERS}.\nFix: 'layers' (the "
-            "stack in layer order) or 'interleaved' (stored as stack[interleaved_order(...)])."
+            "stack in layer order) or 'interleaved' (stored as stack[stored_order(...)])."
         )
     sched = make(schedule, p, microbatches, virtual_stages)
     v = sched.virtual
@@ -458,12 +472,6 @@ def mesh_value_and_grad(
             "layer by layer, which the rolled engine runs; rolled=False unrolls a stage's "
             f"layers into one vjp.\nFix: rolled=True (--rolled) with {schedule!r}, or "
             "schedule '1f1b' unrolled."
-        )
-    if sched.name == "zbv" and stack_order != "layers":
-        raise PipelineError(
-            f"Schedule 'zbv' lays chunks s and {2 * p - 1}-s on stage s, not the interleaved "
-            f"order stack_order={stack_order!r} stores.\nFix: stack_order='layers' with zbv "
-            "(the engine reorders the stack), or schedule 'interleaved'."
         )
     if unit is not None and (int(unit) < 1 or microbatches % int(unit)):
         units = [d for d in range(1, microbatches + 1) if microbatches % d == 0]
@@ -517,7 +525,7 @@ def mesh_value_and_grad(
                 )
         perm = None
         if v > 1 and stack_order == "layers":  # chunk k·p + s on stage s: reorder the stack
-            perm = (v_order if sched.name == "zbv" else interleaved_order)(n_layers, p, v)
+            perm = stored_order(sched.name, n_layers, p, v)
             stack = jax.tree.map(lambda x: jnp.take(x, perm, axis=0), stack)
         b_spec = PartitionSpec(b_axes or None)
         manual = frozenset(mesh.axis_names) - auto

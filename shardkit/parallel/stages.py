@@ -154,10 +154,13 @@ def _reorder(tree: Any, key: str, perm_of: Callable[[int], Any]) -> Any:
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def to_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers") -> Any:
+def to_interleaved(
+    tree: Any, stages: int, virtual: int, *, key: str = "layers", schedule: str = "interleaved"
+) -> Any:
     """Every array under a ``key`` entry of ``tree`` (a TrainState: the parameters and the
-    optimizer's moments) reordered along its leading (layer) axis into the order the
-    ``interleaved`` schedule stores (:func:`shardkit.parallel.pipeline.interleaved_order`).
+    optimizer's moments) reordered along its leading (layer) axis into the order
+    ``schedule`` stores (``stack_order="interleaved"``:
+    :func:`shardkit.parallel.pipeline.stored_order`, a V for ``zbv``).
 
     Run it once (jitted with the state's shardings), then train with
     ``shardkit.train.train_step(..., pipeline={"schedule": "interleaved"})``.
@@ -167,10 +170,12 @@ def to_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers")
       >>> to_interleaved({"layers": jnp.arange(4), "emb": jnp.arange(4)}, 2, 2)["layers"]
       Array([0, 2, 1, 3], dtype=int32)
     """
-    return _reorder(tree, key, lambda n: pipeline.interleaved_order(n, stages, virtual))
+    return _reorder(tree, key, lambda n: pipeline.stored_order(schedule, n, stages, virtual))
 
 
-def from_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers") -> Any:
+def from_interleaved(
+    tree: Any, stages: int, virtual: int, *, key: str = "layers", schedule: str = "interleaved"
+) -> Any:
     """The inverse of :func:`to_interleaved`: the stacks back in layer order.
 
     Example:
@@ -178,18 +183,24 @@ def from_interleaved(tree: Any, stages: int, virtual: int, *, key: str = "layers
       >>> from_interleaved({"layers": jnp.array([0, 2, 1, 3])}, 2, 2)["layers"]
       Array([0, 1, 2, 3], dtype=int32)
     """
-    return _reorder(tree, key, lambda n: np.argsort(pipeline.interleaved_order(n, stages, virtual)))
+    return _reorder(
+        tree, key, lambda n: np.argsort(pipeline.stored_order(schedule, n, stages, virtual))
+    )
 
 
 def order_converters(
-    plan: Any, abstract: Any, stages: int, virtual: int
+    plan: Any, abstract: Any, stages: int, virtual: int, schedule: str = "interleaved"
 ) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
     """``(to_stored, to_layers)``: :func:`to_interleaved` / :func:`from_interleaved` of a
-    whole state, each jitted once, its output laid out as ``abstract`` lays the state."""
+    whole state in ``schedule``'s order, each jitted once, its output laid out as
+    ``abstract`` lays the state."""
     shardings = jax.tree.map(lambda x: x.sharding, getattr(abstract, "tree", abstract))
 
     def jitted(convert: Callable[..., Any]) -> Callable[[Any], Any]:
-        fn = jax.jit(lambda state: convert(state, stages, virtual), out_shardings=shardings)
+        fn = jax.jit(
+            lambda state: convert(state, stages, virtual, schedule=schedule),
+            out_shardings=shardings,
+        )
 
         def apply(state: Any) -> Any:
             with jax.set_mesh(plan.mesh):

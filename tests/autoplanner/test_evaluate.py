@@ -112,6 +112,8 @@ def test_a_schedule_the_layers_do_not_allow_is_pruned_and_its_options_reach_the_
     c = Candidate("pp", (("stage", 2),), microbatches=4, schedule="interleaved")
     assert _pipeline_options(c)["virtual_stages"] == 2
     assert _pipeline_options(c)["stack_order"] == "interleaved"  # nothing moves each step
+    zbv = Candidate("pp", (("stage", 2),), microbatches=4, schedule="zbv")
+    assert _pipeline_options(zbv)["stack_order"] == "interleaved"  # its V, stored
     assert _pipeline_options(Candidate("pp", (("stage", 2),), microbatches=4))["schedule"] == "1f1b"
 
 

@@ -156,7 +156,7 @@ def test_run_interleaved_trains_as_one_device_and_saves_in_layer_order(
 def test_zero_bubble_flags_run_rolled_and_train_as_one_device(gpt_tiny_layers, capsys):
     plan = sk.Plan("zeropp", devices=jax.devices()[:8])
     opts = cli.for_plan(plan, cli.options(parse("--schedule", "zbv")))
-    assert (opts["rolled"], opts["virtual_stages"], opts["stack_order"]) == (True, 2, "layers")
+    assert (opts["rolled"], opts["virtual_stages"], opts["stack_order"]) == (True, 2, "interleaved")
     assert cli.for_plan(plan, cli.options(parse("--schedule", "zb1")))["rolled"] is True
     gpt_tiny_layers(4)  # zbv: 2 stages × 2 chunks
 

@@ -37,8 +37,9 @@ def run_steps(model_name, plan, pipelined=None):
         if pipelined.get("stack_order") == "interleaved":  # the state stored in its order
             reorder = (plan.mesh.shape["stage"], pipelined["virtual_stages"])
             shardings = jax.tree.map(lambda x: x.sharding, state)
+            order = {"schedule": pipelined["schedule"]}
             state = jax.jit(
-                lambda s: parallel.to_interleaved(s, *reorder), out_shardings=shardings
+                lambda s: parallel.to_interleaved(s, *reorder, **order), out_shardings=shardings
             )(state)
     losses, first = [], None
     for i in range(STEPS):
@@ -46,7 +47,7 @@ def run_steps(model_name, plan, pipelined=None):
         losses.append(float(metrics["loss"]))
         first = metrics["grads"] if first is None else first
     if reorder is not None:  # back to layer order, to compare with one device
-        state, first = parallel.from_interleaved((state, first), *reorder)
+        state, first = parallel.from_interleaved((state, first), *reorder, **order)
     return losses, first, state
 
 
@@ -109,9 +110,11 @@ def test_pipeline_matches_one_device(model_name, schedule, factor, recipe, rolle
     ref_losses, ref_grads, ref_state = one_device(model_name)
     plan = sk.Plan(recipe, devices=jax.devices()[: DEVICES[recipe]])
     p = plan.mesh.shape["stage"]
-    # interleaved: the state stored in the schedule's order (nothing moves between stages)
-    # under dp_pp, in layer order (the engine reorders it each step) under the others
-    order = "interleaved" if (schedule, recipe) == ("interleaved", "dp_pp") else "layers"
+    # interleaved and zbv: the state stored in the schedule's order (nothing moves between
+    # stages) under dp_pp and pp, in layer order (the engine reorders it each step) under
+    # the others
+    stored = {("interleaved", "dp_pp"), ("zbv", "pp")}
+    order = "interleaved" if (schedule, recipe) in stored else "layers"
     losses, grads, state = run_steps(
         model_name,
         plan,
