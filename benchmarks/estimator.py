@@ -17,6 +17,11 @@ Compile only (nothing runs), AdamW. Four grids of points, every recipe × both f
 - *held_out_large*: the held-out grid at batch 512 (4,096 to 65,536 tokens per device);
 - *moe_tiny*, *moe_small*: mixture-of-experts points (:data:`MOE_GRIDS`), the four
   expert-parallel recipes on 8 devices, f32; never in the fit.
+- *held_out_wide*: the planner's own candidates at 64 and 512 devices (d_model 512,
+  8 layers, vocab 4096, seq 128, global batch 512: 128 to 1,024 tokens per device), a
+  seeded sample of :data:`WIDE_PER_RECIPE` per recipe × family × device count from those
+  that pass the planner's structural checks, over its meshes, remat, precision,
+  micro-batches, schedules, logits layouts and attention strategies; never in the fit.
 - *rolled_training*, *rolled_held_out*: the rolled pipeline engine (the default), each
   point with its mesh and pipeline options (:data:`PIPELINE_GRIDS`): pp / dp_pp / zeropp
   / dp_tp_sp_pp × gpipe / 1f1b / interleaved / zb1 / zbv × remat full / none; training
@@ -48,8 +53,9 @@ if "--collect" in sys.argv or "--tiny" in sys.argv:
     from shardkit.devices import compile_only_env
 
     os.environ.update(compile_only_env(os.environ))  # the buffers as at -O2, compiled faster
-    sk.emulate_devices(16)
+    sk.emulate_devices(512 if "held_out_wide" in sys.argv else 16)
 
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
@@ -230,6 +236,78 @@ PIPELINE_GRIDS = {
 }
 
 
+#: The planner's candidates at 64 and 512 devices (sizes the fit never saw): a seeded
+#: sample of this many per recipe × family × device count, from those the planner's
+#: structural checks pass (``autoplanner.evaluate.prune``, no memory budget), and one
+#: more of a pipeline's interleaved over 4 or 8 chunks a stage.
+WIDE_PER_RECIPE = 3
+WIDE_GRIDS = {
+    "held_out_wide": {
+        "gpt": dict(vocab=4096, d_model=512, n_layers=8, n_heads=16, n_kv_heads=16, d_ff=2048),
+        "llama": dict(vocab=4096, d_model=512, n_layers=8, n_heads=16, n_kv_heads=8, d_ff=1536),
+        "seq": 128,
+        "batch": 512,
+        "devices": (64, 512),
+    }
+}
+
+
+@functools.cache
+def _wide_points(grid: str) -> tuple:
+    import random
+
+    from shardkit.autoplanner.candidates import enumerate_candidates
+    from shardkit.autoplanner.evaluate import Pruned, Subject, _pipeline_options, prune
+
+    g, out = WIDE_GRIDS[grid], []
+    for devices in g["devices"]:
+        for family in ("gpt", "llama"):
+            p0 = dict(family=family, config={**g[family], "max_seq": g["seq"]}, remat="full")
+            subject = Subject.of(model_of(p0), batch=g["batch"], seq=g["seq"])
+            by_recipe: dict[str, list] = {}
+            for c in enumerate_candidates(
+                devices, g["batch"], remats=REMATS, precisions=PRECISIONS
+            ):
+                if c.recipe in MOE_RECIPES:
+                    continue
+                if not isinstance(prune(subject, c, budget=math.inf), Pruned):
+                    # interleaved over 4 or 8 chunks: one more point of its own
+                    by_recipe.setdefault((c.recipe, c.chunks is None), []).append(c)
+            for (recipe, default_chunks), cands in by_recipe.items():
+                seed = f"{grid}/{devices}/{family}/{recipe}" + ("" if default_chunks else "/v")
+                random.Random(seed).shuffle(cands)
+                for c in cands[: WIDE_PER_RECIPE if default_chunks else 1]:
+                    pipe = _pipeline_options(c) if c.microbatches is not None else None
+                    out.append(
+                        dict(
+                            _pp(
+                                family,
+                                g[family],
+                                recipe,
+                                c.mesh_sizes,
+                                g["batch"],
+                                g["seq"],
+                                c.remat,
+                                pipe,
+                                c.precision,
+                                grid=grid,
+                            ),
+                            candidate=c.to_json(),
+                        )
+                    )
+    return tuple(out)
+
+
+def recipe_of(p: dict):
+    """The recipe a point compiles: a planner candidate's own (its logits layout,
+    attention strategy and data axis), else the registered one by name."""
+    if "candidate" not in p:
+        return p["recipe"]
+    from shardkit.autoplanner.candidates import Candidate
+
+    return Candidate.from_json(p["candidate"]).recipe_object()
+
+
 def pipeline_points(grid: str) -> list[dict]:
     """A rolled pipeline grid's points (:data:`PIPELINE_GRIDS`)."""
     return [_pp(*row, grid=grid) for row in PIPELINE_GRIDS[grid]]
@@ -261,6 +339,8 @@ def points(grid: str) -> list[dict]:
         return moe_points(grid)
     if grid in PIPELINE_GRIDS:
         return pipeline_points(grid)
+    if grid in WIDE_GRIDS:
+        return [dict(p) for p in _wide_points(grid)]
     g = GRIDS[grid]
     combos = [(r, p) for r in REMATS for p in PRECISIONS]
     out = []
@@ -298,12 +378,16 @@ def key(p: dict) -> str:
         mesh = "x".join(f"{a}{n}" for a, n in p["mesh"].items())
         opts = ",".join(f"{k}={v}" for k, v in sorted(p["pipeline"].items()))
         out += f"/{mesh}/rolled:{opts}"
+    elif p.get("candidate"):  # a planner candidate: its mesh and recipe options
+        c = p["candidate"]
+        out += "/" + "x".join(f"{a}{n}" for a, n in p["mesh"].items())
+        out += "".join(f"/{k}={c[k]}" for k in ("logits", "attention") if c.get(k))
     return out
 
 
 def load_cache() -> dict:
     out: dict = {}
-    grids = (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS)
+    grids = (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS)
     for path in (CACHE, *(cache_file(g + r) for g in grids for r in ("", "_reversed"))):
         out.update(json.loads(path.read_text()) if path.exists() else {})
     return out
@@ -335,7 +419,7 @@ def compile_point(p: dict) -> dict:
         where = {"devices": devices}
         if p.get("mesh"):
             where = {"mesh": sk.make_mesh(p["mesh"], devices=devices)}
-        plan = sk.Plan(p["recipe"], **where, precision=p["precision"])
+        plan = sk.Plan(recipe_of(p), **where, precision=p["precision"])
         r = sk.report.build_report(
             plan,
             model=model_of(p),
@@ -406,7 +490,7 @@ def estimates(rows, fit=None) -> list:
 
     return [
         estimate(
-            p["recipe"],
+            recipe_of(p),
             dims_of(p),
             mesh=c["mesh"],
             batch=p["batch"],
@@ -521,7 +605,7 @@ def errors(rows, ests) -> dict:
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--collect", choices=(*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS))
+    p.add_argument("--collect", choices=(*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS))
     p.add_argument("--reverse", action="store_true", help="collect the grid's last points first")
     p.add_argument(
         "--fit", action="store_true", help="refit the constants (training and training_large)"
@@ -540,11 +624,11 @@ def main() -> None:
     if args.fit:
         fit = fit_rolled(compiled("rolled_training"), fit)
     result = {"constants": fit, "fitted": bool(args.fit), "left_out": list(STALE)}
-    for grid in (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS):
+    for grid in (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS):
         result[f"{grid}_points_planned"] = len(points(grid))
     table = []
     grids = [("training", train), ("training_large", large), ("held_out", held)]
-    unseen = ("held_out_large", *MOE_GRIDS, *PIPELINE_GRIDS)
+    unseen = ("held_out_large", *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS)
     grids += [(g, compiled(g)) for g in unseen if not args.tiny]
     for grid, rows in grids:
         ests = estimates(rows, fit)

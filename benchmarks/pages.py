@@ -86,8 +86,9 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("estimator",),
         "`sk.estimate` against the compiled program on training grids (where its constants "
         "are fitted; one at 2,048 tokens a device and more) and held-out grids of other "
-        "sizes, sequences and device counts (one past 4,096 tokens a device): the share "
-        "of totals within ±10 % and the worst, per recipe family.",
+        "sizes, sequences and device counts (one past 4,096 tokens a device; one of the "
+        "planner's own candidates on 64 and 512 devices): the share of totals within "
+        "±10 % and the worst, per recipe family.",
     ),
     "overhead": (
         "Overhead",

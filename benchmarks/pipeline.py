@@ -274,7 +274,8 @@ def main(argv=None) -> None:
         # zbv's V needs 2p chunks: 12 layers do not split into 4 stages × 2; 16 layers do
         deep = {**dict(specs)["pp 1f1b"], "overrides": {"n_layers": 16}}
         specs.append(("pp 1f1b, 16 layers", deep))
-        specs.append(("pp zbv, 16 layers", {**deep, "schedule": "zbv"}))
+        # stored in zbv's order (its V), as the planner and `shardkit run` keep it
+        specs.append(("pp zbv, 16 layers", {**deep, "schedule": "zbv", "order": "interleaved"}))
         for label in ("pp gpipe", "pp 1f1b", "pp 1f1b, 2m"):
             specs.append((f"{label}, unrolled", {**dict(specs)[label], "rolled": False}))
     if not args.tiny:
