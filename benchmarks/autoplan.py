@@ -52,6 +52,12 @@ def autoplan(model: str, devices: int, extra: list[str]) -> tuple[dict, float]:
         return json.loads(proc.stdout), time.perf_counter() - start
 
 
+def schedule_label(candidate: dict) -> str:
+    """``interleaved×4`` (its chunks where not the default), ``1f1b``, or ``–``."""
+    chunks = f"×{candidate['chunks']}" if candidate.get("chunks") else ""
+    return (candidate.get("schedule") or "–") + chunks
+
+
 def discordant(rows: list[dict]) -> int:
     """Pairs the analytic wire bytes order differently from the compiled ones."""
     bad = 0
@@ -90,7 +96,7 @@ def main(argv=None) -> None:
                 n,
                 precisions,
                 layout,
-                best.get("schedule") or "–",
+                schedule_label(best),
                 best["remat"],
                 best["precision"],
                 best["memory_per_device_bytes"]["total"] * MIB,
