@@ -27,6 +27,8 @@ import time
 
 from bench_util import MIB, emit, parser
 
+from shardkit.autoplanner.candidates import Candidate
+
 
 def autoplan(model: str, devices: int, extra: list[str]) -> tuple[dict, float]:
     cmd = [
@@ -50,12 +52,6 @@ def autoplan(model: str, devices: int, extra: list[str]) -> tuple[dict, float]:
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         return json.loads(proc.stdout), time.perf_counter() - start
-
-
-def schedule_label(candidate: dict) -> str:
-    """``interleaved×4`` (its chunks where not the default), ``1f1b``, or ``–``."""
-    chunks = f"×{candidate['chunks']}" if candidate.get("chunks") else ""
-    return (candidate.get("schedule") or "–") + chunks
 
 
 def discordant(rows: list[dict]) -> int:
@@ -96,7 +92,7 @@ def main(argv=None) -> None:
                 n,
                 precisions,
                 layout,
-                schedule_label(best),
+                Candidate.from_json(best).schedule_label or "–",
                 best["remat"],
                 best["precision"],
                 best["memory_per_device_bytes"]["total"] * MIB,

@@ -48,10 +48,10 @@ from shardkit.rules import Rules
 
 __all__ = [
     "Candidate",
+    "INTERLEAVED_CHUNKS",
     "LOGITS",
     "PRECISIONS",
     "REMATS",
-    "INTERLEAVED_CHUNKS",
     "SCHEDULES",
     "enumerate_candidates",
     "expert_recipe",
