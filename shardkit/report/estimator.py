@@ -188,6 +188,13 @@ _NONE_WIDTH_VALUES = 6
 #: ``save_dots``, the input matmuls read from the saved values (3); ``none``, the
 #: gradients of the saved values (2).
 _MLP_BACKWARD_VALUES = {"full": 4, "save_dots": 3, "none": 2}
+#: The same under TSP's rings (``tsp``): one ``f_in`` and this many ``d_ff`` values past
+#: it (the rings' scan carries: the up projection's forward sum, the down projection's
+#: input gradient, each in and out). Counted from XLA:CPU's buffers at the peak, the
+#: same at d_ff 320 and 512: GPT (``f_in = f``) six under remat full, four under
+#: save_dots; Llama (``f_in = 2f``) seven and five (seven in bf16 too; GPT's GELU in
+#: bf16 holds eight under either, not modelled). Without remat the dense count.
+_TSP_MLP_BACKWARD_VALUES = {"full": 5, "save_dots": 3}
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -597,12 +604,15 @@ def estimate(
     else:
         f_in = (2 if dims.gated_mlp else 1) * dims.d_ff / t
         mlp = _MLP_BACKWARD_VALUES[remat] * f_in
+        if par.tsp_kind == "tsp" and tsp > 1 and remat in _TSP_MLP_BACKWARD_VALUES:
+            mlp = f_in + _TSP_MLP_BACKWARD_VALUES[remat] * dims.d_ff
     # The rolled engine's backward working set is in units of a layer's remat-"none"
     # values as they were counted when its held rolled_remat_fraction was fitted: six
     # width-h values, the attention's and six d_ff (an MoE MLP's values instead).
     none_values = _NONE_WIDTH_VALUES * x + other_values
     none_values += 0.0 if dims.n_experts else 6 * dims.d_ff / t
-    work = tokens * (att * frac * other_values + act * fit["backward_width_values"] * x + dot * mlp)
+    width = act * fit["backward_width_values"] * x
+    work = tokens * (att * frac * other_values + width + dot * mlp)
     large = ""
     if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
         work += fit["large_rows_width_values"] * tokens * dims.d_model * act

@@ -10,7 +10,13 @@ from shardkit.dims import ModelDims
 from shardkit.models import CONFIGS
 from shardkit.recipes import Recipe
 from shardkit.report.analytic_moe import expert_allreduce_bytes
-from shardkit.report.estimator import _MLP_BACKWARD_VALUES, FIT, estimate, saved_values
+from shardkit.report.estimator import (
+    _MLP_BACKWARD_VALUES,
+    _TSP_MLP_BACKWARD_VALUES,
+    FIT,
+    estimate,
+    saved_values,
+)
 
 # gpt-tiny by hand: tables 256·64 (tied) + positions 128·64 + final LayerNorm 2·64, and
 # per layer qkv 64·192 + 192, out 64·64 + 64, up 64·256 + 256, down 256·64 + 64, two
@@ -224,6 +230,58 @@ def test_the_backward_mlp_holds_four_values_of_its_input_width_under_full_remat(
             per_token, left = divmod(v.size // (4 * f), tokens)
             rows += per_token if left == 0 else 0
     assert rows == _MLP_BACKWARD_VALUES["full"] * f_in / f
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize(("model", "f_in"), [("gpt-tiny", 320), ("llama-tiny", 640)])
+def test_tsp_rings_hold_their_scan_carries_of_the_mlp_width(model, f_in, remat, monkeypatch):
+    # Counted in XLA's buffers, as the dense count above: tsp over 8, 24 × 64 / 8 = 192
+    # tokens a device, d_ff 320. The layer's saved values (a leading dimension of its 2
+    # layers: f32[2,24,8,320]) aside, the backward layer holds one f_in and
+    # _TSP_MLP_BACKWARD_VALUES more d_ff: GPT six under full (the dense count would be
+    # four), Llama seven (dense: eight).
+    import shardkit.report.build as build
+
+    seen = {}
+    compile_with_buffers = build.compile_with_buffers
+
+    def spy(lowered, **kw):
+        compiled, seen["buffers"] = compile_with_buffers(lowered, **kw)
+        return compiled, seen["buffers"]
+
+    monkeypatch.setattr(build, "compile_with_buffers", spy)
+    f, tokens = 320, 24 * 64 // 8
+    m = models.get(model, remat=remat, d_ff=f)
+    report = sk.report.build_report(sk.Plan("tsp"), model=m, batch=24, seq=64, itemise=True)
+    assert report.to_json()["memory_peak_phase"] == "layers"
+    rows = 0
+    for v in seen["buffers"].live_temps():
+        saved = v.shape.startswith("f32[2,24,")
+        if not saved and (f"{f}]" in v.shape or f"[{f}," in v.shape or f",{f}," in v.shape):
+            per_token, left = divmod(v.size // (4 * f), tokens)
+            rows += per_token if left == 0 else 0
+    assert rows == f_in / f + _TSP_MLP_BACKWARD_VALUES[remat]
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize(("remat", "more"), [("full", 2), ("save_dots", 1)])
+def test_tsp_counts_its_rings_mlp_values_where_cp_counts_the_dense_ones(
+    tiny, remat, more, precision
+):
+    # tsp and cp over 8 run the same ring attention over the same 8 × 8 local tokens: the
+    # backward layers differ by the MLP alone. gpt-tiny (d_ff 256, f_in 256): the rings'
+    # 1 + 5 (full) or 1 + 3 (save_dots) d_ff values against the dense 4 or 3, both in the
+    # matmul outputs' bytes (2 under bf16).
+    fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
+    kw = dict(batch=8, seq=64, remat=remat, precision=precision, fit=fit)
+
+    def layer(e):
+        return e.terms["recomputation"] + e.terms["attention scores"]
+
+    rings = estimate("tsp", tiny, mesh={"tsp": 8}, **kw)
+    cp = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
+    dot = 2 if precision == "bf16" else 4
+    assert layer(rings) - layer(cp) == pytest.approx(8 * 8 * dot * more * 256)
 
 
 @pytest.mark.parametrize("recipe", ["dp", "tp_sp"])
