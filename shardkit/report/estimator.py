@@ -137,7 +137,8 @@ FIT: dict[str, float] = {
     # Copies of one layer's weights gathered by fsdp or TSP (the weights and their
     # layout copies, the next weight's prefetched gather).
     "gathered_weight_copies": 1.0,
-    # Copies of the chunked head's buffers, in units of head_loss_peak_bytes' count (a
+    # Copies of the chunked head's logits and weight buffers, in units of
+    # head_loss_peak_bytes' count of them (its hidden states are counted whole; a
     # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
     "head_copies": 0.711,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
@@ -785,7 +786,12 @@ def _chunked_head(
         bytes_per_value=act,
         weight_copy_bytes=copy,
     )
-    return fit["head_copies"] * head, chunks
+    # The hidden states in the head's layout, whole, and next to them either the logits'
+    # and the weight's buffers (head_copies of them) or, once those are freed, the hidden
+    # states' gradient: vocabulary-split logits on 64 or 512 devices gather every token's
+    # hidden states, 128 MiB, and the peak holds them twice (XLA's buffers).
+    hidden = batch * seq / m / _split(spec, sizes, (0, 1)) * dims.d_model * act
+    return hidden + max(hidden, fit["head_copies"] * (head - 2 * hidden)), chunks
 
 
 def _unrolled_terms(layers_terms, rest, saved, head, grads) -> dict[str, dict[str, float]]:

@@ -103,13 +103,16 @@ def test_tsp_rings_hold_shards_and_score_one_block_of_keys_at_a_time(tiny):
     # heads, for the 8 rows × 8 local tokens.
     block = FIT["backward_layer_fraction"] * 8 * 8 * 2 * 8 * (64 // 8) * 4
     assert rings.terms["attention scores"] == pytest.approx(block)
-    # The head: TSP's vocabulary ring, unchunked: three f32 buffers of one shard's logits
-    # (64 local tokens × 256/8 words), the hidden states and their gradient (64 × 64),
-    # three table shards (256·64/8); beside it the tables' gradient and the saved inputs.
-    head = 3 * 64 * 32 * 4 + 2 * 64 * 64 * 4 + 3 * 256 * 64 // 8 * 4
+    # The head: TSP's vocabulary ring, unchunked: the hidden states (64 local tokens × 64,
+    # whole) and beside them three f32 buffers of one shard's logits (64 × 256/8 words)
+    # and three table shards (256·64/8), times head_copies (more than the hidden states'
+    # gradient); beside it the tables' gradient and the saved inputs.
+    hidden = 64 * 64 * 4
+    buffers = FIT["head_copies"] * (3 * 64 * 32 * 4 + 3 * 256 * 64 // 8 * 4)
+    assert buffers > hidden
     rest = (GPT_TINY_PSI - 2 * layer) * 4
     saved = 2 * 8 * 8 * 64 * 4
-    want = rest + saved + FIT["head_copies"] * head
+    want = rest + saved + hidden + buffers
     assert rings.phases["head_loss"] == pytest.approx(want * (1 + FIT["heap_fragmentation"]))
 
 
@@ -392,6 +395,22 @@ def test_a_pipeline_on_its_own_axes_counts_the_in_place_head(tiny):
     tp = estimate("dp_tp_sp_pp", tiny, mesh=mesh, batch=16, seq=64, pipeline={"microbatches": 2})
     (note,) = [n for n in tp.notes if n.startswith("head and loss")]
     assert "chunk(s)" in note and "in place" not in note
+
+
+@pytest.mark.parametrize(("vocab", "logits_peak"), [(128, False), (256, True)])
+def test_vocabulary_split_logits_hold_every_tokens_hidden_states_twice(tiny, vocab, logits_peak):
+    # fsdp over 8 with the logits split by vocabulary: the head gathers all 8 × 64 tokens'
+    # hidden states (512 × 64 f32, whole: no fitted copies) and holds either the logits'
+    # three f32 buffers (512 × vocab/8, times head_copies) or the hidden states' gradient
+    # beside them, whichever is larger. On 64 and 512 devices XLA holds the gathered
+    # hidden states twice at the head's peak (f32[512,128,512], 128 MiB each).
+    recipe = sk.recipes.get("fsdp").with_logits("vocab")
+    e = estimate(recipe, dataclasses.replace(tiny, vocab=vocab), mesh={"fsdp": 8}, batch=8, seq=64)
+    hidden = 512 * 64 * 4
+    logits = FIT["head_copies"] * 3 * 512 * (vocab // 8) * 4
+    assert (logits > hidden) == logits_peak
+    (note,) = [n for n in e.notes if n.startswith("head and loss")]
+    assert note == f"head and loss: 1 chunk(s), {hidden + max(hidden, logits):,.0f} B"
 
 
 def test_the_rolled_engine_under_bf16_keeps_one_scores_ring_and_no_mask(tiny):
