@@ -204,45 +204,11 @@ def test_every_term_is_positive_and_they_add_up_to_the_temp(tiny, precision, rem
     assert sum(e.terms.values()) == pytest.approx(e.temp)
 
 
-@pytest.mark.parametrize(("model", "f_in"), [("gpt-tiny", 320), ("llama-tiny", 640)])
-def test_the_backward_mlp_holds_four_values_of_its_input_width_under_full_remat(
-    model, f_in, monkeypatch
-):
-    # Counted in XLA's buffers, not from the estimator: the values live at the compiled
-    # step's peak with the MLP's width (d_ff 320) and one row per token (24 × 64 / 8 =
-    # 192 a device; no weight has 192 rows). Under remat "full" nothing of the MLP is
-    # saved, so all of them are the backward layer's: 4 × f_in, f_in = f for GPT's GELU
-    # MLP, 2f for Llama's SwiGLU (gate and up).
-    import shardkit.report.build as build
-
-    seen = {}
-    compile_with_buffers = build.compile_with_buffers
-
-    def spy(lowered, **kw):
-        compiled, seen["buffers"] = compile_with_buffers(lowered, **kw)
-        return compiled, seen["buffers"]
-
-    monkeypatch.setattr(build, "compile_with_buffers", spy)
-    f, tokens = 320, 24 * 64 // 8
-    m = models.get(model, remat="full", d_ff=f)
-    report = sk.report.build_report(sk.Plan("dp"), model=m, batch=24, seq=64, itemise=True)
-    assert report.to_json()["memory_peak_phase"] == "layers"
-    rows = 0
-    for v in seen["buffers"].live_temps():
-        if f"{f}]" in v.shape or f"[{f}," in v.shape or f",{f}," in v.shape:
-            per_token, left = divmod(v.size // (4 * f), tokens)
-            rows += per_token if left == 0 else 0
-    assert rows == _MLP_BACKWARD_VALUES["full"] * f_in / f
-
-
-@pytest.mark.parametrize("remat", ["full", "save_dots"])
-@pytest.mark.parametrize(("model", "f_in"), [("gpt-tiny", 320), ("llama-tiny", 640)])
-def test_tsp_rings_hold_their_scan_carries_of_the_mlp_width(model, f_in, remat, monkeypatch):
-    # Counted in XLA's buffers, as the dense count above: tsp over 8, 24 × 64 / 8 = 192
-    # tokens a device, d_ff 320. The layer's saved values (a leading dimension of its 2
-    # layers: f32[2,24,8,320]) aside, the backward layer holds one f_in and
-    # _TSP_MLP_BACKWARD_VALUES more d_ff: GPT six under full (the dense count would be
-    # four), Llama seven (dense: eight).
+def _mlp_rows_at_the_peak(monkeypatch, recipe: str, model: str, remat: str) -> int:
+    """Values a token of the MLP's width (d_ff 320) live at the compiled step's peak:
+    the buffers of that width with one row per token (24 × 64 / 8 = 192 a device; no
+    weight has 192 rows), counted in XLA's buffers, not from the estimator. The layers'
+    saved values (a leading dimension of their 2 layers: f32[2,24,8,320]) aside."""
     import shardkit.report.build as build
 
     seen = {}
@@ -255,7 +221,7 @@ def test_tsp_rings_hold_their_scan_carries_of_the_mlp_width(model, f_in, remat, 
     monkeypatch.setattr(build, "compile_with_buffers", spy)
     f, tokens = 320, 24 * 64 // 8
     m = models.get(model, remat=remat, d_ff=f)
-    report = sk.report.build_report(sk.Plan("tsp"), model=m, batch=24, seq=64, itemise=True)
+    report = sk.report.build_report(sk.Plan(recipe), model=m, batch=24, seq=64, itemise=True)
     assert report.to_json()["memory_peak_phase"] == "layers"
     rows = 0
     for v in seen["buffers"].live_temps():
@@ -263,7 +229,27 @@ def test_tsp_rings_hold_their_scan_carries_of_the_mlp_width(model, f_in, remat, 
         if not saved and (f"{f}]" in v.shape or f"[{f}," in v.shape or f",{f}," in v.shape):
             per_token, left = divmod(v.size // (4 * f), tokens)
             rows += per_token if left == 0 else 0
-    assert rows == f_in / f + _TSP_MLP_BACKWARD_VALUES[remat]
+    return rows
+
+
+@pytest.mark.parametrize(("model", "f_in"), [("gpt-tiny", 320), ("llama-tiny", 640)])
+def test_the_backward_mlp_holds_four_values_of_its_input_width_under_full_remat(
+    model, f_in, monkeypatch
+):
+    # Under remat "full" nothing of the MLP is saved, so all of them are the backward
+    # layer's: 4 × f_in, f_in = f for GPT's GELU MLP, 2f for Llama's SwiGLU (gate and up).
+    rows = _mlp_rows_at_the_peak(monkeypatch, "dp", model, "full")
+    assert rows == _MLP_BACKWARD_VALUES["full"] * f_in / 320
+
+
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize(("model", "f_in"), [("gpt-tiny", 320), ("llama-tiny", 640)])
+def test_tsp_rings_hold_their_scan_carries_of_the_mlp_width(model, f_in, remat, monkeypatch):
+    # tsp over 8 (the same 192 tokens a device): the backward layer holds one f_in and
+    # _TSP_MLP_BACKWARD_VALUES more d_ff: GPT six under full (the dense count would be
+    # four), Llama seven (dense: eight).
+    rows = _mlp_rows_at_the_peak(monkeypatch, "tsp", model, remat)
+    assert rows == f_in / 320 + _TSP_MLP_BACKWARD_VALUES[remat]
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
