@@ -388,8 +388,9 @@ def test_vocabulary_split_logits_hold_every_tokens_hidden_states_twice(tiny, voc
     # fsdp over 8 with the logits split by vocabulary: the head gathers all 8 × 64 tokens'
     # hidden states (512 × 64 f32, whole: no fitted copies) and holds either the logits'
     # three f32 buffers (512 × vocab/8, times head_copies) or the hidden states' gradient
-    # beside them, whichever is larger. On 64 and 512 devices XLA holds the gathered
-    # hidden states twice at the head's peak (f32[512,128,512], 128 MiB each).
+    # beside them, whichever is larger (vocab 128: the gradient; 256: the logits). On 64
+    # and 512 devices XLA holds the gathered hidden states twice at the head's peak
+    # (f32[512,128,512], 128 MiB each).
     recipe = sk.recipes.get("fsdp").with_logits("vocab")
     e = estimate(recipe, dataclasses.replace(tiny, vocab=vocab), mesh={"fsdp": 8}, batch=8, seq=64)
     hidden = 512 * 64 * 4
