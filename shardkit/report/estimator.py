@@ -22,7 +22,8 @@ terms (:data:`shardkit.report.memory_terms.TERMS`), from the structure of the st
   where fsdp or TSP shards them;
 - ``logits / loss``: the chunked head's hidden states, whole, beside the larger of their
   gradient and its f32 logits and weight buffers
-  (:func:`~shardkit.report.phases.head_loss_peak_bytes`), or a pipeline's in-place head's (:func:`~shardkit.report.phases.head_grad_peak_bytes`).
+  (:func:`~shardkit.report.phases.head_loss_peak_bytes`), or a pipeline's in-place
+  head's (:func:`~shardkit.report.phases.head_grad_peak_bytes`).
 
 The wire bytes are the analytic model's (:func:`~shardkit.report.analytic.analytic_costs`),
 the state its ZeRO shards. The fitted constants are the :data:`FIT` table's, each named
@@ -523,6 +524,8 @@ def estimate(
     dot = fit["bf16_matmul_bytes"] if bf16 else 4  # matmul outputs
     d, f, t, c, p = par.data, par.fsdp, par.tensor, par.sequence, par.stage
     tsp = max(par.tsp, 1)
+    # TSP's rings (tsp), not tsp_gspmd's gathers: weights and gradients move as shards.
+    tsp_rings = tsp > 1 and par.tsp_kind == "tsp"
     m = int(pipeline["microbatches"]) if p > 1 else 1
     b = batch / (d * f * m)
     s = seq / (c * tsp)
@@ -611,7 +614,7 @@ def estimate(
     else:
         f_in = (2 if dims.gated_mlp else 1) * dims.d_ff / t
         mlp = _MLP_BACKWARD_VALUES[remat] * f_in
-        if par.tsp_kind == "tsp" and tsp > 1 and remat in _TSP_MLP_BACKWARD_VALUES:
+        if tsp_rings and remat in _TSP_MLP_BACKWARD_VALUES:
             mlp = f_in + _TSP_MLP_BACKWARD_VALUES[remat] * dims.d_ff / t
     # The rolled engine's backward working set is in units of a layer's remat-"none"
     # values as they were counted when its held rolled_remat_fraction was fitted: six
@@ -651,7 +654,6 @@ def estimate(
         layer_grad = (dense_layer / t + dims.expert_params / esplit) * wb
     # TSP's rings (not tsp_gspmd's gathers) hold weights and gradients as shards: a
     # layer's gradient accumulates one shard at a time, and no layer is gathered whole.
-    tsp_rings = tsp > 1 and par.tsp_kind == "tsp"
     if tsp_rings:
         layer_grad = layer_grad / tsp
     rest = (dims.param_count - dims.stack_params) * nb / t
@@ -784,13 +786,14 @@ def _chunked_head(
         copy = head_weight_copy_bytes(
             dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
         )
+    tokens, token_split = batch * seq / m, _split(spec, sizes, (0, 1))
     # The logits' and the weight's buffers: the head's count without its hidden states.
     buffers = head_loss_peak_bytes(
-        tokens=batch * seq / m,
+        tokens=tokens,
         vocab=dims.vocab,
         d_model=0,
         chunks=chunks,
-        token_split=_split(spec, sizes, (0, 1)),
+        token_split=token_split,
         vocab_split=vocab_split,
         bytes_per_value=act,
         weight_copy_bytes=copy,
@@ -799,7 +802,7 @@ def _chunked_head(
     # and the weight's buffers (head_copies of them) or, once those are freed, the hidden
     # states' gradient: vocabulary-split logits on 64 or 512 devices gather every token's
     # hidden states, 128 MiB, and the peak holds them twice (XLA's buffers).
-    hidden = batch * seq / m / _split(spec, sizes, (0, 1)) * dims.d_model * act
+    hidden = tokens / token_split * dims.d_model * act
     return hidden + max(hidden, fit["head_copies"] * buffers), chunks
 
 
