@@ -16,7 +16,8 @@ Compile only (nothing runs), AdamW. Four grids of points, every recipe × both f
   over the recipes);
 - *held_out_large*: the held-out grid at batch 512 (4,096 to 65,536 tokens per device);
 - *moe_tiny*, *moe_small*: mixture-of-experts points (:data:`MOE_GRIDS`), the four
-  expert-parallel recipes on 8 devices, f32; never in the fit.
+  expert-parallel recipes on 8 devices, f32; moe_tiny fits one constant (the MoE MLP's
+  share, ``moe_backward_fraction``, the others held), moe_small judges it.
 - *held_out_wide*: the planner's own candidates at 64 and 512 devices (d_model 512,
   8 layers, vocab 4096, seq 128, global batch 512: 128 to 1,024 tokens per device), a
   seeded sample of :data:`WIDE_PER_RECIPE` per recipe × family × device count from those
@@ -33,12 +34,13 @@ Compile only (nothing runs), AdamW. Four grids of points, every recipe × both f
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
 compiles what is new. The constants of :mod:`shardkit.report.estimator` that are fitted
-(named there) are fitted on the training and training_large grids only; the errors on
-every grid, per recipe family, go to ``results/estimator.json``.
+(named there) are fitted on the training and training_large grids (the rolled engine's
+on rolled_training, the MoE MLP's on moe_tiny); the errors on every grid, per recipe
+family, go to ``results/estimator.json``.
 
 ``--tiny`` compiles the training grid's first two points (no cache) and reports on them.
 
-Run: python benchmarks/estimator.py [--tiny] [--collect GRID] [--fit]
+Run: python benchmarks/estimator.py [--tiny] [--collect GRID] [--fit [NAMES]]
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import time  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 from bench_util import OUT, emit, parser  # noqa: E402
 
@@ -112,7 +115,8 @@ GRIDS["held_out_large"] = {**GRIDS["held_out"], "batch": 512}
 
 #: Mixture-of-experts points (moe-tiny's and moe-small's shapes, both with one shared
 #: expert, capacity factor 1.25, 8 devices): the four expert-parallel recipes × remat;
-#: not in the fit (the constants are the dense training grid's).
+#: moe_tiny fits the MoE MLP's share (moe_backward_fraction; the dense constants held), moe_small
+#: judges it.
 MOE_RECIPES = ("ep", "fsdp_ep", "ep_tp", "ep_gspmd")
 MOE_GRIDS = {
     "moe_tiny": {
@@ -514,6 +518,7 @@ FITTED = {
     "backward_save_dots_fraction": (0.2, 1.5),
     "backward_none_fraction": (0.0, 1.5),
     "backward_width_values": (0.0, 16.0),
+    "backward_width_values_none": (0.0, 16.0),
     "tensor_width_values": (0.0, 16.0),
     "large_rows_width_values": (0.0, 16.0),
     "gathered_weight_copies": (1.0, 3.0),
@@ -522,26 +527,39 @@ FITTED = {
 }
 
 
-def fit_constants(rows) -> dict[str, float]:
-    """The :data:`FITTED` constants minimising the mean absolute log error of the totals
-    on ``rows`` (the training grid), within their bounds: the absolute error, not its
-    square, so that a few points no constant reaches do not pull the rest off."""
+def _minimise(rows, fit: dict, bounds: dict, squared: bool = False) -> dict[str, float]:
+    """``fit`` with the constants ``bounds`` names refitted (Powell, within those
+    bounds) to minimise the mean absolute (or ``squared``) log error of the totals on
+    ``rows``, the others held."""
     import numpy as np
     from scipy.optimize import minimize
 
-    from shardkit.report.estimator import FIT
-
-    names = list(FITTED)
+    names = list(bounds)
     actual = np.array([c["memory"]["total"] for _, c in rows])
 
     def loss(x):
-        fit = {**FIT, **dict(zip(names, x, strict=True))}
-        est = np.array([e.total for e in estimates(rows, fit)])
-        return float(np.mean(np.abs(np.log(est / actual))))
+        est = np.array(
+            [e.total for e in estimates(rows, {**fit, **dict(zip(names, x, strict=True))})]
+        )
+        err = np.log(est / actual)
+        return float(np.mean(err**2 if squared else np.abs(err)))
 
-    x0 = np.array([FIT[n] for n in names])
-    res = minimize(loss, x0, method="Powell", bounds=list(FITTED.values()))
-    return {**FIT, **{n: round(float(v), 3) for n, v in zip(names, res.x, strict=True)}}
+    x0 = np.array([fit[n] for n in names])
+    res = minimize(loss, x0, method="Powell", bounds=list(bounds.values()))
+    return {**fit, **{n: round(float(v), 3) for n, v in zip(names, res.x, strict=True)}}
+
+
+def fit_constants(rows, names: Sequence[str] = ()) -> dict[str, float]:
+    """The :data:`FITTED` constants (or those ``names``, the others held) minimising the
+    mean absolute log error of the totals on ``rows`` (the training grid), within their
+    bounds: the absolute error, not its square, so that a few points no constant reaches
+    do not pull the rest off."""
+    from shardkit.report.estimator import FIT
+
+    unknown = sorted(set(names) - set(FITTED))
+    if unknown:
+        raise SystemExit(f"--fit: {unknown} are not fitted constants; choose from {list(FITTED)}")
+    return _minimise(rows, dict(FIT), {n: FITTED[n] for n in names or FITTED})
 
 
 #: The rolled pipeline engine's constants, fitted on the rolled training grid alone
@@ -560,21 +578,18 @@ def fit_rolled(rows, fit: dict) -> dict[str, float]:
     ``rows`` (the rolled training grid), the other constants ``fit``'s: squared, as
     sixteen points leave the absolute error flat along a trade of the head's overlap
     for the layer's backward."""
-    import numpy as np
-    from scipy.optimize import minimize
+    return _minimise(rows, fit, ROLLED_FITTED, squared=True)
 
-    names = list(ROLLED_FITTED)
-    actual = np.array([c["memory"]["total"] for _, c in rows])
 
-    def loss(x):
-        est = np.array(
-            [e.total for e in estimates(rows, {**fit, **dict(zip(names, x, strict=True))})]
-        )
-        return float(np.mean(np.log(est / actual) ** 2))
+#: The MoE MLP's share of its values in the backward layer, fitted on moe_tiny alone
+#: (the dense constants held at their fit); moe_small judges it.
+MOE_FITTED = {"moe_backward_fraction": (0.2, 1.5)}
 
-    x0 = np.array([fit[n] for n in names])
-    res = minimize(loss, x0, method="Powell", bounds=list(ROLLED_FITTED.values()))
-    return {**fit, **{n: round(float(v), 3) for n, v in zip(names, res.x, strict=True)}}
+
+def fit_moe(rows, fit: dict) -> dict[str, float]:
+    """:data:`MOE_FITTED` minimising the mean absolute log error of the totals on ``rows``
+    (the moe_tiny grid), the other constants ``fit``'s."""
+    return _minimise(rows, fit, MOE_FITTED)
 
 
 def errors(rows, ests) -> dict:
@@ -608,7 +623,12 @@ def main() -> None:
     p.add_argument("--collect", choices=(*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS))
     p.add_argument("--reverse", action="store_true", help="collect the grid's last points first")
     p.add_argument(
-        "--fit", action="store_true", help="refit the constants (training and training_large)"
+        "--fit",
+        nargs="?",
+        const="",
+        metavar="NAMES",
+        help="refit the constants on training and training_large (NAMES, comma-separated: "
+        "only those, the others held)",
     )
     args = p.parse_args()
     if args.collect:
@@ -620,10 +640,12 @@ def main() -> None:
     large = compiled("training_large")
     if args.tiny:  # a smoke run: two points compiled here, nothing cached
         train, held, large = [(p, compile_point(p)) for p in points("training")[:2]], [], []
-    fit = fit_constants(train + large) if args.fit else dict(FIT)
-    if args.fit:
-        fit = fit_rolled(compiled("rolled_training"), fit)
-    result = {"constants": fit, "fitted": bool(args.fit), "left_out": list(STALE)}
+    refit = args.fit is not None
+    names = [n for n in (args.fit or "").split(",") if n]
+    fit = fit_constants(train + large, names) if refit else dict(FIT)
+    if refit and not names:
+        fit = fit_moe(compiled("moe_tiny"), fit_rolled(compiled("rolled_training"), fit))
+    result = {"constants": fit, "fitted": refit, "left_out": list(STALE)}
     for grid in (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS):
         result[f"{grid}_points_planned"] = len(points(grid))
     table = []
@@ -671,7 +693,7 @@ def main() -> None:
         args.out,
         result,
     )
-    if args.fit:
+    if refit:
         print("fitted constants:", fit)
 
 

@@ -89,15 +89,17 @@ def _bf16_matmul_bytes() -> float:
 _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
 
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
-#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits nine of them (its
+#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits ten of them (its
 #: ``FITTED``, within bounds) on its two training grids (up to 1,024 and from 2,048
 #: tokens a device), minimising the mean absolute log error of the totals: the three
-#: backward fractions, backward_width_values, tensor_width_values,
-#: large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation;
-#: and two of the rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training
-#: grid alone, the others held: rolled_head_overlap, rolled_backward_fraction. The
-#: other five are counted from XLA's buffers (large_rows from where it stops fusing,
-#: bf16_matmul_bytes by the installed jaxlib), and rolled_remat_fraction is held.
+#: backward fractions, the two backward_width_values, tensor_width_values,
+#: large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation
+#: (``--fit NAMES`` fits those named, the others held); two of the rolled pipeline
+#: engine's (``ROLLED_FITTED``) on its rolled training grid alone, the others held:
+#: rolled_head_overlap, rolled_backward_fraction; and moe_backward_fraction on the
+#: moe_tiny grid alone. The other five are counted from XLA's buffers (large_rows from
+#: where it stops fusing, bf16_matmul_bytes by the installed jaxlib), and
+#: rolled_remat_fraction is held.
 FIT: dict[str, float] = {
     # Copies of the layer stack's stored gradient shard live at the layers' peak, per
     # scan buffer holding it (the backward's accumulator; without remat also the
@@ -105,32 +107,36 @@ FIT: dict[str, float] = {
     "gradient_copies": 1.0,
     # The backward layer's working set under remat "full" (its recomputed forward and
     # the gradients computed from it) in units of its attention's values (q/k/v, the
-    # context and its transpose, the scores and their softmax: 3q + 2k + 2·a·s; an MoE
-    # MLP's values too); the width-h ones (backward_width_values) and a dense MLP's
-    # (_MLP_BACKWARD_VALUES) are counted apart. XLA frees and fuses part of it.
-    "backward_layer_fraction": 0.979,
+    # context and its transpose, the scores and their softmax: 3q + 2k + 2·a·s); the
+    # width-h ones (backward_width_values), a dense MLP's (_MLP_BACKWARD_VALUES) and an
+    # MoE MLP's (moe_backward_fraction) are counted apart. XLA frees and fuses part of it.
+    "backward_layer_fraction": 0.779,
     # The same under "save_dots": the matmul outputs are read from the saved values,
     # not recomputed (< full's).
-    "backward_save_dots_fraction": 0.915,
+    "backward_save_dots_fraction": 0.638,
     # The same without remat: the forward's values are saved activations; the backward
-    # holds their gradients (a ring attention's steps, rematerialised whatever the
-    # policy, take backward_layer_fraction).
-    "backward_none_fraction": 0.955,
-    # Width-h values per token the backward layer holds (the residual stream, the norms'
-    # outputs, their gradients and layout copies), whole under tensor parallelism
-    # without sequence parallelism.
-    "backward_width_values": 6.111,
+    # holds their gradients and their layout copies (a ring attention's steps,
+    # rematerialised whatever the policy, take backward_layer_fraction).
+    "backward_none_fraction": 1.199,
+    # Width-h values per token the backward layer holds where it recomputes its forward
+    # (the residual stream, the norms' outputs, their gradients and layout copies), whole
+    # under tensor parallelism without sequence parallelism.
+    "backward_width_values": 7.128,
+    # The same without remat: the forward's width-h values are saved activations, the
+    # layer holds their gradients (counted at the peak of gpt-tiny and llama-tiny on dp and
+    # fsdp over 8: 4-6 whole width-h buffers without remat, 8-11 under full).
+    "backward_width_values_none": 2.584,
     # Tensor parallelism's further width-h values per token of the whole sequence: the
     # activation reductions' operands and results, the norms' outputs copied for the
     # split matmuls; under sequence parallelism the all-gathered sequence.
-    "tensor_width_values": 0.63,
+    "tensor_width_values": 0.729,
     # Matmul rows per device (tokens) from which XLA:CPU materialises values it fuses
     # below: the backward's slices of the saved stack, the norms' intermediates
     # (measured on llama tp/8 without remat: 3,584 rows fuse them, 4,096 do not, at
     # any width). Counted, not fitted.
     "large_rows": 4096.0,
     # Width-h values per token (h whole) the backward layer holds from large_rows rows.
-    "large_rows_width_values": 2.597,
+    "large_rows_width_values": 2.881,
     # The share of one layer's gradient whole at the peak where fsdp (or TSP's gathers)
     # reduce-scatters it: XLA scatters each weight's gradient as soon as it is computed
     # (counted on gpt fsdp/8: the MLP's down and the attention's output projections'
@@ -141,12 +147,8 @@ FIT: dict[str, float] = {
     "gathered_weight_copies": 1.0,
     # Copies of the chunked head's logits and weight buffers, in units of
     # head_loss_peak_bytes' count of them (its hidden states are counted whole; a
-    # pipeline's in-place head, head_grad_peak_bytes, is counted as it is). Held at its
-    # fit from when it scaled the hidden states too: a refit with them counted whole moves
-    # it to 0.84 and backward_none_fraction to 0.70, and trades the grids (within ±10 %:
-    # the large training grid 77 -> 74 %, the held-out 76 -> 79 %, the wide 79 -> 81 %;
-    # one held-out point to +25 %).
-    "head_copies": 0.711,
+    # pipeline's in-place head, head_grad_peak_bytes, is counted as it is).
+    "head_copies": 0.838,
     # Bytes of a bf16 activation as XLA's CPU backend keeps it: its float normalisation
     # converts the bf16 values to f32 around every op (the residual stream, the norms,
     # the scores and softmax the backward recomputes: counted in its buffers as f32).
@@ -162,13 +164,17 @@ FIT: dict[str, float] = {
     # in for what the terms miss (fixed at 1 % and the rest refitted, the four dense grids
     # are within ±10 % at 79 / 77 / 72 / 76 %, against 77 / 77 / 74 / 80 % at 5 %).
     "heap_fragmentation": 0.05,
+    # The share of an MoE MLP's values (analytic_moe.mlp_values: the router's, the
+    # dispatched tokens', the experts' matmuls') the backward layer holds, under any remat
+    # policy; fitted on the moe_tiny grid alone, the dense constants held.
+    "moe_backward_fraction": 1.145,
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
     # (XLA interleaves the two, which do not wait for each other).
-    "rolled_head_overlap": 0.552,
+    "rolled_head_overlap": 0.499,
     # The rolled engine without remat: one layer's backward working set (its gradients,
     # the residuals read from the ring) in units of its remat-"none" values.
-    "rolled_backward_fraction": 0.204,
+    "rolled_backward_fraction": 0.203,
     # The same under remat (full, save_dots): the layer's recomputed forward and its
     # gradients, in units of its remat-"none" values (the engine's layer runs outside
     # the scan the dense fractions are fitted on). Held, not fitted: the rolled
@@ -203,6 +209,11 @@ _MLP_BACKWARD_VALUES = {"full": 4, "save_dots": 3, "none": 2}
 #: (seven in bf16 too; GPT's GELU in bf16 holds eight under either, not modelled).
 #: Without remat the dense count.
 _TSP_MLP_BACKWARD_VALUES = {"full": 5, "save_dots": 3}
+#: The ``d_ff`` values a GELU MLP (not gated) in bf16 holds past its count under
+#: ``full``, under either remat policy: counted from XLA:CPU's buffers at the peak of
+#: gpt-tiny at d_ff 320 and 512, dense (dp, fsdp: six where f32 holds four) and under
+#: TSP's rings (eight where f32 holds six); save_dots holds as many as full there.
+_GELU_BF16_VALUES = 2
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -605,24 +616,30 @@ def estimate(
     frac = fit[_BACKWARD["full" if remat == "none" and ring_steps else remat]]
     att = act if recomputed else dot
     # What the share is of: the attention's q/k/v, its context and that context's
-    # transpose, the scores and their softmax (an MoE MLP's values too); a dense MLP's
-    # are counted apart.
+    # transpose, the scores and their softmax. An MoE MLP's values take their own share
+    # (moe_backward_fraction); a dense MLP's are counted (_MLP_BACKWARD_VALUES), and a
+    # GELU MLP in bf16 holds full's count and two d_ff more under either policy.
     other_values = (3 * q + 2 * k + 2 * dims.n_heads * keys) / t
-    mlp = 0.0
+    mlp = moe_values = 0.0
     if dims.n_experts:
-        other_values += analytic_moe.mlp_values(dims, "none", seq=keys, t=t)
+        moe_values = analytic_moe.mlp_values(dims, "none", seq=keys, t=t)
     else:
         f_in = (2 if dims.gated_mlp else 1) * dims.d_ff / t
-        mlp = _MLP_BACKWARD_VALUES[remat] * f_in
+        gelu_bf16 = bf16 and not dims.gated_mlp and remat != "none"
+        counted = "full" if gelu_bf16 else remat
+        mlp = _MLP_BACKWARD_VALUES[counted] * f_in
         if tsp_rings and remat in _TSP_MLP_BACKWARD_VALUES:
-            mlp = f_in + _TSP_MLP_BACKWARD_VALUES[remat] * dims.d_ff / t
+            mlp = f_in + _TSP_MLP_BACKWARD_VALUES[counted] * dims.d_ff / t
+        mlp += _GELU_BF16_VALUES * dims.d_ff / t if gelu_bf16 else 0.0
     # The rolled engine's backward working set is in units of a layer's remat-"none"
     # values as they were counted when its held rolled_remat_fraction was fitted: six
     # width-h values, the attention's and six d_ff (an MoE MLP's values instead).
-    none_values = _NONE_WIDTH_VALUES * x + other_values
+    none_values = _NONE_WIDTH_VALUES * x + other_values + moe_values
     none_values += 0.0 if dims.n_experts else 6 * dims.d_ff / t
-    width = act * fit["backward_width_values"] * x
-    work = tokens * (att * frac * other_values + width + dot * mlp)
+    width_values = fit["backward_width_values" if recomputed else "backward_width_values_none"]
+    width = act * width_values * x
+    moe = att * fit["moe_backward_fraction"] * moe_values
+    work = tokens * (att * frac * other_values + moe + width + dot * mlp)
     large = ""
     if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
         work += fit["large_rows_width_values"] * tokens * dims.d_model * act
@@ -669,7 +686,7 @@ def estimate(
     notes.append(
         f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
         f"{mlp:g} MLP values + "
-        f"{fit['backward_width_values']:g} width-h{large}); gradients: "
+        f"{width_values:g} width-h{large}); gradients: "
         f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
     )

@@ -9,8 +9,9 @@ from shardkit import models
 from shardkit.dims import ModelDims
 from shardkit.models import CONFIGS
 from shardkit.recipes import Recipe
-from shardkit.report.analytic_moe import expert_allreduce_bytes
+from shardkit.report.analytic_moe import expert_allreduce_bytes, mlp_values
 from shardkit.report.estimator import (
+    _GELU_BF16_VALUES,
     _MLP_BACKWARD_VALUES,
     _TSP_MLP_BACKWARD_VALUES,
     FIT,
@@ -117,18 +118,18 @@ def test_tsp_rings_hold_shards_and_score_one_block_of_keys_at_a_time(tiny):
 
 
 @pytest.mark.parametrize(
-    ("remat", "fraction"),
+    ("remat", "fraction", "width"),
     [
-        ("full", "backward_layer_fraction"),
-        ("save_dots", "backward_save_dots_fraction"),
-        ("none", "backward_none_fraction"),
+        ("full", "backward_layer_fraction", "backward_width_values"),
+        ("save_dots", "backward_save_dots_fraction", "backward_width_values"),
+        ("none", "backward_none_fraction", "backward_width_values_none"),
     ],
 )
-def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fraction):
+def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fraction, width):
     # One device, 8 × 64 tokens: the backward layer holds its policy's share of the
     # layer's "none" attention values (all but the six width-h ones and the MLP's), its
-    # policy's count of MLP-width values, and backward_width_values width-h values; no
-    # collective buffers. Under tensor parallelism (4) the values are the
+    # policy's count of MLP-width values, and its width-h values (fewer without remat,
+    # where the forward's are saved activations); no collective buffers. Under tensor parallelism (4) the values are the
     # shard's (÷ 4) but the width-h ones, which stay whole (÷ 4 only under sequence
     # parallelism), and tensor_width_values width-h values of the whole sequence.
     kw = dict(batch=8, seq=64, remat=remat)
@@ -141,7 +142,7 @@ def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fractio
         # q/k/v (64 each), the context and its transpose, scores and softmax (2·8·64)
         attention = (3 * 64 + 2 * 64 + 2 * 8 * 64) / t
         mlp = _MLP_BACKWARD_VALUES[remat] * 256 / t  # gpt-tiny's MLP: f_in = d_ff = 256
-        per_token = FIT[fraction] * attention + mlp + FIT["backward_width_values"] * x
+        per_token = FIT[fraction] * attention + mlp + FIT[width] * x
         return tokens * 4 * per_token
 
     dense = estimate("dp", tiny, mesh={"data": 1}, **kw)
@@ -178,13 +179,13 @@ def test_without_remat_a_ring_recomputes_its_steps_and_the_dense_backward_keeps_
     )
     assert layer(ring) == pytest.approx(tokens * per_token * 4)
     # dense under bf16 without remat: the attention's gradients in the matmuls' bytes,
-    # the width-h values in f32
+    # the width-h values (the none count: nothing recomputed) in f32
     fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
     dense = estimate("dp", tiny, mesh={"data": 1}, precision="bf16", fit=fit, **kw)
     tokens = 8 * 64
     attention = FIT["backward_none_fraction"] * (3 * 64 + 2 * 64 + 2 * 8 * 64)
     mlp = _MLP_BACKWARD_VALUES["none"] * 256
-    want = tokens * (2 * (attention + mlp) + 4 * FIT["backward_width_values"] * 64)
+    want = tokens * (2 * (attention + mlp) + 4 * FIT["backward_width_values_none"] * 64)
     assert layer(dense) == pytest.approx(want)
 
 
@@ -204,11 +205,10 @@ def test_every_term_is_positive_and_they_add_up_to_the_temp(tiny, precision, rem
     assert sum(e.terms.values()) == pytest.approx(e.temp)
 
 
-def _mlp_rows_at_the_peak(monkeypatch, recipe: str, model: str, remat: str) -> int:
-    """Values a token of the MLP's width (d_ff 320) live at the compiled step's peak:
-    the buffers of that width with one row per token (24 × 64 / 8 = 192 a device; no
-    weight has 192 rows), counted in XLA's buffers, not from the estimator. The layers'
-    saved values (a leading dimension of their 2 layers: f32[2,24,8,320]) aside."""
+def _live_at_the_peak(monkeypatch, plan, model, batch: int) -> list:
+    """The buffers live at the peak of ``model``'s compiled step under ``plan`` (a Plan
+    or a recipe's name; 8 devices, sequence 64), read from XLA's buffer assignment, not
+    from the estimator."""
     import shardkit.report.build as build
 
     seen = {}
@@ -219,15 +219,27 @@ def _mlp_rows_at_the_peak(monkeypatch, recipe: str, model: str, remat: str) -> i
         return compiled, seen["buffers"]
 
     monkeypatch.setattr(build, "compile_with_buffers", spy)
+    plan = sk.Plan(plan) if isinstance(plan, str) else plan
+    report = sk.report.build_report(plan, model=model, batch=batch, seq=64, itemise=True)
+    assert report.to_json()["memory_peak_phase"] == "layers"
+    return seen["buffers"].live_temps()
+
+
+def _mlp_rows_at_the_peak(
+    monkeypatch, recipe: str, model: str, remat: str, precision: str = "f32"
+) -> int:
+    """Values a token of the MLP's width (d_ff 320) live at the compiled step's peak:
+    the buffers of that width with one row per token (24 × 64 / 8 = 192 a device; no
+    weight has 192 rows). The layers' saved values (a leading dimension of their 2
+    layers: f32[2,24,8,320], bf16[2,3,64,320]) aside."""
     f, tokens = 320, 24 * 64 // 8
     m = models.get(model, remat=remat, d_ff=f)
-    report = sk.report.build_report(sk.Plan(recipe), model=m, batch=24, seq=64, itemise=True)
-    assert report.to_json()["memory_peak_phase"] == "layers"
+    nbytes = 2 if precision == "bf16" else 4
     rows = 0
-    for v in seen["buffers"].live_temps():
-        saved = v.shape.startswith("f32[2,24,")
+    for v in _live_at_the_peak(monkeypatch, sk.Plan(recipe, precision=precision), m, batch=24):
+        saved = v.shape.startswith(f"{precision}[2,")
         if not saved and (f"{f}]" in v.shape or f"[{f}," in v.shape or f",{f}," in v.shape):
-            per_token, left = divmod(v.size // (4 * f), tokens)
+            per_token, left = divmod(v.size // (nbytes * f), tokens)
             rows += per_token if left == 0 else 0
     return rows
 
@@ -252,6 +264,70 @@ def test_tsp_rings_hold_their_scan_carries_of_the_mlp_width(model, f_in, remat, 
     assert rows == f_in / 320 + _TSP_MLP_BACKWARD_VALUES[remat]
 
 
+@pytest.mark.parametrize("remat", ["full", "save_dots"])
+@pytest.mark.parametrize(("recipe", "full_count"), [("dp", 4), ("tsp", 1 + 5)])
+def test_a_gelu_mlp_in_bf16_holds_fulls_count_and_two_more_under_either_policy(
+    recipe, full_count, remat, monkeypatch
+):
+    # gpt-tiny in bf16: six d_ff values dense (four in f32), eight under TSP's rings
+    # (six in f32), under save_dots as many as under full.
+    rows = _mlp_rows_at_the_peak(monkeypatch, recipe, "gpt-tiny", remat, precision="bf16")
+    assert rows == full_count + _GELU_BF16_VALUES
+
+
+def test_a_gelu_mlp_in_bf16_is_counted_the_same_under_full_and_save_dots(tiny):
+    # dp on one device, 8 × 64 tokens: in bf16 the two policies' backward layers differ
+    # by the attention's share alone (the MLP's 4 + 2 d_ff values under both); in f32
+    # by the MLP's count too (4 and 3 f_in), each in its bytes.
+    fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
+    tokens, attention = 8 * 64, 3 * 64 + 2 * 64 + 2 * 8 * 64
+    share = FIT["backward_layer_fraction"] - FIT["backward_save_dots_fraction"]
+
+    def layer(remat, precision):
+        e = estimate(
+            "dp",
+            tiny,
+            mesh={"data": 1},
+            batch=8,
+            seq=64,
+            remat=remat,
+            precision=precision,
+            fit=fit,
+        )
+        return e.terms["recomputation"] + e.terms["attention scores"]
+
+    bf16 = layer("full", "bf16") - layer("save_dots", "bf16")
+    assert bf16 == pytest.approx(tokens * 4 * share * attention)
+    f32 = layer("full", "f32") - layer("save_dots", "f32")
+    assert f32 == pytest.approx(tokens * 4 * (share * attention + 256))
+    # SwiGLU (gated, f_in = 2·256) holds its 4 f_in under full in bf16 too; GELU its
+    # 4 + 2 d_ff: 2 · 256 values apart, in bf16's 2 bytes
+    gated = dataclasses.replace(tiny, gated_mlp=True)
+    swiglu = estimate(
+        "dp", gated, mesh={"data": 1}, batch=8, seq=64, remat="full", precision="bf16", fit=fit
+    )
+    swiglu_layer = swiglu.terms["recomputation"] + swiglu.terms["attention scores"]
+    assert swiglu_layer - layer("full", "bf16") == pytest.approx(tokens * 2 * 2 * 256)
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_without_remat_the_backward_layer_holds_fewer_width_h_values(model, monkeypatch):
+    # dp over 8, 3 rows × 64 tokens a device, d_model 64: the buffers one token × h wide
+    # (f32[192,64], f32[3,64,64] and their transposes) at the layers' peak. Under full
+    # the layer recomputes its forward and holds those values and their gradients (gpt
+    # 11, llama 10); without remat they are saved activations and it holds the
+    # gradients (gpt 6, llama 4), which backward_width_values_none counts apart.
+    whole = {"f32[192,64]", "f32[64,192]", "f32[3,64,64]"}
+
+    def width_h(remat):
+        live = _live_at_the_peak(monkeypatch, "dp", models.get(model, remat=remat), batch=24)
+        return sum(v.shape in whole for v in live)
+
+    none, full = width_h("none"), width_h("full")
+    assert none <= 6 and full >= 10
+    assert FIT["backward_width_values_none"] < FIT["backward_width_values"]
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 @pytest.mark.parametrize(("remat", "more"), [("full", 2), ("save_dots", 1)])
 def test_tsp_counts_its_rings_mlp_values_where_cp_counts_the_dense_ones(
@@ -260,7 +336,8 @@ def test_tsp_counts_its_rings_mlp_values_where_cp_counts_the_dense_ones(
     # tsp and cp over 8 run the same ring attention over the same 8 × 8 local tokens: the
     # backward layers differ by the MLP alone. gpt-tiny (d_ff 256, f_in 256): the rings'
     # 1 + 5 (full) or 1 + 3 (save_dots) d_ff values against the dense 4 or 3, both in the
-    # matmul outputs' bytes (2 under bf16).
+    # matmul outputs' bytes (2 under bf16, where GELU's MLP holds full's count, and two
+    # more, under either policy: 2 apart under save_dots too).
     fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
     kw = dict(batch=8, seq=64, remat=remat, precision=precision, fit=fit)
 
@@ -270,6 +347,7 @@ def test_tsp_counts_its_rings_mlp_values_where_cp_counts_the_dense_ones(
     rings = estimate("tsp", tiny, mesh={"tsp": 8}, **kw)
     cp = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
     dot = 2 if precision == "bf16" else 4
+    more = 2 if precision == "bf16" else more
     assert layer(rings) - layer(cp) == pytest.approx(8 * 8 * dot * more * 256)
 
 
@@ -677,6 +755,27 @@ def test_experts_without_an_expert_axis_are_state_like_any_other():
     tables = 2 * 256 * 64 * 4 * 7 / 8
     want = 2 * stack + (shard - stack) + d.layer_params * 4 + tables
     assert e.terms["gradients"] == pytest.approx(want)
+
+
+@pytest.mark.parametrize("remat", ["none", "save_dots"])
+def test_an_moe_mlps_values_take_their_own_share_of_the_backward_layer(remat):
+    # ep on moe-tiny over 8 (a sequence of 32 tokens a device, f32): the MoE MLP's values
+    # (analytic_moe.mlp_values, its remat-"none" count) scale with moe_backward_fraction
+    # alone, whatever the policy; the attention's share is left as it is.
+    d = models.get("moe-tiny").dims
+    values = mlp_values(d, "none", seq=32)
+
+    def layer(**fit):
+        e = estimate("ep", d, devices=8, batch=8, seq=32, remat=remat, fit=fit)
+        return e.terms["recomputation"] + e.terms["attention scores"]
+
+    moved = layer(moe_backward_fraction=1.0) - layer(moe_backward_fraction=0.5)
+    assert moved == pytest.approx(32 * 4 * 0.5 * values)
+    # the attention's own share: q 64, k 32 (16 and 8 heads of 4), the scores and
+    # softmax over 32 keys (2 · 16 · 32): 3 · 64 + 2 · 32 + 1,024 values a token
+    share = "backward_none_fraction" if remat == "none" else "backward_save_dots_fraction"
+    moved = layer(**{share: 1.0}) - layer(**{share: 0.5})
+    assert moved == pytest.approx(32 * 4 * 0.5 * (3 * 64 + 2 * 32 + 2 * 16 * 32))
 
 
 # moe-tiny by hand: 2 layers of 8 experts, each 3 · 64 · 64 (SwiGLU), split over the
