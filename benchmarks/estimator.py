@@ -115,8 +115,8 @@ GRIDS["held_out_large"] = {**GRIDS["held_out"], "batch": 512}
 
 #: Mixture-of-experts points (moe-tiny's and moe-small's shapes, both with one shared
 #: expert, capacity factor 1.25, 8 devices): the four expert-parallel recipes × remat;
-#: moe_tiny fits the MoE MLP's share (moe_backward_fraction; the dense constants held), moe_small
-#: judges it.
+#: moe_tiny fits the MoE MLP's share (moe_backward_fraction; the dense constants held),
+#: moe_small judges it.
 MOE_RECIPES = ("ep", "fsdp_ep", "ep_tp", "ep_gspmd")
 MOE_GRIDS = {
     "moe_tiny": {
@@ -558,7 +558,10 @@ def fit_constants(rows, names: Sequence[str] = ()) -> dict[str, float]:
 
     unknown = sorted(set(names) - set(FITTED))
     if unknown:
-        raise SystemExit(f"--fit: {unknown} are not fitted constants; choose from {list(FITTED)}")
+        raise SystemExit(
+            f"--fit NAMES refits the dense constants only; {unknown} are not among them: "
+            f"{', '.join(FITTED)} (a bare --fit refits the rolled and MoE ones too)"
+        )
     return _minimise(rows, dict(FIT), {n: FITTED[n] for n in names or FITTED})
 
 
@@ -627,8 +630,9 @@ def main() -> None:
         nargs="?",
         const="",
         metavar="NAMES",
-        help="refit the constants on training and training_large (NAMES, comma-separated: "
-        "only those, the others held)",
+        help="refit the constants: the dense ones on training and training_large, then the "
+        "rolled engine's on rolled_training and the MoE MLP's on moe_tiny (NAMES, "
+        "comma-separated: only those dense ones, the others held)",
     )
     args = p.parse_args()
     if args.collect:
@@ -641,11 +645,12 @@ def main() -> None:
     if args.tiny:  # a smoke run: two points compiled here, nothing cached
         train, held, large = [(p, compile_point(p)) for p in points("training")[:2]], [], []
     refit = args.fit is not None
-    names = [n for n in (args.fit or "").split(",") if n]
+    names = [n.strip() for n in (args.fit or "").split(",") if n.strip()]
     fit = fit_constants(train + large, names) if refit else dict(FIT)
     if refit and not names:
         fit = fit_moe(compiled("moe_tiny"), fit_rolled(compiled("rolled_training"), fit))
-    result = {"constants": fit, "fitted": refit, "left_out": list(STALE)}
+    fitted = names or (*FITTED, *ROLLED_FITTED, *MOE_FITTED) if refit else ()
+    result = {"constants": fit, "fitted": list(fitted), "left_out": list(STALE)}
     for grid in (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS):
         result[f"{grid}_points_planned"] = len(points(grid))
     table = []

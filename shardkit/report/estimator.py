@@ -123,8 +123,9 @@ FIT: dict[str, float] = {
     # under tensor parallelism without sequence parallelism.
     "backward_width_values": 7.128,
     # The same without remat: the forward's width-h values are saved activations, the
-    # layer holds their gradients (counted at the peak of gpt-tiny and llama-tiny on dp and
-    # fsdp over 8: 4-6 whole width-h buffers without remat, 8-11 under full).
+    # layer holds their gradients (counted at the peak of gpt-tiny and llama-tiny on dp
+    # over 8, 320 tokens a device: 4-5 buffers one token × h wide without remat, 10 under
+    # full, q and the attention's context among them under either).
     "backward_width_values_none": 2.584,
     # Tensor parallelism's further width-h values per token of the whole sequence: the
     # activation reductions' operands and results, the norms' outputs copied for the
@@ -162,11 +163,12 @@ FIT: dict[str, float] = {
     # (bounded at 5 %: free, the fit trades every term for it). Measured on the jax 0.12
     # grids: 0.9 % on average, 0.1 % the median; the fit takes its bound, which stands
     # in for what the terms miss (fixed at 1 % and the rest refitted, the four dense grids
-    # are within ±10 % at 79 / 77 / 72 / 76 %, against 77 / 77 / 74 / 80 % at 5 %).
+    # are within ±10 % at 85 / 75 / 86 / 86 %, against 86 / 77 / 86 / 91 % at 5 %).
     "heap_fragmentation": 0.05,
     # The share of an MoE MLP's values (analytic_moe.mlp_values: the router's, the
     # dispatched tokens', the experts' matmuls') the backward layer holds, under any remat
-    # policy; fitted on the moe_tiny grid alone, the dense constants held.
+    # policy; fitted on the moe_tiny grid alone, the dense constants held. One share for
+    # every policy trades them: above 1, its points without remat are over (1.08-1.10).
     "moe_backward_fraction": 1.145,
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
@@ -196,7 +198,8 @@ _NONE_WIDTH_VALUES = 6
 #: MLP-width values per token the backward layer of a dense MLP holds at the layers'
 #: peak, in units of its input matmuls' width ``f_in`` (``d_ff``, twice that gated; ÷
 #: tensor), per remat policy. Counted from XLA:CPU's buffers at the peak, the same for
-#: GPT's GELU MLP (``f_in = f``) and Llama's SwiGLU (``f_in = 2f``): ``full``, the
+#: GPT's GELU MLP (``f_in = f``; in f32, see _GELU_BF16_VALUES) and Llama's SwiGLU
+#: (``f_in = 2f``): ``full``, the
 #: recomputed input matmuls, the activation's output and both their gradients (4);
 #: ``save_dots``, the input matmuls read from the saved values (3); ``none``, the
 #: gradients of the saved values (2).
@@ -206,13 +209,16 @@ _MLP_BACKWARD_VALUES = {"full": 4, "save_dots": 3, "none": 2}
 #: input gradient, each in and out). Counted from XLA:CPU's buffers at the peak, the
 #: same at d_ff 320 and at the training grid's (GPT 512, Llama 384): GPT (``f_in = f``)
 #: six under remat full, four under save_dots; Llama (``f_in = 2f``) seven and five
-#: (seven in bf16 too; GPT's GELU in bf16 holds eight under either, not modelled).
-#: Without remat the dense count.
+#: (seven in bf16 too; GPT's GELU in bf16: _GELU_BF16_VALUES). Without remat the dense
+#: count.
 _TSP_MLP_BACKWARD_VALUES = {"full": 5, "save_dots": 3}
 #: The ``d_ff`` values a GELU MLP (not gated) in bf16 holds past its count under
-#: ``full``, under either remat policy: counted from XLA:CPU's buffers at the peak of
-#: gpt-tiny at d_ff 320 and 512, dense (dp, fsdp: six where f32 holds four) and under
-#: TSP's rings (eight where f32 holds six); save_dots holds as many as full there.
+#: ``full``, under either remat policy, where XLA:CPU keeps bf16 matmul outputs in bf16
+#: (jax 0.12; bf16_matmul_bytes 2): counted in its buffers at the peak of gpt-tiny, all
+#: bf16, dense (dp and fsdp at d_ff 320 and 512, tp and tp_sp over 8 at 640: six where
+#: f32 holds four) and under TSP's rings (eight where f32 holds six); save_dots holds as
+#: many as full there. jax 0.10's f32 copies hold 4.5 and 3 (dense full, save_dots) and
+#: 4.5 (TSP) f32 values' bytes: not this rule.
 _GELU_BF16_VALUES = 2
 
 
@@ -605,8 +611,9 @@ def estimate(
         f"the residual stream and norms × {act:g} B)"
     )
     # The backward layer's working set: a share (per remat policy) of the attention's
-    # values, a dense MLP's count of its input width (_MLP_BACKWARD_VALUES), and
-    # backward_width_values width-h values; its scores are the attention's share of it.
+    # values, a dense MLP's count of its input width (_MLP_BACKWARD_VALUES) or an MoE
+    # MLP's share of its values (moe_backward_fraction), and the width-h values
+    # (backward_width_values, fewer without remat); its scores are the attention's share.
     # Ring attention works through the keys one block at a time: a query's scores there
     # are the block's, seq / ring keys; its backward recomputes the steps, as the layer's
     # under "full". Without remat elsewhere the attention's backward differentiates saved
@@ -625,7 +632,7 @@ def estimate(
         moe_values = analytic_moe.mlp_values(dims, "none", seq=keys, t=t)
     else:
         f_in = (2 if dims.gated_mlp else 1) * dims.d_ff / t
-        gelu_bf16 = bf16 and not dims.gated_mlp and remat != "none"
+        gelu_bf16 = bf16 and dot == 2 and not dims.gated_mlp and remat != "none"
         counted = "full" if gelu_bf16 else remat
         mlp = _MLP_BACKWARD_VALUES[counted] * f_in
         if tsp_rings and remat in _TSP_MLP_BACKWARD_VALUES:
@@ -636,6 +643,8 @@ def estimate(
     # width-h values, the attention's and six d_ff (an MoE MLP's values instead).
     none_values = _NONE_WIDTH_VALUES * x + other_values + moe_values
     none_values += 0.0 if dims.n_experts else 6 * dims.d_ff / t
+    # A ring's layers rematerialise their steps whatever the policy and keep the
+    # recomputing count (their points without remat: 0.91-1.07 with it).
     width_values = fit["backward_width_values" if recomputed else "backward_width_values_none"]
     width = act * width_values * x
     moe = att * fit["moe_backward_fraction"] * moe_values
@@ -685,7 +694,7 @@ def estimate(
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     notes.append(
         f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
-        f"{mlp:g} MLP values + "
+        f"{mlp:g} MLP values + {fit['moe_backward_fraction'] * moe_values:g} MoE values + "
         f"{width_values:g} width-h{large}); gradients: "
         f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
