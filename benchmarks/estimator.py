@@ -649,7 +649,7 @@ def main() -> None:
     fit = fit_constants(train + large, names) if refit else dict(FIT)
     if refit and not names:
         fit = fit_moe(compiled("moe_tiny"), fit_rolled(compiled("rolled_training"), fit))
-    fitted = names or (*FITTED, *ROLLED_FITTED, *MOE_FITTED) if refit else ()
+    fitted = (names or (*FITTED, *ROLLED_FITTED, *MOE_FITTED)) if refit else ()
     result = {"constants": fit, "fitted": list(fitted), "left_out": list(STALE)}
     for grid in (*GRIDS, *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS):
         result[f"{grid}_points_planned"] = len(points(grid))

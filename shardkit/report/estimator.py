@@ -168,7 +168,7 @@ FIT: dict[str, float] = {
     # The share of an MoE MLP's values (analytic_moe.mlp_values: the router's, the
     # dispatched tokens', the experts' matmuls') the backward layer holds, under any remat
     # policy; fitted on the moe_tiny grid alone, the dense constants held. One share for
-    # every policy trades them: above 1, its points without remat are over (1.08-1.10).
+    # every policy trades them: above 1, its points without remat are over (1.05-1.10).
     "moe_backward_fraction": 1.145,
     # The rolled engine's ticks that run a forward and a backward (1f1b, interleaved,
     # zb1, zbv): the share of the head's working set live next to the layer's backward
@@ -199,10 +199,9 @@ _NONE_WIDTH_VALUES = 6
 #: peak, in units of its input matmuls' width ``f_in`` (``d_ff``, twice that gated; ÷
 #: tensor), per remat policy. Counted from XLA:CPU's buffers at the peak, the same for
 #: GPT's GELU MLP (``f_in = f``; in f32, see _GELU_BF16_VALUES) and Llama's SwiGLU
-#: (``f_in = 2f``): ``full``, the
-#: recomputed input matmuls, the activation's output and both their gradients (4);
-#: ``save_dots``, the input matmuls read from the saved values (3); ``none``, the
-#: gradients of the saved values (2).
+#: (``f_in = 2f``): ``full``, the recomputed input matmuls, the activation's output and
+#: both their gradients (4); ``save_dots``, the input matmuls read from the saved values
+#: (3); ``none``, the gradients of the saved values (2).
 _MLP_BACKWARD_VALUES = {"full": 4, "save_dots": 3, "none": 2}
 #: The same under TSP's rings (``tsp``): one ``f_in`` and this many ``d_ff`` values past
 #: it (the rings' scan carries: the up projection's forward sum, the down projection's
@@ -637,18 +636,19 @@ def estimate(
         mlp = _MLP_BACKWARD_VALUES[counted] * f_in
         if tsp_rings and remat in _TSP_MLP_BACKWARD_VALUES:
             mlp = f_in + _TSP_MLP_BACKWARD_VALUES[counted] * dims.d_ff / t
-        mlp += _GELU_BF16_VALUES * dims.d_ff / t if gelu_bf16 else 0.0
+        if gelu_bf16:
+            mlp += _GELU_BF16_VALUES * dims.d_ff / t
     # The rolled engine's backward working set is in units of a layer's remat-"none"
     # values as they were counted when its held rolled_remat_fraction was fitted: six
     # width-h values, the attention's and six d_ff (an MoE MLP's values instead).
     none_values = _NONE_WIDTH_VALUES * x + other_values + moe_values
     none_values += 0.0 if dims.n_experts else 6 * dims.d_ff / t
     # A ring's layers rematerialise their steps whatever the policy and keep the
-    # recomputing count (their points without remat: 0.91-1.07 with it).
+    # recomputing count.
     width_values = fit["backward_width_values" if recomputed else "backward_width_values_none"]
     width = act * width_values * x
-    moe = att * fit["moe_backward_fraction"] * moe_values
-    work = tokens * (att * frac * other_values + moe + width + dot * mlp)
+    moe = fit["moe_backward_fraction"] * moe_values
+    work = tokens * (att * (frac * other_values + moe) + width + dot * mlp)
     large = ""
     if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
         work += fit["large_rows_width_values"] * tokens * dims.d_model * act
@@ -694,7 +694,7 @@ def estimate(
     grads = copies * stack_shard + (shard - stack_shard) + layer_grad + table_grads
     notes.append(
         f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
-        f"{mlp:g} MLP values + {fit['moe_backward_fraction'] * moe_values:g} MoE values + "
+        f"{mlp:g} MLP values + {moe:g} MoE values + "
         f"{width_values:g} width-h{large}); gradients: "
         f"{fit['gradient_copies']:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"

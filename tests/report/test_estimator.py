@@ -277,16 +277,17 @@ def test_a_gelu_mlp_in_bf16_holds_two_d_ff_more_where_matmul_outputs_stay_bf16(
     # copies hold other counts (dense five under full, four of them f32, three under
     # save_dots; TSP seven), where the estimate keeps the f32 counts.
     rows = _mlp_rows_at_the_peak(monkeypatch, recipe, "gpt-tiny", remat, precision="bf16")
+    jax_010 = {
+        ("dp", "full"): 5,
+        ("dp", "save_dots"): 3,
+        ("tsp", "full"): 7,
+        ("tsp", "save_dots"): 7,
+    }
     if FIT["bf16_matmul_bytes"] == 2:
         assert _GELU_BF16_VALUES == 2
         assert rows == full_count + 2
     else:
-        assert (
-            rows
-            == {"dp": {"full": 5, "save_dots": 3}, "tsp": {"full": 7, "save_dots": 7}}[recipe][
-                remat
-            ]
-        )
+        assert rows == jax_010[recipe, remat]
 
 
 def test_a_gelu_mlp_in_bf16_is_counted_the_same_under_full_and_save_dots(tiny):
@@ -297,7 +298,7 @@ def test_a_gelu_mlp_in_bf16_is_counted_the_same_under_full_and_save_dots(tiny):
     tokens, attention = 8 * 64, 3 * 64 + 2 * 64 + 2 * 8 * 64
     share = FIT["backward_layer_fraction"] - FIT["backward_save_dots_fraction"]
 
-    def layer(remat, precision):
+    def layer(remat, precision, matmul_bytes=2.0):
         e = estimate(
             "dp",
             tiny,
@@ -306,17 +307,15 @@ def test_a_gelu_mlp_in_bf16_is_counted_the_same_under_full_and_save_dots(tiny):
             seq=64,
             remat=remat,
             precision=precision,
-            fit=fit,
+            fit={**fit, "bf16_matmul_bytes": matmul_bytes},
         )
         return e.terms["recomputation"] + e.terms["attention scores"]
 
     bf16 = layer("full", "bf16") - layer("save_dots", "bf16")
     assert bf16 == pytest.approx(tokens * 4 * share * attention)
     # where bf16 matmul outputs are f32 copies (jax 0.10: 4 bytes) the f32 counts hold
-    fit["bf16_matmul_bytes"] = 4.0
-    copies = layer("full", "bf16") - layer("save_dots", "bf16")
+    copies = layer("full", "bf16", 4.0) - layer("save_dots", "bf16", 4.0)
     assert copies == pytest.approx(tokens * 4 * (share * attention + 256))
-    fit["bf16_matmul_bytes"] = 2.0
     f32 = layer("full", "f32") - layer("save_dots", "f32")
     assert f32 == pytest.approx(tokens * 4 * (share * attention + 256))
     # SwiGLU (gated, f_in = 2·256) holds its 4 f_in under full in bf16 too; GELU its
