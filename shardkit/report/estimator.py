@@ -955,7 +955,8 @@ def _rolled_terms(
     - ``gathered weights``: zeropp's stage and its embedding and head, gathered over
       fsdp once per scheduling unit, and the layer the loop slices out of the stack;
     - ``gradients``: the unit's f32 accumulator of the stage's weights and the
-      embedding and head's (with more units, a second accumulator and the shard);
+      embedding and head's (with more units, a second accumulator and the shard; a
+      second copy where a one-layer chunk's backwards run in an unrolled stretch);
     - ``recomputation`` / ``logits / loss``: one layer's backward working set (one at a
       time in the backward scan), with the share of the head's live beside it where a
       tick runs both (``rolled_head_overlap``), or the head's; and where a chunk is one
@@ -986,8 +987,15 @@ def _rolled_terms(
     # The unit's f32 accumulator of the stage's gradient (a second one where the next
     # unit starts while the last one's is reduce-scattered, and the stored shard they
     # are reduced into), the embedding and head's, carried through the ticks; a single
-    # unit's stored shard is written after them.
+    # unit's stored shard is written after them. Where a chunk is one layer and a stretch
+    # of unrolled ticks runs two or more backwards, the straight-line ticks update the
+    # accumulator outside any loop and XLA holds a second copy of it (counted in its
+    # buffers: two of each stacked [v, 1, ...] gradient on gpt d=384 and llama d=512,
+    # interleaved over 4 chunks; one where no stretch runs two backwards).
     grads = stage_bytes + rest
+    second = chunk == 1 and unrolled >= 2 and v > 1
+    if second:
+        grads += stage_bytes
     if units > 1:
         grads += stage_bytes + stage_bytes / f
     # one layer's backward: its recomputed forward and gradients (remat), or, with its
@@ -999,14 +1007,18 @@ def _rolled_terms(
     # ahead (the recomputation does not wait for the incoming gradient): all but two of
     # the stretch's backwards' recomputed layers are live besides the one running
     # (measured: interleaved on 2 stages, m = 4, one layer per chunk, nine backwards in
-    # one stretch, 3.3x the temp of 1f1b's; stretches of two backwards hoist none).
+    # one stretch, 3.3x the temp of 1f1b's; stretches of two backwards hoist none). One
+    # chunk a stage (1f1b, zb1) hoists none either: gpt-tiny's dp_pp over 2 stages holds
+    # the same buffers at m = 2, 4 and 8 (three and five backwards in a stretch, or none),
+    # scaled by the micro-batch.
     hoisted = 0.0
-    if chunk == 1 and remat != "none" and unrolled > 2:
+    if chunk == 1 and remat != "none" and unrolled > 2 and v > 1:
         hoisted = (unrolled - 2) * tokens * none_values * act
     notes.append(
         f"rolled {sched}: {ring} residual slot(s) × {chunk:g} layer(s), {dy} d loss/d y "
         f"slot(s), {w_ring} W-input slot(s); the stage's {stage_bytes:,.0f} B gathered "
         f"{'once per unit' if f > 1 else '(stored whole)'} and its f32 accumulator"
+        + (f" (twice: {unrolled} backwards in one unrolled stretch)" if second else "")
     )
     base = {"gradients": grads, "saved activations": saved, "gathered weights": gathered}
     overlap = fit["rolled_head_overlap"] * head if sched != "gpipe" else 0.0

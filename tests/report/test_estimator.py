@@ -206,10 +206,10 @@ def test_every_term_is_positive_and_they_add_up_to_the_temp(tiny, precision, rem
     assert sum(e.terms.values()) == pytest.approx(e.temp)
 
 
-def _live_at_the_peak(monkeypatch, plan, model, batch: int) -> list:
+def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> list:
     """The buffers live at the peak of ``model``'s compiled step under ``plan`` (a Plan
-    or a recipe's name; 8 devices, sequence 64), read from XLA's buffer assignment, not
-    from the estimator."""
+    or a recipe's name; 8 devices, sequence 64; a pipeline's options), read from XLA's
+    buffer assignment, not from the estimator."""
     import shardkit.report.build as build
 
     seen = {}
@@ -221,7 +221,9 @@ def _live_at_the_peak(monkeypatch, plan, model, batch: int) -> list:
 
     monkeypatch.setattr(build, "compile_with_buffers", spy)
     plan = sk.Plan(plan) if isinstance(plan, str) else plan
-    report = sk.report.build_report(plan, model=model, batch=batch, seq=64, itemise=True)
+    report = sk.report.build_report(
+        plan, model=model, batch=batch, seq=64, pipeline=pipeline, itemise=True
+    )
     assert report.to_json()["memory_peak_phase"] == "layers"
     return seen["buffers"].live_temps()
 
@@ -452,6 +454,51 @@ def test_the_rolled_engine_keeps_its_schedules_slots(tiny):
     )
     sliced = FIT["gathered_weight_copies"] * 49_984
     assert zeropp.terms["gathered weights"] == (49_984 + 124_672 - 2 * 49_984 + sliced) * 4
+
+
+#: Interleaved over 2 chunks a stage, 4 micro-batches, one layer a chunk: on 2 stages
+#: (4 layers) nine backwards run in one stretch of unrolled ticks; on 4 stages (8 layers)
+#: no stretch runs two (shardkit.report.estimator._rolled_slots).
+_ONE_LAYER_CHUNKS = {
+    "unrolled": (4, {"stage": 2, "data": 4}),
+    "looped": (8, {"stage": 4, "data": 2}),
+}
+_INTERLEAVED = {"microbatches": 4, "schedule": "interleaved", "virtual_stages": 2}
+
+
+@pytest.mark.parametrize(("case", "copies"), [("unrolled", 2), ("looped", 1)])
+def test_one_layer_chunks_in_an_unrolled_stretch_hold_two_gradient_sums(monkeypatch, case, copies):
+    # Counted in XLA's buffers, not the estimator's: the stage's f32 gradient sum of
+    # the MLP's up projection, stacked by chunk ([2 chunks, 1 layer, 64, 256]), live at
+    # the compiled step's peak. jax 0.10's XLA:CPU holds two in the looped case too (the
+    # estimate counts jax 0.12's, the version its benchmark runs on).
+    if FIT["bf16_matmul_bytes"] == 4:  # jax before 0.12 (the estimator reads its version)
+        copies = 2
+    layers, mesh = _ONE_LAYER_CHUNKS[case]
+    model = models.get("gpt-tiny", remat="full", n_layers=layers)
+    plan = sk.Plan("dp_pp", sk.make_mesh(mesh))
+    live = [v.shape for v in _live_at_the_peak(monkeypatch, plan, model, 16, _INTERLEAVED)]
+    assert live.count("f32[2,1,64,256]") == copies
+
+
+def test_the_estimate_counts_the_second_gradient_sum_where_a_stretch_runs_backwards(tiny):
+    # By hand: the rolled terms' gradients are the stage's f32 sum (its layers, 49,984
+    # values each) and the embedding and head's (124,672 − 2 · 49,984 of gpt-tiny's
+    # values), once more for the stage where a one-layer chunk's backwards run unrolled.
+    layer, rest = 49_984, 124_672 - 2 * 49_984
+    for case, copies in (("unrolled", 2), ("looped", 1)):
+        layers, mesh = _ONE_LAYER_CHUNKS[case]
+        dims = dataclasses.replace(CONFIGS["gpt-tiny"], n_layers=layers).dims()
+        e = estimate(
+            "dp_pp", dims, mesh=mesh, batch=16, seq=64, remat="full", pipeline=_INTERLEAVED
+        )
+        stage = layers // mesh["stage"] * layer
+        assert e.phases["layers"] >= e.phases["head_loss"]
+        assert e.terms["gradients"] == (copies * stage + rest) * 4
+        assert any("twice" in n for n in e.notes) == (copies == 2)
+    # one layer a stage under 1f1b (no chunk dimension) is left as it was
+    one = estimate("dp_pp", tiny, mesh={"stage": 2, "data": 4}, batch=8, seq=64, remat="full")
+    assert one.terms["gradients"] == (layer + rest) * 4
 
 
 def test_a_pipeline_on_its_own_axes_counts_the_in_place_head(tiny):
@@ -685,7 +732,7 @@ def test_bad_arguments(tiny):
 
 @pytest.mark.parametrize(
     ("recipe", "remat", "tolerance"),
-    [("fsdp", "full", 0.10), ("dp", "none", 0.10), ("dp_pp", "full", 0.15)],
+    [("fsdp", "full", 0.10), ("dp", "none", 0.10), ("dp_pp", "full", 0.20)],
 )
 def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
     # Compile only. The benchmark (benchmarks/estimator.py) has the errors of every
@@ -693,13 +740,31 @@ def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
     # 1.03 on jax 0.10 and 0.12 since the MLP's values are counted by its width, 1.14
     # before; dp without remat 0.99 / 1.02) and a pipeline (the rolled engine, the
     # default: gpt-tiny's one layer per stage with m = p, every tick unrolled, the
-    # estimate's documented weak spot, 1.14 on both).
+    # estimate's documented weak spot: 0.81 on jax 0.12, its stage's backward holding
+    # four score-sized f32 buffers where the rolled count has fewer; 1.14 while it
+    # counted a hoisted layer XLA does not hold, see the test below).
     model = models.get("gpt-tiny", remat=remat)
     plan = sk.Plan(recipe)
     compiled = sk.report.build_report(plan, model=model, batch=8, seq=64).memory
     e = estimate(plan, model, batch=8, seq=64)
     assert e.total / compiled.total == pytest.approx(1, abs=tolerance)
     assert e.arguments / compiled.arguments == pytest.approx(1, abs=0.06)
+
+
+def test_one_chunk_stages_scale_with_the_micro_batch_as_compiled():
+    # gpt-tiny's dp_pp over 2 stages, one layer a stage: m = 4 runs five backwards in an
+    # unrolled stretch, m = 2 three. XLA hoists no recomputed layer there (the same
+    # buffers at both, scaled by the micro-batch): the estimate's m = 4 ÷ m = 2 is the
+    # compiled programs' (0.74 against 0.77; counting hoisted layers gave 1.02).
+    model = models.get("gpt-tiny", remat="full")
+    plan = sk.Plan("dp_pp", sk.make_mesh({"stage": 2, "data": 4}))
+    compiled, estimated = {}, {}
+    for m in (2, 4):
+        pipeline = {"microbatches": m, "schedule": "1f1b"}
+        report = sk.report.build_report(plan, model=model, batch=16, seq=64, pipeline=pipeline)
+        compiled[m] = report.memory.total
+        estimated[m] = estimate(plan, model, batch=16, seq=64, pipeline=pipeline).total
+    assert estimated[4] / estimated[2] == pytest.approx(compiled[4] / compiled[2], rel=0.10)
 
 
 @pytest.mark.parametrize(
