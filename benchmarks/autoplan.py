@@ -30,7 +30,11 @@ from bench_util import MIB, emit, parser
 from shardkit.autoplanner.candidates import Candidate
 
 
-def autoplan(model: str, devices: int, extra: list[str]) -> tuple[dict, float]:
+def autoplan(
+    model: str, devices: int, extra: list[str], *, memory_gb: float = 80, cache: str | None = None
+) -> tuple[dict, float]:
+    """``shardkit autoplan --json`` on H100s and its wall time, compiling into ``cache``
+    (default: an empty temporary one)."""
     cmd = [
         sys.executable,
         "-m",
@@ -41,14 +45,14 @@ def autoplan(model: str, devices: int, extra: list[str]) -> tuple[dict, float]:
         "--devices",
         str(devices),
         "--memory-gb",
-        "80",
+        repr(memory_gb),
         "--hardware",
         "h100",
         "--json",
         *extra,
     ]
-    with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "JAX_PLATFORMS": "cpu", "SHARDKIT_CACHE_DIR": cache}
+    with tempfile.TemporaryDirectory() as fresh:
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", "SHARDKIT_CACHE_DIR": cache or fresh}
         start = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
         return json.loads(proc.stdout), time.perf_counter() - start

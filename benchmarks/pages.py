@@ -78,8 +78,10 @@ PAGES: dict[str, tuple[str, tuple[str, ...], str]] = {
     ),
     "autoplan": (
         "The auto-planner",
-        ("autoplan",),
-        "`shardkit autoplan` on gpt-7b: what it chose, what it compiled and how long it took.",
+        ("autoplan", "planner_choice"),
+        "`shardkit autoplan` on gpt-7b: what it chose, what it compiled and how long it took; "
+        "and on 8 devices, where every candidate can be compiled, whether compiling the 16 "
+        "the pre-compile estimate ranks best chooses what compiling them all would.",
     ),
     "estimator": (
         "The pre-compile estimate",

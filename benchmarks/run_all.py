@@ -35,6 +35,7 @@ SCRIPTS = (
     "mla",
     "explicit",
     "autoplan",
+    "planner_choice",
     "estimator",
     "gpu",
     "packed",
