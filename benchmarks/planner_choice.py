@@ -10,8 +10,8 @@ tightest, three quarters at the loosest) the command runs twice on that cache:
 how many fit once compiled, the share of the survivors whose estimate is within ±10 %
 of their compiled total, how many the estimate puts on the wrong side of the budget,
 both choices and their roofline step times. (gpt-7b has 642 survivors on 64 devices and
-1,053 on 512: about an hour and three and a half hours of compiling on this 2-core
-machine, at the 5 and 11 s a compile the auto-planner benchmark takes.)
+1,053 on 512: about one and three hours of compiling on this 2-core machine, at the 5
+to 12 s a compile the auto-planner benchmark takes.)
 
 Run: python benchmarks/planner_choice.py [--tiny]
 """
