@@ -42,38 +42,38 @@ def label(c: dict) -> str:
     return Candidate.from_json(c).label
 
 
-def choice_rows(model: str, extra: list[str], cache: str, quantiles=QUANTILES) -> tuple[list, dict]:
-    """One row per budget: the survivors, what fits, the estimate's misses, both choices."""
-    # Every survivor compiled once (a budget nothing reaches), into the cache.
-    every = run(model, cache, 2**40, EVERY, extra)
-    compiled = every["candidates"]  # all fit under 1 TiB
-    totals = sorted(c["memory_per_device_bytes"]["total"] for c in compiled)
-    ratios = [
-        c["estimated_memory_per_device_bytes"] / c["memory_per_device_bytes"]["total"]
-        for c in compiled
-        if c.get("estimated_memory_per_device_bytes") is not None
+def choice_rows(model: str, extra: list[str], cache: str, quantiles=QUANTILES) -> tuple[list, list]:
+    """One row per budget (the survivors, what fits, the estimate's misses, both choices),
+    and every survivor's label, compiled and estimated total and step time."""
+    # Every survivor compiled once (a budget nothing reaches: all fit), into the cache.
+    survivors = [
+        {
+            "candidate": label(c),
+            "compiled_bytes": c["memory_per_device_bytes"]["total"],
+            "estimated_bytes": c.get("estimated_memory_per_device_bytes"),
+            "step_time_s": c["step_time_s"],
+        }
+        for c in run(model, cache, 2**40, EVERY, extra)["candidates"]
     ]
-    within = f"{sum(abs(r - 1) <= 0.10 for r in ratios) / len(ratios):.0%}" if ratios else "–"
-    rows, runs = [], {"every survivor compiled": every}
+    estimated = [s for s in survivors if s["estimated_bytes"] is not None]
+    near = sum(abs(s["estimated_bytes"] / s["compiled_bytes"] - 1) <= 0.10 for s in estimated)
+    within = f"{near / len(estimated):.0%}" if estimated else "–"
+    totals = sorted(s["compiled_bytes"] for s in survivors)
+    rows = []
     for q in quantiles:
         budget = float(totals[min(len(totals) - 1, int(q * len(totals)))])
-        top = run(model, cache, budget, TOP, extra)
-        full = run(model, cache, budget, EVERY, extra)
-        fits = [c for c in compiled if c["memory_per_device_bytes"]["total"] <= budget]
+        a = run(model, cache, budget, TOP, extra)["candidates"][0]
+        b = run(model, cache, budget, EVERY, extra)["candidates"][0]
         wrong = sum(
-            (c["estimated_memory_per_device_bytes"] > budget)
-            != (c["memory_per_device_bytes"]["total"] > budget)
-            for c in compiled
-            if c.get("estimated_memory_per_device_bytes") is not None
+            (s["estimated_bytes"] > budget) != (s["compiled_bytes"] > budget) for s in estimated
         )
-        a, b = top["candidates"][0], full["candidates"][0]
         rows.append(
             [
                 model,
                 f"{q:.0%}",
                 budget * MIB,
-                len(compiled),
-                len(fits),
+                len(survivors),
+                sum(s["compiled_bytes"] <= budget for s in survivors),
                 within,
                 wrong,
                 label(b),
@@ -83,8 +83,7 @@ def choice_rows(model: str, extra: list[str], cache: str, quantiles=QUANTILES) -
                 "yes" if label(a) == label(b) else "no",
             ]
         )
-        runs[f"budget {budget:.0f}"] = {"top": top, "every": full}
-    return rows, runs
+    return rows, survivors
 
 
 def main(argv=None) -> None:
@@ -101,9 +100,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as fresh:
         for model in models:
             quantiles = (0.5,) if args.tiny else QUANTILES
-            got, runs = choice_rows(model, extra, args.cache or fresh, quantiles)
+            got, survivors = choice_rows(model, extra, args.cache or fresh, quantiles)
             rows += got
-            details[model] = runs
+            details[model] = survivors
     emit(
         "planner_choice",
         f"The planner's choice: the estimate's best {TOP} compiled against every survivor "
@@ -124,7 +123,7 @@ def main(argv=None) -> None:
         ],
         rows,
         args.out,
-        extra={"runs": details},
+        extra={"survivors": details},
     )
 
 

@@ -993,7 +993,8 @@ def _rolled_terms(
     # buffers: two of each stacked [v, 1, ...] gradient on gpt d=384 and llama d=512,
     # interleaved over 4 chunks; one where no stretch runs two backwards).
     grads = stage_bytes + rest
-    second = chunk == 1 and unrolled >= 2 and v > 1
+    one_layer_chunks = chunk == 1 and v > 1  # of several a stage (interleaved, zbv)
+    second = one_layer_chunks and unrolled >= 2
     if second:
         grads += stage_bytes
     if units > 1:
@@ -1012,7 +1013,7 @@ def _rolled_terms(
     # the same buffers at m = 2, 4 and 8 (three and five backwards in a stretch, or none),
     # scaled by the micro-batch.
     hoisted = 0.0
-    if chunk == 1 and remat != "none" and unrolled > 2 and v > 1:
+    if one_layer_chunks and remat != "none" and unrolled > 2:
         hoisted = (unrolled - 2) * tokens * none_values * act
     notes.append(
         f"rolled {sched}: {ring} residual slot(s) × {chunk:g} layer(s), {dy} d loss/d y "
