@@ -11,6 +11,7 @@ from shardkit.models import CONFIGS
 from shardkit.recipes import Recipe
 from shardkit.report.analytic_moe import expert_allreduce_bytes, mlp_values
 from shardkit.report.estimator import (
+    _GATHERED_NORM_VALUES,
     _GELU_BF16_VALUES,
     _MLP_BACKWARD_VALUES,
     _TSP_MLP_BACKWARD_VALUES,
@@ -348,6 +349,63 @@ def test_without_remat_the_backward_layer_holds_fewer_width_h_values(model, monk
     assert none <= 5  # gpt 5, llama 4
     assert full >= 10  # both 10
     assert FIT["backward_width_values_none"] < FIT["backward_width_values"]
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_where_fsdp_gathers_the_weights_the_norms_outputs_are_not_materialised(model, monkeypatch):
+    # dp and fsdp over 8 under remat full, 5 rows × 64 tokens a device: the same layer
+    # and tokens, the buffers one token × h wide counted as above. With the norms' scale
+    # a replicated parameter XLA:CPU materialises both norms' recomputed outputs
+    # (x · rsqrt · scale, two f32[5,64,64]); with it gathered (fsdp) it fuses them into
+    # their users.
+    whole = {"f32[320,64]", "f32[64,320]", "f32[5,64,64]"}
+
+    def width_h(recipe):
+        live = _live_at_the_peak(monkeypatch, recipe, models.get(model, remat="full"), batch=40)
+        return sum(v.shape in whole for v in live)
+
+    assert width_h("dp") - width_h("fsdp") == _GATHERED_NORM_VALUES == 2
+
+
+@pytest.mark.parametrize(
+    ("remat", "fewer"), [("full", _GATHERED_NORM_VALUES), ("save_dots", 0), ("none", 0)]
+)
+def test_the_estimate_counts_the_gathered_norms_width_under_full_remat_only(tiny, remat, fewer):
+    # dp over 1 and fsdp over 2 with 8 × 64 tokens a device each (batch 8 and 16), and
+    # tp over 4 against fsdp_tp over 2 × 4: the backward layers differ by the two norms'
+    # width-h values (64 wide, f32) under full, not under the other policies.
+    def layer(recipe, mesh, batch):
+        e = estimate(recipe, tiny, mesh=mesh, batch=batch, seq=64, remat=remat)
+        return e.terms["recomputation"] + e.terms["attention scores"]
+
+    less = fewer * 8 * 64 * 64 * 4
+    dp, fsdp = layer("dp", {"data": 1}, 8), layer("fsdp", {"fsdp": 2}, 16)
+    assert dp - fsdp == pytest.approx(less)
+    tp, fsdp_tp = layer("tp", {"tensor": 4}, 8), layer("fsdp_tp", {"fsdp": 2, "tensor": 4}, 16)
+    assert tp - fsdp_tp == pytest.approx(less)
+    # Not counted in the unrolled pipeline engine's stages, which hold more width-h
+    # values, not fewer, when fsdp gathers their weights (zeropp against dp_pp: 16
+    # against 14 on gpt's training-grid model, 17 and 17 on Llama's).
+    unrolled = {"rolled": False}
+    dp_pp = estimate(
+        "dp_pp",
+        tiny,
+        mesh={"stage": 2, "data": 2},
+        batch=32,
+        seq=64,
+        remat=remat,
+        pipeline=unrolled,
+    )
+    zeropp = estimate(
+        "zeropp",
+        tiny,
+        mesh={"stage": 2, "fsdp": 2},
+        batch=32,
+        seq=64,
+        remat=remat,
+        pipeline=unrolled,
+    )
+    assert zeropp.terms["recomputation"] == pytest.approx(dp_pp.terms["recomputation"])
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
