@@ -99,11 +99,12 @@ _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
 #: rolled_head_overlap, rolled_backward_fraction; and moe_backward_fraction on the
 #: moe_tiny grid alone. The other five are counted from XLA's buffers (large_rows from
 #: where it stops fusing, bf16_matmul_bytes by the installed jaxlib), and
-#: rolled_remat_fraction is held. Since the gathered norms' count
-#: (_GATHERED_NORM_VALUES), backward_width_values and backward_layer_fraction are
-#: refitted alone (``--fit backward_width_values,backward_layer_fraction``), the others
-#: held: refitting all ten moved every one and left the grids no better (88 / 78 / 88 /
-#: 92 % within ±10 % against 87 / 81 / 88 / 90 %), the worst point at 1.34.
+#: rolled_remat_fraction is held. Since the gathered norms' and TSP's assembled input
+#: gradients' counts (_GATHERED_NORM_VALUES, _TSP_IN_PROJECTION_VALUES),
+#: backward_width_values and backward_layer_fraction are refitted alone (``--fit
+#: backward_width_values,backward_layer_fraction``), the others held: refitting all
+#: ten moved most of them and left the grids no better (90 / 86 / 89 / 92 % within ±10 %
+#: against 90 / 84 / 89 / 94 %, moe_tiny 75 % against 92 %), the worst point at 1.30.
 FIT: dict[str, float] = {
     # Copies of the layer stack's stored gradient shard live at the layers' peak, per
     # scan buffer holding it (the backward's accumulator; without remat also the
@@ -125,7 +126,7 @@ FIT: dict[str, float] = {
     # Width-h values per token the backward layer holds where it recomputes its forward
     # (the residual stream, the norms' outputs, their gradients and layout copies), whole
     # under tensor parallelism without sequence parallelism.
-    "backward_width_values": 7.261,
+    "backward_width_values": 7.023,
     # The same without remat: the forward's width-h values are saved activations, the
     # layer holds their gradients (counted at the peak of gpt-tiny and llama-tiny on dp
     # over 8, 320 tokens a device: 4-5 buffers one token × h wide without remat, 10 under
@@ -228,6 +229,13 @@ _GELU_BF16_VALUES = 2
 #: (x · rsqrt · scale), which XLA:CPU materialises when the scale is the replicated
 #: parameter and fuses into their users when it is a gathered one.
 _GATHERED_NORM_VALUES = 2
+#: The width-h values per token and in-projection (``ModelDims.in_projections``: GPT's
+#: fused qkv and up, 2; Llama's wq, wk, wv, gate and up, 5) that TSP's rings (``tsp``)
+#: hold under any remat policy, in the matmul outputs' bytes: the zero-initialised
+#: buffers in which the backward of a ring contracting its split kernel dimension
+#: assembles the input gradient, one shard at a time (``shardkit.nn.tsp``). Counted at
+#: the peak: 2 and 5, under full, save_dots and none, f32 and bf16, 256 to 4,096 tokens.
+_TSP_IN_PROJECTION_VALUES = 1
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -666,6 +674,8 @@ def estimate(
         large = f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
     if recomputed:  # the K/V blocks' (and without remat their gradients') ring
         work += tokens * ring_values * dot
+    if tsp_rings:  # each in-projection's input gradient, assembled shard by shard
+        work += tokens * _TSP_IN_PROJECTION_VALUES * dims.in_projections * x * dot
     scores = frac * tokens * 2 * dims.n_heads * keys / t * att
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
     # layer's into the optimizer's shard), the layer being differentiated whole (before

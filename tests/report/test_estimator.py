@@ -14,6 +14,7 @@ from shardkit.report.estimator import (
     _GATHERED_NORM_VALUES,
     _GELU_BF16_VALUES,
     _MLP_BACKWARD_VALUES,
+    _TSP_IN_PROJECTION_VALUES,
     _TSP_MLP_BACKWARD_VALUES,
     FIT,
     estimate,
@@ -406,6 +407,72 @@ def test_the_estimate_counts_the_gathered_norms_width_under_full_remat_only(tiny
         pipeline=unrolled,
     )
     assert zeropp.terms["recomputation"] == pytest.approx(dp_pp.terms["recomputation"])
+
+
+@pytest.mark.parametrize("remat", ["full", "none"])
+@pytest.mark.parametrize("model", ["gpt-tiny", "llama-tiny"])
+def test_tsp_rings_assemble_each_in_projections_input_gradient_in_a_zeroed_buffer(
+    model, remat, monkeypatch
+):
+    # tsp over 8, 24 rows × 8 local tokens a device, d_model 64: the buffers one token ×
+    # h wide live at the peak that are (copies of) a broadcast zero made inside the
+    # ring's scope, read from the compiled program's text. One per in-projection: GPT's
+    # fused qkv and up (2), Llama's wq, wk, wv, gate and up (5).
+    import re
+
+    import shardkit.report.build as build
+
+    text = {}
+    compile_with_buffers = build.compile_with_buffers
+
+    def spy(lowered, **kw):
+        compiled, buffers = compile_with_buffers(lowered, **kw)
+        text["hlo"] = compiled.as_text()
+        return compiled, buffers
+
+    monkeypatch.setattr(build, "compile_with_buffers", spy)
+    m = models.get(model, remat=remat)
+    live = _live_at_the_peak(monkeypatch, "tsp", m, batch=24)
+    lines = {}
+    for line in text["hlo"].splitlines():
+        found = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
+        if found:
+            lines[found[1]] = line
+
+    def zeros(name):
+        line = lines.get(name, "")
+        copied = re.search(r" copy\(%(\S+?)\)", line)
+        line = lines.get(copied[1], "") if copied else line
+        head = line.split("(")[0]
+        return "broadcast" in head and "tsp.ring" in line
+
+    width_h = [v for v in live if v.shape == "f32[24,8,64]"]
+    assembled = sum(zeros(v.instruction) for v in width_h)
+    assert assembled == _TSP_IN_PROJECTION_VALUES * m.dims.in_projections
+    assert assembled == {"gpt-tiny": 2, "llama-tiny": 5}[model]
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("remat", ["full", "save_dots", "none"])
+def test_tsp_counts_one_width_h_value_per_in_projection(tiny, remat, precision):
+    # gpt-tiny over tsp 8, 8 × 8 local tokens: declaring 5 in-projections where it has 2
+    # adds 3 width-h values (64 wide) a token to the backward layer, in the matmul
+    # outputs' bytes (2 under bf16 from jax 0.12); cp's dense layer counts none.
+    fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
+    kw = dict(batch=8, seq=64, remat=remat, precision=precision, fit=fit)
+
+    def layer(recipe, mesh, dims):
+        e = estimate(recipe, dims, mesh=mesh, **kw)
+        return e.terms["recomputation"] + e.terms.get("attention scores", 0.0)
+
+    separate = dataclasses.replace(tiny, in_projections=5)
+    dot = 2 if precision == "bf16" else 4
+    rings = {"tsp": 8}
+    assert layer("tsp", rings, separate) - layer("tsp", rings, tiny) == pytest.approx(
+        8 * 8 * 3 * 64 * dot
+    )
+    ring = {"sequence": 8}
+    assert layer("cp", ring, separate) == pytest.approx(layer("cp", ring, tiny))
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
