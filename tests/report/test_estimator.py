@@ -481,10 +481,11 @@ def test_tsp_counts_its_rings_mlp_values_where_cp_counts_the_dense_ones(
     tiny, remat, more, precision
 ):
     # tsp and cp over 8 run the same ring attention over the same 8 × 8 local tokens: the
-    # backward layers differ by the MLP alone. gpt-tiny (d_ff 256, f_in 256): the rings'
-    # 1 + 5 (full) or 1 + 3 (save_dots) d_ff values against the dense 4 or 3, both in the
-    # matmul outputs' bytes (2 under bf16, where GELU's MLP holds full's count, and two
-    # more, under either policy: 2 apart under save_dots too).
+    # backward layers differ by the MLP and by the rings' assembled input gradients
+    # (one width-h value, 64, for each of gpt-tiny's two in-projections). gpt-tiny (d_ff
+    # 256, f_in 256): the rings' 1 + 5 (full) or 1 + 3 (save_dots) d_ff values against
+    # the dense 4 or 3, all in the matmul outputs' bytes (2 under bf16, where GELU's MLP
+    # holds full's count, and two more, under either policy: 2 apart under save_dots too).
     fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
     kw = dict(batch=8, seq=64, remat=remat, precision=precision, fit=fit)
 
@@ -495,7 +496,7 @@ def test_tsp_counts_its_rings_mlp_values_where_cp_counts_the_dense_ones(
     cp = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
     dot = 2 if precision == "bf16" else 4
     more = 2 if precision == "bf16" else more
-    assert layer(rings) - layer(cp) == pytest.approx(8 * 8 * dot * more * 256)
+    assert layer(rings) - layer(cp) == pytest.approx(8 * 8 * dot * (more * 256 + 2 * 64))
 
 
 @pytest.mark.parametrize("recipe", ["dp", "tp_sp"])
