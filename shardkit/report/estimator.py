@@ -663,7 +663,8 @@ def estimate(
     # A ring's layers rematerialise their steps whatever the policy and keep the
     # recomputing count.
     width_values = fit["backward_width_values" if recomputed else "backward_width_values_none"]
-    if remat == "full" and f > 1 and p == 1:  # the recomputed norms' outputs fused into their users
+    # fsdp's gathered norm scales: their recomputed outputs fused into their users
+    if remat == "full" and f > 1 and p == 1:
         width_values -= _GATHERED_NORM_VALUES
     width = act * width_values * x
     moe = fit["moe_backward_fraction"] * moe_values
