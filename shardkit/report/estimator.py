@@ -236,6 +236,17 @@ _GATHERED_NORM_VALUES = 2
 #: assembles the input gradient, one shard at a time (``shardkit.nn.tsp``). Counted at
 #: the peak: 2 and 5, under full, save_dots and none, f32 and bf16, 256 to 4,096 tokens.
 _TSP_IN_PROJECTION_VALUES = 1
+#: Slots the temp heap gives a head's whole hidden states (elsewhere two: the states,
+#: then their gradient where the logits' buffers were) when a vocabulary-split head
+#: gathers hidden states split over a sequence axis (cp, cp_usp, fsdp_cp) and their
+#: gradient is f32 (f32 matmul outputs): three. The gathered states, their layout copy
+#: for the head weight's gradient ([b, s, h] gathered over s, copied to [b·s, h]) and
+#: their gradient (then all-reduced whole) live in a chain of overlapping ranges, and
+#: XLA's heap packing gives each its own offset, although the live bytes at the peak
+#: hold two (XLA's buffer assignment, gpt and llama on cp over 64: f32[65536, 512] at
+#: 0, 128 and 256 MiB). fsdp's states, split over the batch, need no layout copy; a
+#: bf16 gradient (jax 0.12) is converted to f32 and two slots serve.
+_SEQUENCE_GATHERED_HIDDEN_SLOTS = 3
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -764,6 +775,7 @@ def estimate(
             act=act,
             nb=nb,
             rolled=rolled,
+            gathered_sequence=c * tsp > 1 and not tsp_rings and dot == 4,
         )
         notes.append(f"head and loss: {chunks} chunk(s), {head:,.0f} B")
     if rolled:
@@ -805,11 +817,27 @@ def estimate(
 
 
 def _chunked_head(
-    dims, recipe, sizes, fit, *, batch, seq, m, t, tsp, tsp_rings, act, nb, rolled
+    dims,
+    recipe,
+    sizes,
+    fit,
+    *,
+    batch,
+    seq,
+    m,
+    t,
+    tsp,
+    tsp_rings,
+    act,
+    nb,
+    rolled,
+    gathered_sequence=False,
 ) -> tuple[float, int]:
     """The chunked cross-entropy's bytes and its chunks: its hidden states whole, beside
     the larger of their gradient and its f32 logits and weight buffers (times
-    ``head_copies``).
+    ``head_copies``). ``gathered_sequence``: hidden states split over a sequence axis
+    with an f32 gradient, which a vocabulary-split head gathers into three heap slots
+    (:data:`_SEQUENCE_GATHERED_HIDDEN_SLOTS`).
 
     TSP's vocabulary ring (shardkit.nn.tsp_head) scores one step's logits at a time, the
     local tokens against one V/D shard, unchunked; its table is never gathered, one shard
@@ -849,9 +877,13 @@ def _chunked_head(
     # The hidden states in the head's layout, whole, and next to them either the logits'
     # and the weight's buffers (head_copies of them) or, once those are freed, the hidden
     # states' gradient: vocabulary-split logits on 64 or 512 devices gather every token's
-    # hidden states, 128 MiB, and the peak holds them twice (XLA's buffers).
+    # hidden states, 128 MiB, and the heap holds them twice (thrice, gathered over a
+    # sequence axis with an f32 gradient: _SEQUENCE_GATHERED_HIDDEN_SLOTS).
     hidden = tokens / token_split * dims.d_model * act
-    return hidden + max(hidden, fit["head_copies"] * buffers), chunks
+    slots = 2
+    if gathered_sequence and vocab_split > 1 and not rolled:
+        slots = _SEQUENCE_GATHERED_HIDDEN_SLOTS
+    return (slots - 1) * hidden + max(hidden, fit["head_copies"] * buffers), chunks
 
 
 def _unrolled_terms(layers_terms, rest, saved, head, grads) -> dict[str, dict[str, float]]:

@@ -1,6 +1,7 @@
 """The pre-compile estimate: its terms by hand count, its errors, against compiled programs."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -208,10 +209,10 @@ def test_every_term_is_positive_and_they_add_up_to_the_temp(tiny, precision, rem
     assert sum(e.terms.values()) == pytest.approx(e.temp)
 
 
-def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> list:
-    """The buffers live at the peak of ``model``'s compiled step under ``plan`` (a Plan
-    or a recipe's name; 8 devices, sequence 64; a pipeline's options), read from XLA's
-    buffer assignment, not from the estimator."""
+def _compiled(monkeypatch, plan, model, batch: int, pipeline=None) -> tuple:
+    """``model``'s compiled step under ``plan`` (a Plan or a recipe's name; 8 devices,
+    sequence 64; a pipeline's options): its report's JSON, XLA's buffer assignment and
+    the program's text, read from the compiler, not from the estimator."""
     import shardkit.report.build as build
 
     seen = {}
@@ -219,6 +220,7 @@ def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> li
 
     def spy(lowered, **kw):
         compiled, seen["buffers"] = compile_with_buffers(lowered, **kw)
+        seen["text"] = compiled.as_text()
         return compiled, seen["buffers"]
 
     monkeypatch.setattr(build, "compile_with_buffers", spy)
@@ -226,8 +228,14 @@ def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> li
     report = sk.report.build_report(
         plan, model=model, batch=batch, seq=64, pipeline=pipeline, itemise=True
     )
-    assert report.to_json()["memory_peak_phase"] == "layers"
-    return seen["buffers"].live_temps()
+    return report.to_json(), seen["buffers"], seen["text"]
+
+
+def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> list:
+    """The buffers live at the peak of the layers' backward (:func:`_compiled`)."""
+    report, buffers, _ = _compiled(monkeypatch, plan, model, batch, pipeline)
+    assert report["memory_peak_phase"] == "layers"
+    return buffers.live_temps()
 
 
 def _mlp_rows_at_the_peak(
@@ -404,23 +412,12 @@ def test_tsp_rings_assemble_each_in_projections_input_gradient_in_a_zeroed_buffe
     # h wide live at the peak that are (copies of) a broadcast zero made inside the
     # ring's scope, read from the compiled program's text. One per in-projection: GPT's
     # fused qkv and up (2), Llama's wq, wk, wv, gate and up (5).
-    import re
-
-    import shardkit.report.build as build
-
-    text = {}
-    compile_with_buffers = build.compile_with_buffers
-
-    def spy(lowered, **kw):
-        compiled, buffers = compile_with_buffers(lowered, **kw)
-        text["hlo"] = compiled.as_text()
-        return compiled, buffers
-
-    monkeypatch.setattr(build, "compile_with_buffers", spy)
     m = models.get(model, remat=remat)
-    live = _live_at_the_peak(monkeypatch, "tsp", m, batch=24)
+    report, buffers, text = _compiled(monkeypatch, "tsp", m, batch=24)
+    assert report["memory_peak_phase"] == "layers"
+    live = buffers.live_temps()
     lines = {}
-    for line in text["hlo"].splitlines():
+    for line in text.splitlines():
         found = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
         if found:
             lines[found[1]] = line
@@ -656,6 +653,52 @@ def test_vocabulary_split_logits_hold_every_tokens_hidden_states_twice(tiny, voc
     (note,) = [n for n in e.notes if n.startswith("head and loss")]
     want = hidden + logits if logits_peak else 2 * hidden
     assert note == f"head and loss: 1 chunk(s), {want:,.0f} B"
+
+
+@pytest.mark.parametrize(
+    ("recipe", "mesh", "precision"),
+    [("cp", {"sequence": 8}, "f32"), ("cp", {"sequence": 8}, "bf16"), ("fsdp", {"fsdp": 8}, "f32")],
+)
+def test_f32_hidden_states_gathered_over_the_sequence_keep_a_layout_copy(
+    recipe, mesh, precision, monkeypatch
+):
+    # gpt-tiny, 16 × 64 tokens, the logits split by vocabulary: the head gathers every
+    # token's hidden states whole (f32[16,64,64]) and computes their gradient
+    # (f32[1024,64]). Gathered over cp's sequence axis, with the gradient in f32 (f32
+    # matmul outputs: f32, or bf16 on jax before 0.12), the states' layout copy for the
+    # head weight's gradient (f32[1024,64] too) is still live when the gradient is made:
+    # the chain of ranges for which XLA's heap packing gives a third slot
+    # (_SEQUENCE_GATHERED_HIDDEN_SLOTS). Split over fsdp's batch: no copy.
+    plan = sk.Plan(sk.recipes.get(recipe).with_logits("vocab"), precision=precision)
+    _, assigned, _ = _compiled(monkeypatch, plan, models.get("gpt-tiny", remat="full"), 16)
+    flat = [v for v in assigned.values if v.kind == "temp" and v.shape == "f32[1024,64]"]
+    overlapping = [
+        (a, b) for a in flat for b in flat if a.id < b.id and a.start <= b.end and b.start <= a.end
+    ]
+    f32_gradient = precision == "f32" or FIT["bf16_matmul_bytes"] == 4
+    assert len(overlapping) == (1 if recipe == "cp" and f32_gradient else 0)
+
+
+@pytest.mark.parametrize(
+    ("precision", "logits"), [("f32", "vocab"), ("bf16", "vocab"), ("f32", "tokens")]
+)
+def test_the_head_counts_a_third_hidden_state_slot_where_cp_gathers_f32_states(
+    tiny, precision, logits
+):
+    # cp over 8 against fsdp over 8, gpt-tiny, 8 × 64 tokens: the same head but for the
+    # hidden states gathered over the sequence axis: one more copy of all 512 × 64 of
+    # them (f32), where the logits split by vocabulary and the matmul outputs are f32
+    # (in bf16 on jax 0.12, bf16: none).
+    def head(recipe, mesh):
+        r = sk.recipes.get(recipe).with_logits(logits)
+        e = estimate(r, tiny, mesh=mesh, batch=8, seq=64, precision=precision)
+        (note,) = [n for n in e.notes if n.startswith("head and loss")]
+        return float(note.split(", ")[1].removesuffix(" B").replace(",", ""))
+
+    f32_gradient = precision == "f32" or FIT["bf16_matmul_bytes"] == 4
+    extra = 1 if logits == "vocab" and f32_gradient else 0
+    cp, fsdp = head("cp", {"sequence": 8}), head("fsdp", {"fsdp": 8})
+    assert cp - fsdp == extra * 512 * 64 * 4
 
 
 def test_the_rolled_engine_under_bf16_keeps_one_scores_ring_and_no_mask(tiny):
