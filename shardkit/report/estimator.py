@@ -236,6 +236,17 @@ _GATHERED_NORM_VALUES = 2
 #: assembles the input gradient, one shard at a time (``shardkit.nn.tsp``). Counted at
 #: the peak: 2 and 5, under full, save_dots and none, f32 and bf16, 256 to 4,096 tokens.
 _TSP_IN_PROJECTION_VALUES = 1
+#: Head-expanded K/V layouts a token's backward holds under all-gather attention
+#: (attention="allgather"), beyond the gathered K/V: K and V repeated to every query head
+#: over all the sequence's positions (q values each for every position of the ring − 1
+#: other ranks', the own rank's counted with the layer) as the f32 operands of the
+#: scores' and the context's matmuls, under any remat policy; where the layer recomputes
+#: and matmul outputs are bf16 (jax 0.12) their bf16 layouts too. Counted at the peak:
+#: llama-tiny with 2 heads of 32 on cp over 8, f32[64,2,64,32] and f32[64,2,32,64] (jax
+#: 0.10 and 0.12, full and none), the two bf16 ones beside them under full and save_dots;
+#: llama on cp over 64 in bf16, two f32[512,16,128,32] of 128 MiB and two bf16 (a third
+#: f32 one where the peak falls inside the attention's backward: not counted).
+_ALLGATHER_KV_LAYOUTS = 2
 #: Slots the temp heap gives a head's whole hidden states (elsewhere two: the states,
 #: then their gradient where the logits' buffers were) when a vocabulary-split head
 #: gathers hidden states split over a sequence axis (cp, cp_usp, fsdp_cp) and their
@@ -688,6 +699,9 @@ def estimate(
         work += tokens * ring_values * dot
     if tsp_rings:  # each in-projection's input gradient, assembled shard by shard
         work += tokens * _TSP_IN_PROJECTION_VALUES * dims.in_projections * x * dot
+    if recipe.attention == "allgather" and ring > 1:  # K/V gathered, expanded to every head
+        layout_bytes = 4 + (dot if recomputed and dot < 4 else 0)
+        work += tokens * _ALLGATHER_KV_LAYOUTS * q * (ring - 1) / t * layout_bytes
     scores = frac * tokens * 2 * dims.n_heads * keys / t * att
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
     # layer's into the optimizer's shard), the layer being differentiated whole (before

@@ -12,6 +12,7 @@ from shardkit.models import CONFIGS
 from shardkit.recipes import Recipe
 from shardkit.report.analytic_moe import expert_allreduce_bytes, mlp_values
 from shardkit.report.estimator import (
+    _ALLGATHER_KV_LAYOUTS,
     _GATHERED_NORM_VALUES,
     _GELU_BF16_VALUES,
     _MLP_BACKWARD_VALUES,
@@ -433,6 +434,49 @@ def test_tsp_rings_assemble_each_in_projections_input_gradient_in_a_zeroed_buffe
     assembled = sum(zeros(v.instruction) for v in width_h)
     assert assembled == _TSP_IN_PROJECTION_VALUES * m.dims.in_projections
     assert assembled == {"gpt-tiny": 2, "llama-tiny": 5}[model]
+
+
+@pytest.mark.parametrize(
+    ("remat", "precision"), [("full", "f32"), ("none", "f32"), ("full", "bf16"), ("none", "bf16")]
+)
+def test_allgather_attention_keeps_kv_expanded_to_every_head(remat, precision, monkeypatch):
+    # llama-tiny with 2 query heads of 32 and 1 K/V head, cp over 8 with all-gather
+    # attention, 64 rows × 8 local tokens a device: live at the compiled peak, K and V
+    # repeated to both heads over all 64 positions, [64, 2, 64, 32] (and its transpose)
+    # in f32 for the matmuls; where the layer recomputes in bf16 with bf16 matmul
+    # outputs, their bf16 copies too. 64 · 2 · 64 · 32 = 512 tokens × q 64 × 8 ranks.
+    m = models.get("llama-tiny", remat=remat, n_heads=2, n_kv_heads=1)
+    plan = sk.Plan(sk.recipes.get("cp").with_attention("allgather"), precision=precision)
+    live = _live_at_the_peak(monkeypatch, plan, m, batch=64)
+    layouts = sum(v.size for v in live if v.dims in {(64, 2, 64, 32), (64, 2, 32, 64)})
+    bf16_copies = remat != "none" and precision == "bf16" and FIT["bf16_matmul_bytes"] == 2
+    assert layouts == 2 * 512 * 64 * 8 * (4 + (2 if bf16_copies else 0))
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("remat", ["full", "save_dots", "none"])
+def test_allgather_counts_the_expanded_kv_of_the_other_ranks(remat, precision, monkeypatch):
+    # llama-tiny (q = 16 heads × 4 = 64, k = 32) on cp over 8 with all-gather attention,
+    # 8 × 8 local tokens: the
+    # two layouts of the 7 other ranks' positions add 2 × 7 × 64 values a token to the
+    # backward layer, in f32, and their bf16 copies where the layer recomputes in bf16
+    # with bf16 matmul outputs.
+    import shardkit.report.estimator as estimator
+
+    recipe = sk.recipes.get("cp").with_attention("allgather")
+
+    def work():
+        kw = dict(batch=8, seq=64, remat=remat, precision=precision)
+        llama = CONFIGS["llama-tiny"].dims()
+        return estimate(recipe, llama, mesh={"sequence": 8}, **kw).phases["layers"]
+
+    with_layouts = work()
+    monkeypatch.setattr(estimator, "_ALLGATHER_KV_LAYOUTS", 0)
+    dot = FIT["bf16_matmul_bytes"] if precision == "bf16" else 4
+    per_value = 4 + (dot if remat != "none" and dot < 4 else 0)
+    fragmentation = 1 + FIT["heap_fragmentation"]
+    assert with_layouts - work() == pytest.approx(fragmentation * 64 * 2 * 7 * 64 * per_value)
+    assert _ALLGATHER_KV_LAYOUTS == 2
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
