@@ -379,15 +379,16 @@ def test_where_fsdp_gathers_the_weights_the_norms_outputs_are_not_materialised(m
 
 @pytest.mark.parametrize(("remat", "fewer"), [("full", 2), ("save_dots", 0), ("none", 0)])
 def test_the_estimate_counts_the_gathered_norms_width_under_full_remat_only(tiny, remat, fewer):
-    # dp over 1 and fsdp over 2 with 8 × 64 tokens a device each (batch 8 and 16), and
-    # tp over 4 against fsdp_tp over 2 × 4: the backward layers differ by the two norms'
-    # width-h values (64 wide, f32) under full, not under the other policies.
+    # dp and fsdp over 2 with 8 × 64 tokens a device each (batch 16), and tp over 4
+    # against fsdp_tp over 2 × 4: the backward layers differ by the two norms' width-h
+    # values (64 wide, f32) under full, not under the other policies (dp's data axis
+    # splits the batch as fsdp's does, and gathers nothing).
     def layer(recipe, mesh, batch):
         e = estimate(recipe, tiny, mesh=mesh, batch=batch, seq=64, remat=remat)
         return e.terms["recomputation"] + e.terms["attention scores"]
 
     less = fewer * 8 * 64 * 64 * 4
-    dp, fsdp = layer("dp", {"data": 1}, 8), layer("fsdp", {"fsdp": 2}, 16)
+    dp, fsdp = layer("dp", {"data": 2}, 16), layer("fsdp", {"fsdp": 2}, 16)
     assert dp - fsdp == pytest.approx(less)
     tp, fsdp_tp = layer("tp", {"tensor": 4}, 8), layer("fsdp_tp", {"fsdp": 2, "tensor": 4}, 16)
     assert tp - fsdp_tp == pytest.approx(less)
