@@ -213,23 +213,23 @@ def test_every_term_is_positive_and_they_add_up_to_the_temp(tiny, precision, rem
 def _compiled(monkeypatch, plan, model, batch: int, pipeline=None) -> tuple:
     """``model``'s compiled step under ``plan`` (a Plan or a recipe's name; 8 devices,
     sequence 64; a pipeline's options): its report's JSON, XLA's buffer assignment and
-    the program's text, read from the compiler, not from the estimator."""
+    the compiled executable (``.as_text()``: the program), read from the compiler, not
+    from the estimator."""
     import shardkit.report.build as build
 
     seen = {}
     compile_with_buffers = build.compile_with_buffers
 
     def spy(lowered, **kw):
-        compiled, seen["buffers"] = compile_with_buffers(lowered, **kw)
-        seen["text"] = compiled.as_text()
-        return compiled, seen["buffers"]
+        seen["compiled"], seen["buffers"] = compile_with_buffers(lowered, **kw)
+        return seen["compiled"], seen["buffers"]
 
     monkeypatch.setattr(build, "compile_with_buffers", spy)
     plan = sk.Plan(plan) if isinstance(plan, str) else plan
     report = sk.report.build_report(
         plan, model=model, batch=batch, seq=64, pipeline=pipeline, itemise=True
     )
-    return report.to_json(), seen["buffers"], seen["text"]
+    return report.to_json(), seen["buffers"], seen["compiled"]
 
 
 def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> list:
@@ -415,11 +415,11 @@ def test_tsp_rings_assemble_each_in_projections_input_gradient_in_a_zeroed_buffe
     # ring's scope, read from the compiled program's text. One per in-projection: GPT's
     # fused qkv and up (2), Llama's wq, wk, wv, gate and up (5).
     m = models.get(model, remat=remat)
-    report, buffers, text = _compiled(monkeypatch, "tsp", m, batch=24)
+    report, buffers, compiled = _compiled(monkeypatch, "tsp", m, batch=24)
     assert report["memory_peak_phase"] == "layers"
     live = buffers.live_temps()
     lines = {}
-    for line in text.splitlines():
+    for line in compiled.as_text().splitlines():
         found = re.match(r"\s*(?:ROOT )?%(\S+) = ", line)
         if found:
             lines[found[1]] = line
@@ -458,10 +458,9 @@ def test_allgather_attention_keeps_kv_expanded_to_every_head(remat, precision, m
 @pytest.mark.parametrize("remat", ["full", "save_dots", "none"])
 def test_allgather_counts_the_expanded_kv_of_the_other_ranks(remat, precision, monkeypatch):
     # llama-tiny (q = 16 heads × 4 = 64, k = 32) on cp over 8 with all-gather attention,
-    # 8 × 8 local tokens: the
-    # two layouts of the 7 other ranks' positions add 2 × 7 × 64 values a token to the
-    # backward layer, in f32, and their bf16 copies where the layer recomputes in bf16
-    # with bf16 matmul outputs.
+    # 8 × 8 local tokens: the two layouts of the 7 other ranks' positions add 2 × 7 × 64
+    # values a token to the backward layer, in f32, and their bf16 copies where the layer
+    # recomputes in bf16 with bf16 matmul outputs.
     import shardkit.report.estimator as estimator
 
     recipe = sk.recipes.get("cp").with_attention("allgather")
