@@ -707,9 +707,10 @@ def estimate(
     # layer's into the optimizer's shard), the layer being differentiated whole (before
     # its reduction; fsdp scatters most of it as it is computed), and the token table's
     # whole gradient: the lookup scatters into it before any reduction (ZeRO-1: every
-    # vocabulary table's, reduce-scattered after the layers). Without remat the forward
-    # scan's output buffer of the stacked gradient is live next to the backward's
-    # loop-carried one: two copies (counted in XLA's buffers).
+    # vocabulary table's, reduce-scattered after the layers). Without remat XLA holds a
+    # second stacked copy the size of the stack's shard (counted in XLA's buffers); in
+    # bf16, where the layer's weights are its own (not gathered), that second copy is the
+    # forward's saved weights as cast for the matmuls, counted below with the saved values.
     zero1 = d if par.data_kind == "zero1" else 1
     shard = mem.grads / zero1
     copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
@@ -732,8 +733,22 @@ def estimate(
     rest = (dims.param_count - dims.stack_params) * nb / t
     tables = dims.vocab_tables if zero1 > 1 else 1
     table_grads = tables * dims.vocab * dims.d_model * wb * (1 - 1 / (t * f * tsp * zero1))
+    gathered_layers = f > 1 or (tsp > 1 and not tsp_rings)
+    if remat == "none" and bf16 and p == 1 and not gathered_layers:
+        # The forward scan saves each layer's weights as cast for its matmuls, live from
+        # the forward to the backward: in the matmul outputs' bytes, whole where the
+        # weights are (ZeRO-1's too; its gradient is the shard). Counted in XLA's buffers,
+        # llama-tiny over 8: bf16[2,256,64] beside dp's one f32 gradient sum (jax 0.12);
+        # jax 0.10 saves f32 copies. No fitted constant.
+        cast_weights = L * layer_grad / wb * dot
+        saved += cast_weights
+        copies = fit["gradient_copies"]
+        notes.append(
+            f"saved weights: {L:g} layers × {cast_weights / L:,.0f} B, as cast for the matmuls "
+            f"({dot:g} B a value), saved by the forward scan; one gradient sum beside them"
+        )
     gathered = 0.0
-    if f > 1 or (tsp > 1 and not tsp_rings):
+    if gathered_layers:
         gathered = fit["gathered_weight_copies"] * dense_layer * wb / t
         layer_grad *= fit["scattered_layer_gradient"]
     if p > 1 and f > 1:  # zeropp: the stage's layers, embedding and head gathered per unit

@@ -377,6 +377,55 @@ def test_where_fsdp_gathers_the_weights_the_norms_outputs_are_not_materialised(m
     assert width_h("dp") - width_h("fsdp") == _GATHERED_NORM_VALUES == 2
 
 
+@pytest.mark.parametrize("recipe", ["dp", "zero1"])
+def test_without_remat_in_bf16_the_forward_saves_the_layers_cast_weights(recipe, monkeypatch):
+    # llama-tiny over 8, batch 16, no remat, bf16: its MLP's down projection stacked by
+    # layer (f32[2,256,64] as a parameter; no activation has that shape) in XLA's buffers
+    # at the layers' peak. The forward scan saves each layer's weight as cast for the
+    # matmuls (bf16 where matmul outputs are, jax 0.12; f32 on jax 0.10) beside the
+    # backward's f32 gradient sum, which ZeRO-1 keeps as its shard instead.
+    cast = "bf16" if FIT["bf16_matmul_bytes"] == 2 else "f32"
+    expected = {"bf16": 0, "f32": 1 if recipe == "dp" else 0}
+    expected[cast] += 1
+    plan = sk.Plan(recipe, precision="bf16")
+    live = _live_at_the_peak(monkeypatch, plan, models.get("llama-tiny", remat="none"), 16)
+    shapes = [v.shape for v in live]
+    assert {d: shapes.count(f"{d}[2,256,64]") for d in ("bf16", "f32")} == expected
+
+
+@pytest.mark.parametrize(
+    ("layout", "twin", "t"),
+    [
+        (("dp", {"data": 8}, 16), ("fsdp", {"fsdp": 8}, 16), 1),
+        (("zero1", {"data": 8}, 16), ("fsdp", {"fsdp": 8}, 16), 1),
+        (("tp", {"tensor": 4}, 8), ("fsdp_tp", {"fsdp": 2, "tensor": 4}, 16), 4),
+    ],
+)
+def test_the_estimate_saves_the_cast_weights_in_place_of_a_second_gradient_sum(
+    tiny, layout, twin, t
+):
+    # By hand, gpt-tiny's 2 layers of 49,984 values, 8 × 64 tokens a device, no remat:
+    # in bf16 the saved values hold the layers' weights as cast (÷ 4 under tp's tensor
+    # axis; 2 B each, 4 B where matmul outputs are f32) beside the activations, which the
+    # fsdp twin (the same tokens a device, its weights gathered: nothing cast is saved)
+    # holds too; the gradients one stacked sum, as under full remat. In f32, nothing more.
+    def terms(point, precision, remat="none"):
+        recipe, mesh, batch = point
+        kw = dict(mesh=mesh, batch=batch, seq=64, remat=remat, precision=precision)
+        return estimate(recipe, tiny, **kw).terms
+
+    def saved(point, precision):
+        return terms(point, precision)["saved activations"]
+
+    dot = FIT["bf16_matmul_bytes"]
+    assert saved(layout, "bf16") - saved(twin, "bf16") == pytest.approx(2 * 49_984 / t * dot)
+    assert saved(layout, "f32") == pytest.approx(saved(twin, "f32"))
+    none, full = terms(layout, "bf16"), terms(layout, "bf16", "full")
+    assert none["gradients"] == pytest.approx(full["gradients"])
+    none, full = terms(layout, "f32"), terms(layout, "f32", "full")
+    assert none["gradients"] > full["gradients"]
+
+
 @pytest.mark.parametrize(("remat", "fewer"), [("full", 2), ("save_dots", 0), ("none", 0)])
 def test_the_estimate_counts_the_gathered_norms_width_under_full_remat_only(tiny, remat, fewer):
     # dp and fsdp over 2 with 8 × 64 tokens a device each (batch 16), and tp over 4
@@ -783,7 +832,8 @@ def test_bf16_activations_take_the_backends_bytes(tiny):
     per_token = saved_values(tiny, "none", seq=64, bf16=True)  # the probabilities alone
     tokens = 2 * 8 * 64 // 8  # 2 layers × 1 row × 64 tokens a device
     want = tokens * (6 * 64 * 4 + (per_token - 6 * 64) * 2)
-    assert bf16.terms["saved activations"] == pytest.approx(want)
+    cast_weights = 2 * 49_984 * 2  # and the 2 layers' weights, cast to bf16 (dp's whole)
+    assert bf16.terms["saved activations"] == pytest.approx(want + cast_weights)
     f32_token = saved_values(tiny, "none", seq=64)
     assert f32_token == per_token + 8 * 64  # the scores too, in f32
     assert f32.terms["saved activations"] == pytest.approx(tokens * f32_token * 4)
