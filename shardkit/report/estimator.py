@@ -707,10 +707,13 @@ def estimate(
     # layer's into the optimizer's shard), the layer being differentiated whole (before
     # its reduction; fsdp scatters most of it as it is computed), and the token table's
     # whole gradient: the lookup scatters into it before any reduction (ZeRO-1: every
-    # vocabulary table's, reduce-scattered after the layers). Without remat XLA holds a
-    # second stacked copy the size of the stack's shard (counted in XLA's buffers); in
-    # bf16, where the layer's weights are its own (not gathered), that second copy is the
-    # forward's saved weights as cast for the matmuls, counted below with the saved values.
+    # vocabulary table's, reduce-scattered after the layers). Without remat the forward
+    # scan saves the weights its matmuls read where they are new values: in f32, GPT's
+    # as pinned to their sharding (linen's sk.axes pins each parameter a module reads), a
+    # second stacked copy counted with the gradients as the shard's (ZeRO-1's is whole:
+    # not counted; Llama's NNX weights are not pinned and hold one; the estimate counts
+    # two for both); in bf16, every model's as cast for the matmuls, counted below with
+    # the saved values.
     zero1 = d if par.data_kind == "zero1" else 1
     shard = mem.grads / zero1
     copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
