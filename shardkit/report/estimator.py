@@ -743,7 +743,7 @@ def estimate(
         # weights are (ZeRO-1's too; its gradient is the shard). Counted in XLA's buffers,
         # llama-tiny over 8: bf16[2,256,64] beside dp's one f32 gradient sum (jax 0.12);
         # jax 0.10 saves f32 copies. No fitted constant.
-        cast_weights = L * layer_grad / wb * dot
+        cast_weights = L * layer_grad  # the local layer in wb bytes, as its gradient
         saved += cast_weights
         copies = fit["gradient_copies"]
         notes.append(
