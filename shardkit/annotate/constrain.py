@@ -107,8 +107,20 @@ def _check_logical(x: Any, logical: Any) -> None:
 def constrain_param(
     x: jax.Array, logical: Sequence[str | None], *, path: Any = "param"
 ) -> jax.Array:
-    """``constrain`` with the active ``param_rules`` (a no-op without them)."""
-    return _pin(x, logical, current_param_rules(), path)
+    """``constrain`` with the active ``param_rules`` (a no-op without them).
+
+    Inside ``jit`` on Auto axes, a parameter whose planned layout is replicated is left
+    as read: the step's arguments already place it there, so the pin would gather
+    nothing and shard no gradient, and inside a layer scan without remat the forward
+    would save its output, a second copy of the layer's weights, for the backward.
+    """
+    rules, mesh = current_param_rules(), context.active_mesh()
+    if rules is None or mesh is None:
+        return x
+    spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path)
+    if isinstance(x, jax.core.Tracer) and not is_explicit(mesh) and all(not s for s in spec):
+        return x
+    return _apply(x, spec, mesh, path)
 
 
 def is_explicit(mesh: Any) -> bool:
@@ -121,6 +133,10 @@ def _pin(x: jax.Array, logical: Sequence[str | None], rules: Rules | None, path:
     if rules is None or mesh is None:
         return x
     spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path)
+    return _apply(x, spec, mesh, path)
+
+
+def _apply(x: jax.Array, spec: Any, mesh: Any, path: Any) -> jax.Array:
     if not isinstance(x, jax.core.Tracer):
         return _place(x, spec, path)  # an eager array: its sharding may be of any kind
     if is_explicit(mesh):

@@ -145,24 +145,17 @@ def _tied_table_wire(w, nbytes, group, wire, terms) -> list[str]:
 
 
 def _replicated_tables_wire(
-    par, w, nbytes, vocab_tables, rest, wire, terms, split_head=True
+    par, w, nbytes, vocab_tables, wire, terms, split_head=True
 ) -> list[str]:
     """Move the reductions that data replicas all-reduce whole (counted in XLA's compiled
-    programs, both grids of the estimator's benchmark): under ZeRO-1 with a tied table,
-    the gradients of every parameter outside the layer stack (``rest``: the table, a
-    position table, the final norm) are all-reduced over the replicas, not
-    reduce-scattered; under data × fsdp an untied token table's (its lookup's
-    scatter-add) is all-reduced over all ``d·f`` devices at once, not reduce-scattered
-    over fsdp and all-reduced over data; under data × tensor it is all-reduced whole over
-    tensor, then over data (``split_head=False``: not reduce-scattered over tensor
-    first, as a head in the tokens' layout has it). ``nbytes``: bytes per value of a
-    ``1/(t·f)`` shard."""
-    d, f, t, n = par.data, par.fsdp, par.tensor, par.data * par.sequence
-    if par.data_kind == "zero1" and vocab_tables == 1 and n > 1:
-        x = rest * nbytes
-        moves = {"reduce-scatter": -x * (n - 1) / n, "all-reduce": 2 * x * (n - 1) / n}
-        note = f"all-reduce over {n}: the gradients outside the stack, 2·Ψ_rest·B·(n−1)/n"
-    elif par.data_kind == "dp" and vocab_tables == 2 and d > 1 and f > 1:
+    programs, both grids of the estimator's benchmark): under data × fsdp an untied
+    token table's (its lookup's scatter-add) is all-reduced over all ``d·f`` devices at
+    once, not reduce-scattered over fsdp and all-reduced over data; under data × tensor
+    it is all-reduced whole over tensor, then over data (``split_head=False``: not
+    reduce-scattered over tensor first, as a head in the tokens' layout has it).
+    ``nbytes``: bytes per value of a ``1/(t·f)`` shard."""
+    d, f, t = par.data, par.fsdp, par.tensor
+    if par.data_kind == "dp" and vocab_tables == 2 and d > 1 and f > 1:
         x, g = w.vocab * w.d_model * nbytes, d * f
         moves = {
             "reduce-scatter": -f * x * (f - 1) / f,
@@ -254,11 +247,10 @@ def analytic_costs(
         tables gathered whole for the lookup and the head; a tied table's two partial
         gradients (lookup, head) reduced apart where the head gathers its weight, and
         its weight still gathered (for the lookup) where the head splits the
-        vocabulary; the reductions that replicas all-reduce whole (ZeRO-1 with a tied
-        table: every gradient outside the stack; an untied token table under data ×
-        fsdp, over all their devices at once, and under data × tensor, over each
-        axis in turn; under fsdp × a context axis every gradient outside the stack,
-        over each axis in turn); bfloat16 values gathered in float32 (XLA:CPU's float
+        vocabulary; the reductions that replicas all-reduce whole (an untied token
+        table under data × fsdp, over all their devices at once, and under data ×
+        tensor, over each axis in turn; under fsdp × a context axis every gradient
+        outside the stack, over each axis in turn); bfloat16 values gathered in float32 (XLA:CPU's float
         normalisation: the vocabulary head's hidden states, ZeroPP's cast weights; a
         pipeline's only departure). Without ``stack_param_bytes`` the dense and TSP
         layouts keep the formulas.
@@ -393,9 +385,8 @@ def analytic_costs(
         if not head and tied == 1 and d * c == 1:
             head = _tied_table_wire(w, nb / t, f, wire, terms)
         if counted:
-            rest = (param_bytes - stack_param_bytes) / nb
             head += _replicated_tables_wire(
-                par, w, nb / (t * f), vocab_tables, rest, wire, terms, split_head
+                par, w, nb / (t * f), vocab_tables, wire, terms, split_head
             )
         wire_notes += head
     notes = (
