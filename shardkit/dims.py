@@ -50,6 +50,11 @@ class ModelDims:
         step's phases (the layers, the head and loss, the optimizer step) one by one.
       loss_chunks: with ``chunked_head``, the chunks of the sequence the head and the
         loss run in; ``None``: chosen from the step's size.
+      pinned_weights: the layers read their weights through ``@sk.axes`` on linen
+        modules, which pins each weight to its planned sharding where a module reads it
+        (NNX modules are not pinned). Without remat a layer scan's forward saves the
+        pinned copy of every sharded weight for the backward: a second copy of the
+        stack's shard that the estimate counts.
       n_experts: routed experts of a mixture-of-experts MLP (0: a dense MLP). Each is a
         SwiGLU of width ``expert_d_ff``; ``top_k`` of them read each token, with
         ``capacity_factor`` (``None``: dropless) bounding each expert's tokens;
@@ -81,6 +86,7 @@ class ModelDims:
     in_projections: int = 2
     chunked_head: bool = False
     loss_chunks: int | None = None
+    pinned_weights: bool = False
     n_experts: int = 0
     top_k: int = 0
     n_shared_experts: int = 0
@@ -127,7 +133,14 @@ class ModelDims:
                     f"Fix: declare {field} as a positive integer"
                     f"{'' if field == 'in_projections' else ', or leave it out'}."
                 )
-        for field in ("tied_embedding", "position_table", "gated_mlp", "biases", "chunked_head"):
+        for field in (
+            "tied_embedding",
+            "position_table",
+            "gated_mlp",
+            "biases",
+            "chunked_head",
+            "pinned_weights",
+        ):
             if not isinstance(getattr(self, field), bool):
                 raise ShardingError(
                     f"ModelDims({field}={getattr(self, field)!r}): {field} is True or False.\n"

@@ -295,6 +295,7 @@ class ModelConfig:
             in_projections=self.in_projections,
             chunked_head=True,
             loss_chunks=self.loss_chunks,
+            pinned_weights=gpt,  # linen modules under @sk.axes
             **experts,
         )
 

@@ -708,15 +708,16 @@ def estimate(
     # its reduction; fsdp scatters most of it as it is computed), and the token table's
     # whole gradient: the lookup scatters into it before any reduction (ZeRO-1: every
     # vocabulary table's, reduce-scattered after the layers). Without remat the forward
-    # scan saves the weights its matmuls read where they are new values: in f32, GPT's
-    # as pinned to their sharding (linen's sk.axes pins each parameter a module reads), a
-    # second stacked copy counted with the gradients as the shard's (ZeRO-1's is whole:
-    # not counted; Llama's NNX weights are not pinned and hold one; the estimate counts
-    # two for both); in bf16, every model's as cast for the matmuls, counted below with
-    # the saved values.
+    # scan saves the weights its matmuls read where they are new values: in f32, a
+    # linen model's (``pinned_weights``: sk.axes pins each weight a module reads) where
+    # the layout shards the layer's weights, pinned to their sharding, a second copy of
+    # the stack's shard (a replicated weight is not pinned; NNX weights never are); in
+    # bf16, every model's as cast for the matmuls, counted below with the saved values.
     zero1 = d if par.data_kind == "zero1" else 1
     shard = mem.grads / zero1
-    copies = fit["gradient_copies"] * (2 if remat == "none" else 1)
+    gathered_layers = f > 1 or (tsp > 1 and not tsp_rings)
+    pinned_copy = remat == "none" and dims.pinned_weights and (t > 1 or gathered_layers)
+    copies = fit["gradient_copies"] * (2 if pinned_copy else 1)
     stack_shard = shard * dims.stack_params / dims.param_count
     # A weight as the step computes with it: its gathered copies and its gradient before
     # the reduction are bf16 where the matmul outputs are (the stored shard stays f32).
@@ -736,7 +737,6 @@ def estimate(
     rest = (dims.param_count - dims.stack_params) * nb / t
     tables = dims.vocab_tables if zero1 > 1 else 1
     table_grads = tables * dims.vocab * dims.d_model * wb * (1 - 1 / (t * f * tsp * zero1))
-    gathered_layers = f > 1 or (tsp > 1 and not tsp_rings)
     if remat == "none" and bf16 and p == 1 and not gathered_layers:
         # The forward scan saves each layer's weights as cast for its matmuls, live from
         # the forward to the backward: in the matmul outputs' bytes, whole where the
@@ -761,7 +761,7 @@ def estimate(
         f"backward layer: {tokens:g} tokens × ({frac:g} × {other_values:g} values + "
         f"{mlp:g} MLP values + {moe:g} MoE values + "
         f"{width_values:g} width-h{large}); gradients: "
-        f"{fit['gradient_copies']:g} × the shard + one "
+        f"{copies:g} × the shard + one "
         f"layer's {layer_grad:,.0f} B + the tables' unreduced {table_grads:,.0f} B"
     )
     # Tensor parallelism's width-h values of the whole sequence: the activation

@@ -393,6 +393,44 @@ def test_without_remat_in_bf16_the_forward_saves_the_layers_cast_weights(recipe,
     assert {d: shapes.count(f"{d}[2,256,64]") for d in ("bf16", "f32")} == expected
 
 
+@pytest.mark.parametrize("recipe", ["dp", "zero1"])
+def test_without_remat_a_linen_step_saves_no_copy_of_its_replicated_weights(recipe, monkeypatch):
+    # gpt-tiny (linen, under sk.axes) over 8, batch 16, no remat, f32: its MLP's down
+    # projection stacked by layer (f32[2,256,64]) in XLA's buffers at the layers' peak:
+    # dp's one gradient sum, none whole under ZeRO-1 (its sum is the shard). A replicated
+    # weight is not pinned, so the forward scan saves no copy of it: it reads the slice.
+    plan = sk.Plan(recipe, precision="f32")
+    live = _live_at_the_peak(monkeypatch, plan, models.get("gpt-tiny", remat="none"), 16)
+    assert [v.shape for v in live].count("f32[2,256,64]") == (1 if recipe == "dp" else 0)
+
+
+@pytest.mark.parametrize(
+    ("model", "recipe", "mesh", "pinned_values"),
+    [
+        ("gpt-tiny", "dp", {"data": 8}, 0),
+        ("gpt-tiny", "zero1", {"data": 8}, 0),
+        ("gpt-tiny", "tp", {"tensor": 4}, 2 * 49_984 / 4),
+        ("gpt-tiny", "fsdp", {"fsdp": 8}, 2 * 49_984 / 8),
+        ("llama-tiny", "tp", {"tensor": 4}, 0),
+        ("llama-tiny", "fsdp", {"fsdp": 8}, 0),
+    ],
+)
+def test_without_remat_in_f32_a_linen_model_saves_its_sharded_weights_as_pinned(
+    model, recipe, mesh, pinned_values
+):
+    # By hand: without remat in f32, gpt-tiny's (linen: pinned_weights) 2 layers of
+    # 49,984 values, where the layout shards them, are saved once more as pinned to their
+    # sharding: the stack's shard, 4 B a value, beside the gradients full remat holds.
+    # Replicated weights are not pinned; llama-tiny's NNX weights never are.
+    dims = CONFIGS[model].dims()
+
+    def grads(remat):
+        kw = dict(mesh=mesh, batch=16, seq=64, remat=remat, precision="f32")
+        return estimate(recipe, dims, **kw).terms["gradients"]
+
+    assert grads("none") - grads("full") == pytest.approx(4 * pinned_values)
+
+
 @pytest.mark.parametrize(
     ("layout", "twin", "t"),
     [
@@ -408,7 +446,8 @@ def test_the_estimate_saves_the_cast_weights_in_place_of_a_second_gradient_sum(
     # in bf16 the saved values hold the layers' weights as cast (÷ 4 under tp's tensor
     # axis; 2 B each, 4 B where matmul outputs are f32) beside the activations, which the
     # fsdp twin (the same tokens a device, its weights gathered: nothing cast is saved)
-    # holds too; the gradients one stacked sum, as under full remat. In f32, nothing more.
+    # holds too; the gradients one stacked sum, as under full remat. In f32, nothing more
+    # saved; tp's gradients add the weights as pinned to their shards (sk.axes, linen).
     def terms(point, precision, remat="none"):
         recipe, mesh, batch = point
         kw = dict(mesh=mesh, batch=batch, seq=64, remat=remat, precision=precision)
@@ -423,7 +462,7 @@ def test_the_estimate_saves_the_cast_weights_in_place_of_a_second_gradient_sum(
     none, full = terms(layout, "bf16"), terms(layout, "bf16", "full")
     assert none["gradients"] == pytest.approx(full["gradients"])
     none, full = terms(layout, "f32"), terms(layout, "f32", "full")
-    assert none["gradients"] > full["gradients"]
+    assert (none["gradients"] > full["gradients"]) == (t > 1)  # tp's pinned copy
 
 
 @pytest.mark.parametrize(("remat", "fewer"), [("full", 2), ("save_dots", 0), ("none", 0)])
@@ -1079,15 +1118,15 @@ def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
 
 
 def test_experts_without_an_expert_axis_are_state_like_any_other():
-    # zero1 on moe-tiny, 8 devices, no remat: the stored gradient shard is Ψ/8 (the stack's
-    # share twice, the scan's two copies), the differentiated layer whole, and the two
+    # zero1 on moe-tiny, 8 devices, no remat: the stored gradient shard is Ψ/8 (once: its
+    # NNX weights are not pinned, nothing else saved), the differentiated layer whole, and the two
     # vocabulary tables' whole gradients but their eighth: the lookup and the head
     # scatter into them before ZeRO-1 reduce-scatters them after the layers.
     d = models.get("moe-tiny").dims
     e = estimate("zero1", d, devices=8, batch=8, seq=32, remat="none")
-    stack, shard = d.stack_params * 4 / 8, d.param_count * 4 / 8
+    shard = d.param_count * 4 / 8
     tables = 2 * 256 * 64 * 4 * 7 / 8
-    want = 2 * stack + (shard - stack) + d.layer_params * 4 + tables
+    want = shard + d.layer_params * 4 + tables
     assert e.terms["gradients"] == pytest.approx(want)
 
 
