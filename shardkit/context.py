@@ -1,7 +1,7 @@
 """The one sharding context that code running inside a model reads.
 
 ``plan.jit`` enters it once around tracing a step: the parameter rules (``@sk.axes``
-pins each weight where it is read), the activation rules (``sk.constrain``, the
+pins each sharded weight where it is read), the activation rules (``sk.constrain``, the
 batch) and the attention strategy (``causal_attention``). Model code
 reads it through :func:`current` and never names a rule or a mesh axis; the mesh is
 JAX's own (``jax.set_mesh``), read by :func:`active_mesh`. It also carries the plan's

@@ -56,9 +56,9 @@ def param_rules(rules: Rules | Sequence[Any] | None):
     """Make ``rules`` the ones parameters are constrained with where they are used.
 
     ``sk.Plan`` enters them around tracing. ``@sk.axes`` linen modules then pin
-    each parameter they read (inside a layer scan: each layer's slice) to its
+    each sharded parameter they read (inside a layer scan: each layer's slice) to its
     planned sharding, so XLA gathers weights just in time and reduce-scatters
-    their gradients instead of all-reducing them.
+    their gradients instead of all-reducing them (see :func:`constrain_param`).
     """
     return context.using(param_rules=rules)
 
@@ -109,8 +109,8 @@ def constrain_param(
 ) -> jax.Array:
     """``constrain`` with the active ``param_rules`` (a no-op without them).
 
-    Inside ``jit`` on Auto axes, a parameter whose planned layout is replicated is left
-    as read: the step's arguments already place it there, so the pin would gather
+    Inside ``jit`` on Auto axes (the reference models' layers run on Auto axes under an
+    Explicit mesh too), a parameter whose planned layout is replicated is left as read: the step's arguments already place it there, so the pin would gather
     nothing and shard no gradient, and inside a layer scan without remat the forward
     would save its output, a second copy of the layer's weights, for the backward.
     """

@@ -97,7 +97,8 @@ def _box_tree(variables: Any, matcher: PatternAxes, owner: str) -> Any:
 
 
 def _pin_params(variables: Any, matcher: PatternAxes, owner: str) -> Any:
-    """When applied: pin each parameter the module reads to its planned sharding."""
+    """When applied: pin each parameter the module reads to its planned sharding
+    (:func:`~shardkit.annotate.constrain.constrain_param`: a replicated one is left as read)."""
     if context.current().param_rules is None:
         return variables
     return _map_matched(

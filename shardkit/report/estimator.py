@@ -708,15 +708,18 @@ def estimate(
     # its reduction; fsdp scatters most of it as it is computed), and the token table's
     # whole gradient: the lookup scatters into it before any reduction (ZeRO-1: every
     # vocabulary table's, reduce-scattered after the layers). Without remat the forward
-    # scan saves the weights its matmuls read where they are new values: in f32, a
-    # linen model's (``pinned_weights``: sk.axes pins each weight a module reads) where
-    # the layout shards the layer's weights, pinned to their sharding, a second copy of
-    # the stack's shard (a replicated weight is not pinned; NNX weights never are); in
-    # bf16, every model's as cast for the matmuls, counted below with the saved values.
+    # scan saves the weights its matmuls read where they are new values: a linen model's
+    # (``pinned_weights``: sk.axes pins each sharded weight a module reads) where the
+    # layout shards the layer's weights (tensor, fsdp, tsp, expert axes), pinned to their
+    # sharding, a second copy of the stack's shard (counted whole: the replicated norms
+    # and biases under tp, not pinned, are a small part; NNX weights are never pinned);
+    # and where the layer's weights are local in bf16, every model's as cast for the
+    # matmuls, counted below with the saved values in place of the pinned copy.
     zero1 = d if par.data_kind == "zero1" else 1
     shard = mem.grads / zero1
     gathered_layers = f > 1 or (tsp > 1 and not tsp_rings)
-    pinned_copy = remat == "none" and dims.pinned_weights and (t > 1 or gathered_layers)
+    sharded_layers = t > 1 or f > 1 or tsp > 1 or par.expert > 1
+    pinned_copy = remat == "none" and dims.pinned_weights and sharded_layers
     copies = fit["gradient_copies"] * (2 if pinned_copy else 1)
     stack_shard = shard * dims.stack_params / dims.param_count
     # A weight as the step computes with it: its gathered copies and its gradient before

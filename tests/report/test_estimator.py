@@ -411,6 +411,7 @@ def test_without_remat_a_linen_step_saves_no_copy_of_its_replicated_weights(reci
         ("gpt-tiny", "zero1", {"data": 8}, 0),
         ("gpt-tiny", "tp", {"tensor": 4}, 2 * 49_984 / 4),
         ("gpt-tiny", "fsdp", {"fsdp": 8}, 2 * 49_984 / 8),
+        ("gpt-tiny", "tsp", {"tsp": 4}, 2 * 49_984 / 4),
         ("llama-tiny", "tp", {"tensor": 4}, 0),
         ("llama-tiny", "fsdp", {"fsdp": 8}, 0),
     ],
