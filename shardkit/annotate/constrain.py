@@ -110,17 +110,12 @@ def constrain_param(
     """``constrain`` with the active ``param_rules`` (a no-op without them).
 
     Inside ``jit`` on Auto axes (the reference models' layers run on Auto axes under an
-    Explicit mesh too), a parameter whose planned layout is replicated is left as read: the step's arguments already place it there, so the pin would gather
-    nothing and shard no gradient, and inside a layer scan without remat the forward
-    would save its output, a second copy of the layer's weights, for the backward.
+    Explicit mesh too), a parameter whose planned layout is replicated is left as read:
+    the step's arguments already place it there, so the pin would gather nothing and
+    shard no gradient, and inside a layer scan without remat the forward would save its
+    output, a second copy of the layer's weights, for the backward.
     """
-    rules, mesh = current_param_rules(), context.active_mesh()
-    if rules is None or mesh is None:
-        return x
-    spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path)
-    if isinstance(x, jax.core.Tracer) and not is_explicit(mesh) and all(not s for s in spec):
-        return x
-    return _apply(x, spec, mesh, path)
+    return _pin(x, logical, current_param_rules(), path, skip_replicated=True)
 
 
 def is_explicit(mesh: Any) -> bool:
@@ -128,16 +123,21 @@ def is_explicit(mesh: Any) -> bool:
     return all(t == AxisType.Explicit for t in mesh.axis_types)
 
 
-def _pin(x: jax.Array, logical: Sequence[str | None], rules: Rules | None, path: Any) -> jax.Array:
+def _pin(
+    x: jax.Array,
+    logical: Sequence[str | None],
+    rules: Rules | None,
+    path: Any,
+    skip_replicated: bool = False,
+) -> jax.Array:
     mesh = context.active_mesh()
     if rules is None or mesh is None:
         return x
     spec = rules.spec(tuple(logical), shape=x.shape, mesh=mesh, path=path)
-    return _apply(x, spec, mesh, path)
-
-
-def _apply(x: jax.Array, spec: Any, mesh: Any, path: Any) -> jax.Array:
-    if not isinstance(x, jax.core.Tracer):
+    traced = isinstance(x, jax.core.Tracer)
+    if skip_replicated and traced and not is_explicit(mesh) and all(not s for s in spec):
+        return x  # a replicated parameter on Auto axes: see constrain_param
+    if not traced:
         return _place(x, spec, path)  # an eager array: its sharding may be of any kind
     if is_explicit(mesh):
         return jax.sharding.reshard(x, spec)

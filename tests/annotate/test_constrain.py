@@ -76,11 +76,16 @@ class _Stack(nn.Module):
         return layers()(x, None)[0]
 
 
+def _stack():
+    """The stack, its parameters and an input of 64 rows."""
+    model, x = _Stack(), jnp.ones((64, 128))
+    return model, sk.unbox(model.init(jax.random.key(0), x)), x
+
+
 def _grad_temp_bytes(param_rules) -> int:
     """The compiled temp of the stack's gradient over 8 devices, its batch on 'data'."""
     mesh = sk.make_mesh({"data": 8})
-    model, x = _Stack(), jnp.ones((64, 128))
-    params = sk.unbox(model.init(jax.random.key(0), x))
+    model, params, x = _stack()
     with jax.set_mesh(mesh), context.using(param_rules=param_rules):
         x = jax.device_put(x, NamedSharding(mesh, P("data")))
         grad = jax.jit(jax.grad(lambda p, x: model.apply(p, x).sum()))
@@ -99,8 +104,7 @@ def test_a_replicated_parameter_is_not_pinned_into_a_saved_copy():
 def test_a_sharded_parameter_is_still_pinned():
     # Sharded over 'data' (fsdp), the pin gathers each layer's kernel inside the scan.
     mesh = sk.make_mesh({"data": 8})
-    model, x = _Stack(), jnp.ones((64, 128))
-    params = sk.unbox(model.init(jax.random.key(0), x))
+    model, params, x = _stack()
     with jax.set_mesh(mesh), context.using(param_rules=sk.Rules([("mlp", "data")])):
         jaxpr = jax.make_jaxpr(lambda p: model.apply(p, x))(params)
     assert "sharding_constraint" in str(jaxpr)

@@ -1120,8 +1120,8 @@ def test_what_it_has_no_terms_for_it_refuses_instead_of_guessing():
 
 def test_experts_without_an_expert_axis_are_state_like_any_other():
     # zero1 on moe-tiny, 8 devices, no remat: the stored gradient shard is Ψ/8 (once: its
-    # NNX weights are not pinned, nothing else saved), the differentiated layer whole, and the two
-    # vocabulary tables' whole gradients but their eighth: the lookup and the head
+    # NNX weights are not pinned, nothing else saved), the differentiated layer whole, and
+    # the two vocabulary tables' whole gradients but their eighth: the lookup and the head
     # scatter into them before ZeRO-1 reduce-scatters them after the layers.
     d = models.get("moe-tiny").dims
     e = estimate("zero1", d, devices=8, batch=8, seq=32, remat="none")
