@@ -29,7 +29,11 @@ Compile only (nothing runs), AdamW. Four grids of points, every recipe × both f
   on 8 devices at d_model 128, held-out on 16 at d_model 256 and a wider model with a
   larger vocabulary (sizes, sequence, batch, device count and micro-batches the fit
   never saw), gpt-tiny / llama-tiny on 8 (one layer per stage), and held-out points
-  under remat save_dots and bf16 (f32 and full / none everywhere else).
+  under remat save_dots and bf16 (f32 and full / none everywhere else);
+  *rolled_training_large* and *rolled_held_out_large* (:data:`LARGE_PIPELINE_GRIDS`):
+  the engine at 2,048 to 16,384 tokens a micro-batch (the training_large grid's
+  pipelined points with 1F1B and a micro-batch per stage; the rolled_held_out rows at 16x
+  their batch), judged only: no fit sees them.
 
 Each point's compiled figures (arguments, temp at the peak, total, wire by kind, the
 itemised temp terms) are cached in ``results/estimator_points.json``, so a rerun only
@@ -312,8 +316,31 @@ def recipe_of(p: dict):
     return Candidate.from_json(p["candidate"]).recipe_object()
 
 
+#: The rolled engine at 2,048 to 16,384 tokens a micro-batch, where a layer's backward
+#: working set outweighs the stage's buffers: *rolled_training_large*, the
+#: training_large grid's pipelined points on the default engine (1F1B, a micro-batch
+#: per stage; pp over 4 and 8 stages is refused there, 2 layers); *rolled_held_out_large*,
+#: the rolled_held_out rows at 16x their batch.
+LARGE_PIPELINE_GRIDS = {"rolled_training_large": "training_large", "rolled_held_out_large": ""}
+PIPELINE_GRIDS.update(dict.fromkeys(LARGE_PIPELINE_GRIDS, ()))
+
+
 def pipeline_points(grid: str) -> list[dict]:
-    """A rolled pipeline grid's points (:data:`PIPELINE_GRIDS`)."""
+    """A rolled pipeline grid's points (:data:`PIPELINE_GRIDS`, :data:`LARGE_PIPELINE_GRIDS`)."""
+    if grid == "rolled_training_large":
+        out = []
+        for p in points("training_large"):
+            r = recipes.get(p["recipe"])
+            sizes = dict(r.axis_sizes(p["devices"]))
+            stage = r.parallelism(sizes).stage
+            if stage > 1:
+                pipe = {"schedule": "1f1b", "microbatches": stage}
+                out.append(dict(p, grid=grid, mesh=sizes, pipeline=pipe))
+        return out
+    if grid == "rolled_held_out_large":
+        return [
+            dict(p, grid=grid, batch=16 * p["batch"]) for p in pipeline_points("rolled_held_out")
+        ]
     return [_pp(*row, grid=grid) for row in PIPELINE_GRIDS[grid]]
 
 
