@@ -96,7 +96,8 @@ _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
 #: large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation
 #: (``--fit NAMES`` fits those named, the others held); two of the rolled pipeline
 #: engine's (``ROLLED_FITTED``) on its rolled training grid alone, the others held:
-#: rolled_head_overlap, rolled_backward_fraction; and moe_backward_fraction on the
+#: rolled_head_overlap, rolled_backward_fraction; rolled_pair_fraction on the rolled
+#: engine's large training grid alone (the others held); and moe_backward_fraction on the
 #: moe_tiny grid alone. The other five are counted from XLA's buffers (large_rows from
 #: where it stops fusing, bf16_matmul_bytes by the installed jaxlib), and
 #: rolled_remat_fraction is held. Since the gathered norms' and TSP's assembled input
@@ -188,6 +189,13 @@ FIT: dict[str, float] = {
     # training grid cannot tell it from rolled_head_overlap (both scale the layers'
     # peak), so it keeps the value the two had when the rolled grid was first fitted.
     "rolled_remat_fraction": 0.796,
+    # The rolled engine on two stages of one layer each (one chunk a stage) under remat:
+    # the second layer's backward working set XLA holds beside the first (every score-
+    # and MLP-wide value of the stage's backward twice in its buffers, where two layers a
+    # stage, or four stages of one, hold one), in units of the first's. Fitted on the
+    # rolled_training_large grid alone (the others held): below 1, as the pair shares
+    # the layer's weights, input and norms.
+    "rolled_pair_fraction": 0.597,
 }
 
 _REMATS = ("none", "full", "save_dots")
@@ -1100,15 +1108,28 @@ def _rolled_terms(
     # one stretch, 3.3x the temp of 1f1b's; stretches of two backwards hoist none). One
     # chunk a stage (1f1b, zb1) hoists none either: gpt-tiny's dp_pp over 2 stages holds
     # the same buffers at m = 2, 4 and 8 (three and five backwards in a stretch, or none),
-    # scaled by the micro-batch.
+    # scaled by the micro-batch: the pair below, whatever m.
     hoisted = 0.0
     if one_layer_chunks and remat != "none" and unrolled > 2:
         hoisted = (unrolled - 2) * tokens * none_values * act
+    # Two stages of one layer each (v = 1) under remat: XLA holds a second layer's
+    # backward working set beside the one running, at m = 2, 4 and 8 alike (counted in
+    # gpt d128's buffers at 4,096 tokens a micro-batch: four score-sized f32 values where
+    # two layers a stage hold two, six d_ff-wide where they hold four; on four stages of
+    # one layer, one set). Without remat the residual rings are copied instead: not counted.
+    pair = p == 2 and chunk == 1 and v == 1 and remat != "none"
+    if pair:
+        hoisted += fit["rolled_pair_fraction"] * work
     notes.append(
         f"rolled {sched}: {ring} residual slot(s) × {chunk:g} layer(s), {dy} d loss/d y "
         f"slot(s), {w_ring} W-input slot(s); the stage's {stage_bytes:,.0f} B gathered "
         f"{'once per unit' if f > 1 else '(stored whole)'} and its f32 accumulator"
         + (f" (twice: {unrolled} backwards in one unrolled stretch)" if second else "")
+        + (
+            f"; one layer a stage on two: {fit['rolled_pair_fraction']:g} × a second backward"
+            if pair
+            else ""
+        )
     )
     base = {"gradients": grads, "saved activations": saved, "gathered weights": gathered}
     overlap = fit["rolled_head_overlap"] * head if sched != "gpipe" else 0.0

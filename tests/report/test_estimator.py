@@ -1021,17 +1021,16 @@ def test_bad_arguments(tiny):
 
 @pytest.mark.parametrize(
     ("recipe", "remat", "tolerance"),
-    [("fsdp", "full", 0.10), ("dp", "none", 0.10), ("dp_pp", "full", 0.20)],
+    [("fsdp", "full", 0.10), ("dp", "none", 0.10), ("dp_pp", "full", 0.10)],
 )
 def test_within_tolerance_of_the_compiled_program(recipe, remat, tolerance):
     # Compile only. The benchmark (benchmarks/estimator.py) has the errors of every
     # recipe; these are a dense layout each way of remat (fsdp at 64 tokens a device
     # 1.03 on jax 0.10 and 0.12 since the MLP's values are counted by its width, 1.14
     # before; dp without remat 0.99 / 1.02) and a pipeline (the rolled engine, the
-    # default: gpt-tiny's one layer per stage with m = p, every tick unrolled, the
-    # estimate's documented weak spot: 0.81 on jax 0.12, its stage's backward holding
-    # four score-sized f32 buffers where the rolled count has fewer; 1.14 while it
-    # counted a hoisted layer XLA does not hold, see the test below).
+    # default: gpt-tiny's one layer per stage with m = p, every tick unrolled: 0.97 on
+    # jax 0.12 since the second backward of two one-layer stages is counted, 0.81 before;
+    # 1.14 while it counted a hoisted layer XLA does not hold, see the tests below).
     model = models.get("gpt-tiny", remat=remat)
     plan = sk.Plan(recipe)
     compiled = sk.report.build_report(plan, model=model, batch=8, seq=64).memory
@@ -1044,16 +1043,42 @@ def test_one_chunk_stages_scale_with_the_micro_batch_as_compiled():
     # gpt-tiny's dp_pp over 2 stages, one layer a stage: m = 4 runs five backwards in an
     # unrolled stretch, m = 2 three. XLA hoists no recomputed layer there (the same
     # buffers at both, scaled by the micro-batch): the estimate's m = 4 ÷ m = 2 is the
-    # compiled programs' (0.74 against 0.77; counting hoisted layers gave 1.02).
+    # compiled programs' (0.57 against 0.61 at 64 rows; counting hoisted layers gave
+    # 1.02 at 16 rows, where a micro-batch of m = 4 is one row and the fixed buffers
+    # outweigh the per-token ones: 0.69 against 0.77 there).
     model = models.get("gpt-tiny", remat="full")
     plan = sk.Plan("dp_pp", sk.make_mesh({"stage": 2, "data": 4}))
     compiled, estimated = {}, {}
     for m in (2, 4):
         pipeline = {"microbatches": m, "schedule": "1f1b"}
-        report = sk.report.build_report(plan, model=model, batch=16, seq=64, pipeline=pipeline)
+        report = sk.report.build_report(plan, model=model, batch=64, seq=64, pipeline=pipeline)
         compiled[m] = report.memory.total
-        estimated[m] = estimate(plan, model, batch=16, seq=64, pipeline=pipeline).total
+        estimated[m] = estimate(plan, model, batch=64, seq=64, pipeline=pipeline).total
     assert estimated[4] / estimated[2] == pytest.approx(compiled[4] / compiled[2], rel=0.10)
+
+
+@pytest.mark.parametrize(
+    ("layers", "stages", "sets"),
+    [(2, 2, 2), (4, 2, 1), (4, 4, 1)],
+)
+def test_two_stages_of_one_layer_hold_a_second_backward(monkeypatch, layers, stages, sets):
+    # Compiled: the rolled engine's stage backward under remat full (gpt-tiny, eight
+    # heads, sequence 64, 1f1b with a micro-batch a stage, 512 tokens each) holds the
+    # scores and their softmax, two f32[8, 8, 64, 64] values a layer's backward. Two
+    # stages of one layer hold two layers' sets; two layers a stage, or four stages of
+    # one, hold one. The estimate counts the second set (rolled_pair_fraction) on two
+    # stages of one layer alone, and is within 10 % of each (0.81 without it at the first).
+    model = models.get("gpt-tiny", remat="full", n_layers=layers)
+    plan = sk.Plan("dp_pp", sk.make_mesh({"stage": stages, "data": 8 // stages}))
+    pipeline = {"microbatches": stages, "schedule": "1f1b"}
+    report, buffers, _ = _compiled(monkeypatch, plan, model, 64, pipeline)
+    assert report["memory_peak_phase"] == "layers"
+    scores = [v for v in buffers.live_temps() if v.shape == "f32[8,8,64,64]"]
+    assert len(scores) == 2 * sets
+    e = estimate(plan, model, batch=64, seq=64, pipeline=pipeline)
+    total = report["memory_per_device_bytes"]["total"]
+    assert e.total / total == pytest.approx(1, abs=0.10)
+    assert ("a second backward" in " ".join(e.notes)) == (sets == 2)
 
 
 @pytest.mark.parametrize(
