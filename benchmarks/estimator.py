@@ -31,7 +31,7 @@ Compile only (nothing runs), AdamW. Four grids of points, every recipe × both f
   never saw), gpt-tiny / llama-tiny on 8 (one layer per stage), and held-out points
   under remat save_dots and bf16 (f32 and full / none everywhere else);
   *rolled_training_large* and *rolled_held_out_large* (:data:`LARGE_PIPELINE_GRIDS`):
-  the engine at 2,048 to 16,384 tokens a micro-batch (the training_large grid's
+  the engine at 1,024 to 16,384 tokens a micro-batch (the training_large grid's
   pipelined points with 1F1B and a micro-batch per stage; the rolled_held_out rows at 16x
   their batch); the first fits one constant alone (``rolled_pair_fraction``: its points
   are all two stages of one layer), the second judges it.
@@ -318,31 +318,38 @@ def recipe_of(p: dict):
     return Candidate.from_json(p["candidate"]).recipe_object()
 
 
-#: The rolled engine at 2,048 to 16,384 tokens a micro-batch, where a layer's backward
-#: working set outweighs the stage's buffers: *rolled_training_large*, the
-#: training_large grid's pipelined points on the default engine (1F1B, a micro-batch
-#: per stage; pp over 4 and 8 stages is refused there, 2 layers); *rolled_held_out_large*,
-#: the rolled_held_out rows at 16x their batch.
-LARGE_PIPELINE_GRIDS = {"rolled_training_large": "training_large", "rolled_held_out_large": ""}
-PIPELINE_GRIDS.update(dict.fromkeys(LARGE_PIPELINE_GRIDS, ()))
+def _on_the_default_engine(grid: str) -> list[dict]:
+    """training_large's pipelined points on the rolled engine: 1F1B, a micro-batch per
+    stage, the recipe's default mesh (pp over 4 and 8 stages is refused there: 2 layers)."""
+    out = []
+    for p in points("training_large"):
+        r = recipes.get(p["recipe"])
+        sizes = dict(r.axis_sizes(p["devices"]))
+        stage = r.parallelism(sizes).stage
+        if stage > 1:
+            pipe = {"schedule": "1f1b", "microbatches": stage}
+            out.append(dict(p, grid=grid, mesh=sizes, pipeline=pipe))
+    return out
+
+
+def _at_16x_the_batch(grid: str) -> list[dict]:
+    """The rolled_held_out rows at 16x their batch."""
+    return [dict(p, grid=grid, batch=16 * p["batch"]) for p in pipeline_points("rolled_held_out")]
+
+
+#: The rolled engine at 1,024 to 16,384 tokens a micro-batch, where a layer's backward
+#: working set outweighs the stage's buffers: each grid's points, built from another's.
+LARGE_PIPELINE_GRIDS = {
+    "rolled_training_large": _on_the_default_engine,
+    "rolled_held_out_large": _at_16x_the_batch,
+}
+PIPELINE_GRIDS.update(dict.fromkeys(LARGE_PIPELINE_GRIDS, ()))  # listed with the others
 
 
 def pipeline_points(grid: str) -> list[dict]:
     """A rolled pipeline grid's points (:data:`PIPELINE_GRIDS`, :data:`LARGE_PIPELINE_GRIDS`)."""
-    if grid == "rolled_training_large":
-        out = []
-        for p in points("training_large"):
-            r = recipes.get(p["recipe"])
-            sizes = dict(r.axis_sizes(p["devices"]))
-            stage = r.parallelism(sizes).stage
-            if stage > 1:
-                pipe = {"schedule": "1f1b", "microbatches": stage}
-                out.append(dict(p, grid=grid, mesh=sizes, pipeline=pipe))
-        return out
-    if grid == "rolled_held_out_large":
-        return [
-            dict(p, grid=grid, batch=16 * p["batch"]) for p in pipeline_points("rolled_held_out")
-        ]
+    if grid in LARGE_PIPELINE_GRIDS:
+        return LARGE_PIPELINE_GRIDS[grid](grid)
     return [_pp(*row, grid=grid) for row in PIPELINE_GRIDS[grid]]
 
 

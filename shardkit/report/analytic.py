@@ -252,8 +252,8 @@ def analytic_costs(
         tensor, over each axis in turn; under fsdp × a context axis every gradient
         outside the stack, over each axis in turn); bfloat16 values gathered in
         float32 (XLA:CPU's float normalisation: the vocabulary head's hidden states,
-        ZeroPP's cast weights; a pipeline's only departure). Without ``stack_param_bytes`` the dense and TSP
-        layouts keep the formulas.
+        ZeroPP's cast weights; a pipeline's only departure). Without
+        ``stack_param_bytes`` the dense and TSP layouts keep the formulas.
 
     Returns:
       An :class:`AnalyticModel`.
