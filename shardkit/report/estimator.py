@@ -266,6 +266,13 @@ _ALLGATHER_KV_LAYOUTS = 2
 #: 0, 128 and 256 MiB). fsdp's states, split over the batch, need no layout copy; a
 #: bf16 gradient (jax 0.12) is converted to f32 and two slots serve.
 _SEQUENCE_GATHERED_HIDDEN_SLOTS = 3
+#: Copies of a gathered layer's whole f32 gradient live while XLA:CPU reduces it (fsdp,
+#: TSP's gathers): the all-reduce's operand and its result, before the device keeps its
+#: shard. Counted at the layers' peak on 512 devices, one row of 128 tokens a device,
+#: where that reduction is the peak (bf16, jax 0.12): gpt dp_fsdp (data 32 × fsdp 16)
+#: and fsdp over 512 hold two f32[512,2048], two f32[2048,512], two f32[3,16,32,512],
+#: two f32[512,16,32] at an all-reduce; llama dp_fsdp the same of its own weights.
+_REDUCED_LAYER_COPIES = 2
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -816,6 +823,7 @@ def estimate(
             tsp=tsp,
             tsp_rings=tsp_rings,
             act=act,
+            dot=dot,
             nb=nb,
             rolled=rolled,
             gathered_sequence=c * tsp > 1 and not tsp_rings and dot == 4,
@@ -841,6 +849,23 @@ def estimate(
         )
     else:
         phases_terms = _unrolled_terms(layers_terms, rest, saved, head, mem.grads)
+        if gathered_layers:
+            # The layers' other moment: the reduction of a gathered layer's gradient,
+            # which XLA:CPU all-reduces whole in f32 (then keeps its shard), operand and
+            # result live at once beside the state's shards, the saved activations and
+            # the tables' unreduced gradient; the layer's working set and its gathered
+            # weights are freed by then. The peak where the layer's weights outweigh its
+            # activations (512 devices, one row of 128 tokens each). No fitted constant.
+            reduction = {
+                "gradients": grads - layer_grad + _REDUCED_LAYER_COPIES * dense_layer * nb / t,
+                "saved activations": saved,
+            }
+            if sum(reduction.values()) > sum(layers_terms.values()):
+                phases_terms["layers"] = reduction
+                notes.append(
+                    f"layers' peak at the gradient's reduction: {_REDUCED_LAYER_COPIES} × "
+                    f"one layer's {dense_layer * nb / t:,.0f} B whole in f32 (all-reduced)"
+                )
     for v in phases_terms.values():
         v["heap fragmentation"] = fit["heap_fragmentation"] * sum(v.values())
     phases = {k: float(sum(v.values())) for k, v in phases_terms.items()}
@@ -872,6 +897,7 @@ def _chunked_head(
     tsp,
     tsp_rings,
     act,
+    dot,
     nb,
     rolled,
     gathered_sequence=False,
@@ -880,7 +906,8 @@ def _chunked_head(
     the larger of their gradient and its f32 logits and weight buffers (times
     ``head_copies``). ``gathered_sequence``: hidden states split over a sequence axis
     with an f32 gradient, which a vocabulary-split head gathers into three heap slots
-    (:data:`_SEQUENCE_GATHERED_HIDDEN_SLOTS`).
+    (:data:`_SEQUENCE_GATHERED_HIDDEN_SLOTS`). A weight gathered for the head is held in
+    ``dot`` bytes, the matmul outputs' (three bf16 tables on jax 0.12 in bf16).
 
     TSP's vocabulary ring (shardkit.nn.tsp_head) scores one step's logits at a time, the
     local tokens against one V/D shard, unchunked; its table is never gathered, one shard
@@ -903,7 +930,7 @@ def _chunked_head(
             copy = dims.vocab * dims.d_model * act / (t * tsp)
     elif not rolled:
         copy = head_weight_copy_bytes(
-            dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
+            dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=dot
         )
     tokens, token_split = batch * seq / m, _split(spec, sizes, (0, 1))
     # The logits' and the weight's buffers: the head's count without its hidden states.

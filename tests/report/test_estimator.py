@@ -1210,3 +1210,50 @@ def test_experts_split_over_their_axis_and_the_dispatch_as_compiled():
     assert report.analytic.wire_terms["expert dispatch"] == 245760 + slots
     # the estimate's total within 15 % of compiled (moe-tiny's points: 0.77-0.96)
     assert e.total == pytest.approx(report.memory.total, rel=0.15)
+
+
+def test_a_gathered_layers_gradient_is_reduced_whole_in_f32_where_that_is_the_peak(monkeypatch):
+    # gpt-tiny widened to h 256, d_ff 1024, fsdp over 8 in bf16, one row of 64 tokens a
+    # device: the layer's weights outweigh its activations, and the layers' peak is the
+    # all-reduce of a layer's gradient, whole and in f32, operand and result both live
+    # (two f32[256,1024], two f32[1024,256]), as on 512 devices of the wide grid.
+    model = models.get("gpt-tiny", remat="full", d_model=256, d_ff=1024)
+    plan = sk.Plan("fsdp", precision="bf16")
+    report, assigned, _ = _compiled(monkeypatch, plan, model, 8)
+    assert report["memory_peak_phase"] == "layers"
+    shapes = [v.shape for v in assigned.live_temps()]
+    assert shapes.count("f32[256,1024]") == 2 and shapes.count("f32[1024,256]") == 2
+    e = estimate(plan, model, batch=8, seq=64, remat="full")
+    # 0.73 of the compiled total without the reduction counted
+    assert e.total == pytest.approx(report["memory_per_device_bytes"]["total"], rel=0.10)
+    assert any(n.startswith("layers' peak at the gradient's reduction") for n in e.notes)
+
+
+def test_the_heads_gathered_weight_is_held_in_the_matmul_outputs_bytes(monkeypatch):
+    # llama-tiny at vocabulary 1,024 × 128 on tsp_gspmd over 8, bf16: the head gathers
+    # its untied weight, split over all 8, for the logits. In the loss block XLA holds
+    # three bf16 copies of that table on jax 0.12 (bf16_matmul_bytes 2: the copy, its
+    # gradient, the gradient reduced, beside one f32[128,1024]); on jax 0.10 the
+    # table's values there are all f32 (two f32[128,1024]).
+    from shardkit.report.memory_terms import _in_loss
+
+    model = models.get("llama-tiny", remat="save_dots", vocab=1024, d_model=128)
+    _, assigned, _ = _compiled(monkeypatch, sk.Plan("tsp_gspmd", precision="bf16"), model, 16)
+    tables = [
+        v.shape
+        for v in assigned.values
+        if v.kind == "temp" and v.op_name and _in_loss(v) and "[1024,128]" in v.shape
+    ]
+    assert tables.count("bf16[1024,128]") == (3 if FIT["bf16_matmul_bytes"] == 2 else 0)
+
+    # So the estimate's head holds them in those bytes: in f32 it holds the same three
+    # copies (head_copies of them, the logits' buffers beside) at 4 bytes a value, each
+    # 7/8 of the 1,024 × 128 table beyond the stored shard.
+    def head(precision):
+        e = estimate(sk.Plan("tsp_gspmd", precision=precision), model, batch=16, seq=64)
+        (note,) = [n for n in e.notes if n.startswith("head and loss")]
+        return float(note.split(", ")[1].removesuffix(" B").replace(",", ""))
+
+    copy = 1024 * 128 * 7 / 8
+    fewer = FIT["head_copies"] * 3 * copy * (4 - FIT["bf16_matmul_bytes"])
+    assert head("f32") - head("bf16") == pytest.approx(fewer, abs=1)  # notes: whole bytes
