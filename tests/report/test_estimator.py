@@ -232,6 +232,13 @@ def _compiled(monkeypatch, plan, model, batch: int, pipeline=None) -> tuple:
     return report.to_json(), seen["buffers"], seen["compiled"]
 
 
+def _head_bytes(e) -> float:
+    """The chunked head's bytes as the estimate's note gives them ("head and loss: N
+    chunk(s), B B")."""
+    (note,) = [n for n in e.notes if n.startswith("head and loss")]
+    return float(note.split(", ")[1].removesuffix(" B").replace(",", ""))
+
+
 def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> list:
     """The buffers live at the peak of the layers' backward (:func:`_compiled`)."""
     report, buffers, _ = _compiled(monkeypatch, plan, model, batch, pipeline)
@@ -824,9 +831,7 @@ def test_the_head_counts_a_third_hidden_state_slot_where_cp_gathers_f32_states(
     # (in bf16 on jax 0.12, bf16: none).
     def head(recipe, mesh):
         r = sk.recipes.get(recipe).with_logits(logits)
-        e = estimate(r, tiny, mesh=mesh, batch=8, seq=64, precision=precision)
-        (note,) = [n for n in e.notes if n.startswith("head and loss")]
-        return float(note.split(", ")[1].removesuffix(" B").replace(",", ""))
+        return _head_bytes(estimate(r, tiny, mesh=mesh, batch=8, seq=64, precision=precision))
 
     f32_gradient = precision == "f32" or FIT["bf16_matmul_bytes"] == 4
     extra = 1 if logits == "vocab" and f32_gradient else 0
@@ -1250,9 +1255,8 @@ def test_the_heads_gathered_weight_is_held_in_the_matmul_outputs_bytes(monkeypat
     # copies (head_copies of them, the logits' buffers beside) at 4 bytes a value, each
     # 7/8 of the 1,024 × 128 table beyond the stored shard.
     def head(precision):
-        e = estimate(sk.Plan("tsp_gspmd", precision=precision), model, batch=16, seq=64)
-        (note,) = [n for n in e.notes if n.startswith("head and loss")]
-        return float(note.split(", ")[1].removesuffix(" B").replace(",", ""))
+        plan = sk.Plan("tsp_gspmd", precision=precision)
+        return _head_bytes(estimate(plan, model, batch=16, seq=64))
 
     copy = 1024 * 128 * 7 / 8
     fewer = FIT["head_copies"] * 3 * copy * (4 - FIT["bf16_matmul_bytes"])
