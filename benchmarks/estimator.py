@@ -15,6 +15,11 @@ Compile only (nothing runs), AdamW. Four grids of points, every recipe × both f
   each with three (remat, precision) pairs per recipe × family (the six pairs rotate
   over the recipes);
 - *held_out_large*: the held-out grid at batch 512 (4,096 to 65,536 tokens per device);
+- *held_out_vocab*: the training grid's models with vocab 8192, 64 times d_model (as
+  gpt-small's 50,257 over 768), larger than a step's 1,024 tokens, where the other
+  grids' vocabularies are no larger than their tokens: XLA scatters the lookup's
+  gradient into the table's shard there, and a vocabulary-split head holds its shard's
+  gradient;
 - *moe_tiny*, *moe_small*: mixture-of-experts points (:data:`MOE_GRIDS`), the four
   expert-parallel recipes on 8 devices, f32; moe_tiny fits one constant (the MoE MLP's
   share, ``moe_backward_fraction``, the others held), moe_small judges it.
@@ -117,6 +122,15 @@ GRIDS["training_large"] = {**GRIDS["training"], "batch": 512}
 #: The held-out grid at 16x its batch (4,096 to 65,536 tokens per device): the
 #: large-rows regime on sizes the fit never saw.
 GRIDS["held_out_large"] = {**GRIDS["held_out"], "batch": 512}
+#: The training grid's models with a vocabulary 64 times their width (gpt-small's
+#: 50,257 over 768), larger than the 1,024 tokens of a step: XLA then scatters the
+#: lookup's gradient into the table's shard and a head on the stored shard holds its
+#: shard's gradient (the other grids' vocabularies are no larger than their tokens).
+GRIDS["held_out_vocab"] = {
+    **GRIDS["training"],
+    "gpt": {**GRIDS["training"]["gpt"], "vocab": 8192},
+    "llama": {**GRIDS["training"]["llama"], "vocab": 8192},
+}
 
 
 #: Mixture-of-experts points (moe-tiny's and moe-small's shapes, both with one shared
@@ -706,7 +720,7 @@ def main() -> None:
         result[f"{grid}_points_planned"] = len(points(grid))
     table = []
     grids = [("training", train), ("training_large", large), ("held_out", held)]
-    unseen = ("held_out_large", *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS)
+    unseen = ("held_out_large", "held_out_vocab", *MOE_GRIDS, *PIPELINE_GRIDS, *WIDE_GRIDS)
     grids += [(g, compiled(g)) for g in unseen if not args.tiny]
     for grid, rows in grids:
         ests = estimates(rows, fit)

@@ -273,6 +273,11 @@ _SEQUENCE_GATHERED_HIDDEN_SLOTS = 3
 #: and fsdp over 512 hold two f32[512,2048], two f32[2048,512], two f32[3,16,32,512],
 #: two f32[512,16,32] at an all-reduce; llama dp_fsdp the same of its own weights.
 _REDUCED_LAYER_COPIES = 2
+#: Shards of each vocabulary table's gradient live at the head's peak where the head
+#: computes on the stored shard (its logits split over the vocabulary as the table is):
+#: gpt-small (tied) on fsdp over 8, two f32[6288,768]; llama-tiny at vocab 8192 × 64,
+#: two f32[64,1024] of the head's and two f32[1024,64] of the lookup's zeroed gradient.
+_HEAD_TABLE_SHARDS = 2
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -281,6 +286,25 @@ def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) ->
     the norms (:data:`_NONE_WIDTH_VALUES`) at ``act``."""
     elementwise = _NONE_WIDTH_VALUES * x if remat == "none" else 0.0
     return elementwise * act + (values - elementwise) * dot
+
+
+def _scattered_whole(vocab: int, tokens: float, split: float) -> bool:
+    """Whether XLA scatters the token lookup's gradient into the whole table: it is the
+    table split over ``split`` devices that also split the tokens (fsdp, the sequence
+    axes, tensor under SP), and the SPMD partitioner either scatters each device's rows
+    into a whole zeroed table (then all-reduces it) or gathers the rows over those
+    devices and scatters them into its shard: the whole table where the vocabulary is
+    no larger than the tokens gathered (``tokens`` a device × ``split``). Read from
+    XLA's buffers, llama-tiny at h 128 on fsdp over 8: f32[1024,128] scattered whole at
+    1,024 tokens, the [130,128] shard at a vocabulary of 1,040; the same cut on tp_sp,
+    tsp_gspmd and cp_usp. Unsplit tokens (``split`` 1, tensor parallelism without SP)
+    scatter into the shard.
+
+    Example:
+      >>> _scattered_whole(1024, tokens=128, split=8), _scattered_whole(1040, 128, 8)
+      (True, False)
+    """
+    return split > 1 and vocab <= tokens * split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -755,6 +779,19 @@ def estimate(
     rest = (dims.param_count - dims.stack_params) * nb / t
     tables = dims.vocab_tables if zero1 > 1 else 1
     table_grads = tables * dims.vocab * dims.d_model * wb * (1 - 1 / (t * f * tsp * zero1))
+    # The token lookup's gradient, scattered into a zeroed table that lives through the
+    # layers' backward where XLA scatters it whole (_scattered_whole, read without a
+    # data or stage axis; with one, and for ZeRO-1's replicated tables, whole as above);
+    # else into the shard, after the layers, as TSP's rings always do. Tensor
+    # parallelism without SP keeps its vocabulary split there (the tokens are whole).
+    sp_split = t if sp else 1  # SP splits the lookup's tokens over tensor too
+    split = f * tsp * sp_split
+    if tsp_rings or (
+        d == p == zero1 == 1 and not _scattered_whole(dims.vocab, tokens / sp_split, split)
+    ):
+        table_grads = 0.0
+    elif d == p == zero1 == 1 and t > 1 and not sp:
+        table_grads = dims.vocab * dims.d_model * wb * (1 / t - 1 / (t * f * tsp))
     if remat == "none" and bf16 and p == 1 and not gathered_layers:
         # The forward scan saves each layer's weights as cast for its matmuls, live from
         # the forward to the backward: in the matmul outputs' bytes, whole where the
@@ -848,7 +885,17 @@ def estimate(
             notes=notes,
         )
     else:
-        phases_terms = _unrolled_terms(layers_terms, rest, saved, head, mem.grads)
+        # The head runs before the layers' backward, and the tables' gradients are the
+        # only ones then: whole, where the head computes with a gathered copy of its
+        # table (its logits split over the tokens); where it computes on the stored
+        # shard (the logits split over the vocabulary as the table is: a vocabulary
+        # larger than the tokens), two shards of each table (_HEAD_TABLE_SHARDS).
+        head_rest = rest
+        split = _head_table_split(dims, recipe, sizes, tokens=batch * seq)
+        if p == 1 and not tsp_rings and split > t:
+            table = dims.vocab_tables * dims.vocab * dims.d_model * nb
+            head_rest = rest - table / t + _HEAD_TABLE_SHARDS * table / split
+        phases_terms = _unrolled_terms(layers_terms, head_rest, saved, head, mem.grads)
         if gathered_layers:
             # The layers' other moment: the reduction of a gathered layer's gradient,
             # which XLA:CPU all-reduces whole in f32 (then keeps its shard), operand and
@@ -954,6 +1001,17 @@ def _chunked_head(
     if gathered_sequence and vocab_split > 1 and not rolled:
         slots = _SEQUENCE_GATHERED_HIDDEN_SLOTS
     return (slots - 1) * hidden + max(hidden, fit["head_copies"] * buffers), chunks
+
+
+def _head_table_split(dims: ModelDims, recipe: Any, sizes: Mapping[str, int], *, tokens) -> int:
+    """The devices the head's table is split over where the head computes on the stored
+    shard (its activation rules split the table as the parameter rules do; 1 where the
+    head gathers a copy of it)."""
+    table = ("vocab", "embed")
+    rules = recipe.step_activation_rules(sizes, tokens=tokens, vocab=dims.vocab)
+    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
+    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
+    return head_split if head_split == stored_split else 1
 
 
 def _unrolled_terms(layers_terms, rest, saved, head, grads) -> dict[str, dict[str, float]]:
