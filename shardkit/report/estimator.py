@@ -62,6 +62,7 @@ from shardkit.report.analytic import analytic_costs, workload_of
 from shardkit.report.phases import (
     head_grad_peak_bytes,
     head_loss_peak_bytes,
+    head_table_splits,
     head_weight_copy_bytes,
 )
 from shardkit.report.pipeline_analytic import in_flight
@@ -778,20 +779,20 @@ def estimate(
         layer_grad = layer_grad / tsp
     rest = (dims.param_count - dims.stack_params) * nb / t
     tables = dims.vocab_tables if zero1 > 1 else 1
-    table_grads = tables * dims.vocab * dims.d_model * wb * (1 - 1 / (t * f * tsp * zero1))
     # The token lookup's gradient, scattered into a zeroed table that lives through the
     # layers' backward where XLA scatters it whole (_scattered_whole, read without a
-    # data or stage axis; with one, and for ZeRO-1's replicated tables, whole as above);
-    # else into the shard, after the layers, as TSP's rings always do. Tensor
-    # parallelism without SP keeps its vocabulary split there (the tokens are whole).
+    # data or stage axis; with one, and for ZeRO-1's replicated tables, whole); else
+    # into the shard, after the layers, as TSP's rings always do. Tensor parallelism
+    # without SP keeps its vocabulary split there (the tokens are whole).
     sp_split = t if sp else 1  # SP splits the lookup's tokens over tensor too
-    split = f * tsp * sp_split
-    if tsp_rings or (
-        d == p == zero1 == 1 and not _scattered_whole(dims.vocab, tokens / sp_split, split)
-    ):
+    lookup_split = f * tsp * sp_split
+    read = d == p == zero1 == 1
+    if tsp_rings or (read and not _scattered_whole(dims.vocab, tokens / sp_split, lookup_split)):
         table_grads = 0.0
-    elif d == p == zero1 == 1 and t > 1 and not sp:
+    elif read and t > 1 and not sp:
         table_grads = dims.vocab * dims.d_model * wb * (1 / t - 1 / (t * f * tsp))
+    else:
+        table_grads = tables * dims.vocab * dims.d_model * wb * (1 - 1 / (t * f * tsp * zero1))
     if remat == "none" and bf16 and p == 1 and not gathered_layers:
         # The forward scan saves each layer's weights as cast for its matmuls, live from
         # the forward to the backward: in the matmul outputs' bytes, whole where the
@@ -839,6 +840,7 @@ def estimate(
     # models' in-place head_loss_and_grad: token chunks, vocabulary slices, no layout
     # copy of the weight. Elsewhere the chunked cross-entropy's f32 buffers.
     rolled = p > 1 and pipeline.get("rolled", True)
+    head_rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=dims.vocab)
     if p > 1 and t == 1 and c * tsp == 1 and dims.chunked_head:
         head = head_grad_peak_bytes(
             tokens=max(1.0, tokens),
@@ -853,6 +855,7 @@ def estimate(
             recipe,
             sizes,
             fit,
+            head_rules,
             batch=batch,
             seq=seq,
             m=m,
@@ -891,10 +894,10 @@ def estimate(
         # shard (the logits split over the vocabulary as the table is: a vocabulary
         # larger than the tokens), two shards of each table (_HEAD_TABLE_SHARDS).
         head_rest = rest
-        split = _head_table_split(dims, recipe, sizes, tokens=batch * seq)
-        if p == 1 and not tsp_rings and split > t:
+        head_split, stored_split = head_table_splits(recipe, sizes, rules=head_rules)
+        if p == 1 and not tsp_rings and head_split == stored_split > t:
             table = dims.vocab_tables * dims.vocab * dims.d_model * nb
-            head_rest = rest - table / t + _HEAD_TABLE_SHARDS * table / split
+            head_rest = rest - table / t + _HEAD_TABLE_SHARDS * table / head_split
         phases_terms = _unrolled_terms(layers_terms, head_rest, saved, head, mem.grads)
         if gathered_layers:
             # The layers' other moment: the reduction of a gathered layer's gradient,
@@ -936,6 +939,7 @@ def _chunked_head(
     recipe,
     sizes,
     fit,
+    rules,
     *,
     batch,
     seq,
@@ -951,8 +955,9 @@ def _chunked_head(
 ) -> tuple[float, int]:
     """The chunked cross-entropy's bytes and its chunks: its hidden states whole, beside
     the larger of their gradient and its f32 logits and weight buffers (times
-    ``head_copies``). ``gathered_sequence``: hidden states split over a sequence axis
-    with an f32 gradient, which a vocabulary-split head gathers into three heap slots
+    ``head_copies``). ``rules``: the step's activation rules. ``gathered_sequence``:
+    hidden states split over a sequence axis with an f32 gradient, which a
+    vocabulary-split head gathers into three heap slots
     (:data:`_SEQUENCE_GATHERED_HIDDEN_SLOTS`). A weight gathered for the head is held in
     ``dot`` bytes, the matmul outputs' (three bf16 tables on jax 0.12 in bf16).
 
@@ -962,7 +967,6 @@ def _chunked_head(
     micro-batch's, its tables gathered once a step (counted with the stage's weights), so
     it holds no layout copy of the weight.
     """
-    rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=dims.vocab)
     spec = rules.spec(LOGITS, mesh=sizes)
     chunks = 1
     if dims.chunked_head:
@@ -1001,17 +1005,6 @@ def _chunked_head(
     if gathered_sequence and vocab_split > 1 and not rolled:
         slots = _SEQUENCE_GATHERED_HIDDEN_SLOTS
     return (slots - 1) * hidden + max(hidden, fit["head_copies"] * buffers), chunks
-
-
-def _head_table_split(dims: ModelDims, recipe: Any, sizes: Mapping[str, int], *, tokens) -> int:
-    """The devices the head's table is split over where the head computes on the stored
-    shard (its activation rules split the table as the parameter rules do; 1 where the
-    head gathers a copy of it)."""
-    table = ("vocab", "embed")
-    rules = recipe.step_activation_rules(sizes, tokens=tokens, vocab=dims.vocab)
-    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
-    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
-    return head_split if head_split == stored_split else 1
 
 
 def _unrolled_terms(layers_terms, rest, saved, head, grads) -> dict[str, dict[str, float]]:

@@ -224,6 +224,24 @@ def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
     return math.prod(mesh.get(n, 1) for n in names)
 
 
+def head_table_splits(
+    recipe: Any, mesh: Mapping[str, int], *, rules: Any = None
+) -> tuple[int, int]:
+    """Devices the vocabulary table is split over (the head's layout, as stored).
+    ``rules``: the step's activation rules (default: the recipe's).
+
+    Example:
+      >>> head_table_splits("fsdp", {"fsdp": 8})
+      (8, 8)
+    """
+    recipe = recipes.get(recipe)
+    sizes = {a: int(v) for a, v in mesh.items()}
+    table = ("vocab", "embed")
+    rules = recipe.activation_rules if rules is None else rules
+    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
+    return head_split, _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
+
+
 def head_weight_copy_bytes(
     dims: ModelDims,
     recipe: Any,
@@ -245,12 +263,7 @@ def head_weight_copy_bytes(
       >>> head_weight_copy_bytes(sk.models.CONFIGS["gpt-tiny"].dims(), "dp", {"data": 8})
       0.0
     """
-    recipe = recipes.get(recipe)
-    sizes = {a: int(v) for a, v in mesh.items()}
-    table = ("vocab", "embed")
-    rules = recipe.activation_rules if rules is None else rules
-    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
-    stored_split = _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
+    head_split, stored_split = head_table_splits(recipe, mesh, rules=rules)
     weight = dims.vocab * dims.d_model * bytes_per_value
     scale = 1.0 if act_bytes is None else act_bytes / bytes_per_value
     return max(0.0, weight / head_split - weight / stored_split) * scale
