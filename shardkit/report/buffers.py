@@ -287,15 +287,32 @@ def _read_dump(directory: str) -> BufferAssignment:
 
 
 def _peak(temps: list[Value], length: int) -> tuple[int, int]:
-    """(program point, bytes) where the live temp values cover the most heap bytes."""
-    best_t, best = 0, -1
-    for t in range(length):
-        covered = [[v.offset, v.offset + v.size] for v in temps if v.live_at(t)]
+    """(program point, bytes) where the live temp values cover the most heap bytes.
+
+    The covered bytes change only where a value's live range starts or ends, and grow
+    only where one starts: the earliest peak is at a start, so only the starts are
+    scored, each over the values live there (a sweep in program order).
+    """
+    ranged = sorted(
+        (v for v in temps if v.start is not None and v.end is not None),
+        key=lambda v: v.start,
+    )
+    best_t, best = 0, 0
+    live: list[Value] = []
+    for i, v in enumerate(ranged):
+        t = v.start
+        if t >= length:
+            break
+        live = [u for u in live if u.end >= t]
+        live.append(v)
+        if i + 1 < len(ranged) and ranged[i + 1].start == t:
+            continue  # score t once, with every value starting there
+        covered = [[u.offset, u.offset + u.size] for u in live]
         _merge(covered)
         total = sum(b - a for a, b in covered)
         if total > best:
             best_t, best = t, total
-    return best_t, max(best, 0)
+    return best_t, best
 
 
 def compile_with_buffers(lowered: Any, **compiler_options: Any) -> tuple[Any, BufferAssignment]:

@@ -1,5 +1,7 @@
 import jax
 import jax.numpy as jnp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardkit.report.buffers import compile_with_buffers
 
@@ -55,3 +57,49 @@ def test_values_sharing_heap_space_are_counted_once():
         peak_bytes=150,
     )
     assert {v.id: v.size for v in ba.live_temps()} == {1: 100, 2: 50}
+
+
+def _brute_force_peak(temps, length):
+    """The definition: score every program point, the earliest of the most bytes."""
+    best_t, best = 0, 0
+    for t in range(length):
+        bytes_ = set()
+        for v in temps:
+            if v.start is not None and v.start <= t <= v.end:
+                bytes_ |= set(range(v.offset, v.offset + v.size))
+        if len(bytes_) > best:
+            best_t, best = t, len(bytes_)
+    return best_t, best
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 40),  # offset
+            st.integers(1, 30),  # size
+            st.one_of(st.none(), st.integers(0, 25)),  # start (None: no live range)
+            st.integers(0, 10),  # length of the range
+        ),
+        max_size=14,
+    ),
+    st.integers(1, 30),
+)
+def test_the_peak_is_the_earliest_point_covering_the_most_bytes(specs, length):
+    from shardkit.report.buffers import Value, _peak
+
+    temps = [
+        Value(
+            id=i,
+            instruction=f"v{i}",
+            index="{}",
+            size=size,
+            offset=offset,
+            shape="f32[1]",
+            kind="temp",
+            start=start,
+            end=None if start is None else start + span,
+        )
+        for i, (offset, size, start, span) in enumerate(specs)
+    ]
+    assert _peak(temps, length) == _brute_force_peak(temps, length)
