@@ -279,6 +279,18 @@ _REDUCED_LAYER_COPIES = 2
 #: gpt-small (tied) on fsdp over 8, two f32[6288,768]; llama-tiny at vocab 8192 × 64,
 #: two f32[64,1024] of the head's and two f32[1024,64] of the lookup's zeroed gradient.
 _HEAD_TABLE_SHARDS = 2
+#: TSP's vocabulary ring (shardkit.nn.tsp_head) at the head's peak, in its backward, by
+#: the ring's size D: blocks of one step's logits' size (tokens × V/D: the logits and
+#: what the backward computes from them, in two layouts) and table-sized shards (V/D × h:
+#: the head's gradient accumulator as the ring passes it along, the lookup's zeroed
+#: gradient). The backward's loop runs D − 3 steps; at D = 4 XLA unrolls its one step
+#: and holds more of both. Counted in XLA's buffers at vocabulary 16,384 × 64 (llama-tiny
+#: and gpt-tiny, 128 tokens a device), f32: on tsp over 8, five f32[128,2048]-sized
+#: blocks and three shards (two f32[64,2048], a f32[2048,64]); over 4 (dp_tsp), nine
+#: f32[128,4096]-sized blocks and four shards. In bf16 (llama-tiny at 8,192 × 128 over
+#: 4) the blocks take half the bytes (five bf16, two f32) and the shards the same (four
+#: bf16, two f32). The tables' gradients are among the shards: no whole table is held.
+_RING_HEAD_BUFFERS = {"logits": (5, 9), "shards": (3, 4)}  # (D > 4, D = 4)
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -898,6 +910,8 @@ def estimate(
         if p == 1 and not tsp_rings and head_split == stored_split > t:
             table = dims.vocab_tables * dims.vocab * dims.d_model * nb
             head_rest = rest - table / t + _HEAD_TABLE_SHARDS * table / head_split
+        elif tsp_rings:  # the ring's table shards are the head's (_RING_HEAD_BUFFERS)
+            head_rest = rest - dims.vocab_tables * dims.vocab * dims.d_model * nb / t
         phases_terms = _unrolled_terms(layers_terms, head_rest, saved, head, mem.grads)
         if gathered_layers:
             # The layers' other moment: the reduction of a gathered layer's gradient,
@@ -962,8 +976,9 @@ def _chunked_head(
     ``dot`` bytes, the matmul outputs' (three bf16 tables on jax 0.12 in bf16).
 
     TSP's vocabulary ring (shardkit.nn.tsp_head) scores one step's logits at a time, the
-    local tokens against one V/D shard, unchunked; its table is never gathered, one shard
-    arrives while the device's own is in use. The rolled pipeline engine's head is one
+    local tokens against one V/D shard, unchunked; its table is never gathered: its
+    logits-sized blocks and table-sized shards are counted as XLA holds them
+    (:data:`_RING_HEAD_BUFFERS`), not ``head_copies`` of the other heads'. The rolled pipeline engine's head is one
     micro-batch's, its tables gathered once a step (counted with the stage's weights), so
     it holds no layout copy of the weight.
     """
@@ -975,10 +990,8 @@ def _chunked_head(
         )
     vocab_split = _split(spec, sizes, (2,))
     copy = 0.0  # the rolled engine's
-    if tsp_rings and dims.chunked_head:
+    if tsp_rings and dims.chunked_head:  # the ring's own count below
         chunks, vocab_split = 1, vocab_split * tsp
-        if not rolled:
-            copy = dims.vocab * dims.d_model * act / (t * tsp)
     elif not rolled:
         copy = head_weight_copy_bytes(
             dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=dot
@@ -1001,6 +1014,21 @@ def _chunked_head(
     # hidden states, 128 MiB, and the heap holds them twice (thrice, gathered over a
     # sequence axis with an f32 gradient: _SEQUENCE_GATHERED_HIDDEN_SLOTS).
     hidden = tokens / token_split * dims.d_model * act
+    if tsp_rings and dims.chunked_head and not rolled:
+        # TSP's ring, counted from its structure (_RING_HEAD_BUFFERS): its logits-sized
+        # blocks (f32; in bf16 half of them the matmul outputs') and its table-sized
+        # shards (f32's bytes) beside the hidden states.
+        unrolled = int(tsp <= 4)  # the backward's loop of tsp − 3 steps, unrolled
+        logits = head_loss_peak_bytes(
+            tokens=tokens,
+            vocab=dims.vocab,
+            d_model=0,
+            token_split=token_split,
+            vocab_split=vocab_split,
+            live_logits=_RING_HEAD_BUFFERS["logits"][unrolled],
+        )
+        shards = _RING_HEAD_BUFFERS["shards"][unrolled] * dims.vocab * dims.d_model * nb / tsp
+        return hidden + max(hidden, logits * dot / 4 + shards / t), chunks
     slots = 2
     if gathered_sequence and vocab_split > 1 and not rolled:
         slots = _SEQUENCE_GATHERED_HIDDEN_SLOTS
