@@ -291,6 +291,11 @@ _HEAD_TABLE_SHARDS = 2
 #: 4) the blocks take half the bytes (five bf16, two f32) and the shards the same (four
 #: bf16, two f32). The tables' gradients are among the shards: no whole table is held.
 _RING_HEAD_BUFFERS = {"logits": (5, 9), "shards": (3, 4)}  # (D > 4, D = 4)
+#: Table-sized shards a tied table's gradient holds beyond its stored shard through the
+#: layers' backward on TSP's rings: the head's and the lookup's (zeroed, scattered into)
+#: are apart until the step adds them. gpt-tiny at vocabulary 8,192 × 64 on tsp over 8:
+#: three f32[1024,64] at the layers' peak; llama-tiny (untied), one of each table's.
+_TIED_RING_TABLE_SHARDS = 2
 
 
 def _saved_bytes(values: float, remat: str, x: float, act: float, dot: float) -> float:
@@ -799,7 +804,13 @@ def estimate(
     sp_split = t if sp else 1  # SP splits the lookup's tokens over tensor too
     lookup_split = f * tsp * sp_split
     read = d == p == zero1 == 1
-    if tsp_rings or (read and not _scattered_whole(dims.vocab, tokens / sp_split, lookup_split)):
+    if tsp_rings:
+        # The rings' head and lookup each leave the table's gradient as a shard, held
+        # apart until the step's end: a tied table's two and their sum where its stored
+        # gradient is one shard (_TIED_RING_TABLE_SHARDS); untied, each table's own.
+        tied = dims.vocab_tables == 1
+        table_grads = _TIED_RING_TABLE_SHARDS * dims.vocab * dims.d_model * nb / tsp * tied
+    elif read and not _scattered_whole(dims.vocab, tokens / sp_split, lookup_split):
         table_grads = 0.0
     elif read and t > 1 and not sp:
         table_grads = dims.vocab * dims.d_model * wb * (1 / t - 1 / (t * f * tsp))
