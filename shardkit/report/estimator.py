@@ -1008,16 +1008,11 @@ def _chunked_head(
             dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=dot
         )
     tokens, token_split = batch * seq / m, _split(spec, sizes, (0, 1))
+    logits_of = dict(tokens=tokens, vocab=dims.vocab, d_model=0, token_split=token_split)
+    logits_of["vocab_split"] = vocab_split
     # The logits' and the weight's buffers: the head's count without its hidden states.
     buffers = head_loss_peak_bytes(
-        tokens=tokens,
-        vocab=dims.vocab,
-        d_model=0,
-        chunks=chunks,
-        token_split=token_split,
-        vocab_split=vocab_split,
-        bytes_per_value=act,
-        weight_copy_bytes=copy,
+        **logits_of, chunks=chunks, bytes_per_value=act, weight_copy_bytes=copy
     )
     # The hidden states in the head's layout, whole, and next to them either the logits'
     # and the weight's buffers (head_copies of them) or, once those are freed, the hidden
@@ -1031,12 +1026,7 @@ def _chunked_head(
         # shards (f32's bytes) beside the hidden states.
         unrolled = int(tsp <= 4)  # the backward's loop of tsp − 3 steps, unrolled
         logits = head_loss_peak_bytes(
-            tokens=tokens,
-            vocab=dims.vocab,
-            d_model=0,
-            token_split=token_split,
-            vocab_split=vocab_split,
-            live_logits=_RING_HEAD_BUFFERS["logits"][unrolled],
+            **logits_of, live_logits=_RING_HEAD_BUFFERS["logits"][unrolled]
         )
         shards = _RING_HEAD_BUFFERS["shards"][unrolled] * dims.vocab * dims.d_model * nb / tsp
         return hidden + max(hidden, logits * dot / 4 + shards / t), chunks

@@ -30,22 +30,29 @@ def test_reads_the_values_live_at_the_temp_peak():
     assert sum(v.size for v in arguments) == compiled.memory_analysis().argument_size_in_bytes
 
 
+def _temp(i, offset, size, start, end, phi=False):
+    """A temp value of ``size`` bytes at ``offset``, live from ``start`` to ``end``."""
+    from shardkit.report.buffers import Value
+
+    return Value(
+        id=i,
+        instruction=f"v{i}",
+        index="{}",
+        size=size,
+        offset=offset,
+        shape="f32[1]",
+        kind="temp",
+        phi=phi,
+        start=start,
+        end=end,
+    )
+
+
 def test_values_sharing_heap_space_are_counted_once():
-    from shardkit.report.buffers import BufferAssignment, Value
+    from shardkit.report.buffers import BufferAssignment
 
     def value(i, offset, size, phi=False):
-        return Value(
-            id=i,
-            instruction=f"v{i}",
-            index="{}",
-            size=size,
-            offset=offset,
-            shape="f32[1]",
-            kind="temp",
-            phi=phi,
-            start=0,
-            end=1,
-        )
+        return _temp(i, offset, size, 0, 1, phi=phi)
 
     # A loop's carried value (phi) in the same bytes as the value it carries: 0-100,
     # and a value overlapping half of it: 50-150. Live bytes: 150, the phi's own: none.
@@ -86,20 +93,10 @@ def _brute_force_peak(temps, length):
     st.integers(1, 30),
 )
 def test_the_peak_is_the_earliest_point_covering_the_most_bytes(specs, length):
-    from shardkit.report.buffers import Value, _peak
+    from shardkit.report.buffers import _peak
 
     temps = [
-        Value(
-            id=i,
-            instruction=f"v{i}",
-            index="{}",
-            size=size,
-            offset=offset,
-            shape="f32[1]",
-            kind="temp",
-            start=start,
-            end=None if start is None else start + span,
-        )
+        _temp(i, offset, size, start, None if start is None else start + span)
         for i, (offset, size, start, span) in enumerate(specs)
     ]
     assert _peak(temps, length) == _brute_force_peak(temps, length)
