@@ -292,8 +292,8 @@ _HEAD_TABLE_SHARDS = 2
 #: bf16, two f32). The tables' gradients are among the shards: no whole table is held.
 _RING_HEAD_BUFFERS = {"logits": (5, 9), "shards": (3, 4)}  # (D > 4, D = 4)
 #: Table-sized shards a tied table's gradient holds beyond its stored shard through the
-#: layers' backward on TSP's rings: the head's and the lookup's (zeroed, scattered into)
-#: are apart until the step adds them. gpt-tiny at vocabulary 8,192 × 64 on tsp over 8:
+#: layers' backward on TSP's rings, where the head and the lookup each leave a shard of
+#: it (the lookup's zeroed and scattered into). gpt-tiny at vocabulary 8,192 × 64 on tsp over 8:
 #: three f32[1024,64] at the layers' peak; llama-tiny (untied), one of each table's.
 _TIED_RING_TABLE_SHARDS = 2
 
@@ -805,11 +805,11 @@ def estimate(
     lookup_split = f * tsp * sp_split
     read = d == p == zero1 == 1
     if tsp_rings:
-        # The rings' head and lookup each leave the table's gradient as a shard, held
-        # apart until the step's end: a tied table's two and their sum where its stored
-        # gradient is one shard (_TIED_RING_TABLE_SHARDS); untied, each table's own.
-        tied = dims.vocab_tables == 1
-        table_grads = _TIED_RING_TABLE_SHARDS * dims.vocab * dims.d_model * nb / tsp * tied
+        # The rings' head and lookup each leave the table's gradient as a shard: a tied
+        # table holds three table-sized shards where its stored gradient counts one
+        # (_TIED_RING_TABLE_SHARDS more); untied, each table its own.
+        tied_shards = _TIED_RING_TABLE_SHARDS if dims.vocab_tables == 1 else 0
+        table_grads = tied_shards * dims.vocab * dims.d_model * nb / tsp
     elif read and not _scattered_whole(dims.vocab, tokens / sp_split, lookup_split):
         table_grads = 0.0
     elif read and t > 1 and not sp:
@@ -989,8 +989,8 @@ def _chunked_head(
     TSP's vocabulary ring (shardkit.nn.tsp_head) scores one step's logits at a time, the
     local tokens against one V/D shard, unchunked; its table is never gathered: its
     logits-sized blocks and table-sized shards are counted as XLA holds them
-    (:data:`_RING_HEAD_BUFFERS`), not ``head_copies`` of the other heads'. The rolled pipeline engine's head is one
-    micro-batch's, its tables gathered once a step (counted with the stage's weights), so
+    (:data:`_RING_HEAD_BUFFERS`), not ``head_copies`` of the other heads'. The rolled
+    pipeline engine's head is one micro-batch's, its tables gathered once a step (counted with the stage's weights), so
     it holds no layout copy of the weight.
     """
     spec = rules.spec(LOGITS, mesh=sizes)
@@ -1008,11 +1008,8 @@ def _chunked_head(
             dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=dot
         )
     tokens, token_split = batch * seq / m, _split(spec, sizes, (0, 1))
-    logits_of = dict(tokens=tokens, vocab=dims.vocab, d_model=0, token_split=token_split)
-    logits_of["vocab_split"] = vocab_split
-    # The logits' and the weight's buffers: the head's count without its hidden states.
-    buffers = head_loss_peak_bytes(
-        **logits_of, chunks=chunks, bytes_per_value=act, weight_copy_bytes=copy
+    logits_of = dict(
+        tokens=tokens, vocab=dims.vocab, d_model=0, token_split=token_split, vocab_split=vocab_split
     )
     # The hidden states in the head's layout, whole, and next to them either the logits'
     # and the weight's buffers (head_copies of them) or, once those are freed, the hidden
@@ -1030,6 +1027,10 @@ def _chunked_head(
         )
         shards = _RING_HEAD_BUFFERS["shards"][unrolled] * dims.vocab * dims.d_model * nb / tsp
         return hidden + max(hidden, logits * dot / 4 + shards / t), chunks
+    # The logits' and the weight's buffers: the head's count without its hidden states.
+    buffers = head_loss_peak_bytes(
+        **logits_of, chunks=chunks, bytes_per_value=act, weight_copy_bytes=copy
+    )
     slots = 2
     if gathered_sequence and vocab_split > 1 and not rolled:
         slots = _SEQUENCE_GATHERED_HIDDEN_SLOTS

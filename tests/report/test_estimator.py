@@ -1347,8 +1347,8 @@ def test_tsp_rings_hold_a_tied_tables_two_gradients_apart_through_the_layers(
 ):
     # tsp over 8 at vocabulary 4,096 × 64, 128 tokens a device: at the layers' peak the
     # rings hold table-sized f32 shards (512 × 64, either way round) of the tables'
-    # gradients: GPT's one tied table three (the head's, the lookup's zeroed one and the
-    # stored gradient's), Llama's two tables one each. The estimate counts the tied
+    # gradients: GPT's one tied table three (among them the lookup's zeroed one and the
+    # ring head's), Llama's two tables one each. The estimate counts the tied
     # table's two beyond its shard (_TIED_RING_TABLE_SHARDS); without them GPT's
     # estimate is 0.85 of compiled (0.94 counted), and the test fails.
     model = models.get(name, remat="full", vocab=4096, d_model=64)
