@@ -64,6 +64,7 @@ from shardkit.report.phases import (
     head_loss_peak_bytes,
     head_table_splits,
     head_weight_copy_bytes,
+    spec_split,
 )
 from shardkit.report.pipeline_analytic import in_flight
 from shardkit.step import PIPELINE_DEFAULTS
@@ -436,14 +437,6 @@ def _mlp_none_values(dims: ModelDims) -> float:
     intermediates, its output), SwiGLU's ``3·f_in = 6f`` (gate and up, the SiLU's
     intermediates, the product)."""
     return float(6 * dims.d_ff if dims.gated_mlp else 5 * dims.d_ff)
-
-
-def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
-    names: list[str] = []
-    for i in dims:
-        entry = spec[i] if i < len(spec) else None
-        names += [entry] if isinstance(entry, str) else list(entry or ())
-    return math.prod(mesh.get(n, 1) for n in names)
 
 
 def _uncovered(
@@ -997,9 +990,9 @@ def _chunked_head(
     chunks = 1
     if dims.chunked_head:
         chunks = dims.loss_chunks or auto_chunks(
-            seq, dims.vocab, dims.d_model, quantum=_split(spec, sizes, (1,))
+            seq, dims.vocab, dims.d_model, quantum=spec_split(spec, sizes, (1,))
         )
-    vocab_split = _split(spec, sizes, (2,))
+    vocab_split = spec_split(spec, sizes, (2,))
     copy = 0.0  # the rolled engine's
     if tsp_rings and dims.chunked_head:  # the ring's own count below
         chunks, vocab_split = 1, vocab_split * tsp
@@ -1007,7 +1000,7 @@ def _chunked_head(
         copy = head_weight_copy_bytes(
             dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=dot
         )
-    tokens, token_split = batch * seq / m, _split(spec, sizes, (0, 1))
+    tokens, token_split = batch * seq / m, spec_split(spec, sizes, (0, 1))
     logits_of = dict(
         tokens=tokens, vocab=dims.vocab, d_model=0, token_split=token_split, vocab_split=vocab_split
     )

@@ -51,6 +51,7 @@ __all__ = [
     "layer_peak_bytes",
     "peak_phase",
     "phase_peaks",
+    "spec_split",
 ]
 
 #: The phases, in the order a step runs them.
@@ -215,8 +216,13 @@ def layer_peak_bytes(
     return float(layer + 2 * gathered_layer_bytes)
 
 
-def _split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
-    """Devices the dimensions ``dims`` of a ``PartitionSpec`` are split over."""
+def spec_split(spec: Any, mesh: Mapping[str, int], dims: tuple[int, ...]) -> int:
+    """Devices the dimensions ``dims`` of a ``PartitionSpec`` are split over.
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> spec_split(P(("data", "fsdp"), None, "tensor"), {"data": 2, "fsdp": 4, "tensor": 8}, (0, 1))
+    8
+    """
     names: list[str] = []
     for i in dims:
         entry = spec[i] if i < len(spec) else None
@@ -238,8 +244,8 @@ def head_table_splits(
     sizes = {a: int(v) for a, v in mesh.items()}
     table = ("vocab", "embed")
     rules = recipe.activation_rules if rules is None else rules
-    head_split = _split(rules.spec(table, mesh=sizes), sizes, (0, 1))
-    return head_split, _split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
+    head_split = spec_split(rules.spec(table, mesh=sizes), sizes, (0, 1))
+    return head_split, spec_split(recipe.rules.spec(table, mesh=sizes), sizes, (0, 1))
 
 
 def head_weight_copy_bytes(
@@ -332,12 +338,15 @@ def phase_peaks(
     # The head: its layout is the activation rules' for the logits and for the weight.
     rules = recipe.step_activation_rules(sizes, tokens=batch * seq, vocab=vocab)
     logits_spec = rules.spec(LOGITS, mesh=sizes)
-    token_split, vocab_split = _split(logits_spec, sizes, (0, 1)), _split(logits_spec, sizes, (2,))
+    token_split, vocab_split = (
+        spec_split(logits_spec, sizes, (0, 1)),
+        spec_split(logits_spec, sizes, (2,)),
+    )
     weight = vocab * h * nb
     copy = head_weight_copy_bytes(
         dims, recipe, sizes, bytes_per_value=nb, rules=rules, act_bytes=act
     )
-    quantum = _split(logits_spec, sizes, (1,))
+    quantum = spec_split(logits_spec, sizes, (1,))
     chunks = dims.loss_chunks or auto_chunks(seq, vocab, h, quantum=quantum)
     head = head_loss_peak_bytes(
         tokens=batch * seq,
@@ -366,7 +375,7 @@ def phase_peaks(
     )
 
     # The largest gradient (a vocab × d_model table) all-reduced across replicas.
-    stored_split = _split(recipe.rules.spec(("vocab", "embed"), mesh=sizes), sizes, (0, 1))
+    stored_split = spec_split(recipe.rules.spec(("vocab", "embed"), mesh=sizes), sizes, (0, 1))
     replicas = d * c if data_kind == "dp" else 1
     reduced = weight / stored_split if replicas > 1 else 0.0
     step = _optimizer_step_peak_bytes(grads_bytes=base.grads, clip=clip, reduced_leaf_bytes=reduced)
