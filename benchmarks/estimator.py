@@ -570,6 +570,7 @@ FITTED = {
     "backward_width_values": (0.0, 16.0),
     "backward_width_values_none": (0.0, 16.0),
     "tensor_width_values": (0.0, 16.0),
+    "tensor_reduction_fraction": (0.0, 1.5),
     "large_rows_width_values": (0.0, 16.0),
     "gathered_weight_copies": (1.0, 3.0),
     "head_copies": (0.5, 3.0),

@@ -91,11 +91,11 @@ def _bf16_matmul_bytes() -> float:
 _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
 
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
-#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits ten of them (its
+#: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits eleven of them (its
 #: ``FITTED``, within bounds) on its two training grids (up to 1,024 and from 2,048
 #: tokens a device), minimising the mean absolute log error of the totals: the three
 #: backward fractions, the two backward_width_values, tensor_width_values,
-#: large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation
+#: tensor_reduction_fraction, large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation
 #: (``--fit NAMES`` fits those named, the others held); two of the rolled pipeline
 #: engine's (``ROLLED_FITTED``) on its rolled training grid alone, the others held:
 #: rolled_head_overlap, rolled_backward_fraction; rolled_pair_fraction on the rolled
@@ -108,6 +108,8 @@ _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
 #: backward_width_values,backward_layer_fraction``), the others held: refitting all
 #: ten moved most of them and left the grids no better (90 / 86 / 89 / 92 % within ±10 %
 #: against 90 / 84 / 89 / 94 %, moe_tiny 75 % against 92 %), the worst point at 1.30.
+#: tensor_reduction_fraction, added with its moment, is fitted alone (``--fit
+#: tensor_reduction_fraction``), the others held.
 FIT: dict[str, float] = {
     # Copies of the layer stack's stored gradient shard live at the layers' peak, per
     # scan buffer holding it (the backward's accumulator; without remat also the
@@ -139,6 +141,11 @@ FIT: dict[str, float] = {
     # activation reductions' operands and results, the norms' outputs copied for the
     # split matmuls; under sequence parallelism the all-gathered sequence.
     "tensor_width_values": 0.729,
+    # The share of the backward layer's working set (its recomputation, the scores
+    # aside) live at tensor parallelism's reduction of the MLP's input gradient
+    # (_REDUCED_INPUT_GRADIENT_VALUES), where that reduction is the layers' peak. Fitted
+    # alone on the two training grids, the others held.
+    "tensor_reduction_fraction": 0.573,
     # Matmul rows per device (tokens) from which XLA:CPU materialises values it fuses
     # below: the backward's slices of the saved stack, the norms' intermediates
     # (measured on llama tp/8 without remat: 3,584 rows fuse them, 4,096 do not, at
@@ -275,6 +282,15 @@ _SEQUENCE_GATHERED_HIDDEN_SLOTS = 3
 #: and fsdp over 512 hold two f32[512,2048], two f32[2048,512], two f32[3,16,32,512],
 #: two f32[512,16,32] at an all-reduce; llama dp_fsdp the same of its own weights.
 _REDUCED_LAYER_COPIES = 2
+#: f32 values of tokens × h, per in-projection, live at once where tensor parallelism
+#: reduces the MLP's input gradient: XLA:CPU all-reduces an in-projection's input
+#: gradient in f32 (under sequence parallelism too: a reduce-scatter is that all-reduce
+#: and a slice), and combines the projections that read one input into one all-reduce,
+#: their operands and results live together. Read from the buffers of llama-tiny (1,024
+#: × 128) on tp_sp over 8, full remat, bf16: at the layers' peak one all-reduce of the
+#: gate's and the up projection's input gradients, two f32[16,64,128] operands and two
+#: results (the attention's q, k and v are another, of three). GPT's fused up holds two.
+_REDUCED_INPUT_GRADIENT_VALUES = 2
 #: Shards of each vocabulary table's gradient live at the head's peak where the head
 #: computes on the stored shard (its logits split over the vocabulary as the table is):
 #: gpt-small (tied) on fsdp over 8, two f32[6288,768]; llama-tiny at vocab 8192 × 64,
@@ -933,6 +949,29 @@ def estimate(
                 notes.append(
                     f"layers' peak at the gradient's reduction: {_REDUCED_LAYER_COPIES} × "
                     f"one layer's {dense_layer * nb / t:,.0f} B whole in f32 (all-reduced)"
+                )
+        if t > 1 and p == 1:
+            # Tensor parallelism's other moment: the reduction of the MLP's input
+            # gradient (_REDUCED_INPUT_GRADIENT_VALUES per projection, gate and up where
+            # separate), beside the gradients, the saved activations, the gathered
+            # weights and the share of the backward layer's working set still live then
+            # (tensor_reduction_fraction; the scores are freed). The peak where the
+            # MLP's projections are separate (Llama) or its width is small beside h.
+            mlp_in = 2 if dims.gated_mlp and dims.in_projections > 2 else 1
+            reduced = _REDUCED_INPUT_GRADIENT_VALUES * mlp_in * tokens * dims.d_model * 4
+            moment = {
+                "gradients": grads,
+                "saved activations": saved,
+                "gathered weights": gathered,
+                "collective buffers": reduced,
+                "recomputation": fit["tensor_reduction_fraction"] * (work - scores),
+            }
+            if sum(moment.values()) > sum(phases_terms["layers"].values()):
+                phases_terms["layers"] = moment
+                notes.append(
+                    f"layers' peak at the MLP's input-gradient all-reduce: {mlp_in} × "
+                    f"{_REDUCED_INPUT_GRADIENT_VALUES} f32 values of {tokens:g} tokens × "
+                    f"h (operand and result)"
                 )
     for v in phases_terms.values():
         v["heap fragmentation"] = fit["heap_fragmentation"] * sum(v.values())
