@@ -72,23 +72,42 @@ from shardkit.step import PIPELINE_DEFAULTS
 __all__ = ["FIT", "Estimate", "against", "estimate", "estimate_or_refusal", "saved_values"]
 
 
-def _bf16_matmul_bytes() -> float:
-    """What XLA:CPU keeps of a bf16 matmul output, by the installed jaxlib (XLA's
-    package; jax's where it is missing): 2 from 0.12, 4 before (see
-    ``FIT["bf16_matmul_bytes"]``). Read off the packages' metadata, not by importing jax;
-    neither installed (an estimate for elsewhere), the current release's 2."""
+def _xla_release() -> tuple[int, ...] | None:
+    """The installed jaxlib's release (XLA's package; jax's where it is missing) as
+    numbers, ``(0, 12, 0, 1)`` for 0.12.0.1, read off the packages' metadata, not by
+    importing jax; ``None`` where neither is installed (an estimate for elsewhere)."""
     for package in ("jaxlib", "jax"):
         try:
             version = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             continue
-        release = re.match(r"(\d+)\.(\d+)", version)
+        release = re.match(r"\d+(?:\.\d+)*", version)
         if release:
-            return 2.0 if (int(release[1]), int(release[2])) >= (0, 12) else 4.0
-    return 2.0
+            return tuple(int(n) for n in release[0].split("."))
+    return None
+
+
+def _bf16_matmul_bytes() -> float:
+    """What XLA:CPU keeps of a bf16 matmul output, by the installed jaxlib: 2 from 0.12,
+    4 before (see ``FIT["bf16_matmul_bytes"]``); neither installed, the current
+    release's 2."""
+    release = _xla_release()
+    return 2.0 if release is None or release[:2] >= (0, 12) else 4.0
+
+
+def _score_buffers() -> float:
+    """Score-sized values (a query's row of scores over the keys, per head) the
+    attention's backward holds, by the installed jaxlib: the scores and their softmax,
+    two, up to 0.12.0; one from 0.12.1, whose XLA:CPU holds one f32[b, a, s, s] where
+    0.12.0.1 held two (gpt-tiny on the rolled engine's stages and llama-tiny on fsdp,
+    counted in both releases' buffers); neither installed, 0.12.0.1's two (the release
+    the constants are fitted on)."""
+    release = _xla_release()
+    return 1.0 if release is not None and release[:3] >= (0, 12, 1) else 2.0
 
 
 _BF16_MATMUL_BYTES = _bf16_matmul_bytes()
+_SCORE_BUFFERS = _score_buffers()
 
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
 #: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits eleven of them (its
@@ -117,7 +136,8 @@ FIT: dict[str, float] = {
     "gradient_copies": 1.0,
     # The backward layer's working set under remat "full" (its recomputed forward and
     # the gradients computed from it) in units of its attention's values (q/k/v, the
-    # context and its transpose, the scores and their softmax: 3q + 2k + 2·a·s); the
+    # context and its transpose, the scores and their softmax: 3q + 2k + 2·a·s, one
+    # a·s from jax 0.12.1, whose XLA holds one score-sized value there); the
     # width-h ones (backward_width_values), a dense MLP's (_MLP_BACKWARD_VALUES) and an
     # MoE MLP's (moe_backward_fraction) are counted apart. XLA frees and fuses part of it.
     "backward_layer_fraction": 0.811,
@@ -730,7 +750,7 @@ def estimate(
     # transpose, the scores and their softmax. An MoE MLP's values take their own share
     # (moe_backward_fraction); a dense MLP's are counted (_MLP_BACKWARD_VALUES), and a
     # GELU MLP in bf16 holds full's count and two d_ff more under either policy.
-    other_values = (3 * q + 2 * k + 2 * dims.n_heads * keys) / t
+    other_values = (3 * q + 2 * k + _SCORE_BUFFERS * dims.n_heads * keys) / t
     mlp = moe_values = 0.0
     if dims.n_experts:
         moe_values = analytic_moe.mlp_values(dims, "none", seq=keys, t=t)
@@ -768,7 +788,7 @@ def estimate(
     if recipe.attention == "allgather" and ring > 1:  # K/V gathered, expanded to every head
         layout_bytes = 4 + (dot if recomputed and dot < 4 else 0)
         work += tokens * _ALLGATHER_KV_LAYOUTS * q * (ring - 1) / t * layout_bytes
-    scores = frac * tokens * 2 * dims.n_heads * keys / t * att
+    scores = frac * tokens * _SCORE_BUFFERS * dims.n_heads * keys / t * att
     # Gradients: the stored shard (the scan's accumulator; ZeRO-1 reduce-scatters each
     # layer's into the optimizer's shard), the layer being differentiated whole (before
     # its reduction; fsdp scatters most of it as it is computed), and the token table's

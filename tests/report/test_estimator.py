@@ -16,6 +16,7 @@ from shardkit.report.estimator import (
     _GATHERED_NORM_VALUES,
     _GELU_BF16_VALUES,
     _MLP_BACKWARD_VALUES,
+    _SCORE_BUFFERS,
     _TSP_IN_PROJECTION_VALUES,
     _TSP_MLP_BACKWARD_VALUES,
     FIT,
@@ -910,6 +911,25 @@ def test_bf16_matmul_bytes_follow_the_installed_jax(monkeypatch, version, nbytes
     assert estimator._bf16_matmul_bytes() == nbytes
 
 
+@pytest.mark.parametrize(
+    ("version", "buffers"),
+    [
+        ("0.10.2", 2.0),
+        ("0.12.0.1", 2.0),
+        ("0.12.1", 1.0),
+        ("0.12.1rc1", 1.0),
+        ("0.13.0", 1.0),
+    ],
+)
+def test_score_buffers_follow_the_installed_jax(monkeypatch, version, buffers):
+    import importlib.metadata
+
+    from shardkit.report import estimator
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
+    assert estimator._score_buffers() == buffers
+
+
 @pytest.mark.skipif(
     FIT["bf16_matmul_bytes"] == 4,
     reason="jax 0.10's XLA:CPU saves f32 copies (wrapped_convert) the report files apart",
@@ -1076,17 +1096,18 @@ def test_one_chunk_stages_scale_with_the_micro_batch_as_compiled():
 def test_two_stages_of_one_layer_hold_a_second_backward(monkeypatch, layers, stages, sets):
     # Compiled: the rolled engine's stage backward under remat full (gpt-tiny, eight
     # heads, sequence 64, 1f1b with a micro-batch a stage, 512 tokens each) holds the
-    # scores and their softmax, two f32[8, 8, 64, 64] values a layer's backward. Two
-    # stages of one layer hold two layers' sets; two layers a stage, or four stages of
-    # one, hold one. The estimate counts the second set (rolled_pair_fraction) on two
-    # stages of one layer alone, and is within 10 % of each (0.81 without it at the first).
+    # scores and their softmax, two f32[8, 8, 64, 64] values a layer's backward (one
+    # from jax 0.12.1: _SCORE_BUFFERS). Two stages of one layer hold two layers' sets;
+    # two layers a stage, or four stages of one, hold one. The estimate counts the
+    # second set (rolled_pair_fraction) on two stages of one layer alone, and is within
+    # 10 % of each (0.81 without it at the first).
     model = models.get("gpt-tiny", remat="full", n_layers=layers)
     plan = sk.Plan("dp_pp", sk.make_mesh({"stage": stages, "data": 8 // stages}))
     pipeline = {"microbatches": stages, "schedule": "1f1b"}
     report, buffers, _ = _compiled(monkeypatch, plan, model, 64, pipeline)
     assert report["memory_peak_phase"] == "layers"
     scores = [v for v in buffers.live_temps() if v.shape == "f32[8,8,64,64]"]
-    assert len(scores) == 2 * sets
+    assert len(scores) == _SCORE_BUFFERS * sets
     e = estimate(plan, model, batch=64, seq=64, pipeline=pipeline)
     total = report["memory_per_device_bytes"]["total"]
     assert e.total / total == pytest.approx(1, abs=0.10)
