@@ -91,24 +91,36 @@ def _saved_activations(model, precision, batch, seq):
     )
 
 
+#: jax 0.12.1's softmax saves its exponentials alone for the backward, not the masked
+#: scores and their row statistics too: its f32 attention keeps 5 bytes a score, not 9.
+EXPONENTIALS_ALONE = tuple(int(n) for n in jax.__version__.split(".")[:3]) >= (0, 12, 1)
+
+
 @pytest.mark.parametrize(
-    "name, overrides, low, high",
+    "name, overrides, bounds, bounds_from_0_12_1",
     [
-        ("gpt-tiny", {}, 0.45, 0.55),  # measured 0.51
-        ("llama-tiny", {}, 0.40, 0.50),  # measured 0.45
+        ("gpt-tiny", {}, (0.45, 0.55), (0.51, 0.61)),  # measured 0.51; 0.56 on 0.12.1
+        ("llama-tiny", {}, (0.40, 0.50), (0.48, 0.58)),  # measured 0.45; 0.53 on 0.12.1
         # One head and a wide MLP: the norms' f32 statistics weigh more (measured 0.60)
-        ("gpt-tiny", {"d_model": 256, "n_heads": 1, "n_kv_heads": 1, "d_ff": 1024}, 0.5, 0.65),
+        (
+            "gpt-tiny",
+            {"d_model": 256, "n_heads": 1, "n_kv_heads": 1, "d_ff": 1024},
+            (0.5, 0.65),
+            (0.5, 0.65),
+        ),
     ],
 )
-def test_bf16_halves_the_saved_activations(name, overrides, low, high):
+def test_bf16_halves_the_saved_activations(name, overrides, bounds, bounds_from_0_12_1):
     # bf16 keeps half the bytes of every saved activation, and the attention keeps only
     # its bf16 probabilities (shardkit.nn.attention.masked_softmax, 2 bytes per score) where
-    # f32 keeps the masked scores, their exponentials and the mask (9 bytes): a little
-    # under half on the reference models. The norms keep their f32 statistics. Before
-    # masked_softmax: 0.71 on gpt-tiny; a bf16 path that saved f32 activations gives 1.0.
+    # f32 keeps the masked scores, their exponentials and the mask (9 bytes; from jax
+    # 0.12.1 the exponentials and the mask, 5): about half on the reference models. The
+    # norms keep their f32 statistics. Before masked_softmax: 0.71 on gpt-tiny; a bf16
+    # path that saved f32 activations gives 1.0.
     model = models.get(name, **overrides)
     f32 = _saved_activations(model, "f32", 8, 32)
     bf16 = _saved_activations(model, "bf16", 8, 32)
+    low, high = bounds_from_0_12_1 if EXPONENTIALS_ALONE else bounds
     assert low <= bf16 / f32 <= high
 
 

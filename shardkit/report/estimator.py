@@ -433,10 +433,11 @@ def saved_values(
     - ``none``: everything the backward reads: eight width-``h`` values (six the
       residual stream's and the norms', :data:`_NONE_WIDTH_VALUES`, and the two blocks'
       output projections), q/k/v and the attention context (``2q + 2k``), the softmax's
-      scores and probabilities (``2·a·s``; under ``bf16`` the probabilities alone,
-      ``a·s``: :func:`shardkit.nn.attention.masked_softmax` keeps nothing else), and the
-      MLP's (:func:`_mlp_none_values`: ``5f`` for GELU's, ``3·f_in`` for SwiGLU's):
-      ``8h + (2q + 2k + 2as + mlp)/t``.
+      scores and exponentials (``2·a·s``; from jax 0.12.1, whose softmax saves its
+      exponentials alone, ``a·s``: ``_SCORE_BUFFERS``; under ``bf16`` the probabilities
+      alone, ``a·s``: :func:`shardkit.nn.attention.masked_softmax` keeps nothing else),
+      and the MLP's (:func:`_mlp_none_values`: ``5f`` for GELU's, ``3·f_in`` for
+      SwiGLU's): ``8h + (2q + 2k + 2as + mlp)/t``.
 
     A mixture-of-experts MLP's values replace the MLP's
     (:func:`shardkit.report.analytic_moe.mlp_values`).
@@ -445,8 +446,8 @@ def saved_values(
       >>> d = ModelDims(layers=1, d_model=64, n_heads=8, n_kv_heads=8, d_ff=256, vocab=256)
       >>> saved_values(d, "full", seq=128), saved_values(d, "save_dots", seq=128)
       (64.0, 576.0)
-      >>> saved_values(d, "none", seq=128)   # 8·64 + (128 + 128 + 2·8·128 + 5·256)
-      4096.0
+      >>> saved_values(d, "none", seq=128, bf16=True)   # 8·64 + (128 + 128 + 8·128 + 5·256)
+      3072.0
     """
     if remat not in _REMATS:
         raise ShardingError(f"remat is one of {list(_REMATS)}, got {remat!r}.")
@@ -462,7 +463,7 @@ def saved_values(
         if moe is not None:
             return float(2 * x + (q + 2 * k) / t + moe)
         return float(2 * x + (q + 2 * k + f_in) / t)
-    scores = (1 if bf16 else 2) * dims.n_heads * seq
+    scores = (1 if bf16 else _SCORE_BUFFERS) * dims.n_heads * seq
     attention = (_NONE_WIDTH_VALUES + 2) * x + (2 * q + 2 * k + scores) / t
     return float(attention + (moe if moe is not None else _mlp_none_values(dims) / t))
 
@@ -725,7 +726,7 @@ def estimate(
             # probabilities are kept, its 3 unmasked chunk pairs of 4 (zigzag): ¾·a·s/ring
             # values a token; and the steps' query and output chunks, two of width q
             # (in XLA's buffers: four q-wide halves), and each step's softmax statistics.
-            scores = (1 if bf16 else 2) * dims.n_heads * seq
+            scores = (1 if bf16 else _SCORE_BUFFERS) * dims.n_heads * seq
             per_token -= (scores - 0.75 * dims.n_heads * seq / ring) / t
             per_token += (2 * q + dims.n_heads * (ring - 1)) / t
     saved = items * L * tokens * _saved_bytes(per_token, remat, x, act, dot)
@@ -1118,7 +1119,9 @@ def _rolled_values(
     XLA stores as two rings: two are one value) and their mask (a byte, ¼), two per
     head (the softmax's max and sum), six of the MLP's width and the norms' statistics
     (two per norm, four under LayerNorm). Under ``bf16`` the scores are one f32 ring and
-    no mask (counted on llama d256's zeropp without remat, a held-out point).
+    no mask (counted on llama d256's zeropp without remat, a held-out point). From jax
+    0.12.1 the f32 softmax keeps its exponentials alone: one score ring, the mask, no
+    max and sum (its ``jax.vjp`` residuals).
 
     W's inputs (``shardkit.parallel.wgrad``'s frontier): the output cotangent of each
     weight matmul (q, k, v, the MLP's inputs) and width-``h`` ones for the attention's
@@ -1134,8 +1137,11 @@ def _rolled_values(
     x = h / t if sp else h
     norms = 4 if dims.norm == "layernorm" else 2
     if remat == "none":
-        scores = (1.0 if bf16 else 2.25) * a * seq
-        res = 8 * x + (4 * q + scores + 2 * a + 6 * f) / t + 2 * norms
+        # jax 0.12.1's softmax keeps its exponentials alone: one score ring and the mask,
+        # no row statistics (_SCORE_BUFFERS 1)
+        scores = (1.0 if bf16 else _SCORE_BUFFERS + 0.25) * a * seq
+        stats = 2 * a * (_SCORE_BUFFERS - 1)
+        res = 8 * x + (4 * q + scores + stats + 6 * f) / t + 2 * norms
     else:
         res = saved_values(dims, remat, seq=seq, t=t, sp=sp)
     w_in = (q + 2 * k + f_in) / t + x * (2 + norms)

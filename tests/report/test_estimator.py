@@ -64,12 +64,14 @@ def test_saved_activations_per_remat_policy(tiny):
     # none (as counted in XLA's buffers): 8 width-h values, q, k, v and the context,
     # scores + softmax, GELU's 5 MLP-width values (SwiGLU's 6 of d_ff); under bf16 the
     # softmax's probabilities alone.
-    assert saved_values(tiny, "none", seq=64) == 8 * 64 + 4 * 64 + 2 * 8 * 64 + 5 * 256
+    # (f32's scores and exponentials, _SCORE_BUFFERS: two; from jax 0.12.1 one)
+    sb = _SCORE_BUFFERS
+    assert saved_values(tiny, "none", seq=64) == 8 * 64 + 4 * 64 + sb * 8 * 64 + 5 * 256
     gated = dataclasses.replace(tiny, gated_mlp=True)
-    assert saved_values(gated, "none", seq=64) == 8 * 64 + 4 * 64 + 2 * 8 * 64 + 6 * 256
+    assert saved_values(gated, "none", seq=64) == 8 * 64 + 4 * 64 + sb * 8 * 64 + 6 * 256
     assert saved_values(tiny, "none", seq=64, bf16=True) == 8 * 64 + 4 * 64 + 8 * 64 + 5 * 256
     # tensor parallelism splits what the heads and the MLP split; SP the rest too.
-    assert saved_values(tiny, "none", seq=64, t=8) == 8 * 64 + (256 + 1024 + 1280) / 8
+    assert saved_values(tiny, "none", seq=64, t=8) == 8 * 64 + (256 + sb * 512 + 1280) / 8
     assert saved_values(tiny, "full", seq=64, t=8, sp=True) == 8
 
 
@@ -84,7 +86,7 @@ def test_ring_attention_keeps_the_received_kv_blocks(tiny):
     # statistics (a = 8 a step, 7 steps).
     kv = 2 * 8 * 8 * 2 * 64 * 7 * 4
     per_token = saved_values(tiny, "none", seq=64)
-    ring_token = per_token - 2 * 8 * 64 + 48 + 128 + 8 * 7
+    ring_token = per_token - _SCORE_BUFFERS * 8 * 64 + 48 + 128 + 8 * 7
     assert ring.terms["saved activations"] == pytest.approx(2 * 8 * 8 * ring_token * 4 + kv)
     assert dense.terms["saved activations"] == 2 * 8 * 64 * per_token * 4
 
@@ -111,8 +113,8 @@ def test_tsp_rings_hold_shards_and_score_one_block_of_keys_at_a_time(tiny):
         layer * 4 * (scattered - 1 / 8) + 256 * 64 * 4 * (7 / 8 - 2 / 8)
     )
     # Ring attention scores a block of 64 / 8 keys at a time: scores and softmax, 8
-    # heads, for the 8 rows × 8 local tokens.
-    block = FIT["backward_layer_fraction"] * 8 * 8 * 2 * 8 * (64 // 8) * 4
+    # heads, for the 8 rows × 8 local tokens (one score-sized value from jax 0.12.1).
+    block = FIT["backward_layer_fraction"] * 8 * 8 * _SCORE_BUFFERS * 8 * (64 // 8) * 4
     assert rings.terms["attention scores"] == pytest.approx(block)
     # The head: TSP's vocabulary ring over 8, unchunked: the hidden states (64 local
     # tokens × 64, whole) and beside them five f32 blocks of one shard's logits (64 ×
@@ -152,8 +154,9 @@ def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fractio
         return e.terms["recomputation"] + e.terms["attention scores"]
 
     def want(t, x):
-        # q/k/v (64 each), the context and its transpose, scores and softmax (2·8·64)
-        attention = (3 * 64 + 2 * 64 + 2 * 8 * 64) / t
+        # q/k/v (64 each), the context and its transpose, scores and softmax (2·8·64;
+        # from jax 0.12.1 one score-sized value: _SCORE_BUFFERS)
+        attention = (3 * 64 + 2 * 64 + _SCORE_BUFFERS * 8 * 64) / t
         mlp = _MLP_BACKWARD_VALUES[remat] * 256 / t  # gpt-tiny's MLP: f_in = d_ff = 256
         per_token = FIT[fraction] * attention + mlp + FIT[width] * x
         return tokens * 4 * per_token
@@ -185,7 +188,7 @@ def test_without_remat_a_ring_recomputes_its_steps_and_the_dense_backward_keeps_
     ring = estimate("cp", tiny, mesh={"sequence": 8}, **kw)
     tokens = 8 * 8
     per_token = (
-        FIT["backward_layer_fraction"] * (3 * 64 + 2 * 64 + 2 * 8 * 8)
+        FIT["backward_layer_fraction"] * (3 * 64 + 2 * 64 + _SCORE_BUFFERS * 8 * 8)
         + _MLP_BACKWARD_VALUES["none"] * 256
         + FIT["backward_width_values"] * 64
         + 2 * 64 * 7
@@ -196,7 +199,7 @@ def test_without_remat_a_ring_recomputes_its_steps_and_the_dense_backward_keeps_
     fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
     dense = estimate("dp", tiny, mesh={"data": 1}, precision="bf16", fit=fit, **kw)
     tokens = 8 * 64
-    attention = FIT["backward_none_fraction"] * (3 * 64 + 2 * 64 + 2 * 8 * 64)
+    attention = FIT["backward_none_fraction"] * (3 * 64 + 2 * 64 + _SCORE_BUFFERS * 8 * 64)
     mlp = _MLP_BACKWARD_VALUES["none"] * 256
     want = tokens * (2 * (attention + mlp) + 4 * FIT["backward_width_values_none"] * 64)
     assert layer(dense) == pytest.approx(want)
@@ -323,7 +326,7 @@ def test_a_gelu_mlp_in_bf16_is_counted_the_same_under_full_and_save_dots(tiny):
     # by the attention's share alone (the MLP's 4 + 2 d_ff values under both); in f32
     # by the MLP's count too (4 and 3 f_in), each in its bytes.
     fit = {"bf16_activation_bytes": 4.0, "bf16_matmul_bytes": 2.0}
-    tokens, attention = 8 * 64, 3 * 64 + 2 * 64 + 2 * 8 * 64
+    tokens, attention = 8 * 64, 3 * 64 + 2 * 64 + _SCORE_BUFFERS * 8 * 64
     share = FIT["backward_layer_fraction"] - FIT["backward_save_dots_fraction"]
 
     def layer(remat, precision, matmul_bytes=2.0):
@@ -661,7 +664,7 @@ def test_ulysses_keeps_no_other_ranks_kv_and_usp_only_its_rings(tiny):
     # q-wide chunks (128) and 3 steps' statistics (8 each) instead of the 2·8·64 scores
     # and probabilities
     usp = estimate("cp_usp", tiny, mesh={"ulysses": 2, "sequence": 4}, **kw)
-    ring = 2 * 8 * 8 * (2 * 64 * 3 - 2 * 8 * 64 + 96 + 128 + 24) * 4
+    ring = 2 * 8 * 8 * (2 * 64 * 3 - _SCORE_BUFFERS * 8 * 64 + 96 + 128 + 24) * 4
     assert usp.terms["saved activations"] == pytest.approx(own + ring)
 
 
@@ -853,9 +856,10 @@ def test_the_rolled_engine_under_bf16_keeps_one_scores_ring_and_no_mask(tiny):
     f32 = estimate("dp_pp", tiny, mesh=mesh, precision="f32", **kw)
     # gpipe with m = 2 keeps m + 1 = 3 slots of a chunk's one layer, for a micro-batch's
     # 16 / (4 · 2) = 2 rows × 64 tokens. Per token the scores are 2.25 · a · s values
-    # in f32 (two f32 rings and a byte mask) and a · s in bf16 (one f32 ring): 1.25 ·
-    # 8 heads · 64 keys fewer, 4 bytes each.
-    fewer = 3 * 1 * (2 * 64) * 1.25 * 8 * 64 * 4
+    # in f32 (two f32 rings and a byte mask; from jax 0.12.1 one ring and the mask,
+    # _SCORE_BUFFERS) and a · s in bf16 (one f32 ring): 1.25 · 8 heads · 64 keys fewer
+    # (0.25 from 0.12.1), 4 bytes each.
+    fewer = 3 * 1 * (2 * 64) * (_SCORE_BUFFERS + 0.25 - 1) * 8 * 64 * 4
     f32_dots = {"bf16_matmul_bytes": 4.0}  # jax 0.10's XLA:CPU: the rings' values in f32
     bf16 = estimate("dp_pp", tiny, mesh=mesh, precision="bf16", fit=f32_dots, **kw)
     saved = [e.terms["saved activations"] for e in (f32, bf16)]
@@ -863,11 +867,13 @@ def test_the_rolled_engine_under_bf16_keeps_one_scores_ring_and_no_mask(tiny):
     # From jax 0.12 the residual ring's matmul outputs are bf16: all but its six width-h
     # values (the residual stream's and the norms'). Per token, gpt-tiny without remat
     # in bf16: 8·64 width-h + 4·64 + a·s = 8·64 + 2·8 + 6·256 + 2·4 (norm statistics)
-    # = 2,840 values, of which 2,840 − 6·64 at 2 bytes instead of 4.
+    # = 2,840 values, of which 2,840 − 6·64 at 2 bytes instead of 4 (from jax 0.12.1
+    # without the softmax's 2·8 statistics).
+    values = 2840 - 2 * 8 * (2 - _SCORE_BUFFERS)
     bf16_dots = estimate(
         "dp_pp", tiny, mesh=mesh, precision="bf16", fit={"bf16_matmul_bytes": 2.0}, **kw
     )
-    halved = 3 * 1 * (2 * 64) * (2840 - 6 * 64) * 2
+    halved = 3 * 1 * (2 * 64) * (values - 6 * 64) * 2
     assert saved[1] - bf16_dots.terms["saved activations"] == pytest.approx(halved)
 
 
@@ -888,7 +894,8 @@ def test_bf16_activations_take_the_backends_bytes(tiny):
     cast_weights = 2 * 49_984 * 2  # and the 2 layers' weights, cast to bf16 (dp's whole)
     assert bf16.terms["saved activations"] == pytest.approx(want + cast_weights)
     f32_token = saved_values(tiny, "none", seq=64)
-    assert f32_token == per_token + 8 * 64  # the scores too, in f32
+    # the scores too, in f32 (up to jax 0.12.0; from 0.12.1 the exponentials alone)
+    assert f32_token == per_token + (_SCORE_BUFFERS - 1) * 8 * 64
     assert f32.terms["saved activations"] == pytest.approx(tokens * f32_token * 4)
 
 
@@ -1204,10 +1211,11 @@ def test_an_moe_mlps_values_take_their_own_share_of_the_backward_layer(remat):
     moved = layer(moe_backward_fraction=1.0) - layer(moe_backward_fraction=0.5)
     assert moved == pytest.approx(32 * 4 * 0.5 * values)
     # the attention's own share: q 64, k 32 (16 and 8 heads of 4), the scores and
-    # softmax over 32 keys (2 · 16 · 32): 3 · 64 + 2 · 32 + 1,024 values a token
+    # softmax over 32 keys (2 · 16 · 32; one score-sized value from jax 0.12.1):
+    # 3 · 64 + 2 · 32 + 1,024 values a token
     share = "backward_none_fraction" if remat == "none" else "backward_save_dots_fraction"
     moved = layer(**{share: 1.0}) - layer(**{share: 0.5})
-    assert moved == pytest.approx(32 * 4 * 0.5 * (3 * 64 + 2 * 32 + 2 * 16 * 32))
+    assert moved == pytest.approx(32 * 4 * 0.5 * (3 * 64 + 2 * 32 + _SCORE_BUFFERS * 16 * 32))
 
 
 # moe-tiny by hand: 2 layers of 8 experts, each 3 · 64 · 64 (SwiGLU), split over the
