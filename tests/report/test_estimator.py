@@ -900,41 +900,29 @@ def test_bf16_activations_take_the_backends_bytes(tiny):
 
 
 @pytest.mark.parametrize(
-    ("version", "nbytes"),
+    ("version", "matmul_bytes", "score_buffers"),
     [
-        ("0.10.2", 4.0),
-        ("0.12.0.1", 2.0),
-        ("0.13.0rc1", 2.0),
-        ("0.10.2.dev20250101", 4.0),
-        ("0.11rc1", 4.0),
+        ("0.10.2", 4.0, 2.0),
+        ("0.10.2.dev20250101", 4.0, 2.0),
+        ("0.11rc1", 4.0, 2.0),
+        ("0.12.0.1", 2.0, 2.0),
+        ("0.12.1rc1", 2.0, 1.0),
+        ("0.12.1", 2.0, 1.0),
+        ("0.13.0rc1", 2.0, 1.0),
     ],
 )
-def test_bf16_matmul_bytes_follow_the_installed_jax(monkeypatch, version, nbytes):
+def test_the_counts_that_follow_the_installed_jax(
+    monkeypatch, version, matmul_bytes, score_buffers
+):
+    # bf16 matmul outputs: f32 copies before 0.12; score-sized values in the attention's
+    # backward: two up to 0.12.0, one from 0.12.1 (read off the packages' metadata)
     import importlib.metadata
 
     from shardkit.report import estimator
 
     monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
-    assert estimator._bf16_matmul_bytes() == nbytes
-
-
-@pytest.mark.parametrize(
-    ("version", "buffers"),
-    [
-        ("0.10.2", 2.0),
-        ("0.12.0.1", 2.0),
-        ("0.12.1", 1.0),
-        ("0.12.1rc1", 1.0),
-        ("0.13.0", 1.0),
-    ],
-)
-def test_score_buffers_follow_the_installed_jax(monkeypatch, version, buffers):
-    import importlib.metadata
-
-    from shardkit.report import estimator
-
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: version)
-    assert estimator._score_buffers() == buffers
+    assert estimator._bf16_matmul_bytes() == matmul_bytes
+    assert estimator._score_buffers() == score_buffers
 
 
 @pytest.mark.skipif(
