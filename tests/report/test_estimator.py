@@ -1377,6 +1377,10 @@ def test_tsp_rings_hold_a_tied_tables_two_gradients_apart_through_the_layers(
     assert e.total == pytest.approx(report.memory.total, rel=0.10)
 
 
+@pytest.mark.skipif(
+    FIT["bf16_matmul_bytes"] == 4,
+    reason="jax 0.10's XLA:CPU keeps f32 copies of bf16 values and reduces other buffers",
+)
 def test_tensor_parallelism_peaks_where_it_all_reduces_the_mlps_input_gradients(monkeypatch):
     # Llama (separate gate and up projections) at 1,024 × 128, d_ff 384, on tp_sp over 8,
     # full remat, bf16, 16 × 64 tokens: the layers' backward peaks at one all-reduce of
