@@ -14,6 +14,7 @@ from shardkit.cli import main
 from shardkit.data import MarkovSource
 from shardkit.models import CONFIGS
 from shardkit.report.analytic import analytic_model, megatron_activations_per_layer
+from shardkit.report.estimator import _xla_release
 from shardkit.train import token_batch
 from shardkit.workload import Workload
 
@@ -93,7 +94,7 @@ def _saved_activations(model, precision, batch, seq):
 
 #: jax 0.12.1's softmax saves its exponentials alone for the backward, not the masked
 #: scores and their row statistics too: its f32 attention keeps 5 bytes a score, not 9.
-EXPONENTIALS_ALONE = tuple(int(n) for n in jax.__version__.split(".")[:3]) >= (0, 12, 1)
+EXPONENTIALS_ALONE = (_xla_release() or (0,)) >= (0, 12, 1)
 
 
 @pytest.mark.parametrize(

@@ -114,8 +114,8 @@ _SCORE_BUFFERS = _score_buffers()
 #: ``FITTED``, within bounds) on its two training grids (up to 1,024 and from 2,048
 #: tokens a device), minimising the mean absolute log error of the totals: the three
 #: backward fractions, the two backward_width_values, tensor_width_values,
-#: tensor_reduction_fraction, large_rows_width_values, gathered_weight_copies, head_copies, heap_fragmentation
-#: (``--fit NAMES`` fits those named, the others held); two of the rolled pipeline
+#: tensor_reduction_fraction, large_rows_width_values, gathered_weight_copies,
+#: head_copies, heap_fragmentation (``--fit NAMES`` fits those named, the others held); two of the rolled pipeline
 #: engine's (``ROLLED_FITTED``) on its rolled training grid alone, the others held:
 #: rolled_head_overlap, rolled_backward_fraction; rolled_pair_fraction on the rolled
 #: engine's large training grid alone (the others held); and moe_backward_fraction on the
@@ -1043,8 +1043,8 @@ def _chunked_head(
     local tokens against one V/D shard, unchunked; its table is never gathered: its
     logits-sized blocks and table-sized shards are counted as XLA holds them
     (:data:`_RING_HEAD_BUFFERS`), not ``head_copies`` of the other heads'. The rolled
-    pipeline engine's head is one micro-batch's, its tables gathered once a step (counted with the stage's weights), so
-    it holds no layout copy of the weight.
+    pipeline engine's head is one micro-batch's, its tables gathered once a step
+    (counted with the stage's weights), so it holds no layout copy of the weight.
     """
     spec = rules.spec(LOGITS, mesh=sizes)
     chunks = 1
@@ -1137,10 +1137,10 @@ def _rolled_values(
     x = h / t if sp else h
     norms = 4 if dims.norm == "layernorm" else 2
     if remat == "none":
-        # jax 0.12.1's softmax keeps its exponentials alone: one score ring and the mask,
-        # no row statistics (_SCORE_BUFFERS 1)
+        # jax 0.12.1's softmax keeps its exponentials alone (_SCORE_BUFFERS 1): one
+        # score ring and the mask, and no row statistics
         scores = (1.0 if bf16 else _SCORE_BUFFERS + 0.25) * a * seq
-        stats = 2 * a * (_SCORE_BUFFERS - 1)
+        stats = 2 * a if _SCORE_BUFFERS == 2 else 0.0
         res = 8 * x + (4 * q + scores + stats + 6 * f) / t + 2 * norms
     else:
         res = saved_values(dims, remat, seq=seq, t=t, sp=sp)
