@@ -115,9 +115,10 @@ _SCORE_BUFFERS = _score_buffers()
 #: tokens a device), minimising the mean absolute log error of the totals: the three
 #: backward fractions, the two backward_width_values, tensor_width_values,
 #: tensor_reduction_fraction, large_rows_width_values, gathered_weight_copies,
-#: head_copies, heap_fragmentation (``--fit NAMES`` fits those named, the others held); two of the rolled pipeline
-#: engine's (``ROLLED_FITTED``) on its rolled training grid alone, the others held:
-#: rolled_head_overlap, rolled_backward_fraction; rolled_pair_fraction on the rolled
+#: head_copies, heap_fragmentation (``--fit NAMES`` fits those named, the others held);
+#: two of the rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training grid
+#: alone, the others held: rolled_head_overlap, rolled_backward_fraction;
+#: rolled_pair_fraction on the rolled
 #: engine's large training grid alone (the others held); and moe_backward_fraction on the
 #: moe_tiny grid alone. The other five are counted from XLA's buffers (large_rows from
 #: where it stops fusing, bf16_matmul_bytes by the installed jaxlib), and
@@ -159,7 +160,8 @@ FIT: dict[str, float] = {
     "backward_width_values_none": 2.584,
     # Tensor parallelism's further width-h values per token of the whole sequence: the
     # activation reductions' operands and results, the norms' outputs copied for the
-    # split matmuls; under sequence parallelism the all-gathered sequence.
+    # split matmuls; under sequence parallelism the all-gathered sequence (without
+    # remat counted instead: _SP_GATHERED_VALUES).
     "tensor_width_values": 0.729,
     # The share of the backward layer's working set (its recomputation, the scores
     # aside) live at tensor parallelism's reduction of the MLP's input gradient
@@ -311,6 +313,14 @@ _REDUCED_LAYER_COPIES = 2
 #: gate's and the up projection's input gradients, two f32[16,64,128] operands and two
 #: results (the attention's q, k and v are another, of three). GPT's fused up holds two.
 _REDUCED_INPUT_GRADIENT_VALUES = 2
+#: f32 values of tokens × h (the whole sequence) live at once where sequence
+#: parallelism's backward, without remat, all-gathers over the sequence what it saved
+#: or receives as shards: the in-projections' inputs (the two norms' outputs) and the
+#: MLP's output gradient, the three gathers issued together, f32 in bf16 steps too.
+#: Read from the buffers of gpt (1,024 × 128, fused qkv) on tp_sp over 8, 16 × 64
+#: tokens, f32 and bf16: three f32[16,64,128] all-gather results at the layers' peak;
+#: the fitted tensor_width_values (0.73) left that step at 0.83 of compiled.
+_SP_GATHERED_VALUES = 3
 #: Shards of each vocabulary table's gradient live at the head's peak where the head
 #: computes on the stored shard (its logits split over the vocabulary as the table is):
 #: gpt-small (tied) on fsdp over 8, two f32[6288,768]; llama-tiny at vocab 8192 × 64,
@@ -879,6 +889,8 @@ def estimate(
     collective = 0.0
     if t > 1:
         collective = fit["tensor_width_values"] * tokens * dims.d_model * act
+        if sp and remat == "none":  # the saved shards gathered back (_SP_GATHERED_VALUES)
+            collective = _SP_GATHERED_VALUES * tokens * dims.d_model * 4
     layers_terms = {
         "gradients": grads,
         "collective buffers": collective,
