@@ -111,22 +111,21 @@ _SCORE_BUFFERS = _score_buffers()
 
 #: The constants, by name: each multiplies a structural count (1.0: the count itself) by
 #: what XLA keeps live. ``benchmarks/estimator.py --fit`` fits eleven of them (its
-#: ``FITTED``, within bounds) on its two training grids (up to 1,024 and from 2,048
-#: tokens a device), minimising the mean absolute log error of the totals: the three
-#: backward fractions, the two backward_width_values, tensor_width_values,
-#: tensor_reduction_fraction, large_rows_width_values, gathered_weight_copies,
-#: head_copies, heap_fragmentation (``--fit NAMES`` fits those named, the others held);
-#: two of the rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training grid
-#: alone, the others held: rolled_head_overlap, rolled_backward_fraction;
-#: rolled_pair_fraction on the rolled
-#: engine's large training grid alone (the others held); and moe_backward_fraction on the
-#: moe_tiny grid alone. The other five are counted from XLA's buffers (large_rows from
-#: where it stops fusing, bf16_matmul_bytes by the installed jaxlib), and
+#: ``FITTED``, within bounds) on its two training grids (up to 1,024 and from 2,048 tokens
+#: a device), minimising the mean absolute log error of the totals: the three backward
+#: fractions, the two backward_width_values, tensor_width_values,
+#: tensor_reduction_fraction, large_rows_width_values, gathered_weight_copies, head_copies,
+#: heap_fragmentation (``--fit NAMES`` fits those named, the others held); two of the
+#: rolled pipeline engine's (``ROLLED_FITTED``) on its rolled training grid alone, the
+#: others held: rolled_head_overlap, rolled_backward_fraction; rolled_pair_fraction on the
+#: rolled engine's large training grid alone (the others held); and moe_backward_fraction
+#: on the moe_tiny grid alone. The other five are counted from XLA's buffers (large_rows
+#: from where it stops fusing, bf16_matmul_bytes by the installed jaxlib), and
 #: rolled_remat_fraction is held. Since the gathered norms' and TSP's assembled input
 #: gradients' counts (_GATHERED_NORM_VALUES, _TSP_IN_PROJECTION_VALUES),
 #: backward_width_values and backward_layer_fraction are refitted alone (``--fit
-#: backward_width_values,backward_layer_fraction``), the others held: refitting all
-#: ten moved most of them and left the grids no better (90 / 86 / 89 / 92 % within ±10 %
+#: backward_width_values,backward_layer_fraction``), the others held: refitting all ten
+#: moved most of them and left the grids no better (90 / 86 / 89 / 92 % within ±10 %
 #: against 90 / 84 / 89 / 94 %, moe_tiny 75 % against 92 %), the worst point at 1.30.
 #: tensor_reduction_fraction, added with its moment, is fitted alone (``--fit
 #: tensor_reduction_fraction``), the others held.
@@ -887,10 +886,10 @@ def estimate(
     # reductions' operands and results, the norms' outputs copied for the split matmuls
     # (under sequence parallelism the all-gathered sequence).
     collective = 0.0
-    if t > 1:
+    if sp and remat == "none":  # the saved shards gathered back, f32 (_SP_GATHERED_VALUES)
+        collective = _SP_GATHERED_VALUES * tokens * dims.d_model * 4
+    elif t > 1:
         collective = fit["tensor_width_values"] * tokens * dims.d_model * act
-        if sp and remat == "none":  # the saved shards gathered back (_SP_GATHERED_VALUES)
-            collective = _SP_GATHERED_VALUES * tokens * dims.d_model * 4
     layers_terms = {
         "gradients": grads,
         "collective buffers": collective,
