@@ -162,11 +162,12 @@ FIT: dict[str, float] = {
     # split matmuls; under sequence parallelism the all-gathered sequence (without
     # remat counted instead: _SP_GATHERED_VALUES).
     "tensor_width_values": 0.729,
-    # The share of the backward layer's working set (its recomputation, the scores
-    # aside) live at tensor parallelism's reduction of the MLP's input gradient
-    # (_REDUCED_INPUT_GRADIENT_VALUES), where that reduction is the layers' peak. Fitted
-    # alone on the two training grids, the others held.
-    "tensor_reduction_fraction": 0.573,
+    # The share of the backward layer's working set (its recomputation; a recomputed
+    # forward's scores are counted beside it, _REDUCED_SCORE_VALUES) live at tensor
+    # parallelism's reduction of the MLP's input gradient (_REDUCED_INPUT_GRADIENT_VALUES),
+    # where that reduction is the layers' peak. Fitted alone on the two training grids,
+    # the others held (0.573 before _REDUCED_SCORE_VALUES and _GATED_BF16_VALUES).
+    "tensor_reduction_fraction": 0.518,
     # Matmul rows per device (tokens) from which XLA:CPU materialises values it fuses
     # below: the backward's slices of the saved stack, the norms' intermediates
     # (measured on llama tp/8 without remat: 3,584 rows fuse them, 4,096 do not, at
@@ -262,6 +263,16 @@ _TSP_MLP_BACKWARD_VALUES = {"full": 5, "save_dots": 3}
 #: many as full there. jax 0.10's f32 copies hold 4.5 and 3 (dense full, save_dots) and
 #: 4.5 (TSP) f32 values' bytes: not this rule.
 _GELU_BF16_VALUES = 2
+#: The ``d_ff`` values a gated MLP (SwiGLU) in bf16 holds at the layers' peak under
+#: ``full``, where XLA:CPU keeps bf16 matmul outputs in bf16 (jax 0.12; bf16_matmul_bytes
+#: 2), in place of its count (four ``f_in``: eight ``d_ff``): the recomputed gate and up
+#: projections, the gate's sigmoid, the down projection's input gradient and the gate's
+#: or the up projection's input gradient being computed, all bf16; XLA fuses the
+#: activation's other values into them. Counted at the peak of Llama (d_ff 384 and 768)
+#: on fsdp, zero1 and cp, 256 to 8,192 tokens a device: five bf16[tokens, d_ff] where f32
+#: holds eight f32. A pipeline's stage holds more (eight bf16 and three f32 on dp_pp and
+#: zeropp over 8): not this rule.
+_GATED_BF16_VALUES = 5
 #: The width-h values per token fewer that the backward layer holds under remat
 #: ``full`` where fsdp gathers its weights: both norms' recomputed outputs
 #: (x · rsqrt · scale), which XLA:CPU materialises when the scale is the replicated
@@ -320,11 +331,23 @@ _REDUCED_INPUT_GRADIENT_VALUES = 2
 #: tokens, f32 and bf16: three f32[16,64,128] all-gather results at the layers' peak;
 #: the fitted tensor_width_values (0.73) left that step at 0.83 of compiled.
 _SP_GATHERED_VALUES = 3
+#: Score-sized values (tokens × heads ÷ tensor × keys) live where tensor parallelism
+#: all-reduces the MLP's input gradient under remat: the recomputed forward's scores and
+#: softmax, which the attention's backward (after the MLP's) reads. Read from the
+#: buffers of llama (1,024 × 128) on tp_sp over 8, full, bf16: f32[16,64,64] and
+#: f32[16,1,64,64] at that all-reduce, on jax 0.12.0.1 and 0.12.1 alike.
+_REDUCED_SCORE_VALUES = 2
 #: Shards of each vocabulary table's gradient live at the head's peak where the head
 #: computes on the stored shard (its logits split over the vocabulary as the table is):
 #: gpt-small (tied) on fsdp over 8, two f32[6288,768]; llama-tiny at vocab 8192 × 64,
 #: two f32[64,1024] of the head's and two f32[1024,64] of the lookup's zeroed gradient.
 _HEAD_TABLE_SHARDS = 2
+#: The same where the matmul outputs are bf16 (jax 0.12; bf16_matmul_bytes 2): one bf16
+#: shard of each table, the head's gradient accumulator and the lookup's zeroed gradient,
+#: which then stay through the layers' backward. Counted on llama at vocabulary 8,192 ×
+#: 128, bf16: on fsdp over 4 at the head's peak, bf16[128,2048] and bf16[2048,128]; on
+#: fsdp and cp_usp over 8 at the layers' peak, bf16[128,1024] and bf16[1024,128].
+_HEAD_TABLE_SHARDS_BF16 = 1
 #: TSP's vocabulary ring (shardkit.nn.tsp_head) at the head's peak, in its backward, by
 #: the ring's size D: blocks of one step's logits' size (tokens × V/D: the logits and
 #: what the backward computes from them, in two layouts) and table-sized shards (V/D × h:
@@ -759,7 +782,8 @@ def estimate(
     # What the share is of: the attention's q/k/v, its context and that context's
     # transpose, the scores and their softmax. An MoE MLP's values take their own share
     # (moe_backward_fraction); a dense MLP's are counted (_MLP_BACKWARD_VALUES), and a
-    # GELU MLP in bf16 holds full's count and two d_ff more under either policy.
+    # GELU MLP in bf16 holds full's count and two d_ff more under either policy, a gated
+    # one in bf16 under full fewer (_GATED_BF16_VALUES).
     other_values = (3 * q + 2 * k + _SCORE_BUFFERS * dims.n_heads * keys) / t
     mlp = moe_values = 0.0
     if dims.n_experts:
@@ -769,6 +793,8 @@ def estimate(
         gelu_bf16 = bf16 and dot == 2 and not dims.gated_mlp and remat != "none"
         counted = "full" if gelu_bf16 else remat
         mlp = _MLP_BACKWARD_VALUES[counted] * f_in
+        if bf16 and dot == 2 and dims.gated_mlp and remat == "full" and p == 1:
+            mlp = _GATED_BF16_VALUES * dims.d_ff / t
         if tsp_rings and remat in _TSP_MLP_BACKWARD_VALUES:
             mlp = f_in + _TSP_MLP_BACKWARD_VALUES[counted] * dims.d_ff / t
         if gelu_bf16:
@@ -956,12 +982,14 @@ def estimate(
         # only ones then: whole, where the head computes with a gathered copy of its
         # table (its logits split over the tokens); where it computes on the stored
         # shard (the logits split over the vocabulary as the table is: a vocabulary
-        # larger than the tokens), two shards of each table (_HEAD_TABLE_SHARDS).
+        # larger than the tokens), two f32 shards of each table (_HEAD_TABLE_SHARDS),
+        # one in the matmul outputs' bytes where those are bf16.
         head_rest = rest
         head_split, stored_split = head_table_splits(recipe, sizes, rules=head_rules)
         if p == 1 and not tsp_rings and head_split == stored_split > t:
             table = dims.vocab_tables * dims.vocab * dims.d_model * nb
-            head_rest = rest - table / t + _HEAD_TABLE_SHARDS * table / head_split
+            shards = _HEAD_TABLE_SHARDS if dot == 4 else _HEAD_TABLE_SHARDS_BF16 * wb / nb
+            head_rest = rest - table / t + shards * table / head_split
         elif tsp_rings:  # the ring's table shards are the head's (_RING_HEAD_BUFFERS)
             head_rest = rest - dims.vocab_tables * dims.vocab * dims.d_model * nb / t
         phases_terms = _unrolled_terms(layers_terms, head_rest, saved, head, mem.grads)
@@ -987,8 +1015,10 @@ def estimate(
             # gradient (_REDUCED_INPUT_GRADIENT_VALUES per projection, gate and up where
             # separate), beside the gradients, the saved activations, the gathered
             # weights and the share of the backward layer's working set still live then
-            # (tensor_reduction_fraction; the scores are freed). The peak where the
-            # MLP's projections are separate (Llama) or its width is small beside h.
+            # (tensor_reduction_fraction). A recomputed forward's scores stay whole: the
+            # attention's backward, after the MLP's, reads them (llama tp_sp over 8, full,
+            # bf16: both score-sized f32 values live at the all-reduce). The peak where
+            # the MLP's projections are separate (Llama) or its width is small beside h.
             mlp_in = 2 if dims.gated_mlp and dims.in_projections > 2 else 1
             reduced = _REDUCED_INPUT_GRADIENT_VALUES * mlp_in * tokens * dims.d_model * 4
             moment = {
@@ -998,6 +1028,9 @@ def estimate(
                 "collective buffers": reduced,
                 "recomputation": fit["tensor_reduction_fraction"] * (work - scores),
             }
+            if recomputed:  # the recomputed forward's, for the attention's backward
+                score = tokens * dims.n_heads * keys / t * act
+                moment["attention scores"] = _REDUCED_SCORE_VALUES * score
             if sum(moment.values()) > sum(phases_terms["layers"].values()):
                 phases_terms["layers"] = moment
                 notes.append(
