@@ -1015,10 +1015,10 @@ def estimate(
             # gradient (_REDUCED_INPUT_GRADIENT_VALUES per projection, gate and up where
             # separate), beside the gradients, the saved activations, the gathered
             # weights and the share of the backward layer's working set still live then
-            # (tensor_reduction_fraction). A recomputed forward's scores stay whole: the
-            # attention's backward, after the MLP's, reads them (llama tp_sp over 8, full,
-            # bf16: both score-sized f32 values live at the all-reduce). The peak where
-            # the MLP's projections are separate (Llama) or its width is small beside h.
+            # (tensor_reduction_fraction). A recomputed forward's scores and softmax stay
+            # (_REDUCED_SCORE_VALUES): the attention's backward, after the MLP's, reads
+            # them. The peak where the MLP's projections are separate (Llama) or its
+            # width is small beside h.
             mlp_in = 2 if dims.gated_mlp and dims.in_projections > 2 else 1
             reduced = _REDUCED_INPUT_GRADIENT_VALUES * mlp_in * tokens * dims.d_model * 4
             moment = {
