@@ -864,12 +864,18 @@ def estimate(
     # The token lookup's gradient, scattered into a zeroed table that lives through the
     # layers' backward where XLA scatters it whole (_scattered_whole, read without a
     # data or stage axis; with one, and for ZeRO-1's replicated tables, whole); else
-    # into the shard, after the layers, as TSP's rings always do. Tensor parallelism
+    # into the shard, after the layers, as TSP's rings do (a tied table beside a data
+    # axis aside: scattered whole). Tensor parallelism
     # without SP keeps its vocabulary split there (the tokens are whole).
     sp_split = t if sp else 1  # SP splits the lookup's tokens over tensor too
     lookup_split = f * tsp * sp_split
     read = d == p == zero1 == 1
-    if tsp_rings:
+    if tsp_rings and dims.vocab_tables == 1 and not read:
+        # A tied table beside a data (stage, ZeRO-1) axis: the lookup's gradient is
+        # scattered whole into a zeroed table, in the matmul outputs' bytes, the head's
+        # shard added into it (gpt dp_tsp over 8: f32[1024,128], bf16[1024,128] in bf16).
+        table_grads = dims.vocab * dims.d_model * wb
+    elif tsp_rings:
         # The rings' head and lookup each leave the table's gradient as a shard: a tied
         # table holds three table-sized shards where its stored gradient counts one
         # (_TIED_RING_TABLE_SHARDS more); untied, each table its own.

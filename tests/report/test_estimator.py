@@ -1444,6 +1444,25 @@ def test_tsp_rings_hold_a_tied_tables_two_gradients_apart_through_the_layers(
     assert e.total == pytest.approx(report["memory_per_device_bytes"]["total"], rel=0.10)
 
 
+def test_tsp_rings_beside_a_data_axis_scatter_a_tied_tables_gradient_whole(monkeypatch):
+    # GPT (tied table, 1,024 × 128, d_ff 512) on dp_tsp over 8 (data 2 × tsp 4), full,
+    # f32, 16 × 64 tokens: with a data axis the lookup's gradient is scattered into a
+    # whole zeroed table, live at the layers' peak, where without one (tsp over 8) the
+    # rings leave table-sized shards (_TIED_RING_TABLE_SHARDS). The estimate counts the
+    # whole table (0.93 of compiled); with the two shards it was 0.89.
+    model = models.get(
+        "gpt-tiny", remat="full", vocab=1024, d_model=128, n_heads=8, n_kv_heads=8, d_ff=512
+    )
+    plan = sk.Plan("dp_tsp")
+    report, assigned, _ = _compiled(monkeypatch, plan, model, 16)
+    assert report["memory_peak_phase"] == "layers"
+    assert "f32[1024,128]" in [v.shape for v in assigned.live_temps()]
+    e = estimate(plan, model, batch=16, seq=64, remat="full")
+    assert e.phase == "layers"
+    assert "the tables' unreduced 524,288 B" in " ".join(e.notes)  # 1,024 × 128 × 4
+    assert e.total == pytest.approx(report["memory_per_device_bytes"]["total"], rel=0.10)
+
+
 @pytest.mark.skipif(
     FIT["bf16_matmul_bytes"] == 4,
     reason="jax 0.10's XLA:CPU keeps f32 copies of bf16 values and reduces other buffers",
