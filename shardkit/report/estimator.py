@@ -865,8 +865,8 @@ def estimate(
     # layers' backward where XLA scatters it whole (_scattered_whole, read without a
     # data or stage axis; with one, and for ZeRO-1's replicated tables, whole); else
     # into the shard, after the layers, as TSP's rings do (a tied table beside a data
-    # axis aside: scattered whole). Tensor parallelism
-    # without SP keeps its vocabulary split there (the tokens are whole).
+    # axis aside: scattered whole). Tensor parallelism without SP keeps its vocabulary
+    # split there (the tokens are whole).
     sp_split = t if sp else 1  # SP splits the lookup's tokens over tensor too
     lookup_split = f * tsp * sp_split
     read = d == p == zero1 == 1
