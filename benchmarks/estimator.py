@@ -462,9 +462,10 @@ def model_of(p: dict):
 
 
 def pipeline_of(p: dict) -> dict | None:
-    """The pipeline options a point compiles with: the rolled grids' own; the other
-    grids' pipelined recipes the unrolled engine (their points compiled before the
-    rolled engine was the default, and ``--collect`` keeps them comparable)."""
+    """The pipeline options a point compiles with: the rolled grids' own; a point with
+    ``engine="rolled"`` (the held-out grids') the defaults; the other grids' pipelined
+    recipes the unrolled engine (their points compiled before the rolled engine was the
+    default, and ``--collect`` keeps them comparable)."""
     if p.get("pipeline"):
         return p["pipeline"]
     if p.get("engine") == "rolled":

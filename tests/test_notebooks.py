@@ -6,6 +6,7 @@ gpt-tiny. The full-size run is the executed copy under docs/tutorials/, which
 tests/test_docs.py checks is this code, run without an error.
 """
 
+import ast
 import time
 from pathlib import Path
 
@@ -26,11 +27,21 @@ SMOKE = {
 }
 
 
+def _assigned(source: str) -> set[str]:
+    """The names a cell's code assigns."""
+    tree = ast.parse(source)
+    return {
+        n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    }
+
+
 def with_smoke_parameters(nb, stem: str):
     """``nb`` with :data:`SMOKE`'s overrides in a new cell after its ``parameters`` cell."""
     tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", ())]
     assert len(tagged) == (stem in SMOKE), f"{stem}: {len(tagged)} parameters cells"
     if tagged:
+        names = [_assigned(nb.cells[tagged[0]].source), _assigned(SMOKE[stem])]
+        assert names[1] <= names[0], f"{stem}: SMOKE sets {names[1] - names[0]}, not parameters"
         override = nbformat.v4.new_code_cell(SMOKE[stem])
         override.id = "smoke-parameters"
         nb.cells.insert(tagged[0] + 1, override)

@@ -533,7 +533,7 @@ def _uncovered(
     if par.stage > 1 and not options["rolled"]:
         v = int(options["virtual_stages"] or 1) if options["schedule"] == "interleaved" else 1
         per_chunk = dims.layers / (par.stage * v)
-        if per_chunk > 1:
+        if per_chunk > 1 and dims.layers % (par.stage * v) == 0:  # else the engine refuses
             # Its terms are counted on one layer a chunk (the training grids' pipelines);
             # at two a chunk they gave 0.64-0.86 of the compiled total (the held-out
             # grid's 18 pipelined points, d_model 256 on 16 devices, before it moved to
@@ -541,8 +541,7 @@ def _uncovered(
             return (
                 f"the unrolled engine (rolled=False) with {per_chunk:g} layers a stage chunk "
                 "(its terms are counted for one; at two they gave 0.64-0.86 of the compiled "
-                "total); drop rolled=False (--unrolled) for the default engine, or compile "
-                "it: shardkit report"
+                "total); drop rolled=False (--unrolled) for the default engine"
             )
     return None
 
@@ -669,15 +668,6 @@ def estimate(
     nb = 4
     psi = dims.param_count
     workload = workload_of(dims, batch=batch, seq=seq, remat=remat, precision=precision)
-    # The wire as XLA moves it (xla_counts: the tables gathered once, the lookup's table
-    # gathered and its gradient reduced whole) while a step's tokens are at least the
-    # vocabulary; past it (vocab > batch × seq) XLA moves the tokens' rows instead and
-    # ZeRO's counts, the report's analytic wire, hold. Compiled at h 128 on 8 devices:
-    # GPT cp and Llama dp_tp_sp within 3 % at vocab 2,048 over 1,024 tokens and 1,024
-    # over 512 with ZeRO's counts, at 1,024 over 2,048 and 4,096 over 4,096 with XLA's
-    # (ZeRO's there: 0.94 and 0.85 on dp_tp_sp); held_out_vocab's 108 points (8,192 over
-    # 1,024) within ±5 % wherever the report's analytic wire is: 78 of 78, 54 before.
-    xla_counts = dims.vocab <= batch * seq
     try:
         base = analytic_costs(
             recipe,
@@ -693,7 +683,7 @@ def estimate(
             pipeline=pipeline,
             stack_param_bytes=nb * dims.stack_params,
             stack_optimizer_bytes=2 * nb * dims.stack_params,
-            xla_counts=xla_counts,
+            xla_counts=True,
         )
     except ShardingError as e:
         raise ShardingError(
