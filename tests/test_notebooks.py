@@ -40,8 +40,8 @@ def with_smoke_parameters(nb, stem: str):
     tagged = [i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", ())]
     assert len(tagged) == (stem in SMOKE), f"{stem}: {len(tagged)} parameters cells"
     if tagged:
-        names = [_assigned(nb.cells[tagged[0]].source), _assigned(SMOKE[stem])]
-        assert names[1] <= names[0], f"{stem}: SMOKE sets {names[1] - names[0]}, not parameters"
+        extra = _assigned(SMOKE[stem]) - _assigned(nb.cells[tagged[0]].source)
+        assert not extra, f"{stem}: SMOKE sets {extra}, which its parameters cell does not"
         override = nbformat.v4.new_code_cell(SMOKE[stem])
         override.id = "smoke-parameters"
         nb.cells.insert(tagged[0] + 1, override)

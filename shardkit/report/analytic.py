@@ -329,7 +329,7 @@ def analytic_costs(
             if tables_whole and stack_param_bytes
             else None,
         )
-    w, nb = workload, bytes_per_value
+    nb = bytes_per_value
     counted = xla_counts and bool(stack_param_bytes)
     act = activation_bytes(w.precision, nb)
     psi = param_bytes / nb if psi is None else psi

@@ -178,8 +178,8 @@ def build_report(
 def _with_pipeline_estimate(report: Report, plan, model, workload, pipeline) -> Report:
     """A pipelined model's report with the pre-compile estimate of its layout next to
     the compiled memory (the rolled engine, every schedule; the unrolled one at a layer
-    a stage chunk), or the estimator's refusal among the warnings; the rest of the report is as it was (the
-    model's dims are not passed on to its analytic model)."""
+    a stage chunk), or the estimator's refusal among the warnings; the rest of the
+    report is as it was (the model's dims are not passed on to its analytic model)."""
     model_dims = getattr(model, "dims", None)
     if not isinstance(model_dims, ModelDims) or workload is None or not workload.seq:
         return report

@@ -66,7 +66,7 @@ from shardkit.report.phases import (
     head_weight_copy_bytes,
     spec_split,
 )
-from shardkit.report.pipeline_analytic import in_flight
+from shardkit.report.pipeline_analytic import chunks_a_stage, in_flight
 from shardkit.step import PIPELINE_DEFAULTS
 
 __all__ = ["FIT", "Estimate", "against", "estimate", "estimate_or_refusal", "saved_values"]
@@ -530,19 +530,18 @@ def _uncovered(
             f"the zero-bubble schedule {options['schedule']!r} unrolled (rolled=False): the "
             "engine runs it rolled only; drop rolled=False (--unrolled)"
         )
-    if par.stage > 1 and not options["rolled"]:
-        v = int(options["virtual_stages"] or 1) if options["schedule"] == "interleaved" else 1
-        per_chunk = dims.layers / (par.stage * v)
-        if per_chunk > 1 and dims.layers % (par.stage * v) == 0:  # else the engine refuses
-            # Its terms are counted on one layer a chunk (the training grids' pipelines);
-            # at two a chunk they gave 0.64-0.86 of the compiled total (the held-out
-            # grid's 18 pipelined points, d_model 256 on 16 devices, before it moved to
-            # the default engine).
-            return (
-                f"the unrolled engine (rolled=False) with {per_chunk:g} layers a stage chunk "
-                "(its terms are counted for one; at two they gave 0.64-0.86 of the compiled "
-                "total); drop rolled=False (--unrolled) for the default engine"
-            )
+    chunks = par.stage * chunks_a_stage(options)
+    # Layers that do not split into the chunks the engine refuses itself. The unrolled
+    # engine's terms are counted on one layer a chunk (the training grids' pipelines);
+    # at two a chunk they gave 0.64-0.86 of the compiled total (the held-out grid's 18
+    # pipelined points, d_model 256 on 16 devices, before it moved to the default engine).
+    unrolled = par.stage > 1 and not options["rolled"]
+    if unrolled and dims.layers > chunks and dims.layers % chunks == 0:
+        return (
+            f"the unrolled engine (rolled=False) with {dims.layers // chunks} layers a stage "
+            "chunk (its terms are counted for one; at two they gave 0.64-0.86 of the "
+            "compiled total); drop rolled=False (--unrolled) for the default engine"
+        )
     return None
 
 
@@ -747,8 +746,7 @@ def estimate(
     items = 1.0
     if p > 1 and not pipeline.get("rolled", True):  # the rolled engine's: _rolled_terms
         sched = pipeline.get("schedule", "1f1b")
-        v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
-        v = 2 if sched == "zbv" else v
+        v = chunks_a_stage(pipeline)
         items = in_flight(sched, p, m, v) / v
     per_token = saved_values(dims, remat, seq=seq, t=t, sp=sp, bf16=bf16)
     # Ring attention (cp, TSP) keeps the K and V blocks each of the n − 1 steps received
@@ -1290,8 +1288,7 @@ def _rolled_terms(
     """
     p, m, t, f = par.stage, int(pipeline["microbatches"]), par.tensor, par.fsdp
     sched = pipeline.get("schedule", "1f1b")
-    v = int(pipeline.get("virtual_stages") or 1) if sched == "interleaved" else 1
-    v = 2 if sched == "zbv" else v
+    v = chunks_a_stage(pipeline)
     units = 1 if pipeline.get("unit") is None else math.ceil(m / int(pipeline["unit"]))
     ring, dy, w_ring, unrolled = _rolled_slots(sched, p, m, v, units)
     chunk = dims.layers / (p * v)

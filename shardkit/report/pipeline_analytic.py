@@ -63,6 +63,7 @@ from shardkit.report.phases import layer_peak_bytes
 
 __all__ = [
     "PipelineCosts",
+    "chunks_a_stage",
     "in_flight",
     "pipeline_costs",
     "pipeline_model",
@@ -180,6 +181,22 @@ def _crossover_unit(*, seq: int, micro_batch: int, d_model: int, gathers_per_uni
     return math.floor(12 * d_model * gathers_per_unit / (8 * seq * micro_batch)) + 1
 
 
+def chunks_a_stage(pipeline: Mapping[str, Any]) -> int:
+    """The layer chunks a stage runs under a pipeline's options: ``virtual_stages``
+    under interleaved, zbv's two (its V), else one.
+
+    Example:
+      >>> chunks_a_stage({"schedule": "interleaved", "virtual_stages": 3})
+      3
+      >>> chunks_a_stage({"schedule": "zbv"}), chunks_a_stage({})
+      (2, 1)
+    """
+    schedule = pipeline.get("schedule", "1f1b")
+    if schedule == "interleaved":
+        return int(pipeline.get("virtual_stages") or 1)
+    return 2 if schedule == "zbv" else 1
+
+
 def in_flight(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> int:
     """The most work items (micro-batch × chunk of ``L/(p·v)`` layers) a stage holds the
     activations of at once: ``m`` under gpipe, ``min(m, 2p − 1)`` under 1f1b (stage 0).
@@ -272,13 +289,7 @@ def pipeline_model(
         )
     m = int(pipeline["microbatches"])
     schedule = pipeline.get("schedule", "1f1b")
-    v = (
-        int(pipeline.get("virtual_stages") or 1)
-        if schedule == "interleaved"
-        else 2
-        if schedule == "zbv"
-        else 1
-    )
+    v = chunks_a_stage(pipeline)
     unit = pipeline.get("unit")
     nb = bytes_per_value
     # bf16: a unit's weights gathered in the compute dtype, 2 bytes of the stored 4
