@@ -61,7 +61,9 @@ __all__ = [
 ]
 
 
-def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> list[str]:
+def _vocab_head_wire(
+    recipe, mesh, w, act, nb, wire, terms, vocab_tables=2, xla_counts=False
+) -> list[str]:
     """Add the wire of a head that computes in the vocabulary layout over a data or fsdp
     axis (:meth:`Recipe.step_activation_rules`; a tensor axis's is in :func:`~shardkit.report.formulas.hybrid_wire`'s
     TP+SP collectives of the head) to ``wire`` and ``terms``, and return its notes.
@@ -74,7 +76,10 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> l
     ``tokens`` layout on gpt-small and llama-small over fsdp 8: −118.4 / −71.5 MiB of
     all-gathers and of reduce-scatters each, the formula −118.4 / −71.5. With
     ``vocab_tables=1`` (``xla_counts``' reading of a tied table) nothing is taken off:
-    the token lookup still gathers and reduces the table.
+    the token lookup still gathers and reduces the table. Over an fsdp and a context
+    axis at once (fsdp_cp) the states' gradient is all-reduced over each axis instead,
+    and with ``xla_counts`` (the tables among the gradients all-reduced whole) that
+    all-reduce stands in for the table's.
     """
     tokens = w.batch * w.seq
     on_vocab = _vocab_axes(recipe, mesh, w)
@@ -89,26 +94,47 @@ def _vocab_head_wire(recipe, mesh, w, act, nb, wire, terms, vocab_tables=2) -> l
     t_g = recipe.gathered_tokens(mesh, tokens) / math.prod(mesh[a] for a in rest)
     frac = (g - 1) / g
     hidden, stats = t_g * w.d_model * act * frac, 3 * 2 * t_g * 4 * frac
-    weight = w.vocab * w.d_model * nb / recipe.parallelism(mesh).tensor * frac
-    if vocab_tables == 1:  # tied: the token lookup still gathers and reduces the table
-        weight = 0.0
+    table = w.vocab * w.d_model * nb / recipe.parallelism(mesh).tensor
+    # tied: the token lookup still gathers and reduces the table
+    weight = 0.0 if vocab_tables == 1 else table * frac
+    backward, reduced = ("reduce-scatter", hidden), ("reduce-scatter", weight)
+    if len({recipe.axis_role(a) for a in gather}) > 1:
+        # Over axes of two roles (fsdp_cp's fsdp × sequence; not cp_usp's two context
+        # axes, which reduce-scatter it) XLA all-reduces the states' gradient whole over
+        # each axis in turn, in f32, where one axis reduce-scatters it; under
+        # xla_counts that stands in for the table's all-reduce over both (one of
+        # formulas.hybrid_wire's Ψ_rest), a tied table's too. Compiled, Llama and GPT at
+        # h 512 over 64 and 512 devices and at h 128 over fsdp 4 × sequence 2 (tokens
+        # 1,024 on vocabularies of 896, 1,024 and 1,152, 2,048 on 1,024): within 3 %.
+        rings = sum(2 * (mesh[a] - 1) / mesh[a] for a in gather)
+        backward = ("all-reduce", t_g * w.d_model * 4 * rings)
+        if xla_counts:
+            reduced = ("all-reduce", table * rings)
     for kind, term, x in (
         ("all-gather", "logits / loss collectives", hidden),
-        ("reduce-scatter", "activation collectives", hidden),  # the head's line
+        (backward[0], "activation collectives", backward[1]),  # the head's line
         ("all-reduce", "logits / loss collectives", stats),
         ("all-gather", "weight all-gathers", -weight),
-        ("reduce-scatter", "gradient reductions", -weight),
+        (reduced[0], "gradient reductions", -reduced[1]),
     ):
         _add(wire, terms, kind, term, x)
-    weight_note = (
-        "the head's weight is neither gathered nor reduced, −2·V·h·B·(g−1)/g"
-        if weight
-        else "the tied table still gathered and reduced for the lookup"
-    )
+    if reduced[0] == "all-reduce":
+        weight_note = (
+            "the head's weight is not gathered, −V·h·B·(g−1)/g, " if weight else ""
+        ) + "nor all-reduced over each axis, −Σ 2(n−1)/n·V·h·B"
+    elif weight:
+        weight_note = "the head's weight is neither gathered nor reduced, −2·V·h·B·(g−1)/g"
+    else:
+        weight_note = "the tied table still gathered and reduced for the lookup"
     return [
         f"vocab-split head over {'×'.join(gather)} ({g}): hidden states of T_g = {t_g:,.0f} "
-        f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g, + 3 "
-        f"f32 all-reduces of T_g; {weight_note}"
+        + (
+            f"tokens gathered forward, T_g·h·{act}·(g−1)/g, and their f32 gradient "
+            "all-reduced over each axis in turn, Σ 2(n−1)/n·T_g·h·4"
+            if backward[0] == "all-reduce"
+            else f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g"
+        )
+        + f", + 3 f32 all-reduces of T_g; {weight_note}"
     ]
 
 
@@ -390,7 +416,9 @@ def analytic_costs(
     )
     if w.has_dims:
         tied = 1 if counted and tables_whole and vocab_tables == 1 else 2
-        head = _vocab_head_wire(recipe, mesh, w, nb if counted else act, nb, wire, terms, tied)
+        head = _vocab_head_wire(
+            recipe, mesh, w, nb if counted else act, nb, wire, terms, tied, counted
+        )
         if not head and tied == 1 and d * c == 1:
             head = _tied_table_wire(w, nb / t, f, wire, terms)
         if counted and tables_whole:
@@ -496,7 +524,9 @@ def _tsp_costs(
     if par.tsp_kind == "gspmd":  # cp's head in the vocabulary layout (logits="auto")
         tied = 1 if stack_params is not None and vocab_tables == 1 else 2
         act = nb if stack_params is not None else activation_bytes(w.precision, nb)
-        head = _vocab_head_wire(recipe, dict(mesh), w, act, nb, wire, terms, tied)
+        head = _vocab_head_wire(
+            recipe, dict(mesh), w, act, nb, wire, terms, tied, stack_params is not None
+        )
         if not head and tied == 1 and data == 1 and fsdp == 1:
             head = _tied_table_wire(w, nb, d, wire, terms)
         wire_notes += head
