@@ -62,7 +62,7 @@ __all__ = [
 
 
 def _vocab_head_wire(
-    recipe, mesh, w, act, nb, wire, terms, vocab_tables=2, xla_counts=False
+    recipe, mesh, w, act, nb, wire, terms, vocab_tables=2, tables_all_reduced=False
 ) -> list[str]:
     """Add the wire of a head that computes in the vocabulary layout over a data or fsdp
     axis (:meth:`Recipe.step_activation_rules`; a tensor axis's is in :func:`~shardkit.report.formulas.hybrid_wire`'s
@@ -76,10 +76,13 @@ def _vocab_head_wire(
     ``tokens`` layout on gpt-small and llama-small over fsdp 8: −118.4 / −71.5 MiB of
     all-gathers and of reduce-scatters each, the formula −118.4 / −71.5. With
     ``vocab_tables=1`` (``xla_counts``' reading of a tied table) nothing is taken off:
-    the token lookup still gathers and reduces the table. Over an fsdp and a context
-    axis at once (fsdp_cp) the states' gradient is all-reduced over each axis instead,
-    and with ``xla_counts`` (the tables among the gradients all-reduced whole) that
-    all-reduce stands in for the table's.
+    the token lookup still gathers and reduces the table.
+
+    Over fsdp and a context axis at once (``fsdp_cp``) the states' gradient is
+    all-reduced whole over each axis in turn instead, ``Σ 2(n−1)/n·T_g·h·A``. With
+    ``tables_all_reduced`` (XLA's counts with the tables whole:
+    :func:`~shardkit.report.analytic_tsp.tsp_wire_bytes` all-reduces each table's
+    gradient over both axes) that all-reduce stands in for the table's, a tied one's too.
     """
     tokens = w.batch * w.seq
     on_vocab = _vocab_axes(recipe, mesh, w)
@@ -98,17 +101,17 @@ def _vocab_head_wire(
     # tied: the token lookup still gathers and reduces the table
     weight = 0.0 if vocab_tables == 1 else table * frac
     backward, reduced = ("reduce-scatter", hidden), ("reduce-scatter", weight)
-    if len({recipe.axis_role(a) for a in gather}) > 1:
-        # Over axes of two roles (fsdp_cp's fsdp × sequence; not cp_usp's two context
-        # axes, which reduce-scatter it) XLA all-reduces the states' gradient whole over
-        # each axis in turn, in f32, where one axis reduce-scatters it; under
-        # xla_counts that stands in for the table's all-reduce over both (one of
-        # formulas.hybrid_wire's Ψ_rest), a tied table's too. Compiled, Llama and GPT at
-        # h 512 over 64 and 512 devices and at h 128 over fsdp 4 × sequence 2 (tokens
-        # 1,024 on vocabularies of 896, 1,024 and 1,152, 2,048 on 1,024): within 3 %.
+    if {recipe.axis_role(a) for a in gather} == {"fsdp", "tsp"}:
+        # fsdp × sequence (fsdp_cp; not cp_usp's two context axes, which reduce-scatter
+        # it): XLA all-reduces the states' gradient whole over each axis in turn, and
+        # with the tables all-reduced that stands in for the table's all-reduce over
+        # both, a tied table's too. The estimate's total wire against compiled
+        # programs: Llama and GPT at h 512 over 64 and 512 devices, 1.000-1.001; at h
+        # 128 over fsdp 4 × sequence 2 (1,024 tokens on vocabularies of 896, 1,024 and
+        # 1,152, 2,048 on 1,024), 0.994-0.999.
         rings = sum(2 * (mesh[a] - 1) / mesh[a] for a in gather)
-        backward = ("all-reduce", t_g * w.d_model * 4 * rings)
-        if xla_counts:
+        backward = ("all-reduce", t_g * w.d_model * act * rings)
+        if tables_all_reduced:
             reduced = ("all-reduce", table * rings)
     for kind, term, x in (
         ("all-gather", "logits / loss collectives", hidden),
@@ -120,8 +123,10 @@ def _vocab_head_wire(
         _add(wire, terms, kind, term, x)
     if reduced[0] == "all-reduce":
         weight_note = (
-            "the head's weight is not gathered, −V·h·B·(g−1)/g, " if weight else ""
-        ) + "nor all-reduced over each axis, −Σ 2(n−1)/n·V·h·B"
+            "the head's weight is not gathered, −V·h·B·(g−1)/g, nor"
+            if weight
+            else "the tied table still gathered for the lookup; its gradient not"
+        ) + " all-reduced over each axis, −Σ 2(n−1)/n·V·h·B"
     elif weight:
         weight_note = "the head's weight is neither gathered nor reduced, −2·V·h·B·(g−1)/g"
     else:
@@ -129,8 +134,8 @@ def _vocab_head_wire(
     return [
         f"vocab-split head over {'×'.join(gather)} ({g}): hidden states of T_g = {t_g:,.0f} "
         + (
-            f"tokens gathered forward, T_g·h·{act}·(g−1)/g, and their f32 gradient "
-            "all-reduced over each axis in turn, Σ 2(n−1)/n·T_g·h·4"
+            f"tokens gathered forward, T_g·h·{act}·(g−1)/g, and their gradient "
+            f"all-reduced over each axis in turn, Σ 2(n−1)/n·T_g·h·{act}"
             if backward[0] == "all-reduce"
             else f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g"
         )
@@ -276,9 +281,10 @@ def analytic_costs(
         vocabulary; the reductions that replicas all-reduce whole (an untied token
         table under data × fsdp, over all their devices at once, and under data ×
         tensor, over each axis in turn; under fsdp × a context axis every gradient
-        outside the stack, over each axis in turn); bfloat16 values gathered in
-        float32 (XLA:CPU's float normalisation: the vocabulary head's hidden states,
-        ZeroPP's cast weights; a pipeline's only departure). Without
+        outside the stack, over each axis in turn, the tables' but where a head on
+        vocabulary shards all-reduces its states' gradient instead); bfloat16 values
+        gathered in float32 (XLA:CPU's float normalisation: the vocabulary head's
+        hidden states, ZeroPP's cast weights; a pipeline's only departure). Without
         ``stack_param_bytes`` the dense and TSP layouts keep the formulas.
 
     Returns:
@@ -354,6 +360,7 @@ def analytic_costs(
             stack_params=stack_param_bytes / bytes_per_value
             if tables_whole and stack_param_bytes
             else None,
+            xla_counts=xla_counts and bool(stack_param_bytes),
         )
     nb = bytes_per_value
     counted = xla_counts and bool(stack_param_bytes)
@@ -416,9 +423,7 @@ def analytic_costs(
     )
     if w.has_dims:
         tied = 1 if counted and tables_whole and vocab_tables == 1 else 2
-        head = _vocab_head_wire(
-            recipe, mesh, w, nb if counted else act, nb, wire, terms, tied, counted
-        )
+        head = _vocab_head_wire(recipe, mesh, w, nb if counted else act, nb, wire, terms, tied)
         if not head and tied == 1 and d * c == 1:
             head = _tied_table_wire(w, nb / t, f, wire, terms)
         if counted and tables_whole:
@@ -454,8 +459,11 @@ def _tsp_costs(
     in_params,
     vocab_tables=2,
     stack_params=None,
+    xla_counts=False,
 ) -> AnalyticModel:
-    """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``)."""
+    """:func:`analytic_costs` for a recipe with a TSP axis (size ``par.tsp``);
+    ``stack_params`` given: XLA's counts with the tables whole, ``xla_counts`` alone: XLA's
+    counts past a step's tokens (the head's bf16 states moved in f32, as on XLA:CPU)."""
     fsdp = par.fsdp if par.tsp_kind == "gspmd" else 1  # fsdp_cp: ZeRO-3 over fsdp × sequence
     if par.fsdp != fsdp or par.tensor > 1 or par.sequence > 1:
         raise ShardingError(
@@ -523,7 +531,7 @@ def _tsp_costs(
     )
     if par.tsp_kind == "gspmd":  # cp's head in the vocabulary layout (logits="auto")
         tied = 1 if stack_params is not None and vocab_tables == 1 else 2
-        act = nb if stack_params is not None else activation_bytes(w.precision, nb)
+        act = nb if xla_counts else activation_bytes(w.precision, nb)
         head = _vocab_head_wire(
             recipe, dict(mesh), w, act, nb, wire, terms, tied, stack_params is not None
         )

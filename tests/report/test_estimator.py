@@ -1044,16 +1044,17 @@ FSDP_CP, USP = ("fsdp_cp", {"fsdp": 4, "sequence": 2}), ("cp_usp", {"sequence": 
 
 
 @pytest.mark.parametrize(
-    ("model", "vocab", "logits", "layout"),
+    ("model", "vocab", "logits", "layout", "precision"),
     [
-        ("gpt-tiny", 256, "vocab", FSDP_CP),
-        ("llama-tiny", 256, "vocab", FSDP_CP),
-        ("llama-tiny", 1024, "auto", FSDP_CP),
-        ("llama-tiny", 1024, "auto", USP),
+        ("gpt-tiny", 256, "vocab", FSDP_CP, "f32"),
+        ("llama-tiny", 256, "vocab", FSDP_CP, "f32"),
+        ("llama-tiny", 1024, "auto", FSDP_CP, "f32"),
+        ("llama-tiny", 1024, "auto", FSDP_CP, "bf16"),
+        ("llama-tiny", 1024, "auto", USP, "f32"),
     ],
 )
 def test_a_head_split_over_fsdp_and_sequence_all_reduces_its_states_gradient(
-    model, vocab, logits, layout
+    model, vocab, logits, layout, precision
 ):
     # fsdp_cp's vocabulary-split head over fsdp 4 × sequence 2: XLA all-reduces the 512
     # gathered tokens' f32 gradient over each axis in turn (not a reduce-scatter, as one
@@ -1062,17 +1063,22 @@ def test_a_head_split_over_fsdp_and_sequence_all_reduces_its_states_gradient(
     # cp_usp's two context axes do reduce-scatter it. Counted as a reduce-scatter under
     # fsdp_cp: all-reduces at 0.71, 0.69 and 0.03 of the compiled ones (totals 0.97,
     # 0.95, 0.90; the report's analytic totals 0.88, 0.90, 0.90); cp_usp counted as
-    # fsdp_cp: 1.09; the tied table's all-reduce kept: 1.08.
+    # fsdp_cp: 1.09; the tied table's all-reduce kept: 1.08; bf16 states counted in 2
+    # bytes (the report's reading): 0.89, all-reduces 0.53.
     recipe, mesh = layout
-    plan = sk.Plan(recipes.get(recipe).with_logits(logits), mesh=sk.make_mesh(mesh))
+    plan = sk.Plan(
+        recipes.get(recipe).with_logits(logits), mesh=sk.make_mesh(mesh), precision=precision
+    )
     m = models.get(model, remat="full", vocab=vocab)
     report = sk.report.build_report(plan, model=m, batch=8, seq=64).to_json()
     compiled = report["wire_bytes_by_kind"]
     e = estimate(plan, m, batch=8, seq=64).wire_bytes_by_kind
     assert sum(e.values()) / sum(compiled.values()) == pytest.approx(1, abs=0.03)
-    # the report's analytic wire (ZeRO's counts for the weights) counts the head so too
+    # the report's analytic wire (ZeRO's counts for the weights) counts the head so too,
+    # its bf16 states in 2 bytes where XLA:CPU moves 4 (0.89 in bf16)
     analytic = report["analytic_wire_bytes_by_kind"]
-    assert sum(analytic.values()) / sum(compiled.values()) == pytest.approx(1, abs=0.03)
+    if precision == "f32":
+        assert sum(analytic.values()) / sum(compiled.values()) == pytest.approx(1, abs=0.03)
     if recipe == "fsdp_cp":  # cp_usp all-reduces only the loss's statistics
         assert e["all-reduce"] / compiled["all-reduce"] == pytest.approx(1, abs=0.05)
 
