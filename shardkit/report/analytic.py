@@ -101,6 +101,12 @@ def _vocab_head_wire(
     # tied: the token lookup still gathers and reduces the table
     weight = 0.0 if vocab_tables == 1 else table * frac
     backward, reduced = ("reduce-scatter", hidden), ("reduce-scatter", weight)
+    states = f"gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g"
+    weight_note = (
+        "the head's weight is neither gathered nor reduced, −2·V·h·B·(g−1)/g"
+        if weight
+        else "the tied table still gathered and reduced for the lookup"
+    )
     if {recipe.axis_role(a) for a in gather} == {"fsdp", "tsp"}:
         # fsdp × sequence (fsdp_cp; not cp_usp's two context axes, which reduce-scatter
         # it): XLA all-reduces the states' gradient whole over each axis in turn, and
@@ -111,8 +117,17 @@ def _vocab_head_wire(
         # 1,152, 2,048 on 1,024), 0.994-0.999.
         rings = sum(2 * (mesh[a] - 1) / mesh[a] for a in gather)
         backward = ("all-reduce", t_g * w.d_model * act * rings)
+        states = (
+            f"gathered forward, T_g·h·{act}·(g−1)/g, and their gradient all-reduced over "
+            f"each axis in turn, Σ 2(n−1)/n·T_g·h·{act}"
+        )
         if tables_all_reduced:
             reduced = ("all-reduce", table * rings)
+            weight_note = (
+                "the head's weight is not gathered, −V·h·B·(g−1)/g, nor"
+                if weight
+                else "the tied table still gathered for the lookup; its gradient not"
+            ) + " all-reduced over each axis, −Σ 2(n−1)/n·V·h·B"
     for kind, term, x in (
         ("all-gather", "logits / loss collectives", hidden),
         (backward[0], "activation collectives", backward[1]),  # the head's line
@@ -121,25 +136,9 @@ def _vocab_head_wire(
         (reduced[0], "gradient reductions", -reduced[1]),
     ):
         _add(wire, terms, kind, term, x)
-    if reduced[0] == "all-reduce":
-        weight_note = (
-            "the head's weight is not gathered, −V·h·B·(g−1)/g, nor"
-            if weight
-            else "the tied table still gathered for the lookup; its gradient not"
-        ) + " all-reduced over each axis, −Σ 2(n−1)/n·V·h·B"
-    elif weight:
-        weight_note = "the head's weight is neither gathered nor reduced, −2·V·h·B·(g−1)/g"
-    else:
-        weight_note = "the tied table still gathered and reduced for the lookup"
     return [
         f"vocab-split head over {'×'.join(gather)} ({g}): hidden states of T_g = {t_g:,.0f} "
-        + (
-            f"tokens gathered forward, T_g·h·{act}·(g−1)/g, and their gradient "
-            f"all-reduced over each axis in turn, Σ 2(n−1)/n·T_g·h·{act}"
-            if backward[0] == "all-reduce"
-            else f"tokens gathered forward and reduce-scattered backward, 2·T_g·h·{act}·(g−1)/g"
-        )
-        + f", + 3 f32 all-reduces of T_g; {weight_note}"
+        f"tokens {states}, + 3 f32 all-reduces of T_g; {weight_note}"
     ]
 
 
@@ -309,6 +308,7 @@ def analytic_costs(
     # on dp_tp_sp).
     w = workload
     tables_whole = xla_counts and not (w.has_dims and w.vocab > w.batch * (w.seq or 0))
+    counted = xla_counts and bool(stack_param_bytes)
     # TP+SP's head on vocabulary shards (else in the tokens' layout)
     split_head = (
         not workload.has_dims
@@ -360,10 +360,9 @@ def analytic_costs(
             stack_params=stack_param_bytes / bytes_per_value
             if tables_whole and stack_param_bytes
             else None,
-            xla_counts=xla_counts and bool(stack_param_bytes),
+            xla_counts=counted,
         )
     nb = bytes_per_value
-    counted = xla_counts and bool(stack_param_bytes)
     act = activation_bytes(w.precision, nb)
     psi = param_bytes / nb if psi is None else psi
     opt_degree = t * f * (d if par.data_kind == "zero1" else 1)
