@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
+import jax.extend.core as jax_core
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -279,8 +280,10 @@ class Plan:
         return self._abstract_init(init_fn, args)
 
     def _abstract_init(self, init_fn: Callable[..., Any], args: tuple) -> AbstractState:
+        # One trace serves both: its jaxpr is what plan.init compiles, so a model's init
+        # (Flax's Python) is traced once, not again under jit.
         with nnx.use_eager_sharding(False):
-            annotated = jax.eval_shape(init_fn, *args)
+            traced, annotated = jax.make_jaxpr(init_fn, return_shape=True)(*args)
         leaves = self.leaves(annotated)
         self._warn_if_replicated(leaves)
         flat, treedef = jax.tree.flatten(unbox(annotated))
@@ -291,7 +294,7 @@ class Plan:
                 for x, p in zip(flat, leaves, strict=True)
             ],
         )
-        return AbstractState(tree, tuple(leaves), self.mesh, init_fn, args)
+        return AbstractState(tree, tuple(leaves), self.mesh, init_fn, args, traced)
 
     def init(self, init_fn: Callable[..., Any] | AbstractState, *args: Any) -> Any:
         """Run ``init_fn(*args)`` with its outputs born sharded; returns plain arrays.
@@ -316,18 +319,16 @@ class Plan:
                 "plan.abstract_init, so it has no init function.\nFix: plan.init(init_fn, key)."
             )
         shardings = jax.tree.leaves(abstract.shardings)
-        # Flat leaves in and out: NNX objects carry static fields (an optimizer's
-        # ``tx``) that need not compare equal between two calls of ``init_fn``.
-        structure = []
-
-        def flat_init(*a):
-            leaves, treedef = jax.tree.flatten(unbox(abstract.init_fn(*a)))
-            structure.append(treedef)
-            return leaves
-
-        with nnx.use_eager_sharding(False), jax.set_mesh(self.mesh):
-            leaves = jax.jit(flat_init, out_shardings=shardings)(*abstract.args)
-        return jax.tree.unflatten(structure[-1], leaves)
+        traced = abstract.traced
+        if traced is None:  # an AbstractState built by hand, not by abstract_init
+            with nnx.use_eager_sharding(False):
+                traced = jax.make_jaxpr(abstract.init_fn)(*abstract.args)
+        run = jax_core.jaxpr_as_fun(traced)
+        with jax.set_mesh(self.mesh):
+            leaves = jax.jit(lambda *a: run(*jax.tree.leaves(a)), out_shardings=shardings)(
+                *abstract.args
+            )
+        return jax.tree.unflatten(jax.tree.structure(abstract.tree), leaves)
 
     def _own(self, abstract: AbstractState) -> AbstractState:
         """``abstract`` if it was planned on this plan's mesh, else a clear error."""

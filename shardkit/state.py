@@ -87,6 +87,8 @@ class AbstractState:
       mesh: the mesh the shardings live on.
       init_fn, args: how the state is made; ``plan.init(abstract)`` runs
         ``init_fn(*args)`` with its outputs born in these shardings.
+      traced: ``init_fn``'s jaxpr from the trace that gave the shapes; what
+        ``plan.init`` compiles (Flax's Python runs once).
     """
 
     tree: Any
@@ -94,6 +96,7 @@ class AbstractState:
     mesh: Mesh
     init_fn: Callable[..., Any] | None = None
     args: tuple[Any, ...] = ()
+    traced: Any = dataclasses.field(default=None, repr=False)
 
     @property
     def shardings(self) -> Any:

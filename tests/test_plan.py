@@ -1,3 +1,5 @@
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -71,6 +73,28 @@ def test_init_compiles_without_a_full_copy():
     mem = lowered.compile().memory_analysis()
     full = sum(x.size * 4 for x in jax.tree.leaves(sk.unbox(abstract)))
     assert mem.output_size_in_bytes <= full / 8 + 1024
+
+
+def test_init_runs_the_init_functions_python_once():
+    # abstract_init's trace is the program plan.init compiles: a model's init (Flax's
+    # Python; seconds for a large model) runs once, not again under jit, and the state
+    # holds init_fn's own values, as one device computes them.
+    calls = []
+
+    def counted(rng):
+        calls.append(rng)
+        return init(rng)
+
+    plan = sk.Plan("fsdp")
+    state = plan.init(counted, jax.random.key(0))
+    assert len(calls) == 1
+    want = jax.jit(lambda r: sk.unbox(init(r)))(jax.random.key(0))
+    for got, ref in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    # An AbstractState put together without that trace is traced when it is created.
+    untraced = dataclasses.replace(plan.abstract_init(init, jax.random.key(0)), traced=None)
+    for got, ref in zip(jax.tree.leaves(plan.init(untraced)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
 @pytest.mark.parametrize("recipe", ["dp", "fsdp", "zero1"])
