@@ -55,7 +55,7 @@ from shardkit.recipes import get as get_recipe
 from shardkit.recipes import names as recipe_names
 from shardkit.recipes.tsp_layout import check_layout
 from shardkit.rules import Rules
-from shardkit.state import AbstractState, PlannedLeaf
+from shardkit.state import AbstractState, PlannedLeaf, TracedInit
 from shardkit.workload import Workload
 
 __all__ = ["Plan", "PlannedLeaf", "PlannedStep", "BATCH_AXES"]
@@ -66,6 +66,11 @@ BATCH_AXES = ("batch", "length")
 #: ``plan.init`` warns when a recipe meant to shard parameters (or optimizer state)
 #: leaves more than this share of their bytes whole on every device.
 _REPLICATED_WARN_SHARE = 0.5
+
+#: ``plan.abstract_init`` keeps its trace for ``plan.init`` unless the trace holds more
+#: than this many bytes of constants (arrays ``init_fn`` loads or closes over: pretrained
+#: weights), which the ``AbstractState`` would keep alive; then ``plan.init`` traces again.
+KEPT_INIT_CONSTANT_BYTES = 64 * 2**20
 
 
 class Plan:
@@ -283,7 +288,9 @@ class Plan:
         # One trace serves both: its jaxpr is what plan.init compiles, so a model's init
         # (Flax's Python) is traced once, not again under jit.
         with nnx.use_eager_sharding(False):
-            traced, annotated = jax.make_jaxpr(init_fn, return_shape=True)(*args)
+            jaxpr, annotated = jax.make_jaxpr(init_fn, return_shape=True)(*args)
+        held = sum(getattr(c, "nbytes", 0) for c in jaxpr.consts)  # arrays init_fn loads
+        traced = TracedInit(init_fn, args, jaxpr) if held <= KEPT_INIT_CONSTANT_BYTES else None
         leaves = self.leaves(annotated)
         self._warn_if_replicated(leaves)
         flat, treedef = jax.tree.flatten(unbox(annotated))
@@ -300,10 +307,11 @@ class Plan:
         """Run ``init_fn(*args)`` with its outputs born sharded; returns plain arrays.
 
         ``init_fn`` returns params (boxed linen params or an NNX ``State``) and
-        optionally optimizer state built from them, in any container. It runs
-        under ``jit`` with ``out_shardings``, so no device ever holds the
-        whole unsharded state. ``plan.init(abstract)`` creates the state an
-        ``AbstractState`` describes, in its shardings.
+        optionally optimizer state built from them, in any container. Its traced
+        program (one trace: the one that plans the state) runs under ``jit`` with
+        ``out_shardings``, so no device ever holds the whole unsharded state.
+        ``plan.init(abstract)`` creates the state an ``AbstractState`` describes, in
+        its shardings, from the program ``plan.abstract_init`` traced.
         """
         abstract = self._own(init_fn) if isinstance(init_fn, AbstractState) else None
         if abstract is None:
@@ -320,10 +328,12 @@ class Plan:
             )
         shardings = jax.tree.leaves(abstract.shardings)
         traced = abstract.traced
-        if traced is None:  # an AbstractState built by hand, not by abstract_init
+        if traced is not None and traced.of(abstract.init_fn, abstract.args):
+            jaxpr = traced.jaxpr
+        else:  # built by hand, its init replaced, or its trace held large constants
             with nnx.use_eager_sharding(False):
-                traced = jax.make_jaxpr(abstract.init_fn)(*abstract.args)
-        run = jax_core.jaxpr_as_fun(traced)
+                jaxpr = jax.make_jaxpr(abstract.init_fn)(*abstract.args)
+        run = jax_core.jaxpr_as_fun(jaxpr)
         with jax.set_mesh(self.mesh):
             leaves = jax.jit(lambda *a: run(*jax.tree.leaves(a)), out_shardings=shardings)(
                 *abstract.args

@@ -36,7 +36,7 @@ from shardkit.annotate.logical_axes_type import LogicalAxes
 from shardkit.dtypes import itemsize
 from shardkit.errors import ShardingError
 
-__all__ = ["AbstractState", "PlannedLeaf"]
+__all__ = ["AbstractState", "PlannedLeaf", "TracedInit"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +77,20 @@ class PlannedLeaf:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class TracedInit:
+    """``init_fn(*args)`` traced once: its jaxpr (a ``jax.extend.core.ClosedJaxpr``)
+    and what it was traced from. It holds the context of that trace (precision, x64)."""
+
+    init_fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    jaxpr: Any
+
+    def of(self, init_fn: Callable[..., Any] | None, args: tuple[Any, ...]) -> bool:
+        """Whether this is the trace of ``init_fn`` on ``args`` (the same objects)."""
+        return self.init_fn is init_fn and self.args is args
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class AbstractState:
     """Shapes, dtypes, logical axes and shardings of every leaf of a state.
 
@@ -85,10 +99,13 @@ class AbstractState:
         ``NamedSharding`` (``jax.jit`` lowering and orbax restore take it as is).
       leaves: one :class:`PlannedLeaf` per leaf of ``tree``, in flattening order.
       mesh: the mesh the shardings live on.
-      init_fn, args: how the state is made; ``plan.init(abstract)`` runs
+      init_fn, args: how the state is made; ``plan.init(abstract)`` computes
         ``init_fn(*args)`` with its outputs born in these shardings.
-      traced: ``init_fn``'s jaxpr from the trace that gave the shapes; what
-        ``plan.init`` compiles (Flax's Python runs once).
+      traced: the program of the trace that gave the shapes (``shardkit.state.TracedInit``),
+        which ``plan.init`` compiles instead of tracing ``init_fn`` again; ``None``
+        where that program holds large constants, which would stay alive with it.
+        A copy with another ``init_fn`` or ``args`` (``dataclasses.replace``) is
+        traced again.
     """
 
     tree: Any
@@ -96,7 +113,7 @@ class AbstractState:
     mesh: Mesh
     init_fn: Callable[..., Any] | None = None
     args: tuple[Any, ...] = ()
-    traced: Any = dataclasses.field(default=None, repr=False)
+    traced: TracedInit | None = dataclasses.field(default=None, repr=False)
 
     @property
     def shardings(self) -> Any:

@@ -91,10 +91,39 @@ def test_init_runs_the_init_functions_python_once():
     want = jax.jit(lambda r: sk.unbox(init(r)))(jax.random.key(0))
     for got, ref in zip(jax.tree.leaves(state), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    # An AbstractState put together without that trace is traced when it is created.
-    untraced = dataclasses.replace(plan.abstract_init(init, jax.random.key(0)), traced=None)
+    # Without that trace (put together by hand) plan.init traces init_fn itself.
+    abstract = plan.abstract_init(init, jax.random.key(0))
+    untraced = dataclasses.replace(abstract, traced=None)
     for got, ref in zip(jax.tree.leaves(plan.init(untraced)), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    # A copy with another init function runs that function, not the kept trace.
+    other = lambda rng: init(jax.random.fold_in(rng, 1))  # noqa: E731
+    replaced = plan.init(dataclasses.replace(abstract, init_fn=other))
+    want_other = jax.jit(lambda r: sk.unbox(other(r)))(jax.random.key(0))
+    kernel = lambda s: np.asarray(s[0]["Dense_0"]["kernel"])  # noqa: E731
+    np.testing.assert_array_equal(kernel(replaced), kernel(want_other))
+    assert not np.array_equal(kernel(replaced), kernel(want))
+
+
+def test_an_init_holding_large_constants_is_traced_again_not_kept(monkeypatch):
+    # Arrays an init loads become constants of its trace; past KEPT_INIT_CONSTANT_BYTES
+    # the AbstractState does not keep them alive, and plan.init traces init_fn again.
+    import shardkit.plan
+
+    table = np.arange(16 * 32, dtype=np.float32).reshape(16, 32)
+
+    def loading(rng):
+        params, opt_state = init(rng)
+        params["Dense_0"]["kernel"] = params["Dense_0"]["kernel"].replace_boxed(table)
+        return params, opt_state
+
+    plan = sk.Plan("fsdp")
+    assert plan.abstract_init(loading, jax.random.key(0)).traced is not None
+    monkeypatch.setattr(shardkit.plan, "KEPT_INIT_CONSTANT_BYTES", table.nbytes - 1)
+    abstract = plan.abstract_init(loading, jax.random.key(0))
+    assert abstract.traced is None
+    params, _ = plan.init(abstract)
+    np.testing.assert_array_equal(np.asarray(params["Dense_0"]["kernel"]), table)
 
 
 @pytest.mark.parametrize("recipe", ["dp", "fsdp", "zero1"])
