@@ -73,6 +73,13 @@ _REPLICATED_WARN_SHARE = 0.5
 KEPT_INIT_CONSTANT_BYTES = 64 * 2**20
 
 
+def _trace_init(init_fn: Callable[..., Any], args: tuple) -> tuple[Any, Any]:
+    """``init_fn(*args)`` traced without eager NNX sharding: its jaxpr, and its output
+    (boxes and all) as ``jax.ShapeDtypeStruct`` leaves."""
+    with nnx.use_eager_sharding(False):
+        return jax.make_jaxpr(init_fn, return_shape=True)(*args)
+
+
 class Plan:
     """A recipe (or bare rules) on a mesh.
 
@@ -287,8 +294,7 @@ class Plan:
     def _abstract_init(self, init_fn: Callable[..., Any], args: tuple) -> AbstractState:
         # One trace serves both: its jaxpr is what plan.init compiles, so a model's init
         # (Flax's Python) is traced once, not again under jit.
-        with nnx.use_eager_sharding(False):
-            jaxpr, annotated = jax.make_jaxpr(init_fn, return_shape=True)(*args)
+        jaxpr, annotated = _trace_init(init_fn, args)
         held = sum(getattr(c, "nbytes", 0) for c in jaxpr.consts)  # arrays init_fn loads
         traced = TracedInit(init_fn, args, jaxpr) if held <= KEPT_INIT_CONSTANT_BYTES else None
         leaves = self.leaves(annotated)
@@ -331,8 +337,7 @@ class Plan:
         if traced is not None and traced.of(abstract.init_fn, abstract.args):
             jaxpr = traced.jaxpr
         else:  # built by hand, its init replaced, or its trace held large constants
-            with nnx.use_eager_sharding(False):
-                jaxpr = jax.make_jaxpr(abstract.init_fn)(*abstract.args)
+            jaxpr, _ = _trace_init(abstract.init_fn, abstract.args)
         run = jax_core.jaxpr_as_fun(jaxpr)
         with jax.set_mesh(self.mesh):
             leaves = jax.jit(lambda *a: run(*jax.tree.leaves(a)), out_shardings=shardings)(
