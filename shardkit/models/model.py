@@ -27,6 +27,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.extend.core as jax_core
 import jax.numpy as jnp
 from flax import nnx
 
@@ -47,6 +48,47 @@ from shardkit.nn.stack import linen_layer
 from shardkit.protocol import Stages
 
 __all__ = ["Model", "get", "names"]
+
+
+def _neutral_trace_context() -> bool:
+    """Whether code runs outside every plan and mesh: no shardkit context entered, no
+    mesh set (``plan.abstract_init`` traces a model's init there)."""
+    return context.current() == context.ShardingContext() and (
+        jax.sharding.get_abstract_mesh().empty
+    )
+
+
+def _key_type(rng: jax.Array) -> tuple[tuple[int, ...], Any]:
+    """The shape and dtype of a PRNG key (a typed key's dtype names its implementation)."""
+    return tuple(rng.shape), rng.dtype
+
+
+def _trace_flags() -> tuple[Any, ...]:
+    """The JAX settings a traced init depends on."""
+    return (
+        jax.config.jax_enable_x64,
+        jax.config.jax_default_prng_impl,
+        jax.config.jax_threefry_partitionable,
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _linen_init_program(cls: type, model: Model, key_type: tuple, flags: tuple) -> tuple[Any, Any]:
+    """A linen model's init traced once: its jaxpr and its output's tree (boxes and all).
+
+    Flax runs the whole forward pass to create linen parameters (about 0.2 s for a
+    scanned GPT of any size). ``plan.abstract_init`` traces an init for every report,
+    plan and planner candidate; replaying this jaxpr costs a few milliseconds instead.
+    Only traced outside plans and meshes (:func:`_neutral_trace_context`), so nothing a
+    plan sets can differ between the trace and its replays; ``flags``
+    (:func:`_trace_flags`) are part of the key.
+    """
+    del cls, flags  # part of the cache key only (models equal by name and config)
+    shape, dtype = key_type
+    program, shapes = jax.make_jaxpr(model._linen_init, return_shape=True)(
+        jax.ShapeDtypeStruct(shape, dtype)
+    )
+    return program, jax.tree.structure(shapes)
 
 
 class Model:
@@ -147,14 +189,22 @@ class Model:
           (None, 'embed')
         """
         if self.config.family == "gpt":
-            # linen creates parameters by running the model on a dummy batch; its
-            # activations (batch 1, length 1) are not to be constrained by any active rules.
-            with activation_rules(None):
-                return self.module.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+            if _neutral_trace_context():  # outside any plan: replay the model's one trace
+                program, out_tree = _linen_init_program(
+                    type(self), self, _key_type(rng), _trace_flags()
+                )
+                return jax.tree.unflatten(out_tree, jax_core.jaxpr_as_fun(program)(rng))
+            return self._linen_init(rng)
         cls = _nnx_class(self.config)
         with nnx.use_eager_sharding(False):
             module = cls(self.config, rngs=nnx.Rngs(params=rng))
         return nnx.state(module, nnx.Param)
+
+    def _linen_init(self, rng: jax.Array) -> Any:
+        # linen creates parameters by running the model on a dummy batch; its activations
+        # (batch 1, length 1) are not to be constrained by any active rules.
+        with activation_rules(None):
+            return self.module.init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
     def apply(
         self, params: Any, tokens: jax.Array, *, segments: Segments | None = None

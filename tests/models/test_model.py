@@ -178,3 +178,45 @@ def test_get_and_names():
         models.get("gpt-tiny", remat="some")
     with pytest.raises(sk.ShardingError, match="n_kv_heads"):
         models.get("gpt-tiny", n_kv_heads=4)
+
+
+def test_a_linen_init_is_traced_once_and_replayed_outside_plans(monkeypatch):
+    # Outside any plan, GPT's init (Flax runs the whole forward to make the parameters) is
+    # traced once per model config and key type and replayed: the same values and boxes
+    # as tracing it, Flax's Python run once for two models equal by config.
+    from shardkit.models import model as model_module
+
+    model_module._linen_init_program.cache_clear()
+    calls = []
+    traced = model_module.Model._linen_init
+    monkeypatch.setattr(
+        model_module.Model, "_linen_init", lambda self, rng: calls.append(1) or traced(self, rng)
+    )
+    key = jax.random.key(7)
+    a, b = models.get("gpt-tiny", n_layers=1), models.get("gpt-tiny", n_layers=1)
+    first = jax.eval_shape(a.init, key)
+    replayed = jax.jit(b.init)(key)
+    assert len(calls) == 1
+    direct = jax.jit(functools.partial(traced, a))(key)  # Flax's own init, traced anew
+    assert jax.tree.structure(replayed) == jax.tree.structure(direct)
+    assert jax.tree.structure(first) == jax.tree.structure(direct)
+    for x, y in zip(jax.tree.leaves(replayed), jax.tree.leaves(direct), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert sk.logical_axes(replayed) == sk.logical_axes(direct)
+
+    # Another key type and another JAX setting are other traces.
+    jax.eval_shape(a.init, jax.random.PRNGKey(0))
+    assert len(calls) == 2
+    with jax.enable_x64(True):
+        jax.eval_shape(a.init, key)
+    assert len(calls) == 3
+
+    # Under a plan's context or a mesh, the init is traced there, never replayed.
+    with sk.context.using(precision="bf16"):
+        jax.eval_shape(a.init, key)
+    assert len(calls) == 4
+    with jax.set_mesh(jax.make_mesh((8,), ("data",))):
+        jax.eval_shape(a.init, key)
+    assert len(calls) == 5
+    jax.eval_shape(a.init, key)
+    assert len(calls) == 5  # and outside again, the program traced first
