@@ -173,7 +173,8 @@ FIT: dict[str, float] = {
     # (measured on llama tp/8 without remat: 3,584 rows fuse them, 4,096 do not, at
     # any width). Counted, not fitted.
     "large_rows": 4096.0,
-    # Width-h values per token (h whole) the backward layer holds from large_rows rows.
+    # Width-h values per token (h whole) the backward layer holds from large_rows rows
+    # (f32; under sequence parallelism the gathered matmul inputs, in the matmul's bytes).
     "large_rows_width_values": 2.881,
     # The share of one layer's gradient whole at the peak where fsdp (or TSP's gathers)
     # reduce-scatters it: XLA scatters each weight's gradient as soon as it is computed
@@ -826,7 +827,12 @@ def estimate(
     work = tokens * (att * (frac * other_values + moe) + width + dot * mlp)
     large = ""
     if tokens >= fit["large_rows"]:  # XLA:CPU materialises what it fuses at fewer rows
-        work += fit["large_rows_width_values"] * tokens * dims.d_model * act
+        # Under sequence parallelism the width-h values of the whole sequence are the
+        # gathered matmul inputs (and their transposes), in the matmul's bytes: gpt's
+        # tp_sp over 8 in bf16 at 32,768 tokens holds three bf16[32768,128]; elsewhere
+        # the layer's own values, f32 (dp: f32[64,64,128]).
+        large_bytes = dot if sp and t > 1 else act
+        work += fit["large_rows_width_values"] * tokens * dims.d_model * large_bytes
         large = f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
     if recomputed:  # the K/V blocks' (and without remat their gradients') ring
         work += tokens * ring_values * dot

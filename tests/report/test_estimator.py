@@ -184,6 +184,32 @@ def test_the_backward_layer_by_remat_and_tensor_parallelism(tiny, remat, fractio
     assert tp_sp.terms["collective buffers"] == gathered
 
 
+@pytest.mark.parametrize(
+    ("recipe", "mesh", "tokens"), [("tp_sp", {"tensor": 8}, 32768), ("dp", {"data": 8}, 4096)]
+)
+def test_past_large_rows_sequence_parallelism_holds_gathered_inputs_in_the_matmuls_bytes(
+    recipe, mesh, tokens
+):
+    # The training grid's GPT (d_model 128) at batch 512 × 64, bf16, full remat: past
+    # large_rows the backward layer holds large_rows_width_values whole width-h values a
+    # token more. Counted in the compiled buffers (jax 0.12): under tp_sp over 8 they are
+    # the gathered matmul inputs and a transpose, three bf16[32768,128], 2 B a value; under
+    # dp the layer's own values, f32[64,64,128], 4 B. (jax 0.10 keeps f32 matmul outputs.)
+    dims = dataclasses.replace(
+        CONFIGS["gpt-tiny"], vocab=1024, d_model=128, n_heads=8, n_kv_heads=8, d_ff=512
+    ).dims()
+
+    def layer(large_rows_width_values):
+        fit = {**FIT, "large_rows_width_values": large_rows_width_values}
+        kw = dict(batch=512, seq=64, remat="full", precision="bf16", fit=fit)
+        return estimate(recipe, dims, mesh=mesh, **kw).terms["recomputation"]
+
+    value_bytes = 2 if recipe == "tp_sp" and FIT["bf16_matmul_bytes"] == 2 else 4
+    want = FIT["large_rows_width_values"] * tokens * 128 * value_bytes
+    values = FIT["large_rows_width_values"]  # (at 0 another moment of the layers peaks)
+    assert layer(2 * values) - layer(values) == pytest.approx(want)
+
+
 def test_without_remat_a_ring_recomputes_its_steps_and_the_dense_backward_keeps_bf16(tiny):
     # cp over 8 without remat: 8 rows × 8 local tokens; the ring's steps are
     # rematerialised, so the backward holds full's share of the attention's values (its
