@@ -25,6 +25,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.extend.core as jax_core
@@ -64,16 +65,19 @@ def _key_type(rng: jax.Array) -> tuple[tuple[int, ...], Any]:
 
 
 def _trace_flags() -> tuple[Any, ...]:
-    """The JAX settings a traced init depends on."""
+    """The JAX and Flax settings a traced init depends on (Flax's: how it splits RNG
+    streams, which mapping its init returns)."""
     return (
         jax.config.jax_enable_x64,
         jax.config.jax_default_prng_impl,
         jax.config.jax_threefry_partitionable,
+        flax.config.flax_fix_rng_separator,
+        flax.config.flax_return_frozendict,
     )
 
 
 @functools.lru_cache(maxsize=32)
-def _linen_init_program(cls: type, model: Model, key_type: tuple, flags: tuple) -> tuple[Any, Any]:
+def _linen_init_program(model: Model, key_type: tuple, flags: tuple) -> tuple[Any, Any]:
     """A linen model's init traced once: its jaxpr and its output's tree (boxes and all).
 
     Flax runs the whole forward pass to create linen parameters (about 0.2 s for a
@@ -83,7 +87,7 @@ def _linen_init_program(cls: type, model: Model, key_type: tuple, flags: tuple) 
     plan sets can differ between the trace and its replays; ``flags``
     (:func:`_trace_flags`) are part of the key.
     """
-    del cls, flags  # part of the cache key only (models equal by name and config)
+    del flags  # part of the cache key only (models are equal by name and config)
     shape, dtype = key_type
     program, shapes = jax.make_jaxpr(model._linen_init, return_shape=True)(
         jax.ShapeDtypeStruct(shape, dtype)
@@ -189,10 +193,10 @@ class Model:
           (None, 'embed')
         """
         if self.config.family == "gpt":
-            if _neutral_trace_context():  # outside any plan: replay the model's one trace
-                program, out_tree = _linen_init_program(
-                    type(self), self, _key_type(rng), _trace_flags()
-                )
+            # Outside any plan, replay the model's one trace (a subclass, which may hold
+            # state of its own, traces its init every time).
+            if type(self) is Model and _neutral_trace_context():
+                program, out_tree = _linen_init_program(self, _key_type(rng), _trace_flags())
                 return jax.tree.unflatten(out_tree, jax_core.jaxpr_as_fun(program)(rng))
             return self._linen_init(rng)
         cls = _nnx_class(self.config)

@@ -180,13 +180,24 @@ def test_get_and_names():
         models.get("gpt-tiny", n_kv_heads=4)
 
 
-def test_a_linen_init_is_traced_once_and_replayed_outside_plans(monkeypatch):
-    # Outside any plan, GPT's init (Flax runs the whole forward to make the parameters) is
-    # traced once per model config and key type and replayed: the same values and boxes
-    # as tracing it, Flax's Python run once for two models equal by config.
+@pytest.fixture
+def fresh_init_traces():
+    """An empty cache of linen init traces, emptied again after the test."""
     from shardkit.models import model as model_module
 
     model_module._linen_init_program.cache_clear()
+    yield
+    model_module._linen_init_program.cache_clear()
+
+
+def test_a_linen_init_is_traced_once_and_replayed_outside_plans(monkeypatch, fresh_init_traces):
+    # Outside any plan, GPT's init (Flax runs the whole forward to make the parameters) is
+    # traced once per model config and key type and replayed: the same values and boxes
+    # as tracing it, Flax's Python run once for two models equal by config.
+    import flax
+
+    from shardkit.models import model as model_module
+
     calls = []
     traced = model_module.Model._linen_init
     monkeypatch.setattr(
@@ -210,13 +221,20 @@ def test_a_linen_init_is_traced_once_and_replayed_outside_plans(monkeypatch):
     with jax.enable_x64(True):
         jax.eval_shape(a.init, key)
     assert len(calls) == 3
+    separator = flax.config.flax_fix_rng_separator
+    flax.config.update("flax_fix_rng_separator", not separator)  # other RNG streams
+    try:
+        jax.eval_shape(a.init, key)
+    finally:
+        flax.config.update("flax_fix_rng_separator", separator)
+    assert len(calls) == 4
 
     # Under a plan's context or a mesh, the init is traced there, never replayed.
     with sk.context.using(precision="bf16"):
         jax.eval_shape(a.init, key)
-    assert len(calls) == 4
+    assert len(calls) == 5
     with jax.set_mesh(jax.make_mesh((8,), ("data",))):
         jax.eval_shape(a.init, key)
-    assert len(calls) == 5
+    assert len(calls) == 6
     jax.eval_shape(a.init, key)
-    assert len(calls) == 5  # and outside again, the program traced first
+    assert len(calls) == 6  # and outside again, the program traced first
