@@ -59,11 +59,6 @@ def _neutral_trace_context() -> bool:
     )
 
 
-def _key_type(rng: jax.Array) -> tuple[tuple[int, ...], Any]:
-    """The shape and dtype of a PRNG key (a typed key's dtype names its implementation)."""
-    return tuple(rng.shape), rng.dtype
-
-
 def _trace_flags() -> tuple[Any, ...]:
     """The JAX and Flax settings a traced init depends on (Flax's: how it splits RNG
     streams, which mapping its init returns)."""
@@ -77,7 +72,7 @@ def _trace_flags() -> tuple[Any, ...]:
 
 
 @functools.lru_cache(maxsize=32)
-def _linen_init_program(model: Model, key_type: tuple, flags: tuple) -> tuple[Any, Any]:
+def _linen_init_program(model: Model, key: jax.ShapeDtypeStruct, flags: tuple) -> tuple[Any, Any]:
     """A linen model's init traced once: its jaxpr and its output's tree (boxes and all).
 
     Flax runs the whole forward pass to create linen parameters (about 0.2 s for a
@@ -88,10 +83,7 @@ def _linen_init_program(model: Model, key_type: tuple, flags: tuple) -> tuple[An
     (:func:`_trace_flags`) are part of the key.
     """
     del flags  # part of the cache key only (models are equal by name and config)
-    shape, dtype = key_type
-    program, shapes = jax.make_jaxpr(model._linen_init, return_shape=True)(
-        jax.ShapeDtypeStruct(shape, dtype)
-    )
+    program, shapes = jax.make_jaxpr(model._linen_init, return_shape=True)(key)
     return program, jax.tree.structure(shapes)
 
 
@@ -196,7 +188,9 @@ class Model:
             # Outside any plan, replay the model's one trace (a subclass, which may hold
             # state of its own, traces its init every time).
             if type(self) is Model and _neutral_trace_context():
-                program, out_tree = _linen_init_program(self, _key_type(rng), _trace_flags())
+                # (a typed key's dtype names its PRNG implementation)
+                key = jax.ShapeDtypeStruct(rng.shape, rng.dtype)
+                program, out_tree = _linen_init_program(self, key, _trace_flags())
                 return jax.tree.unflatten(out_tree, jax_core.jaxpr_as_fun(program)(rng))
             return self._linen_init(rng)
         cls = _nnx_class(self.config)

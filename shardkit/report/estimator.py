@@ -831,7 +831,7 @@ def estimate(
         # gathered matmul inputs (and their transposes), in the matmul's bytes: gpt's
         # tp_sp over 8 in bf16 at 32,768 tokens holds three bf16[32768,128]; elsewhere
         # the layer's own values, f32 (dp: f32[64,64,128]).
-        large_bytes = dot if sp and t > 1 else act
+        large_bytes = dot if sp else act
         work += fit["large_rows_width_values"] * tokens * dims.d_model * large_bytes
         large = f" + {fit['large_rows_width_values']:g} × h from {fit['large_rows']:g} rows"
     if recomputed:  # the K/V blocks' (and without remat their gradients') ring
