@@ -361,6 +361,16 @@ _HEAD_TABLE_SHARDS_BF16 = 1
 #: 4) the blocks take half the bytes (five bf16, two f32) and the shards the same (four
 #: bf16, two f32). The tables' gradients are among the shards: no whole table is held.
 _RING_HEAD_BUFFERS = {"logits": (5, 9), "shards": (3, 4)}  # (D > 4, D = 4)
+#: Copies of a replicated head table (dp, zero1: not gathered, not split) live at the
+#: head's peak where its loss runs in chunks (a loop), by precision: f32, the loop's copy
+#: of the table (the parameter itself is an argument); bf16, the cast it computes with
+#: and the loop's copy of that. Beside them the table's gradient (f32; in bf16 the loop's
+#: bf16 accumulator and the result, the same bytes). Counted in XLA's buffers at the
+#: head's peak, gpt at vocabulary 8,192 × 128 (8 chunks): on zero1 over 8 in f32,
+#: f32[8192,128] (the gradient) and f32[1,8192,128] (the loop's parameter); on dp over 8
+#: in bf16, four bf16[8192,128]-sized values (the cast, the loop's parameter, the
+#: gradient's accumulator and the gradient).
+_HEAD_LOOP_COPIES = {False: 1, True: 2}
 #: Table-sized shards a tied table's gradient holds beyond its stored shard through the
 #: layers' backward on TSP's rings, where the head and the lookup each leave a shard of
 #: it (the lookup's zeroed and scattered into). gpt-tiny at vocabulary 8,192 × 64 on tsp over 8:
@@ -880,12 +890,14 @@ def estimate(
     tables = dims.vocab_tables if zero1 > 1 else 1
     # The token lookup's gradient, scattered into a zeroed table that lives through the
     # layers' backward where XLA scatters it whole (_scattered_whole, read without a
-    # data or stage axis; with one, and for ZeRO-1's replicated tables, whole); else
+    # data or stage axis; with one, and for ZeRO-1's replicated tables, whole but for
+    # the cut below); else
     # into the shard, after the layers, as TSP's rings do (a tied table beside a data
     # axis aside: scattered whole). Tensor parallelism without SP keeps its vocabulary
     # split there (the tokens are whole).
     sp_split = t if sp else 1  # SP splits the lookup's tokens over tensor too
     lookup_split = f * tsp * sp_split
+    lookup_whole = _scattered_whole(dims.vocab, tokens / sp_split, lookup_split)
     read = d == p == zero1 == 1
     if tsp_rings and dims.vocab_tables == 1 and not read:
         # A tied table beside a data (stage, ZeRO-1) axis: the lookup's gradient is
@@ -898,7 +910,19 @@ def estimate(
         # (_TIED_RING_TABLE_SHARDS more); untied, each table its own.
         tied_shards = _TIED_RING_TABLE_SHARDS if dims.vocab_tables == 1 else 0
         table_grads = tied_shards * dims.vocab * dims.d_model * nb / tsp
-    elif read and not _scattered_whole(dims.vocab, tokens / sp_split, lookup_split):
+    elif read and not lookup_whole:
+        table_grads = 0.0
+    elif (
+        d > 1
+        and p == zero1 == 1
+        and (dims.vocab_tables == 2 or sp)
+        and not _scattered_whole(dims.vocab, tokens / sp_split, lookup_split * d)
+    ):
+        # Beside a data axis, a vocabulary larger than the tokens gathered over it too:
+        # scattered into the shard, after the layers, where the table is untied or SP
+        # splits the lookup's tokens (llama-tiny on dp_tp_sp, dp_fsdp and dp_tsp_gspmd
+        # over 2 × 4 at vocabulary 8,192: f32[2048,64]; at 1,024 the whole f32[1024,64];
+        # gpt-tiny's tied table on dp_tp_sp the shard, on dp_fsdp the whole table).
         table_grads = 0.0
     elif read and t > 1 and not sp:
         table_grads = dims.vocab * dims.d_model * wb * (1 / t - 1 / (t * f * tsp))
@@ -1015,6 +1039,20 @@ def estimate(
             head_rest = rest - table / t + shards * table / head_split
         elif tsp_rings:  # the ring's table shards are the head's (_RING_HEAD_BUFFERS)
             head_rest = rest - dims.vocab_tables * dims.vocab * dims.d_model * nb / t
+        elif p == 1 and dims.vocab_tables == 2 and not lookup_whole:
+            # An untied token table's gradient is the lookup's, after the layers' backward:
+            # where the lookup scatters into the table's shard (ZeRO-1: the optimizer's
+            # shard), only that shard, zeroed in the matmul outputs' bytes, at the head's
+            # peak (llama at vocabulary 8,192 × 128 in bf16: bf16[1024,128] on tsp_gspmd
+            # and zero1 over 8, bf16[2048,128] on dp_fsdp over 2 × 4).
+            table = dims.vocab * dims.d_model
+            head_rest = rest - table * nb / t + table * wb / (stored_split * zero1)
+        if p == 1 and not tsp_rings and head_split == stored_split == 1 and chunks > 1:
+            # A replicated head table read by the chunks' loop: the loop's copy of it (and
+            # in bf16 the cast it reads), in the matmul outputs' bytes (_HEAD_LOOP_COPIES).
+            loop_copies = _HEAD_LOOP_COPIES[bf16]
+            head_rest += loop_copies * dims.vocab * dims.d_model * dot
+            notes.append(f"head's loop: {loop_copies} cop(ies) of its replicated table")
         phases_terms = _unrolled_terms(layers_terms, head_rest, saved, head, mem.grads)
         if gathered_layers:
             # The layers' other moment: the reduction of a gathered layer's gradient,

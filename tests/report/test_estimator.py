@@ -16,6 +16,7 @@ from shardkit.report.estimator import (
     _GATED_BF16_VALUES,
     _GATHERED_NORM_VALUES,
     _GELU_BF16_VALUES,
+    _HEAD_LOOP_COPIES,
     _MLP_BACKWARD_VALUES,
     _SCORE_BUFFERS,
     _TSP_IN_PROJECTION_VALUES,
@@ -1630,3 +1631,134 @@ def test_sequence_parallelism_without_remat_gathers_three_width_h_values_back(
     assert e.phase == "layers"
     assert e.terms["collective buffers"] == 3 * 16 * 64 * 128 * 4  # the three, as counted
     assert e.total == pytest.approx(report["memory_per_device_bytes"]["total"], rel=0.10)
+
+
+@pytest.mark.parametrize("recipe", ["tsp_gspmd", "zero1"])
+def test_at_the_heads_peak_an_untied_lookup_holds_only_its_zeroed_shard(recipe, monkeypatch):
+    # llama-tiny (untied) at vocabulary 8,192 × 64, 16 × 64 tokens over 8 devices, bf16:
+    # the head gathers (tsp_gspmd) or casts (zero1) its table, the step's peak. The
+    # lookup's gradient comes after the layers' backward; at the head's peak its zeroed
+    # buffer is a 1,024-row shard (the table's over tsp, the optimizer's over ZeRO-1's
+    # data axis), in the matmul outputs' bytes, and no whole-table value of the lookup
+    # is live.
+    model = models.get("llama-tiny", vocab=8192)
+    plan = sk.Plan(recipe, precision="bf16")
+    report, buffers, _ = _compiled(monkeypatch, plan, model, 16)
+    assert report["memory_peak_phase"] == "head_loss"
+    lookup = [v for v in buffers.live_temps() if "_take" in v.op_name and ",64]" in v.shape]
+    dtype = "bf16" if FIT["bf16_matmul_bytes"] == 2 else "f32"
+    assert [v.shape for v in lookup] == [f"{dtype}[1024,64]"]
+
+
+@pytest.mark.parametrize(("recipe", "split"), [("tsp_gspmd", 8), ("dp_fsdp", 4)])
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_the_head_phase_counts_an_untied_lookups_zeroed_shard_not_its_table(
+    recipe, split, precision
+):
+    # The head's phase by hand, llama-tiny at vocabulary 8,192 × 64 (larger than a step's
+    # 1,024 tokens: the lookup scatters into a shard): the head's table and the final
+    # norm's gradients whole in f32, the lookup's a shard (tsp_gspmd's 8, dp_fsdp's
+    # fsdp 4) in the matmul outputs' bytes.
+    dims = dataclasses.replace(CONFIGS["llama-tiny"].dims(), vocab=8192)
+    e = estimate(recipe, dims, devices=8, batch=16, seq=64, precision=precision)
+    wb = FIT["bf16_matmul_bytes"] if precision == "bf16" else 4
+    table = 8192 * 64
+    assert dims.param_count - dims.stack_params == 2 * table + 64  # tables, final norm
+    assert e.phase == "head_loss"
+    assert e.terms["gradients"] == pytest.approx((table + 64) * 4 + table * wb / split)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_under_zero1_the_lookups_zeroed_gradient_is_the_optimizers_shard(precision):
+    # zero1 against dp over 8 (the same head, the same replicated tables): the lookup's
+    # zeroed gradient at the head's peak is the optimizer's 1/8 shard under zero1, the
+    # whole table under dp; the heap's share on top of both.
+    dims = dataclasses.replace(CONFIGS["llama-tiny"].dims(), vocab=8192)
+
+    def head(recipe):
+        e = estimate(recipe, dims, devices=8, batch=16, seq=64, precision=precision)
+        return e.phases["head_loss"] / (1 + FIT["heap_fragmentation"])
+
+    wb = FIT["bf16_matmul_bytes"] if precision == "bf16" else 4
+    assert head("dp") - head("zero1") == pytest.approx(8192 * 64 * wb * (1 - 1 / 8))
+
+
+@pytest.mark.parametrize(
+    ("model", "recipe", "vocab", "lookup"),
+    [
+        ("llama-tiny", "dp_tp_sp", 1024, "f32[1024,64]"),
+        ("llama-tiny", "dp_tp_sp", 8192, "f32[2048,64]"),
+        ("gpt-tiny", "dp_fsdp", 8192, "f32[1,8192,64]"),
+    ],
+)
+def test_beside_a_data_axis_the_lookup_scatters_whole_up_to_the_steps_tokens(
+    model, recipe, vocab, lookup, monkeypatch
+):
+    # 16 × 64 tokens over data 2 × (tensor or fsdp) 4, f32. The lookup's gradient is
+    # scattered into a zeroed table: an untied one (Llama's) whole while the vocabulary
+    # is no larger than the step's 1,024 tokens, else into the table's 1/4 shard (as
+    # under SP a tied one); GPT's tied table beside fsdp whole at 8,192 too. Every value
+    # the lookup's backward makes one table-row wide (64), through the whole step.
+    m = models.get(model, vocab=vocab, remat="full")
+    _, buffers, _ = _compiled(monkeypatch, recipe, m, 16)
+    made = {v.shape for v in buffers.values if "_take" in v.op_name and v.kind == "temp"}
+    tables = {s for s in made if re.fullmatch(r"f32\[(1,)?\d{4},64\]", s)}
+    assert tables == {lookup}
+
+
+@pytest.mark.parametrize(
+    ("model", "recipe", "vocab", "whole"),
+    [
+        ("llama-tiny", "dp_tp_sp", 1024, True),
+        ("llama-tiny", "dp_tp_sp", 8192, False),
+        ("llama-tiny", "dp_fsdp", 8192, False),
+        ("gpt-tiny", "dp_tp_sp", 8192, False),
+        ("gpt-tiny", "dp_fsdp", 8192, True),
+    ],
+)
+def test_beside_a_data_axis_the_estimate_keeps_the_lookups_table_only_where_whole(
+    model, recipe, vocab, whole
+):
+    # The tables' unreduced gradient through the layers (the estimate's note), by hand:
+    # where scattered whole, the table beyond the device's 1/4 share of it; else none.
+    dims = dataclasses.replace(CONFIGS[model].dims(), vocab=vocab)
+    e = estimate(recipe, dims, devices=8, batch=16, seq=64)
+    (note,) = [n for n in e.notes if n.startswith("backward layer")]
+    want = vocab * 64 * 4 * (1 - 1 / 4) if whole else 0
+    assert f"the tables' unreduced {want:,.0f} B" in note
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_a_replicated_head_tables_loop_holds_a_copy_of_it(precision, monkeypatch):
+    # gpt-tiny at vocabulary 8,192 × 64 on zero1 over 8 (16 × 64 tokens; the head in 16
+    # chunks, the step's peak): table-sized values live there, read from XLA's buffers:
+    # the table's gradient and the chunks' loop's copy of the table in f32; in bf16 (jax
+    # 0.12) also the cast the loop reads and the gradient's accumulator, four bf16.
+    m = models.get("gpt-tiny", vocab=8192, remat="full")
+    report, buffers, _ = _compiled(monkeypatch, sk.Plan("zero1", precision=precision), m, 16)
+    assert report["memory_peak_phase"] == "head_loss"
+    tables = [v for v in buffers.live_temps() if re.search(r"\[(1,)?8192,64\]", v.shape)]
+    if precision == "f32" or FIT["bf16_matmul_bytes"] == 4:
+        want = 4 * 8192 * 64 * (1 + _HEAD_LOOP_COPIES[False])
+    else:
+        want = 2 * 8192 * 64 * (2 + _HEAD_LOOP_COPIES[True])
+    assert sum(v.size for v in tables) == want
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_the_head_phase_counts_the_loops_copies_of_a_replicated_table(tiny, precision):
+    # gpt-tiny (tied) at vocabulary 8,192 on dp over 8: the head's phase holds the
+    # non-layer gradients whole in f32 (the table, the positions, the final norm) and,
+    # where the loss runs in chunks, the loop's copies of the table in the matmul
+    # outputs' bytes (one in f32, two in bf16); in one chunk (loss_chunks=1) none.
+    def gradients(chunks):
+        dims = dataclasses.replace(tiny, vocab=8192, loss_chunks=chunks)
+        e = estimate("dp", dims, devices=8, batch=16, seq=64, precision=precision)
+        assert e.phase == "head_loss"
+        return e.terms["gradients"], (dims.param_count - dims.stack_params) * 4
+
+    dot = FIT["bf16_matmul_bytes"] if precision == "bf16" else 4
+    got, rest = gradients(None)
+    copies = 1 if precision == "f32" else 2
+    assert got == pytest.approx(rest + copies * 8192 * 64 * dot)
+    assert gradients(1)[0] == pytest.approx(rest)
