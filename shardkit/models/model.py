@@ -42,13 +42,7 @@ from shardkit.models.deepseek import DeepseekLlama
 from shardkit.models.gpt import GPT, LN_EPS, LOGITS, Block, checkpoint_policy
 from shardkit.models.llama import Llama
 from shardkit.models.moe import MoeLlama
-from shardkit.nn.loss import (
-    auto_chunks,
-    chunked_cross_entropy,
-    cross_entropy,
-    head_post_grad,
-    masked_mean,
-)
+from shardkit.nn.loss import cross_entropy, head_post_grad, masked_mean
 from shardkit.nn.rope import rope_tables
 from shardkit.nn.segments import Segments, segments_of
 from shardkit.nn.stack import linen_layer
@@ -354,15 +348,8 @@ class Model:
                 f"Fix: get({model.name!r}, scan=True) (the default)."
             )
 
-        def loss_of(y: jax.Array, project: Callable, mb: Any) -> jax.Array:
-            # The pipeline runs this where its stages leave an axis to XLA (tensor), without
-            # post_grad: a chunk of tokens at a time, as the model's own head, where the
-            # vocabulary calls for chunks; in one chunk, the logits at once (a checkpointed
-            # chunk has XLA gather the tensor-split head weight once more, for nothing).
-            chunks = cfg.loss_chunks or auto_chunks(y.shape[-2], cfg.vocab, cfg.d_model)
-            if chunks == 1:
-                return cross_entropy(project(y).astype(jnp.float32), mb["targets"]).mean()
-            return chunked_cross_entropy(y, mb["targets"], project, chunks=cfg.loss_chunks).mean()
+        def loss_of(logits: jax.Array, mb: Any) -> jax.Array:
+            return cross_entropy(logits.astype(jnp.float32), mb["targets"]).mean()
 
         def remat(fn: Callable) -> Callable:
             if cfg.remat == "none":
@@ -392,7 +379,7 @@ class Model:
             def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
                 y = final_norm(rest["ln_f"], y)
                 table = rest["wte"]["embedding"].astype(cfg.compute_dtype)
-                return loss_of(y, lambda h: jnp.einsum("...d,vd->...v", h, table), mb)
+                return loss_of(jnp.einsum("...d,vd->...v", y, table), mb)
 
             post_grad = head_post_grad(
                 final_norm,
@@ -422,7 +409,7 @@ class Model:
 
         def post(rest: Any, y: jax.Array, mb: Any) -> jax.Array:
             y = final_norm(rest["norm"], y)
-            return loss_of(y, nnx.merge(graphdef("head"), rest["head"]), mb)
+            return loss_of(nnx.merge(graphdef("head"), rest["head"])(y), mb)
 
         post_grad = head_post_grad(
             final_norm,

@@ -15,15 +15,13 @@ from shardkit import parallel, train
 from shardkit.data import MarkovSource
 from shardkit.models import get
 
-STEPS, BATCH, SEQ, LR, EPS, LAYERS, CHUNKS = 3, 32, 16, 1e-2, 1e-5, 4, 2
+STEPS, BATCH, SEQ, LR, EPS, LAYERS = 3, 32, 16, 1e-2, 1e-5, 4
 # every layout has p = 2 stages here (dp_tp_sp_pp: data 2 × stage 2 × tensor 2)
 DEVICES = {"pp": 2, "dp_pp": 8, "zeropp": 8, "dp_tp_sp_pp": 8}
 
 
 def run_steps(model_name, plan, pipelined=None):
-    # the head and loss in chunks of tokens (as the pipeline's head runs them under
-    # dp_tp_sp_pp, and model.loss on one device)
-    model = get(model_name, n_layers=LAYERS, loss_chunks=CHUNKS)
+    model = get(model_name, n_layers=LAYERS)
     tx = train.adamw(LR, eps=EPS)
     source = MarkovSource(vocab=model.config.vocab, seed=0)
     abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))

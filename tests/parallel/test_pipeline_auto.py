@@ -180,33 +180,3 @@ def test_weights_read_through_a_constraint_are_not_kept_per_micro_batch():
     ring_of_weights = 3 * (LAYERS // 2) * 2 * h * 4 * h * 4 // 2
     extra = pinned.memory_analysis().temp_size_in_bytes - plain.memory_analysis().temp_size_in_bytes
     assert extra < ring_of_weights // 4, (extra, ring_of_weights)
-
-
-def test_the_head_left_to_xla_runs_a_chunk_of_tokens_at_a_time():
-    # Under dp_tp_sp_pp the engine runs the stages' ``post`` (not post_grad: the
-    # vocabulary is split over tensor, left to XLA). ``post`` scores the micro-batch a
-    # chunk of tokens at a time, as model.loss does, so the whole micro-batch's f32
-    # logits are never held (they were held twice, the step's peak here). Compared with
-    # the same step at loss_chunks=1, the micro-batch's logits at once: 2.25-2.27
-    # logits more (the two f32 copies but a chunk of each, and their bf16 and layout
-    # copies). llama-tiny here (gpt-tiny's post differs only in building the head
-    # before the same loss); both models' chunked loss and gradients are one device's
-    # in test_pipeline.py.
-    from shardkit import models, train
-    from shardkit.train import token_batch
-
-    batch, seq, m, chunks, vocab = 16, 64, 2, 4, 4096
-    plan = sk.Plan("dp_tp_sp_pp", devices=jax.devices()[:8])  # data 2 × stage 2 × tensor 2
-    tx = train.adamw()
-
-    def temp(loss_chunks):
-        model = models.get("llama-tiny", n_layers=2, vocab=vocab, loss_chunks=loss_chunks)
-        abstract = plan.abstract_init(train.init_fn(model, tx), jax.random.key(0))
-        pipe = {"microbatches": m, "schedule": "1f1b"}
-        step = train.train_step(model, tx, plan=plan, abstract=abstract, pipeline=pipe)
-        lowered = plan.jit(step, state=abstract).lower(abstract, token_batch(batch, seq))
-        return lowered.compile().memory_analysis().temp_size_in_bytes
-
-    logits = batch // (2 * m) * seq * vocab // 2 * 4  # a micro-batch's, f32, V / tensor
-    saved = temp(1) - temp(chunks)
-    assert saved >= 2 * logits * (1 - 1 / chunks), (saved, logits)
