@@ -1004,6 +1004,7 @@ def estimate(
             nb=nb,
             rolled=rolled,
             gathered_sequence=c * tsp > 1 and not tsp_rings and dot == 4,
+            whole_logits=p > 1,
         )
         notes.append(f"head and loss: {chunks} chunk(s), {head:,.0f} B")
     if rolled:
@@ -1135,6 +1136,7 @@ def _chunked_head(
     nb,
     rolled,
     gathered_sequence=False,
+    whole_logits=False,
 ) -> tuple[float, int]:
     """The chunked cross-entropy's bytes and its chunks: its hidden states whole, beside
     the larger of their gradient and its f32 logits and weight buffers (times
@@ -1150,10 +1152,16 @@ def _chunked_head(
     (:data:`_RING_HEAD_BUFFERS`), not ``head_copies`` of the other heads'. The rolled
     pipeline engine's head is one micro-batch's, its tables gathered once a step
     (counted with the stage's weights), so it holds no layout copy of the weight.
+
+    ``whole_logits``: a pipeline whose stages leave an axis to XLA (``dp_tp_sp_pp``'s
+    tensor) runs ``jax.value_and_grad`` of the stages' ``post``, which computes the
+    micro-batch's logits at once (one chunk): gpt and llama at vocabulary 8,192 × 128 on
+    ``dp_tp_sp_pp`` over 4 and 8 hold two f32[8,64,4096] (a micro-batch × V/2) at the
+    head's peak, in bf16 beside a bf16[512,4096].
     """
     spec = rules.spec(LOGITS, mesh=sizes)
     chunks = 1
-    if dims.chunked_head:
+    if dims.chunked_head and not whole_logits:
         chunks = dims.loss_chunks or auto_chunks(
             seq, dims.vocab, dims.d_model, quantum=spec_split(spec, sizes, (1,))
         )

@@ -1,6 +1,7 @@
 """The pre-compile estimate: its terms by hand count, its errors, against compiled programs."""
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -1762,3 +1763,34 @@ def test_the_head_phase_counts_the_loops_copies_of_a_replicated_table(tiny, prec
     copies = 1 if precision == "f32" else 2
     assert got == pytest.approx(rest + copies * 8192 * 64 * dot)
     assert gradients(1)[0] == pytest.approx(rest)
+
+
+def test_a_3d_pipelines_head_holds_the_micro_batchs_whole_logits(monkeypatch):
+    # gpt-tiny at vocabulary 8,192 on dp_tp_sp_pp over 8 (data 2 × stage 2 × tensor 2),
+    # 16 × 64 tokens in 2 micro-batches: the engine leaves tensor to XLA and runs
+    # jax.value_and_grad of the stages' post, the micro-batch's logits at once. At the
+    # head's peak XLA holds three values of a micro-batch's whole logits, 4 rows × 64 ×
+    # 4,096 (V / tensor): the exponentials, the logits' gradient and its transpose (in
+    # f32; in bf16 the gradient, its f32 copy and the bf16 product), where the model's
+    # own loss runs 16 chunks.
+    m = models.get("gpt-tiny", vocab=8192, remat="full")
+    pipe = {"microbatches": 2, "schedule": "1f1b"}
+    report, buffers, _ = _compiled(monkeypatch, "dp_tp_sp_pp", m, 16, pipe)
+    assert report["memory_peak_phase"] == "head_loss"
+    whole = [v for v in buffers.live_temps() if v.dims and math.prod(v.dims) == 4 * 64 * 4096]
+    assert len(whole) == 3
+
+
+def test_the_estimate_counts_a_3d_pipelines_head_in_one_chunk(tiny):
+    # The same step estimated: the head in one chunk under dp_tp_sp_pp, in 16 (vocab /
+    # 8·d) under dp_tp_sp, whose loss is the model's own.
+    dims = dataclasses.replace(tiny, vocab=8192)
+    pipe = estimate("dp_tp_sp_pp", dims, devices=8, batch=16, seq=64, pipeline={"microbatches": 2})
+    flat = estimate("dp_tp_sp", dims, devices=8, batch=16, seq=64)
+    assert _head_note(pipe).startswith("head and loss: 1 chunk(s)")
+    assert _head_note(flat).startswith("head and loss: 16 chunk(s)")
+
+
+def _head_note(e) -> str:
+    (note,) = [n for n in e.notes if n.startswith("head and loss")]
+    return note
