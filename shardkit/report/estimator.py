@@ -890,11 +890,11 @@ def estimate(
     tables = dims.vocab_tables if zero1 > 1 else 1
     # The token lookup's gradient, scattered into a zeroed table that lives through the
     # layers' backward where XLA scatters it whole (_scattered_whole, read without a
-    # data or stage axis; with one, and for ZeRO-1's replicated tables, whole but for
-    # the cut below); else
-    # into the shard, after the layers, as TSP's rings do (a tied table beside a data
-    # axis aside: scattered whole). Tensor parallelism without SP keeps its vocabulary
-    # split there (the tokens are whole).
+    # data or stage axis; with one, and for ZeRO-1's replicated tables, whole but past
+    # the tokens gathered over the data axis too, below); else into the shard, after the
+    # layers, as TSP's rings do (a tied table beside a data axis aside: scattered
+    # whole). Tensor parallelism without SP keeps its vocabulary split there (the tokens
+    # are whole).
     sp_split = t if sp else 1  # SP splits the lookup's tokens over tensor too
     lookup_split = f * tsp * sp_split
     lookup_whole = _scattered_whole(dims.vocab, tokens / sp_split, lookup_split)
@@ -1053,7 +1053,8 @@ def estimate(
             # in bf16 the cast it reads), in the matmul outputs' bytes (_HEAD_LOOP_COPIES).
             loop_copies = _HEAD_LOOP_COPIES[bf16]
             head_rest += loop_copies * dims.vocab * dims.d_model * dot
-            notes.append(f"head's loop: {loop_copies} cop(ies) of its replicated table")
+            held = "a copy" if loop_copies == 1 else f"{loop_copies} copies"
+            notes.append(f"head's loop: {held} of its replicated table")
         phases_terms = _unrolled_terms(layers_terms, head_rest, saved, head, mem.grads)
         if gathered_layers:
             # The layers' other moment: the reduction of a gathered layer's gradient,
@@ -1154,10 +1155,12 @@ def _chunked_head(
     (counted with the stage's weights), so it holds no layout copy of the weight.
 
     ``whole_logits``: a pipeline whose stages leave an axis to XLA (``dp_tp_sp_pp``'s
-    tensor) runs ``jax.value_and_grad`` of the stages' ``post``, which computes the
-    micro-batch's logits at once (one chunk): gpt and llama at vocabulary 8,192 × 128 on
-    ``dp_tp_sp_pp`` over 4 and 8 hold two f32[8,64,4096] (a micro-batch × V/2) at the
-    head's peak, in bf16 beside a bf16[512,4096].
+    tensor) runs ``jax.value_and_grad`` of the stages' ``post``, which in the reference
+    models computes the micro-batch's logits at once (one chunk). At the head's peak XLA
+    holds three values of them: gpt-tiny at vocabulary 8,192 on ``dp_tp_sp_pp`` over 8,
+    the exponentials, the logits' gradient and its transpose, each f32 of 4 rows × 64 ×
+    4,096 (V / tensor); llama at 8,192 × 128 over 4 in bf16, two f32[8,64,4096] and a
+    bf16[512,4096] product.
     """
     spec = rules.spec(LOGITS, mesh=sizes)
     chunks = 1
