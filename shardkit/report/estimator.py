@@ -362,14 +362,15 @@ _HEAD_TABLE_SHARDS_BF16 = 1
 #: bf16, two f32). The tables' gradients are among the shards: no whole table is held.
 _RING_HEAD_BUFFERS = {"logits": (5, 9), "shards": (3, 4)}  # (D > 4, D = 4)
 #: Copies of a replicated head table (dp, zero1: not gathered, not split) live at the
-#: head's peak where its loss runs in chunks (a loop), by precision: f32, the loop's copy
-#: of the table (the parameter itself is an argument); bf16, the cast it computes with
-#: and the loop's copy of that. Beside them the table's gradient (f32; in bf16 the loop's
-#: bf16 accumulator and the result, the same bytes). Counted in XLA's buffers at the
-#: head's peak, gpt at vocabulary 8,192 × 128 (8 chunks): on zero1 over 8 in f32,
-#: f32[8192,128] (the gradient) and f32[1,8192,128] (the loop's parameter); on dp over 8
-#: in bf16, four bf16[8192,128]-sized values (the cast, the loop's parameter, the
-#: gradient's accumulator and the gradient).
+#: head's peak where its loss runs in chunks (a loop), in the compute dtype, by
+#: precision: f32, the loop's copy of the table (the parameter itself is an argument);
+#: bf16, the cast it computes with and the loop's copy of that (jax 0.10 and 0.12
+#: alike). Beside them the table's gradient (f32; in bf16 on jax 0.12 the loop's bf16
+#: accumulator and the result, the same bytes; jax 0.10 holds three f32 there, not
+#: counted). Counted in XLA's buffers at the head's peak, gpt at vocabulary 8,192 × 128
+#: (8 chunks): on zero1 over 8 in f32, f32[8192,128] (the gradient) and f32[1,8192,128]
+#: (the loop's parameter); on dp over 8 in bf16, four bf16[8192,128]-sized values (the
+#: cast, the loop's parameter, the gradient's accumulator and the gradient).
 _HEAD_LOOP_COPIES = {False: 1, True: 2}
 #: Table-sized shards a tied table's gradient holds beyond its stored shard through the
 #: layers' backward on TSP's rings, where the head and the lookup each leave a shard of
@@ -1050,9 +1051,9 @@ def estimate(
             head_rest = rest - table * nb / t + table * wb / (stored_split * zero1)
         if p == 1 and not tsp_rings and head_split == stored_split == 1 and chunks > 1:
             # A replicated head table read by the chunks' loop: the loop's copy of it (and
-            # in bf16 the cast it reads), in the matmul outputs' bytes (_HEAD_LOOP_COPIES).
+            # in bf16 the cast it reads), in the compute dtype (_HEAD_LOOP_COPIES).
             loop_copies = _HEAD_LOOP_COPIES[bf16]
-            head_rest += loop_copies * dims.vocab * dims.d_model * dot
+            head_rest += loop_copies * dims.vocab * dims.d_model * (2 if bf16 else 4)
             held = "a copy" if loop_copies == 1 else f"{loop_copies} copies"
             notes.append(f"head's loop: {held} of its replicated table")
         phases_terms = _unrolled_terms(layers_terms, head_rest, saved, head, mem.grads)
