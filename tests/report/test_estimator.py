@@ -279,11 +279,16 @@ def _compiled(monkeypatch, plan, model, batch: int, pipeline=None) -> tuple:
     return report.to_json(), seen["buffers"], seen["compiled"]
 
 
+def _note(e, prefix: str) -> str:
+    """The estimate's one note starting with ``prefix`` ("head and loss", ...)."""
+    (note,) = [n for n in e.notes if n.startswith(prefix)]
+    return note
+
+
 def _head_bytes(e) -> float:
     """The chunked head's bytes as the estimate's note gives them ("head and loss: N
     chunk(s), B B")."""
-    (note,) = [n for n in e.notes if n.startswith("head and loss")]
-    return float(note.split(", ")[1].removesuffix(" B").replace(",", ""))
+    return float(_note(e, "head and loss").split(", ")[1].removesuffix(" B").replace(",", ""))
 
 
 def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> list:
@@ -835,7 +840,7 @@ def test_a_pipeline_on_its_own_axes_counts_the_in_place_head(tiny):
     head = 8 * 256 * 4 * (1 + 3 / 8) + 32 * 64 * 8 + 128 * 64 * 8
     for engine in ({}, {"rolled": False}):
         e = estimate("dp_pp", tiny, pipeline={"microbatches": 2, **engine}, **kw)
-        (note,) = [n for n in e.notes if n.startswith("head and loss")]
+        note = _note(e, "head and loss")
         assert note == f"head and loss: in place, token chunks, {head:,.0f} B"
     # with a vocabulary of 2^18 the head sets the rolled engine's peak, and its term is
     # that count: chunks of 8 tokens, 8 · 2^18 · 4 · (1 + 3/8); the 2^15 × 64 slice and
@@ -848,7 +853,7 @@ def test_a_pipeline_on_its_own_axes_counts_the_in_place_head(tiny):
     # with a tensor axis left to XLA (3D), the chunked head's count, times its copies
     mesh = {"data": 2, "stage": 2, "tensor": 2}
     tp = estimate("dp_tp_sp_pp", tiny, mesh=mesh, batch=16, seq=64, pipeline={"microbatches": 2})
-    (note,) = [n for n in tp.notes if n.startswith("head and loss")]
+    note = _note(tp, "head and loss")
     assert "chunk(s)" in note and "in place" not in note
 
 
@@ -865,7 +870,7 @@ def test_vocabulary_split_logits_hold_every_tokens_hidden_states_twice(tiny, voc
     hidden = 512 * 64 * 4
     logits = FIT["head_copies"] * 3 * 512 * (vocab // 8) * 4
     assert (logits > hidden) == logits_peak
-    (note,) = [n for n in e.notes if n.startswith("head and loss")]
+    note = _note(e, "head and loss")
     want = hidden + logits if logits_peak else 2 * hidden
     assert note == f"head and loss: 1 chunk(s), {want:,.0f} B"
 
@@ -1724,7 +1729,7 @@ def test_beside_a_data_axis_the_estimate_keeps_the_lookups_table_only_where_whol
     # where scattered whole, the table beyond the device's 1/4 share of it; else none.
     dims = dataclasses.replace(CONFIGS[model].dims(), vocab=vocab)
     e = estimate(recipe, dims, devices=8, batch=16, seq=64)
-    (note,) = [n for n in e.notes if n.startswith("backward layer")]
+    note = _note(e, "backward layer")
     want = vocab * 64 * 4 * (1 - 1 / 4) if whole else 0
     assert f"the tables' unreduced {want:,.0f} B" in note
 
@@ -1786,10 +1791,5 @@ def test_the_estimate_counts_a_3d_pipelines_head_in_one_chunk(tiny):
     dims = dataclasses.replace(tiny, vocab=8192)
     pipe = estimate("dp_tp_sp_pp", dims, devices=8, batch=16, seq=64, pipeline={"microbatches": 2})
     flat = estimate("dp_tp_sp", dims, devices=8, batch=16, seq=64)
-    assert _head_note(pipe).startswith("head and loss: 1 chunk(s)")
-    assert _head_note(flat).startswith("head and loss: 16 chunk(s)")
-
-
-def _head_note(e) -> str:
-    (note,) = [n for n in e.notes if n.startswith("head and loss")]
-    return note
+    assert _note(pipe, "head and loss").startswith("head and loss: 1 chunk(s)")
+    assert _note(flat, "head and loss").startswith("head and loss: 16 chunk(s)")
