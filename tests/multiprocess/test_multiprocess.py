@@ -3,9 +3,11 @@
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,33 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]
+
+
+# The coordinator's runtime (process 0 hosts it) can abort while it tears down its gRPC
+# server, after the run printed its result: `Check failed: queue.Pop() == nullptr` under
+# xla::DistributedRuntimeService::Shutdown, a race inside JAX's runtime seen once in CI
+# (jaxlib 0.10.2, loaded machine) and not in 12 runs here. That exit alone is let through,
+# with a warning; any other failure, in either process, fails the test.
+_RUNTIME_TEARDOWN = "DistributedRuntimeService::Shutdown"
+
+
+def _check_exit(process_id: int, p: subprocess.Popen, out: str, err: str) -> None:
+    """The worker finished: exit 0, or process 0's runtime teardown abort after its result."""
+    if p.returncode == 0:
+        return
+    printed = out.strip().splitlines()[-1:]  # the worker's result, its last line
+    if (
+        process_id == 0
+        and p.returncode == -signal.SIGABRT
+        and printed
+        and printed[0].startswith('{"process": 0')
+        and _RUNTIME_TEARDOWN in err
+    ):
+        warnings.warn(
+            f"process 0 finished, then JAX's runtime aborted in {_RUNTIME_TEARDOWN}", stacklevel=2
+        )
+        return
+    raise AssertionError(f"process {process_id} exited with {p.returncode}:\n{err[-3000:]}")
 
 
 def _load_worker():
@@ -45,9 +74,9 @@ def test_two_processes_match_one(recipe):
         for i in range(2)
     ]
     results = []
-    for p in procs:
+    for i, p in enumerate(procs):
         out, err = p.communicate(timeout=240)
-        assert p.returncode == 0, err[-3000:]
+        _check_exit(i, p, out, err)
         results.append(json.loads(out.strip().splitlines()[-1]))
     assert results[0]["mesh"] == {"fsdp": 8}
     np.testing.assert_allclose(results[0]["losses"], results[1]["losses"], rtol=0)
