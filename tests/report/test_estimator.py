@@ -286,9 +286,9 @@ def _note(e, prefix: str) -> str:
 
 
 def _head_bytes(e) -> float:
-    """The chunked head's bytes as the estimate's note gives them ("head and loss: N
-    chunk(s), B B")."""
-    return float(_note(e, "head and loss").split(", ")[1].removesuffix(" B").replace(",", ""))
+    """The head's bytes as the estimate's note gives them, its last field ("head and
+    loss: N chunk(s), B B" or "head and loss: in place, token chunks, B B")."""
+    return float(_note(e, "head and loss").rsplit(", ", 1)[1].removesuffix(" B").replace(",", ""))
 
 
 def _live_at_the_peak(monkeypatch, plan, model, batch: int, pipeline=None) -> list:
@@ -849,8 +849,7 @@ def test_a_pipeline_on_its_own_axes_counts_the_in_place_head(tiny):
     big = dataclasses.replace(tiny, vocab=2**18)
     e = estimate("dp_pp", big, pipeline={"microbatches": 2}, **kw)
     want = 8 * 2**18 * 4 * (1 + 3 / 8) + 2**15 * 64 * 8 + 128 * 64 * 8
-    note = _note(e, "head and loss")
-    assert float(note.rsplit(", ", 1)[1].removesuffix(" B").replace(",", "")) == want
+    assert _head_bytes(e) == want
     assert e.phase == "optimizer_step" and e.terms["gradients"] > 2 * 2**18 * 64 * 4
     assert e.phases["head_loss"] > want
     # with a tensor axis left to XLA (3D), the chunked head's count, times its copies
