@@ -13,7 +13,7 @@ import json, shardkit as sk
 sk.emulate_devices(8)
 from shardkit import models
 out = {}
-for recipe in ("fsdp", "dp_tp_sp", "dp_pp"):
+for recipe in ("dp_tp_sp", "dp_pp"):
     r = sk.report.build_report(sk.Plan(recipe), model=models.get("gpt-tiny"), batch=16, seq=64)
     out[recipe] = [r.memory.temp, r.memory.arguments,
                    sorted((c.kind, c.pass_, c.source, list(c.shape), c.wire_bytes, c.count) for c in r.collectives)]
@@ -32,7 +32,7 @@ def measured(xla_flags: str) -> dict:
 def test_llvm_level_0_leaves_memory_and_collectives_as_they_are():
     # LLVM's optimisation level acts after XLA's HLO passes and buffer assignment: the
     # compiled memory and every collective (kind, pass, source line, shape, bytes) of a
-    # data, fsdp, tensor+sequence and pipeline step are the same at level 0 and default.
+    # data+tensor+sequence step and a pipeline step are the same at level 0 and default.
     assert COMPILE_ONLY_XLA_FLAGS in os.environ["XLA_FLAGS"]  # the suite's own setting
     o0 = measured(os.environ["XLA_FLAGS"])
     default = measured(os.environ["XLA_FLAGS"].replace(COMPILE_ONLY_XLA_FLAGS, ""))
