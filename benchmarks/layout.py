@@ -14,7 +14,7 @@ Also shows the mistake of 8-way tensor parallelism with 12 heads: the error Flax
 next to shardkit's ``ShardingError``.
 
 Run: python benchmarks/layout.py [--tiny]
-(--tiny: gpt-tiny with 4 heads, seq 64, dp/fsdp/tp only: a smoke test of every path)
+(--tiny: gpt-tiny with 4 heads, seq 64, fsdp/tp only: a smoke test of every path)
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ RECIPES = (
     ("dp_fsdp", 8),
     ("fsdp_tp", 8),
 )
-TINY_RECIPES = (("dp", 8), ("fsdp", 8), ("tp", 4))  # --tiny: a smoke test of every path
+TINY_RECIPES = (("fsdp", 8), ("tp", 4))  # --tiny: a smoke test of every path
 BATCH = 8
 
 HEADERS = (

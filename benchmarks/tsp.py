@@ -24,8 +24,9 @@ tables were measured with: the state whole over ``sequence``
 8,192 and 32,768 in its second table).
 
 Run: python benchmarks/tsp.py [--tiny] [--seqs 512,1024]
-(--tiny: llama-tiny at sequence 64, a smoke test of every path; --seqs: the sweep at
-these sequence lengths only, e.g. to compare a few rows with compare_results --partial)
+(--tiny: llama-tiny at sequence 64, TINY_HEAD and TINY_SWEEP, a smoke test of every path;
+--seqs: the sweep at these sequence lengths only, e.g. to compare a few rows with
+compare_results --partial)
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ SWEEP = (
     ("tsp_gspmd", {"tsp": 8}),
     ("tsp", {"tsp": 8}),
 )
+#: --tiny: one layout of each kind (a registered recipe, a LAYOUTS one), TSP against TP+SP
+TINY_HEAD = tuple(r for r in HEAD_TO_HEAD if r[0] != "tp")
+TINY_SWEEP = tuple(r for r in SWEEP if r[0] in ("tp_sp", "tsp"))
 SEQS = (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 
 
@@ -130,12 +134,13 @@ def main(argv=None) -> int:
     )
     args = cli.parse_args(argv)
     name, seqs, head_seq = ("llama-tiny", (64,), 64) if args.tiny else ("llama-1b", SEQS, 8192)
+    head_to_head, sweep_layouts = (TINY_HEAD, TINY_SWEEP) if args.tiny else (HEAD_TO_HEAD, SWEEP)
     seqs = args.seqs or seqs
     cfg = models.get(name).config
     psi_l, psi_in = cfg.dims().ringed_layer_params
 
     # 1. head to head at one sequence
-    head = [measure(name, r, m, head_seq) for r, m in HEAD_TO_HEAD]
+    head = [measure(name, r, m, head_seq) for r, m in head_to_head]
     by = {r["recipe"]: r for r in head}
     rows = [
         [
@@ -167,12 +172,12 @@ def main(argv=None) -> int:
     )
 
     # 2. the sweep
-    sweep = [measure(name, r, m, s) for s in seqs for r, m in SWEEP]
+    sweep = [measure(name, r, m, s) for s in seqs for r, m in sweep_layouts]
     at = {(r["recipe"], r["seq"]): r for r in sweep}
     rows = []
     for s in seqs:
         tsp, tp = at[("tsp", s)], at[("tp_sp", s)]
-        for r, _ in SWEEP:
+        for r, _ in sweep_layouts:
             row = at[(r, s)]
             mark = ""
             if r == "tsp":
