@@ -1077,6 +1077,55 @@ def test_past_the_steps_tokens_a_vocabulary_moves_as_zero_counts_it(recipe, mesh
     assert e.wire_bytes / compiled == pytest.approx(1, abs=0.03)
 
 
+@pytest.mark.parametrize(
+    ("model", "recipe", "mesh"),
+    [
+        ("llama-tiny", "fsdp", {"fsdp": 8}),
+        ("llama-tiny", "dp_fsdp", {"data": 2, "fsdp": 4}),
+        ("gpt-tiny", "fsdp", {"fsdp": 8}),
+        ("gpt-tiny", "dp_fsdp", {"data": 2, "fsdp": 4}),
+        ("llama-tiny", "zero1", {"data": 8}),
+        ("gpt-tiny", "zero1", {"data": 8}),
+    ],
+)
+def test_past_the_tokens_the_lookup_runs_on_the_tables_rows(model, recipe, mesh):
+    # A vocabulary of 1,024 over 512 tokens: under fsdp the lookup runs on each device's
+    # rows of the table; XLA reduce-scatters the partial rows forward and gathers their
+    # gradient back (T_g·h·4·(g−1)/g each, T_g the tokens of the g fsdp devices) and
+    # moves no table for it. gpt's tied table under dp_fsdp is gathered whole for the
+    # head (its tokens' layout) and the lookup reads it there: no rows move (its kinds
+    # are off apart from this: the tied table's all-reduce over data, 0.85, before and
+    # after). ZeRO-1 looks up on the whole table and gathers the rows' gradient over
+    # data instead of reduce-scattering the untied table's (a tied one is reduced for
+    # its head anyway: 1.107 counted llama's way). Counted as before (the
+    # lookup's table moved, no rows), the totals' ratios: llama fsdp 1.127, dp_fsdp
+    # 1.157, zero1 1.068; gpt fsdp 0.870.
+    plan = sk.Plan(recipe, mesh=sk.make_mesh(mesh))
+    m = models.get(model, remat="full", vocab=1024)
+    report = sk.report.build_report(plan, model=m, batch=8, seq=64)
+    compiled = report.wire_bytes_by_kind
+    e = estimate(plan, m, batch=8, seq=64).wire_bytes_by_kind
+    assert sum(e.values()) / sum(compiled.values()) == pytest.approx(1, abs=0.03)
+    # the lookup's own collectives, by hand: the rows of T_g = 512 / data tokens, h = 64
+    lookup = [
+        (c.kind, c.wire_bytes)
+        for c in report.collectives
+        if "jit(_take)" in c.op_name and c.op_name.endswith("/gather")
+    ]
+    if (model, recipe) == ("gpt-tiny", "dp_fsdp"):
+        assert lookup == []
+        return
+    if recipe == "zero1":
+        assert lookup == []  # the whole table is looked up on each device
+    else:
+        g, t_g = mesh["fsdp"], 512 // mesh.get("data", 1)
+        assert lookup == [("reduce-scatter", t_g * 64 * 4 * (g - 1) / g)]
+    big = {k: v for k, v in compiled.items() if v > 0.1 * sum(compiled.values())}
+    assert {k: e.get(k, 0.0) / v for k, v in big.items()} == pytest.approx(
+        dict.fromkeys(big, 1.0), abs=0.05
+    )
+
+
 FSDP_CP, USP = ("fsdp_cp", {"fsdp": 4, "sequence": 2}), ("cp_usp", {"sequence": 4, "ulysses": 2})
 
 
