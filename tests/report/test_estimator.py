@@ -1050,9 +1050,15 @@ def test_wire_by_kind_as_compiled(model, recipe, mesh, precision, remat):
     compiled = sk.report.build_report(plan, model=m, batch=8, seq=128).wire_bytes_by_kind
     e = estimate(plan, m, batch=8, seq=128).wire_bytes_by_kind
     assert sum(e.values()) / sum(compiled.values()) == pytest.approx(1, abs=0.03)
+    _assert_kinds_as_compiled(e, compiled, abs=0.10)
+
+
+def _assert_kinds_as_compiled(estimated: dict, compiled: dict, abs: float) -> None:
+    """Each collective kind that moves a tenth of the compiled wire bytes or more is
+    estimated within ``abs`` of its compiled bytes."""
     big = {k: v for k, v in compiled.items() if v > 0.1 * sum(compiled.values())}
-    assert {k: e.get(k, 0.0) / v for k, v in big.items()} == pytest.approx(
-        dict.fromkeys(big, 1.0), abs=0.10
+    assert {k: estimated.get(k, 0.0) / v for k, v in big.items()} == pytest.approx(
+        dict.fromkeys(big, 1.0), abs=abs
     )
 
 
@@ -1115,18 +1121,14 @@ def test_past_the_tokens_the_lookup_runs_on_the_tables_rows(model, recipe, mesh)
         and c.op_name.endswith("/gather")
         and c.kind == "reduce-scatter"
     ]
-    if (model, recipe) == ("gpt-tiny", "dp_fsdp"):
+    tied_gathered = (model, recipe) == ("gpt-tiny", "dp_fsdp")
+    if tied_gathered or recipe == "zero1":  # the lookup reads a whole table
         assert lookup == []
-        return
-    if recipe == "zero1":
-        assert lookup == []  # the whole table is looked up on each device
     else:
         g, t_g = mesh["fsdp"], 512 // mesh.get("data", 1)
         assert lookup == [("reduce-scatter", t_g * 64 * 4 * (g - 1) / g)]
-    big = {k: v for k, v in compiled.items() if v > 0.1 * sum(compiled.values())}
-    assert {k: e.get(k, 0.0) / v for k, v in big.items()} == pytest.approx(
-        dict.fromkeys(big, 1.0), abs=0.05
-    )
+    if not tied_gathered:
+        _assert_kinds_as_compiled(e, compiled, abs=0.05)
 
 
 FSDP_CP, USP = ("fsdp_cp", {"fsdp": 4, "sequence": 2}), ("cp_usp", {"sequence": 4, "ulysses": 2})
